@@ -1,0 +1,384 @@
+"""Every fact Tollgate records: request-lifecycle and control-plane events, their envelope,
+their wire form and the upcasters that read old versions.
+
+Events are frozen dataclasses of primitives (str, int, bool, None, UTC datetime, tuples). Money is
+integer micro-units, KV usage integer byte-seconds, durations integer ms/us: never a float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, ClassVar, TypeAlias, get_type_hints
+
+from domain.errors import DomainError
+
+
+class Event:
+    """Base of every event payload. Subclasses set EVENT_TYPE and EVENT_VERSION."""
+
+    EVENT_TYPE: ClassVar[str]
+    EVENT_VERSION: ClassVar[int] = 1
+
+
+# --- request lifecycle (stream_id = request id) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdmitted(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestAdmitted"
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str  # the model version served, e.g. "llama-3.1-8b-2026-05"
+    tier: str  # free | standard | enterprise
+    edge_id: str
+    idempotency_key: str | None = None
+    is_retry: bool = False
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEstimated(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestEstimated"
+    request_id: str
+    prompt_tokens: int  # estimated by the edge; never billed
+    reserved_output_tokens: int
+    reserved_tokens: int  # prompt + reserved output: what tokens/min was charged
+    kv_byte_seconds: int  # estimated KV occupancy integral reserved against the KV·s cap
+    tpot_us: int  # the TPOT the estimate used (after the measured-TPOT clamp)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRejected(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestRejected"
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    tier: str
+    reason: str  # requests | tokens | concurrency | capacity | retry_budget | invalid
+    retry_after_s: int
+    detail: str = ""
+    is_retry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRouted(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestRouted"
+    request_id: str
+    replica_id: str
+    occupancy_ppm: int  # the replica's effective KV occupancy at choice, parts per million
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenStreamed(Event):
+    EVENT_TYPE: ClassVar[str] = "FirstTokenStreamed"
+    request_id: str
+    ttft_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseProgress:
+    """One in-flight request's progress as an edge last saw it (engine-reported counts)."""
+
+    request_id: str
+    tenant_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeasesRenewed(Event):
+    """One per edge every 5 s; stream_id = "edge-<edge_id>"."""
+
+    EVENT_TYPE: ClassVar[str] = "LeasesRenewed"
+    edge_id: str
+    progress: tuple[LeaseProgress, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCompleted(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestCompleted"
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str
+    ttft_ms: int
+    tpot_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCancelled(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestCancelled"
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reason: str  # client_disconnected | timeout
+    engine_reported: bool  # False when counts are the edge's own (engine never reported)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed(Event):
+    EVENT_TYPE: ClassVar[str] = "RequestFailed"
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired(Event):
+    EVENT_TYPE: ClassVar[str] = "LeaseExpired"
+    request_id: str
+    prompt_tokens: int  # last known progress
+    completion_tokens: int
+    cached_tokens: int
+    last_renewed_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaRefunded(Event):
+    EVENT_TYPE: ClassVar[str] = "QuotaRefunded"
+    request_id: str
+    refunded_tokens: int  # reserved_tokens - used tokens (never negative)
+    refunded_kv_byte_seconds: int  # the whole KV reservation: it is concurrent, not cumulative
+    used_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class UsageBilled(Event):
+    """The ledger entry: exactly one per admitted request."""
+
+    EVENT_TYPE: ClassVar[str] = "UsageBilled"
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prompt_micros_per_mtok: int
+    completion_micros_per_mtok: int
+    cached_micros_per_mtok: int
+    amount_micros: int
+    terminal: str  # completed | cancelled | failed | lease_expired
+    admitted_at: datetime
+    finished_at: datetime  # the terminal event's instant; usage is bucketed by its hour
+
+
+TERMINAL_EVENTS: tuple[type[Event], ...] = (
+    RequestCompleted,
+    RequestCancelled,
+    RequestFailed,
+    LeaseExpired,
+)
+
+# --- control plane ------------------------------------------------------------------------------
+# Tenant streams are "tenant-<tenant_id>"; keys and limits live in their tenant's stream so one
+# optimistic-concurrency check covers a tenant's whole configuration.
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRegistered(Event):
+    EVENT_TYPE: ClassVar[str] = "TenantRegistered"
+    tenant_id: str
+    name: str
+    plan: str
+    cache_salt: str  # per-tenant prefix-cache salt sent to the engine
+
+
+@dataclass(frozen=True, slots=True)
+class PlanChanged(Event):
+    EVENT_TYPE: ClassVar[str] = "PlanChanged"
+    tenant_id: str
+    plan: str
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsSet(Event):
+    """Per tenant and model; None leaves the plan's default (or the earlier override) in force."""
+
+    EVENT_TYPE: ClassVar[str] = "LimitsSet"
+    tenant_id: str
+    model: str  # a model name or version, or "*" for every model
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None  # cap on concurrent estimated KV GiB·s in flight
+    reserved_kv_gib_seconds: int | None = None  # enterprise floor
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyIssued(Event):
+    EVENT_TYPE: ClassVar[str] = "ApiKeyIssued"
+    tenant_id: str
+    key_id: str
+    key_hash: str  # sha256 hex of the secret; the secret itself is never stored
+    scope: str  # customer | finance | support | admin
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRevoked(Event):
+    EVENT_TYPE: ClassVar[str] = "ApiKeyRevoked"
+    tenant_id: str
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRegistered(Event):
+    """Stream "fleet"."""
+
+    EVENT_TYPE: ClassVar[str] = "ReplicaRegistered"
+    replica_id: str
+    model: str
+    url: str
+    reserved_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PriceSet(Event):
+    """Stream "prices-<model>". Prices are per million tokens in micro-units of the currency."""
+
+    EVENT_TYPE: ClassVar[str] = "PriceSet"
+    model: str
+    prompt_micros_per_mtok: int
+    completion_micros_per_mtok: int
+    cached_micros_per_mtok: int
+    effective_at: datetime
+
+
+# --- envelope and wire form ---------------------------------------------------------------------
+
+EVENT_CLASSES: dict[str, type[Event]] = {
+    cls.EVENT_TYPE: cls
+    for cls in (
+        RequestAdmitted,
+        RequestEstimated,
+        RequestRejected,
+        RequestRouted,
+        FirstTokenStreamed,
+        LeasesRenewed,
+        RequestCompleted,
+        RequestCancelled,
+        RequestFailed,
+        LeaseExpired,
+        QuotaRefunded,
+        UsageBilled,
+        TenantRegistered,
+        PlanChanged,
+        LimitsSet,
+        ApiKeyIssued,
+        ApiKeyRevoked,
+        ReplicaRegistered,
+        PriceSet,
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """An event as stored: the envelope the folds read. `position` is global commit order
+    (0 before the store assigned it); `stream_version` counts from 1 within the stream."""
+
+    event_id: str
+    stream_id: str
+    stream_version: int
+    tenant_id: str
+    occurred_at: datetime
+    event: Event
+    position: int = 0
+
+    @property
+    def type(self) -> str:
+        return self.event.EVENT_TYPE
+
+
+Upcaster: TypeAlias = Callable[[dict[str, Any]], dict[str, Any]]
+# (type, from_version) -> function giving the payload of version from_version + 1. Pure; stored
+# rows are never rewritten, they are read through these.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcast(event_type: str, version: int, payload: Mapping[str, Any]) -> dict[str, Any]:
+    cls = EVENT_CLASSES.get(event_type)
+    if cls is None:
+        raise DomainError("unknown_event_type", f"unknown event type {event_type!r}")
+    if version > cls.EVENT_VERSION:
+        raise DomainError(
+            "event_version_too_new",
+            f"{event_type} v{version} is newer than this code (v{cls.EVENT_VERSION})",
+        )
+    data = dict(payload)
+    while version < cls.EVENT_VERSION:
+        step = UPCASTERS.get((event_type, version))
+        if step is None:
+            raise DomainError("no_upcaster", f"no upcaster for {event_type} v{version}")
+        data = step(data)
+        version += 1
+    return data
+
+
+def to_payload(event: Event) -> dict[str, Any]:
+    """The JSON-ready payload of an event: primitives only."""
+    return {f.name: _encode(getattr(event, f.name)) for f in dataclasses.fields(event)}  # type: ignore[arg-type]
+
+
+def from_payload(event_type: str, version: int, payload: Mapping[str, Any]) -> Event:
+    data = upcast(event_type, version, payload)
+    cls = EVENT_CLASSES[event_type]
+    hints = _hints(cls)
+    return cls(**{k: _decode(hints[k], v) for k, v in data.items() if k in hints})
+
+
+def dumps(event: Event) -> str:
+    return json.dumps(to_payload(event), separators=(",", ":"), sort_keys=True)
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise DomainError("naive_datetime", "event datetimes must be timezone-aware UTC")
+        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, float):
+        raise DomainError("float_in_event", "events carry no floats (money, tokens, time)")
+    return value
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = get_type_hints(cls)
+    return hints
+
+
+def _decode(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    if hint is datetime or hint == (datetime | None):
+        return parse_instant(value)
+    if hint == tuple[LeaseProgress, ...]:
+        return tuple(LeaseProgress(**item) for item in value)
+    return value
+
+
+def parse_instant(text: str) -> datetime:
+    parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if parsed.tzinfo is None:
+        raise DomainError("naive_datetime", f"instant {text!r} has no timezone")
+    return parsed.astimezone(UTC)
