@@ -1,0 +1,45 @@
+"""OpenAI-shaped error bodies and the one exception routes raise to produce them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class ApiError(Exception):
+    """An error answered to the client: status, OpenAI `type`, the field at fault and headers."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_frame(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """An in-stream error object (after the first token the status is already sent)."""
+    return b"data: " + orjson.dumps(error_body(message, type, None, code)) + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value" if param else None)

@@ -1,0 +1,160 @@
+"""Relay one generation from a replica to the client, counting what the engine reports.
+
+The upstream is always streamed with cumulative usage on every chunk, so whatever ends the
+request (completion, client disconnect, replica death) the last engine-reported counts are known.
+Per-chunk work is one dict edit and one orjson.dumps: this is the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Progress:
+    """Engine-reported counts so far; the lease renewal reads it, the terminal event bills it."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    engine_reported: bool = False
+    started_ns: int = field(default_factory=time.perf_counter_ns)
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+
+    def absorb_usage(self, usage: dict[str, Any]) -> None:
+        self.engine_reported = True
+        self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens) or 0
+        self.completion_tokens = usage.get("completion_tokens", self.completion_tokens) or 0
+        details = usage.get("prompt_tokens_details")
+        if details:
+            self.cached_tokens = details.get("cached_tokens") or 0
+
+    @property
+    def ttft_ms(self) -> int:
+        if not self.first_token_ns:
+            return 0
+        return (self.first_token_ns - self.started_ns) // 1_000_000
+
+    @property
+    def tpot_us(self) -> int:
+        if self.completion_tokens < 2 or not self.first_token_ns:
+            return 0
+        return (self.last_token_ns - self.first_token_ns) // 1000 // (self.completion_tokens - 1)
+
+
+async def relay_stream(
+    chunks: AsyncIterator[dict[str, Any]],
+    progress: Progress,
+    *,
+    include_usage: bool,
+    continuous_usage: bool,
+    on_first_token: Any,
+) -> AsyncIterator[bytes]:
+    """Yield the client's SSE frames. Stops after an engine error object (which it yields)."""
+    async for chunk in chunks:
+        if "error" in chunk:
+            progress.error = chunk["error"]
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            return
+        usage = chunk.get("usage")
+        if usage is not None:
+            progress.absorb_usage(usage)
+        choices = chunk.get("choices")
+        if not choices:
+            if include_usage:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            continue
+        now = time.perf_counter_ns()
+        if not progress.first_token_ns:
+            progress.first_token_ns = now
+            on_first_token()
+        progress.last_token_ns = now
+        finish = choices[0].get("finish_reason")
+        if finish:
+            progress.finish_reason = finish
+        if not continuous_usage and usage is not None:
+            del chunk["usage"]
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+async def collect_completion(
+    chunks: AsyncIterator[dict[str, Any]], progress: Progress, on_first_token: Any
+) -> dict[str, Any]:
+    """Assemble a non-streaming chat.completion from the upstream stream."""
+    parts: list[str] = []
+    tool_calls: dict[int, dict[str, Any]] = {}
+    head: dict[str, Any] = {}
+    async for chunk in chunks:
+        if "error" in chunk:
+            progress.error = chunk["error"]
+            break
+        usage = chunk.get("usage")
+        if usage is not None:
+            progress.absorb_usage(usage)
+        choices = chunk.get("choices")
+        if not choices:
+            continue
+        if not head:
+            head = chunk
+        now = time.perf_counter_ns()
+        if not progress.first_token_ns:
+            progress.first_token_ns = now
+            on_first_token()
+        progress.last_token_ns = now
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        if text:
+            parts.append(text)
+        for call in delta.get("tool_calls") or ():
+            _merge_tool_call(tool_calls, call)
+        if choice.get("finish_reason"):
+            progress.finish_reason = choice["finish_reason"]
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+    if tool_calls:
+        message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+    prompt, completion = progress.prompt_tokens, progress.completion_tokens
+    return {
+        "id": head.get("id", ""),
+        "object": "chat.completion",
+        "created": head.get("created", int(time.time())),
+        "model": head.get("model", ""),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": progress.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": progress.cached_tokens},
+        },
+    }
+
+
+def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    index = delta.get("index", 0)
+    call = calls.setdefault(
+        index, {"id": delta.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+    )
+    if delta.get("id"):
+        call["id"] = delta["id"]
+    function = delta.get("function") or {}
+    if function.get("name"):
+        call["function"]["name"] += function["name"]
+    if function.get("arguments"):
+        call["function"]["arguments"] += function["arguments"]

@@ -1,0 +1,147 @@
+"""`tollgate serve`: the embedded main job. Migrates, seeds the demo tenants on first start,
+starts a simulated fleet (or uses real replicas), prints the keys and a curl line, serves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from api.app import create_app
+from api.config import ServeSettings, data_dir
+from api.control_service import ControlService
+from api.runtime import Runtime
+
+log = logging.getLogger("tollgate.serve")
+
+DEMO_TENANTS = (("demo-free", "free"), ("demo-standard", "standard"),
+                ("demo-enterprise", "enterprise"))
+# Demo list prices per million tokens, in micro-units (prompt, completion, cached).
+DEMO_PRICES = {
+    "llama-3.1-8b": (150_000, 600_000, 75_000),
+    "llama-3.1-70b": (900_000, 2_700_000, 450_000),
+}
+
+
+def demo_keys_file() -> Path:
+    return data_dir() / "demo-keys.json"
+
+
+def seed_demo(settings: ServeSettings) -> dict[str, Any]:
+    """Create the demo tenants, keys and prices once. The demo secrets are also written to
+    data/demo-keys.json (mode 600) so a restart and `tollgate loadgen --demo` can show them:
+    the store itself keeps only their hashes."""
+    path = demo_keys_file()
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    keys: dict[str, Any] = {}
+    with ControlService.open(settings.database_url) as service:
+        existing = {t.tenant_id for t in service.list_tenants()}
+        for name, plan in DEMO_TENANTS:
+            if name not in existing:
+                service.create_tenant(name, plan)
+            keys[name] = service.issue_key(name, "customer")[1]
+        if "tollgate-ops" not in existing:
+            service.create_tenant("tollgate-ops", "enterprise")
+        keys["finance"] = service.issue_key("tollgate-ops", "finance")[1]
+        keys["support"] = service.issue_key("tollgate-ops", "support")[1]
+        from domain.cost import base_model
+
+        for model in settings.models:
+            prices = DEMO_PRICES.get(base_model(model), (500_000, 1_500_000, 250_000))
+            service.set_price(model, *prices)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(keys, indent=2))
+    os.chmod(path, 0o600)
+    return keys
+
+
+async def start_simulated_fleet(settings: ServeSettings) -> tuple[list[Any], list[tuple[str, str, str]]]:
+    from engine_adapter.simulated import SimConfig, start_simulated_replica
+
+    handles, replicas = [], []
+    for m_index, model in enumerate(settings.models):
+        for i in range(settings.simulated_replicas):
+            config = SimConfig(
+                model=model, seed=settings.sim_seed + 100 * m_index + i, speed=settings.sim_speed,
+                max_model_len=32_768, num_gpu_blocks=8_192,
+            )
+            handle = await start_simulated_replica(config)
+            handles.append(handle)
+            replicas.append((f"sim-{model}-{i}", model, handle.url))
+    return handles, replicas
+
+
+def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    out = []
+    for i, flag in enumerate(flags):
+        model, sep, url = flag.partition("=")
+        if not sep:
+            raise ValueError(
+                f"--replica {flag!r}: give MODEL=URL (the model version the replica serves)"
+            )
+        out.append((f"replica-{i}", model, url.rstrip("/")))
+    return out
+
+
+def run(settings: ServeSettings) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    keys = seed_demo(settings) if settings.seed_demo else {}
+    asyncio.run(_serve(settings, keys))
+
+
+async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
+    handles: list[Any] = []
+    if settings.replicas:
+        replicas = parse_replica_flags(settings.replicas)
+    else:
+        handles, replicas = await start_simulated_fleet(settings)
+    runtime = Runtime(settings)
+    await runtime.start(replicas)
+    app = create_app(runtime)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="none", http="httptools",
+        access_log=False, log_level="warning", lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    base = f"http://{settings.host}:{settings.port}"
+    _print_banner(base, settings, keys, replicas)
+    try:
+        await server.serve()
+    finally:
+        await runtime.stop()
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                await handle.stop()
+
+
+def _print_banner(
+    base: str, settings: ServeSettings, keys: dict[str, Any], replicas: list[tuple[str, str, str]]
+) -> None:
+    lines = [
+        f"Tollgate serving on {base}  (database: {settings.database_url})",
+        f"fleet: {len(replicas)} replicas of {', '.join(sorted({r[1] for r in replicas}))}",
+    ]
+    for name, secret in keys.items():
+        lines.append(f"  {name:16s} {secret}")
+    if "demo-standard" in keys:
+        lines.append("try:")
+        lines.append(
+            f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer "
+            f"{keys['demo-standard']}' -H 'Content-Type: application/json' -d '{{\"model\": "
+            f"\"{settings.models[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+            f"\"Hello!\"}}]}}' -i"
+        )
+    print("\n".join(lines), flush=True)
+
+
+def _install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
