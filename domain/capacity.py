@@ -1,0 +1,119 @@
+"""Capacity policy: which replica a request may enter, by tier and KV occupancy.
+
+Pure: occupancy arrives as integer parts per million, randomness arrives as a `sample` function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+PPM: Final = 1_000_000
+
+# Admission ceilings on the chosen replica's *effective* occupancy (scraped + this router's
+# optimistic in-flight). A request is admitted while occupancy is strictly below its ceiling.
+FREE_CEILING_PPM: Final = 600_000
+STANDARD_CEILING_PPM: Final = 850_000
+# Enterprise is never placed into a replica at or above 0.92: past that point the engine starts
+# preempting, and what enterprise bought is latency, not a queue position.
+ENTERPRISE_CEILING_PPM: Final = 920_000
+
+TIER_CEILINGS_PPM: Final[dict[str, int]] = {
+    "free": FREE_CEILING_PPM,
+    "standard": STANDARD_CEILING_PPM,
+    "enterprise": ENTERPRISE_CEILING_PPM,
+}
+
+T = TypeVar("T")
+Sample = Callable[[Sequence[T], int], Sequence[T]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One healthy replica as the policy sees it."""
+
+    replica_id: str
+    occupancy_ppm: int  # effective occupancy: scraped + optimistic in-flight
+    reserved_only: bool = False  # only enterprise traffic may enter
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    replica_id: str
+    occupancy_ppm: int
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRefusal:
+    """Why no replica could take the request. `reason` is always "capacity" (a 503, never a 429)."""
+
+    detail: str  # no_replica | over_ceiling | reserved_only
+    ceiling_ppm: int
+    best_occupancy_ppm: int | None = None
+    reason: str = "capacity"
+
+
+def effective_occupancy_ppm(scraped_ppm: int, inflight_tokens: int, capacity_tokens: int) -> int:
+    """Scraped occupancy plus what this router dispatched since the scrape, in ppm.
+
+    A replica with unknown capacity counts as full so that nothing is routed to it blind.
+    """
+    if capacity_tokens <= 0:
+        return PPM
+    return max(0, scraped_ppm) + max(0, inflight_tokens) * PPM // capacity_tokens
+
+
+def tier_ceiling_ppm(tier: str) -> int:
+    try:
+        return TIER_CEILINGS_PPM[tier]
+    except KeyError:
+        raise ValueError(f"unknown tier {tier!r}") from None
+
+
+def admits(tier: str, load: ReplicaLoad) -> bool:
+    """Whether `load` may take one more request of `tier`."""
+    if load.reserved_only and tier != "enterprise":
+        return False
+    return load.occupancy_ppm < tier_ceiling_ppm(tier)
+
+
+def p2c_pick(candidates: Sequence[ReplicaLoad], sample: Sample[ReplicaLoad]) -> ReplicaLoad | None:
+    """Power of two choices: the less occupied of two replicas drawn at random.
+
+    Drawing two instead of taking the global minimum is what stops every router herding onto the
+    one replica that looked emptiest in the last scrape. A tie keeps the first drawn.
+    """
+    if not candidates:
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    a, b = sample(candidates, 2)
+    return b if b.occupancy_ppm < a.occupancy_ppm else a
+
+
+def place(
+    tier: str, candidates: Sequence[ReplicaLoad], sample: Sample[ReplicaLoad]
+) -> Placement | CapacityRefusal:
+    """Choose a replica for a request of `tier` among the healthy replicas of its model.
+
+    free and standard are judged on the p2c winner alone: the other draw is at least as full, so
+    looking further would turn p2c back into "pick the emptiest". Enterprise that finds the winner
+    at or over its ceiling tries the other draw and then every remaining replica, emptiest first.
+    """
+    ceiling = tier_ceiling_ppm(tier)
+    if not candidates:
+        return CapacityRefusal(detail="no_replica", ceiling_ppm=ceiling)
+    eligible = [c for c in candidates if tier == "enterprise" or not c.reserved_only]
+    if not eligible:
+        return CapacityRefusal(detail="reserved_only", ceiling_ppm=ceiling)
+    pick = p2c_pick(eligible, sample)
+    assert pick is not None
+    if admits(tier, pick):
+        return Placement(pick.replica_id, pick.occupancy_ppm)
+    if tier == "enterprise":
+        for other in sorted(eligible, key=lambda c: c.occupancy_ppm):
+            if admits(tier, other):
+                return Placement(other.replica_id, other.occupancy_ppm)
+    best = min(c.occupancy_ppm for c in eligible)
+    return CapacityRefusal(detail="over_ceiling", ceiling_ppm=ceiling, best_occupancy_ppm=best)

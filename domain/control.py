@@ -1,0 +1,498 @@
+"""The control plane: tenants, plans and their limits, API keys, prices and replicas, folded from
+control events (`ControlView`), and the commands that change them (`decide_control`).
+
+History is kept, so every question can be asked as of a past instant: "what was this tenant's
+limit when that request was rejected?", "what did this model cost when that request ran?".
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Final, TypeVar
+
+from domain.cost import Price, base_model
+from domain.errors import DomainError
+from domain.events import (
+    ApiKeyIssued,
+    ApiKeyRevoked,
+    Event,
+    LimitsSet,
+    PlanChanged,
+    PriceSet,
+    Recorded,
+    ReplicaRegistered,
+    TenantRegistered,
+)
+from domain.lifecycle import TIERS
+
+__all__ = [
+    "Limits",
+    "PLAN_LIMITS",
+    "LIMIT_FIELDS",
+    "Tenant",
+    "ApiKey",
+    "ControlView",
+    "RegisterTenant",
+    "ChangePlan",
+    "SetLimits",
+    "IssueApiKey",
+    "RevokeApiKey",
+    "SetPrice",
+    "RegisterReplica",
+    "ControlCommand",
+    "decide_control",
+    "tenant_stream",
+    "price_stream",
+    "FLEET_STREAM",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A tenant's limits for one model. KV caps are GiB·s of estimated KV occupancy integral in
+    flight at once (× 2^30 for byte-seconds)."""
+
+    rpm: int
+    tpm: int
+    max_context: int
+    max_output: int
+    kv_gib_seconds: int
+    reserved_kv_gib_seconds: int = 0
+
+
+LIMIT_FIELDS: Final = (
+    "rpm",
+    "tpm",
+    "max_context",
+    "max_output",
+    "kv_gib_seconds",
+    "reserved_kv_gib_seconds",
+)
+
+# Plan defaults. Reference costs (domain.cost, llama-3.1-70b at 320 KiB/token): a typical chat
+# (800 prompt, 300 out) at the 50 ms TPOT target is ~4.4 GiB·s, ~8.7 GiB·s at the stale 2×.
+# - free: enough for a person trying the API (20 rpm, 40k tpm), contexts and outputs short
+#   (8k/1k) because they are the only knobs that bound a single request's KV (seed 000 §4);
+#   256 GiB·s ≈ 30 typical chats in flight, or one maximal 8k/1k request at 2× TPOT (~272).
+# - standard: a production app (600 rpm, 400k tpm ≈ 10 req/s of 700 tokens); 32k/4k;
+#   4,096 GiB·s ≈ 470 typical chats in flight at 2× TPOT.
+# - enterprise: 3,000 rpm, 2M tpm, the full 128k context, 8k out; 32,768 GiB·s cap and a
+#   reserved floor of 8,192 GiB·s that admission honours even when the limits view is stale
+#   (it is capacity held back in reserve-only replicas, R2).
+# A single request is never refused for concurrency while its tenant has nothing else in flight
+# (domain.admission), so a maximal request above the cap stays possible.
+PLAN_LIMITS: Final[dict[str, Limits]] = {
+    "free": Limits(20, 40_000, 8_192, 1_024, 256, 0),
+    "standard": Limits(600, 400_000, 32_768, 4_096, 4_096, 0),
+    "enterprise": Limits(3_000, 2_000_000, 131_072, 8_192, 32_768, 8_192),
+}
+assert tuple(PLAN_LIMITS) == TIERS
+
+SCOPES: Final = ("customer", "finance", "support", "admin")
+TENANT_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+KEY_HASH: Final = re.compile(r"^[0-9a-f]{64}$")
+FLEET_STREAM: Final = "fleet"
+
+
+def tenant_stream(tenant_id: str) -> str:
+    return f"tenant-{tenant_id}"
+
+
+def price_stream(model: str) -> str:
+    return f"prices-{model}"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    tenant_id: str
+    name: str
+    plan: str
+    cache_salt: str
+    registered_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    key_id: str
+    tenant_id: str
+    key_hash: str
+    scope: str
+    issued_at: datetime
+    revoked: bool = False
+    revoked_at: datetime | None = None
+
+
+@dataclass(slots=True)
+class _Dated:
+    """One dated entry of a history; `seq` orders entries recorded at the same instant."""
+
+    at: datetime
+    seq: int
+    values: dict[str, int] = field(default_factory=dict)
+
+
+class ControlView:
+    """Control-plane state folded incrementally from control records (`apply`)."""
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, Tenant] = {}
+        self._plans: dict[str, list[tuple[datetime, int, str]]] = {}
+        self._overrides: dict[tuple[str, str], list[_Dated]] = {}
+        self._keys: dict[str, ApiKey] = {}
+        self._key_ids_by_hash: dict[str, str] = {}
+        self._prices: dict[str, list[tuple[datetime, int, Price]]] = {}
+        self._replicas: dict[str, ReplicaRegistered] = {}
+        self._current: dict[tuple[str, str], Limits] = {}
+        self._seen: set[str] = set()
+        self._seq = 0
+        self.position = 0
+
+    # --- folding ------------------------------------------------------------------------------
+
+    def apply(self, recorded: Recorded) -> None:
+        """Fold one control record. A redelivered event (same event_id) changes nothing; events
+        that are not control-plane facts are ignored, so the view can read a mixed log."""
+        if recorded.event_id in self._seen:
+            return
+        event = recorded.event
+        at = recorded.occurred_at
+        self._seq += 1
+        seq = self._seq
+        match event:
+            case TenantRegistered():
+                self._tenants[event.tenant_id] = Tenant(
+                    event.tenant_id, event.name, event.plan, event.cache_salt, at
+                )
+                self._plans[event.tenant_id] = [(at, seq, event.plan)]
+            case PlanChanged():
+                tenant = self._tenant_or_error(event.tenant_id)
+                self._tenants[event.tenant_id] = Tenant(
+                    tenant.tenant_id,
+                    tenant.name,
+                    event.plan,
+                    tenant.cache_salt,
+                    tenant.registered_at,
+                )
+                _insort(self._plans[event.tenant_id], (at, seq, event.plan))
+            case LimitsSet():
+                values = {
+                    name: value
+                    for name in LIMIT_FIELDS
+                    if (value := getattr(event, name)) is not None
+                }
+                history = self._overrides.setdefault((event.tenant_id, event.model), [])
+                entry = _Dated(at, seq, values)
+                bisect.insort(history, entry, key=lambda d: (d.at, d.seq))
+            case ApiKeyIssued():
+                key = ApiKey(event.key_id, event.tenant_id, event.key_hash, event.scope, at)
+                self._keys[event.key_id] = key
+                self._key_ids_by_hash[event.key_hash] = event.key_id
+            case ApiKeyRevoked():
+                old = self._keys.get(event.key_id)
+                if old is not None and not old.revoked:
+                    self._keys[event.key_id] = ApiKey(
+                        old.key_id,
+                        old.tenant_id,
+                        old.key_hash,
+                        old.scope,
+                        old.issued_at,
+                        revoked=True,
+                        revoked_at=at,
+                    )
+            case PriceSet():
+                price = Price(
+                    event.model,
+                    event.prompt_micros_per_mtok,
+                    event.completion_micros_per_mtok,
+                    event.cached_micros_per_mtok,
+                )
+                # A price is never in force before it was recorded: a back-dated PriceSet must not
+                # re-price requests that already ran (and may already be billed).
+                effective = max(event.effective_at, at)
+                _insort(self._prices.setdefault(event.model, []), (effective, seq, price))
+            case ReplicaRegistered():
+                self._replicas[event.replica_id] = event
+            case _:
+                return
+        self._seen.add(recorded.event_id)
+        self._current.clear()
+        self.position = max(self.position, recorded.position)
+
+    # --- questions ----------------------------------------------------------------------------
+
+    def tenant(self, tenant_id: str) -> Tenant | None:
+        return self._tenants.get(tenant_id)
+
+    def tenants(self) -> list[Tenant]:
+        return list(self._tenants.values())
+
+    def key_by_hash(self, key_hash: str) -> ApiKey | None:
+        """The live key with this sha256 hex hash. A revoked key answers None, exactly like an
+        unknown one, so a caller that forgets to check `revoked` cannot let it in; `key(key_id)`
+        still shows revoked keys to support and admins."""
+        key_id = self._key_ids_by_hash.get(key_hash)
+        if key_id is None:
+            return None
+        key = self._keys[key_id]
+        return None if key.revoked else key
+
+    def key(self, key_id: str) -> ApiKey | None:
+        return self._keys.get(key_id)
+
+    def keys(self, tenant_id: str) -> list[ApiKey]:
+        return [k for k in self._keys.values() if k.tenant_id == tenant_id]
+
+    def cache_salt(self, tenant_id: str) -> str:
+        return self._tenant_or_error(tenant_id).cache_salt
+
+    def plan(self, tenant_id: str, at: datetime | None = None) -> str:
+        history = self._plans.get(tenant_id)
+        if history is None:
+            raise DomainError("unknown_tenant", f"no tenant {tenant_id!r}", field="tenant_id")
+        if at is None:
+            return history[-1][2]
+        index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
+        if index == 0:
+            raise DomainError("unknown_tenant", f"tenant {tenant_id!r} did not exist at {at}")
+        return history[index - 1][2]
+
+    def limits(self, tenant_id: str, model: str, at: datetime | None = None) -> Limits:
+        """The limits in force for a tenant and model (now, or at `at`): the plan's defaults,
+        overridden by the "*" override, then the model's base name, then its exact version.
+        Each override only replaces the fields it set."""
+        if at is None:
+            cached = self._current.get((tenant_id, model))
+            if cached is not None:
+                return cached
+        defaults = PLAN_LIMITS[self.plan(tenant_id, at)]
+        values = {name: getattr(defaults, name) for name in LIMIT_FIELDS}
+        base = base_model(model)
+        scopes = ("*", base) if base == model else ("*", base, model)
+        for scope in scopes:
+            for entry in self._overrides.get((tenant_id, scope), ()):
+                if at is not None and entry.at > at:
+                    break
+                values.update(entry.values)
+        resolved = Limits(**values)
+        if at is None:
+            self._current[(tenant_id, model)] = resolved
+        return resolved
+
+    def price(self, model: str, at: datetime) -> Price:
+        """The price in force for a model (exact version first, else its base name) at `at`."""
+        for name in (model, base_model(model)):
+            history = self._prices.get(name)
+            if history:
+                index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
+                if index:
+                    return history[index - 1][2]
+        raise DomainError("no_price", f"no price for {model!r} in force at {at}", field="model")
+
+    def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
+        return [r for r in self._replicas.values() if model is None or r.model == model]
+
+    def _tenant_or_error(self, tenant_id: str) -> Tenant:
+        tenant = self._tenants.get(tenant_id)
+        if tenant is None:
+            raise DomainError("unknown_tenant", f"no tenant {tenant_id!r}", field="tenant_id")
+        return tenant
+
+
+_T = TypeVar("_T")
+
+
+def _insort(history: list[tuple[datetime, int, _T]], entry: tuple[datetime, int, _T]) -> None:
+    # Ordered by (instant, seq), which is unique, so the payload is never compared.
+    bisect.insort(history, entry, key=lambda e: (e[0], e[1]))
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterTenant:
+    name: str  # becomes the tenant id
+    plan: str
+    cache_salt: str  # generated outside the domain (random), sent to the engine per request
+
+
+@dataclass(frozen=True, slots=True)
+class ChangePlan:
+    tenant_id: str
+    plan: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetLimits:
+    tenant_id: str
+    model: str  # "*", a base name or a pinned version
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None
+    reserved_kv_gib_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IssueApiKey:
+    tenant_id: str
+    key_id: str
+    key_hash: str  # sha256 hex of the secret, computed outside the domain
+    scope: str = "customer"
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeApiKey:
+    tenant_id: str
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetPrice:
+    model: str
+    prompt_micros_per_mtok: int
+    completion_micros_per_mtok: int
+    cached_micros_per_mtok: int
+    effective_at: datetime
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterReplica:
+    replica_id: str
+    model: str
+    url: str
+    reserved_only: bool = False
+
+
+ControlCommand = (
+    RegisterTenant
+    | ChangePlan
+    | SetLimits
+    | IssueApiKey
+    | RevokeApiKey
+    | SetPrice
+    | RegisterReplica
+)
+
+
+def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, ...]:
+    """The control events a command produces against the current view, or a DomainError.
+    A repeat that changes nothing (same plan, key already revoked) answers ()."""
+    match command:
+        case RegisterTenant():
+            if not TENANT_NAME.match(command.name):
+                raise DomainError(
+                    "bad_name",
+                    f"tenant name {command.name!r} must match {TENANT_NAME.pattern}",
+                    field="name",
+                )
+            _check_plan(command.plan)
+            if view.tenant(command.name) is not None:
+                raise DomainError(
+                    "duplicate_tenant", f"tenant {command.name!r} exists", field="name"
+                )
+            if not command.cache_salt:
+                raise DomainError("bad_cache_salt", "cache_salt is empty", field="cache_salt")
+            return (TenantRegistered(command.name, command.name, command.plan, command.cache_salt),)
+        case ChangePlan():
+            _check_plan(command.plan)
+            tenant = view._tenant_or_error(command.tenant_id)
+            if tenant.plan == command.plan:
+                return ()
+            return (PlanChanged(command.tenant_id, command.plan),)
+        case SetLimits():
+            view._tenant_or_error(command.tenant_id)
+            if not command.model or command.model.strip() != command.model:
+                raise DomainError("bad_model", f"model {command.model!r}", field="model")
+            values = {name: getattr(command, name) for name in LIMIT_FIELDS}
+            for name, value in values.items():
+                if value is not None and value < 0:
+                    raise DomainError(
+                        "negative_limit", f"{name} must be non-negative, got {value}", field=name
+                    )
+            if all(value is None for value in values.values()):
+                raise DomainError("empty_limits", "SetLimits sets no limit")
+            return (LimitsSet(command.tenant_id, command.model, **values),)
+        case IssueApiKey():
+            view._tenant_or_error(command.tenant_id)
+            if not KEY_HASH.match(command.key_hash):
+                raise DomainError(
+                    "bad_key_hash", "key_hash must be 64 lowercase hex", field="key_hash"
+                )
+            if command.scope not in SCOPES:
+                raise DomainError("bad_scope", f"scope not in {SCOPES}", field="scope")
+            existing = view.key(command.key_id)
+            if existing is not None:
+                same = (existing.tenant_id, existing.key_hash, existing.scope) == (
+                    command.tenant_id,
+                    command.key_hash,
+                    command.scope,
+                )
+                if same:
+                    return ()
+                raise DomainError("duplicate_key", f"key {command.key_id} exists", field="key_id")
+            if command.key_hash in view._key_ids_by_hash:
+                raise DomainError("duplicate_key_hash", "this key hash is in use", field="key_hash")
+            return (
+                ApiKeyIssued(command.tenant_id, command.key_id, command.key_hash, command.scope),
+            )
+        case RevokeApiKey():
+            key = view.key(command.key_id)
+            if key is None or key.tenant_id != command.tenant_id:
+                raise DomainError("unknown_key", f"no key {command.key_id}", field="key_id")
+            if key.revoked:
+                return ()
+            return (ApiKeyRevoked(command.tenant_id, command.key_id),)
+        case SetPrice():
+            if not command.model:
+                raise DomainError("bad_model", "model is empty", field="model")
+            for name in (
+                "prompt_micros_per_mtok",
+                "completion_micros_per_mtok",
+                "cached_micros_per_mtok",
+            ):
+                if getattr(command, name) < 0:
+                    raise DomainError("negative_price", f"{name} is negative", field=name)
+            if command.effective_at < command.now:
+                raise DomainError(
+                    "price_backdated",
+                    "a price cannot take effect before it is set",
+                    field="effective_at",
+                )
+            return (
+                PriceSet(
+                    command.model,
+                    command.prompt_micros_per_mtok,
+                    command.completion_micros_per_mtok,
+                    command.cached_micros_per_mtok,
+                    command.effective_at,
+                ),
+            )
+        case RegisterReplica():
+            if not command.replica_id or not command.model or not command.url:
+                raise DomainError("bad_replica", "replica_id, model and url are required")
+            known = view._replicas.get(command.replica_id)
+            if known is not None:
+                if (known.model, known.url, known.reserved_only) == (
+                    command.model,
+                    command.url,
+                    command.reserved_only,
+                ):
+                    return ()
+                raise DomainError("duplicate_replica", f"replica {command.replica_id} exists")
+            return (
+                ReplicaRegistered(
+                    command.replica_id, command.model, command.url, command.reserved_only
+                ),
+            )
+    raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _check_plan(plan: str) -> None:
+    if plan not in PLAN_LIMITS:
+        raise DomainError("bad_plan", f"plan {plan!r} is not one of {TIERS}", field="plan")

@@ -1,0 +1,293 @@
+"""Pure projection specs: for each read model, which row an event touches (`key`) and the row
+after it (`project`). The ledger's runner upserts the rows and its checkpoint in one transaction,
+which is what makes the additive `usage_hourly` safe under redelivery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC
+from typing import Any, Final, TypeAlias
+
+from domain.events import (
+    FirstTokenStreamed,
+    LeaseExpired,
+    Recorded,
+    RequestAdmitted,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestRejected,
+    RequestRouted,
+    UsageBilled,
+)
+
+__all__ = ["Row", "ProjectionSpec", "REQUEST_LOG", "USAGE_HOURLY", "LEDGER_ENTRIES", "PROJECTIONS"]
+
+Row: TypeAlias = dict[str, Any]  # primitives only: int, str, None, aware UTC datetime
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    name: str  # also the table name
+    key_columns: tuple[str, ...]
+    columns: tuple[str, ...]  # every column, key columns first
+    key: Callable[[Recorded], tuple[Any, ...] | None]  # None: this event does not touch the view
+    project: Callable[[Row | None, Recorded], Row | None]  # the new row; None deletes it
+    runs: str = "async"  # "inline" (same transaction as the append) or "async" (a worker)
+
+
+# --- request_log: one row per request, for support -----------------------------------------------
+
+REQUEST_LOG_COLUMNS: Final = (
+    "request_id",
+    "tenant_id",
+    "key_id",
+    "model",
+    "tier",
+    "status",
+    "admitted_at",
+    "finished_at",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_ms",
+    "tpot_us",
+    "finish_reason",
+    "replica_id",
+    "reject_reason",
+)
+_LOGGED: Final = (
+    RequestAdmitted,
+    RequestRejected,
+    RequestRouted,
+    FirstTokenStreamed,
+    RequestCompleted,
+    RequestCancelled,
+    RequestFailed,
+    LeaseExpired,
+)
+_TERMINAL_STATUS: Final = frozenset(
+    {"completed", "cancelled", "failed", "lease_expired", "rejected"}
+)
+_RANK: Final = {"admitted": 1, "routed": 2, "streaming": 3}
+
+
+def _request_log_key(recorded: Recorded) -> tuple[Any, ...] | None:
+    event = recorded.event
+    if isinstance(event, _LOGGED):
+        return (event.request_id,)
+    return None
+
+
+def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
+    event = recorded.event
+    at = recorded.occurred_at
+    new: Row = dict(row) if row is not None else _empty_log_row(recorded)
+    match event:
+        case RequestAdmitted():
+            new.update(
+                tenant_id=event.tenant_id,
+                key_id=event.key_id,
+                model=event.model,
+                tier=event.tier,
+                admitted_at=at,
+            )
+            _advance(new, "admitted")
+        case RequestRejected():
+            new.update(
+                tenant_id=event.tenant_id,
+                key_id=event.key_id,
+                model=event.model,
+                tier=event.tier,
+                status="rejected",
+                finished_at=at,
+                reject_reason=event.reason,
+            )
+        case RequestRouted():
+            new["replica_id"] = event.replica_id
+            _advance(new, "routed")
+        case FirstTokenStreamed():
+            new["ttft_ms"] = event.ttft_ms
+            _advance(new, "streaming")
+        case RequestCompleted():
+            _finish(new, event, at, "completed", event.finish_reason)
+            new.update(ttft_ms=event.ttft_ms, tpot_us=event.tpot_us)
+        case RequestCancelled():
+            _finish(new, event, at, "cancelled", event.reason)
+        case RequestFailed():
+            _finish(new, event, at, "failed", "error")
+        case LeaseExpired():
+            _finish(new, event, at, "lease_expired", "lease_expired")
+        case _:
+            return row
+    return new
+
+
+def _empty_log_row(recorded: Recorded) -> Row:
+    row: Row = dict.fromkeys(REQUEST_LOG_COLUMNS)
+    row["request_id"] = recorded.stream_id
+    row["tenant_id"] = recorded.tenant_id
+    return row
+
+
+def _advance(row: Row, status: str) -> None:
+    # A reordered or late non-terminal fact never moves a row backwards.
+    current = row.get("status")
+    if current in _TERMINAL_STATUS:
+        return
+    if current is None or _RANK.get(current, 0) < _RANK[status]:
+        row["status"] = status
+
+
+def _finish(
+    row: Row,
+    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired,
+    at: Any,
+    status: str,
+    finish_reason: str,
+) -> None:
+    row.update(
+        status=status,
+        finished_at=at,
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        cached_tokens=event.cached_tokens,
+        finish_reason=finish_reason,
+    )
+
+
+REQUEST_LOG: Final = ProjectionSpec(
+    name="request_log",
+    key_columns=("request_id",),
+    columns=REQUEST_LOG_COLUMNS,
+    key=_request_log_key,
+    project=project_request_log,
+)
+
+
+# --- usage_hourly: what billing sums, from UsageBilled only --------------------------------------
+
+USAGE_HOURLY_COLUMNS: Final = (
+    "tenant_id",
+    "model",
+    "hour",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "amount_micros",
+)
+
+
+def _usage_hourly_key(recorded: Recorded) -> tuple[Any, ...] | None:
+    event = recorded.event
+    if type(event) is not UsageBilled:
+        return None
+    hour = event.finished_at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    return (event.tenant_id, event.model, hour)
+
+
+def project_usage_hourly(row: Row | None, recorded: Recorded) -> Row | None:
+    """Adds one ledger entry to its (tenant, model, hour) bucket. Additive, so exactly-once rests
+    on the runner committing the row and its checkpoint together (DESIGN §6)."""
+    event = recorded.event
+    if type(event) is not UsageBilled:
+        return row
+    key = _usage_hourly_key(recorded)
+    assert key is not None
+    base: Row = (
+        dict(row)
+        if row is not None
+        else {
+            "tenant_id": key[0],
+            "model": key[1],
+            "hour": key[2],
+            "requests": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "amount_micros": 0,
+        }
+    )
+    base["requests"] += 1
+    base["prompt_tokens"] += event.prompt_tokens
+    base["completion_tokens"] += event.completion_tokens
+    base["cached_tokens"] += event.cached_tokens
+    base["amount_micros"] += event.amount_micros
+    return base
+
+
+USAGE_HOURLY: Final = ProjectionSpec(
+    name="usage_hourly",
+    key_columns=("tenant_id", "model", "hour"),
+    columns=USAGE_HOURLY_COLUMNS,
+    key=_usage_hourly_key,
+    project=project_usage_hourly,
+)
+
+
+# --- ledger_entries: one immutable row per billed request ----------------------------------------
+
+LEDGER_ENTRIES_COLUMNS: Final = (
+    "request_id",
+    "tenant_id",
+    "key_id",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "prompt_micros_per_mtok",
+    "completion_micros_per_mtok",
+    "cached_micros_per_mtok",
+    "amount_micros",
+    "terminal",
+    "admitted_at",
+    "finished_at",
+    "billed_at",
+    "position",
+)
+
+
+def _ledger_key(recorded: Recorded) -> tuple[Any, ...] | None:
+    event = recorded.event
+    if type(event) is not UsageBilled:
+        return None
+    return (event.request_id,)
+
+
+def project_ledger_entry(row: Row | None, recorded: Recorded) -> Row | None:
+    """The entry is posted once and never edited: a redelivered UsageBilled keeps the first row."""
+    event = recorded.event
+    if type(event) is not UsageBilled or row is not None:
+        return row
+    return {
+        "request_id": event.request_id,
+        "tenant_id": event.tenant_id,
+        "key_id": event.key_id,
+        "model": event.model,
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cached_tokens": event.cached_tokens,
+        "prompt_micros_per_mtok": event.prompt_micros_per_mtok,
+        "completion_micros_per_mtok": event.completion_micros_per_mtok,
+        "cached_micros_per_mtok": event.cached_micros_per_mtok,
+        "amount_micros": event.amount_micros,
+        "terminal": event.terminal,
+        "admitted_at": event.admitted_at,
+        "finished_at": event.finished_at,
+        "billed_at": recorded.occurred_at,
+        "position": recorded.position,
+    }
+
+
+LEDGER_ENTRIES: Final = ProjectionSpec(
+    name="ledger_entries",
+    key_columns=("request_id",),
+    columns=LEDGER_ENTRIES_COLUMNS,
+    key=_ledger_key,
+    project=project_ledger_entry,
+)
+
+PROJECTIONS: Final = (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)

@@ -1,0 +1,168 @@
+"""Support's replay of one request: re-fold its stored events step by step and say what each did
+(state after, quota effect, bill) and what looks wrong. It reads events, never a projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from domain import lifecycle
+from domain.control import LIMIT_FIELDS, ControlView
+from domain.errors import DomainError
+from domain.events import (
+    FirstTokenStreamed,
+    LeaseExpired,
+    LeasesRenewed,
+    QuotaRefunded,
+    Recorded,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestEstimated,
+    RequestRejected,
+    RequestRouted,
+    UsageBilled,
+    to_payload,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    position: int
+    stream_version: int
+    occurred_at: datetime
+    type: str
+    payload: dict[str, Any]
+    status_after: str
+    quota_effect: dict[str, int]  # reserved_tokens / refunded_tokens / kv_byte_seconds (+/-)
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    kind: str  # no_terminal | lease_expired | refund_mismatch | not_refunded | not_billed | ...
+    detail: str
+
+
+@dataclass
+class Timeline:
+    request_id: str
+    steps: list[Step] = field(default_factory=list)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    state: lifecycle.RequestState = lifecycle.INITIAL
+    limits_at_admission: dict[str, int] | None = None
+    plan_at_admission: str | None = None
+    replica_id: str | None = None
+    occupancy_ppm_at_routing: int | None = None
+    ttft_ms: int | None = None
+    tpot_us: int | None = None
+    reserved_tokens: int = 0
+    refunded_tokens: int | None = None
+    used_tokens: int | None = None
+    bill: dict[str, Any] | None = None
+    reject: dict[str, Any] | None = None
+    lease_renewals: int = 0
+
+
+def replay(
+    request_id: str,
+    records: list[Recorded],
+    control: ControlView | None,
+    now: datetime,
+    renewals: tuple[Recorded, ...] = (),
+    lease_ttl_s: int = 15,
+) -> Timeline:
+    """Fold `records` (the request's stream, in order) into a timeline. `renewals` are the
+    LeasesRenewed events of the request's edge that mention it; `control` answers the plan and
+    limits in force at admission."""
+    t = Timeline(request_id)
+    seen_ids: set[str] = set()
+    state = lifecycle.INITIAL
+    for record in records:
+        if record.event_id in seen_ids:
+            t.anomalies.append(Anomaly("duplicate_ignored", f"event {record.event_id} seen twice"))
+            continue
+        seen_ids.add(record.event_id)
+        effect: dict[str, int] = {}
+        note = ""
+        event = record.event
+        try:
+            state = lifecycle.evolve(state, record)
+        except DomainError as exc:
+            t.anomalies.append(Anomaly("corrupt_stream", f"{record.type}: {exc.rule}: {exc}"))
+            note = f"not applied: {exc.rule}"
+        if isinstance(event, RequestEstimated):
+            t.reserved_tokens = event.reserved_tokens
+            effect = {"reserved_tokens": event.reserved_tokens,
+                      "kv_byte_seconds": event.kv_byte_seconds}
+        elif isinstance(event, QuotaRefunded):
+            t.refunded_tokens = event.refunded_tokens
+            t.used_tokens = event.used_tokens
+            effect = {"refunded_tokens": event.refunded_tokens,
+                      "kv_byte_seconds": -event.refunded_kv_byte_seconds}
+            expected = max(0, t.reserved_tokens - event.used_tokens)
+            if event.refunded_tokens != expected:
+                t.anomalies.append(Anomaly(
+                    "refund_mismatch",
+                    f"refunded {event.refunded_tokens} tokens, reserved {t.reserved_tokens} − "
+                    f"used {event.used_tokens} gives {expected}",
+                ))
+        elif isinstance(event, RequestRouted):
+            t.replica_id = event.replica_id
+            t.occupancy_ppm_at_routing = event.occupancy_ppm
+        elif isinstance(event, FirstTokenStreamed):
+            t.ttft_ms = event.ttft_ms
+        elif isinstance(event, RequestCompleted):
+            t.ttft_ms = event.ttft_ms
+            t.tpot_us = event.tpot_us
+        elif isinstance(event, LeaseExpired):
+            t.anomalies.append(Anomaly(
+                "lease_expired",
+                f"the edge stopped renewing at {event.last_renewed_at.isoformat()}; billed the "
+                f"last known progress ({event.completion_tokens} completion tokens)",
+            ))
+        elif isinstance(event, UsageBilled):
+            t.bill = to_payload(event)
+            if (event.prompt_tokens, event.completion_tokens, event.cached_tokens) != (
+                state.prompt_tokens, state.completion_tokens, state.cached_tokens
+            ):
+                t.anomalies.append(Anomaly("bill_mismatch",
+                                           "billed tokens differ from the terminal event's"))
+        elif isinstance(event, RequestRejected):
+            t.reject = to_payload(event)
+        elif isinstance(event, RequestAdmitted) and control is not None:
+            at = record.occurred_at
+            try:
+                limits = control.limits(event.tenant_id, event.model, at)
+                t.limits_at_admission = {
+                    name: getattr(limits, name) for name in LIMIT_FIELDS
+                }
+                t.plan_at_admission = control.plan(event.tenant_id, at)
+            except DomainError as exc:
+                t.anomalies.append(Anomaly("control_unknown", str(exc)))
+        t.steps.append(Step(
+            position=record.position, stream_version=record.stream_version,
+            occurred_at=record.occurred_at, type=record.type, payload=to_payload(event),
+            status_after=state.status, quota_effect=effect, note=note,
+        ))
+    t.state = state
+    t.lease_renewals = sum(
+        1 for r in renewals
+        if isinstance(r.event, LeasesRenewed)
+        and any(p.request_id == request_id for p in r.event.progress)
+    )
+    admitted = state.status not in ("new", "rejected")
+    if admitted and not state.is_terminal:
+        last = records[-1].occurred_at if records else now
+        age_s = int((now - last).total_seconds())
+        t.anomalies.append(Anomaly(
+            "no_terminal",
+            f"admitted but not ended; last event {age_s} s ago"
+            + (" (beyond the lease TTL: the sweeper should expire it)" if age_s > lease_ttl_s
+               else " (may still be in flight)"),
+        ))
+    if state.is_terminal and not state.refunded:
+        t.anomalies.append(Anomaly("not_refunded", "terminal event without QuotaRefunded"))
+    if state.is_terminal and not state.billed:
+        t.anomalies.append(Anomaly("not_billed", "terminal event without UsageBilled (yet)"))
+    return t

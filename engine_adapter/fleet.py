@@ -1,0 +1,349 @@
+"""The fleet: replicas per model version, a /metrics scraper, and the power-of-two-choices router.
+
+The policy (tier ceilings, p2c) is pure and lives in `domain.capacity`; this module only keeps the
+soft per-router state it needs: last scrape, optimistic in-flight KV, health, measured TPOT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from domain.capacity import (
+    PPM,
+    CapacityRefusal,
+    Placement,
+    ReplicaLoad,
+    effective_occupancy_ppm,
+    place,
+)
+from engine_adapter.vllm_http import (
+    ReplicaMetrics,
+    ReplicaUnavailable,
+    VLLMReplica,
+    check_health,
+    fetch_metrics,
+)
+
+TPOT_WINDOW_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A replica the router dispatched to. Hand it back to `Fleet.release` when the request ends."""
+
+    replica: VLLMReplica
+    occupancy_ppm: int  # effective occupancy at choice, for RequestRouted
+    est_kv_tokens: int
+    dispatch_id: int
+
+    @property
+    def replica_id(self) -> str:
+        return self.replica.replica_id
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """No replica may take the request: a 503 capacity answer, never a 429."""
+
+    model: str
+    detail: str  # no_replica | over_ceiling | reserved_only
+    ceiling_ppm: int
+    best_occupancy_ppm: int | None = None
+    reason: str = "capacity"
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownModel:
+    """No replica serves this model version at all: the gateway answers 404."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class TpotEstimate:
+    """Fleet-wide p95 time per output token over the last 30 s, for one model."""
+
+    p95_us: int
+    samples: int  # finished requests in the window
+    age_s: float  # since the window last held any request
+
+
+@dataclass
+class ReplicaState:
+    replica: VLLMReplica
+    reserved_only: bool = False
+    healthy: bool = False
+    last_error: str | None = None
+    metrics: ReplicaMetrics | None = None
+    scraped_at: float | None = None  # monotonic
+    scraped_occupancy_ppm: int = PPM
+    capacity_tokens: int = 0
+    # Tokens dispatched by this router that the last scrape may not show yet, by dispatch id, in
+    # dispatch order: (dispatched_at, tokens).
+    inflight: dict[int, tuple[float, int]] = field(default_factory=dict)
+    inflight_tokens: int = 0
+    health_ok: bool = True
+    # (scraped_at, cumulative TPOT bucket counts) within the TPOT window
+    tpot_samples: deque[tuple[float, tuple[tuple[float, int], ...]]] = field(default_factory=deque)
+
+    @property
+    def replica_id(self) -> str:
+        return self.replica.replica_id
+
+    @property
+    def model(self) -> str:
+        return self.replica.model
+
+    @property
+    def kv_usage(self) -> float:
+        """Last scraped KV occupancy, 0..1 (for dashboards; routing uses the ppm fields)."""
+        return self.scraped_occupancy_ppm / PPM if self.scraped_at is not None else 0.0
+
+    def effective_occupancy_ppm(self) -> int:
+        return effective_occupancy_ppm(
+            self.scraped_occupancy_ppm, self.inflight_tokens, self.capacity_tokens
+        )
+
+
+class Fleet:
+    """Registry, scraper and router. One per gateway process; all methods run on one event loop."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        scrape_interval_s: float = 0.25,
+        health_every: int = 8,
+        stale_after_s: float = 2.0,
+        scrape_timeout_s: float = 1.0,
+    ) -> None:
+        self._session = session
+        self.scrape_interval_s = scrape_interval_s
+        self.health_every = health_every
+        self.stale_after_s = stale_after_s
+        self.scrape_timeout_s = scrape_timeout_s
+        self._by_model: dict[str, list[ReplicaState]] = {}
+        self._by_id: dict[str, ReplicaState] = {}
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self._tick = 0
+        self._tpot: dict[str, tuple[int, int, float]] = {}  # model -> (p95_us, samples, at)
+
+    # -- registry
+
+    def add(
+        self, replica_id: str, url: str, model: str, reserved_only: bool = False
+    ) -> VLLMReplica:
+        if replica_id in self._by_id:
+            raise ValueError(f"replica {replica_id!r} already registered")
+        replica = VLLMReplica(replica_id, url, model, self._session)
+        state = ReplicaState(replica, reserved_only=reserved_only)
+        self._by_id[replica_id] = state
+        self._by_model.setdefault(model, []).append(state)
+        return replica
+
+    def remove(self, replica_id: str) -> None:
+        state = self._by_id.pop(replica_id)
+        states = self._by_model[state.replica.model]
+        states.remove(state)
+        if not states:
+            del self._by_model[state.replica.model]
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def replicas(self, model: str | None = None) -> list[ReplicaState]:
+        if model is None:
+            return list(self._by_id.values())
+        return list(self._by_model.get(model, ()))
+
+    def state(self, replica_id: str) -> ReplicaState:
+        return self._by_id[replica_id]
+
+    def healthy_count(self, model: str | None = None) -> int:
+        """Replicas that would receive traffic now (healthy and freshly scraped)."""
+        now = time.monotonic()
+        return sum(1 for s in self.replicas(model) if self._is_routable(s, now))
+
+    # -- scraping
+
+    async def start(self) -> None:
+        """Scrape every replica once, then keep scraping in the background."""
+        await self.refresh(check_health_too=True)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fleet-scraper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.scrape_interval_s)
+            self._tick += 1
+            await self.refresh(check_health_too=self._tick % self.health_every == 0)
+
+    async def refresh(self, *, check_health_too: bool = False) -> None:
+        states = list(self._by_id.values())
+        if states:
+            await asyncio.gather(*(self._scrape(s, check_health_too) for s in states))
+        self._update_tpot(time.monotonic())
+
+    async def _scrape(self, s: ReplicaState, check_health_too: bool) -> None:
+        started = time.monotonic()
+        url = s.replica.url
+        try:
+            if check_health_too:
+                m, ok = await asyncio.gather(
+                    fetch_metrics(self._session, url, timeout_s=self.scrape_timeout_s),
+                    check_health(self._session, url, timeout_s=self.scrape_timeout_s),
+                )
+                s.health_ok = ok
+            else:
+                m = await fetch_metrics(self._session, url, timeout_s=self.scrape_timeout_s)
+        except ReplicaUnavailable as e:
+            s.healthy = False
+            s.last_error = str(e)
+            return
+        except ValueError as e:  # unparsable exposition
+            s.healthy = False
+            s.last_error = f"bad /metrics: {e}"
+            return
+        self.apply_scrape(s, m, scrape_started_at=started, now=time.monotonic())
+
+    def apply_scrape(
+        self, s: ReplicaState, m: ReplicaMetrics, *, scrape_started_at: float, now: float
+    ) -> None:
+        """Take a scrape into the replica's state (public so tests can feed scrapes directly)."""
+        s.metrics = m
+        s.scraped_at = now
+        s.scraped_occupancy_ppm = max(0, min(PPM, round(m.kv_cache_usage * PPM)))
+        cap = m.kv_capacity_tokens
+        if cap:
+            s.capacity_tokens = cap
+        # What was dispatched before this scrape was asked for is now in the engine's own number
+        # (queued or running); keep only what went out while the scrape was in flight.
+        while s.inflight:
+            first = next(iter(s.inflight))
+            at, tokens = s.inflight[first]
+            if at >= scrape_started_at:
+                break
+            del s.inflight[first]
+            s.inflight_tokens -= tokens
+        s.healthy = s.health_ok and s.capacity_tokens > 0
+        s.last_error = None if s.healthy else (s.last_error or "no capacity info / health failed")
+        window = s.tpot_samples
+        if window and m.tpot_count < (window[-1][1][-1][1] if window[-1][1] else 0):
+            window.clear()  # counters went backwards: the replica restarted
+        window.append((now, m.tpot_buckets))
+        while len(window) > 1 and window[1][0] <= now - TPOT_WINDOW_S:
+            window.popleft()
+
+    def _is_routable(self, s: ReplicaState, now: float) -> bool:
+        return (
+            s.healthy
+            and s.scraped_at is not None
+            and now - s.scraped_at <= self.stale_after_s
+            and s.capacity_tokens > 0
+        )
+
+    # -- routing
+
+    def choose(
+        self, model: str, tier: str, est_kv_tokens: int, rng: random.Random
+    ) -> Choice | Refusal | UnknownModel:
+        """Pick a replica of `model` for a request of `tier` by p2c, under the tier's ceiling.
+
+        On success the request's estimated KV is added to the replica's optimistic in-flight
+        count until the next scrape (or `release`).
+        """
+        states = self._by_model.get(model)
+        if not states:
+            return UnknownModel(model)
+        now = time.monotonic()
+        routable = {s.replica_id: s for s in states if self._is_routable(s, now)}
+        loads = [
+            ReplicaLoad(s.replica_id, s.effective_occupancy_ppm(), s.reserved_only)
+            for s in routable.values()
+        ]
+        decision = place(tier, loads, rng.sample)
+        if isinstance(decision, CapacityRefusal):
+            return Refusal(
+                model,
+                decision.detail,
+                decision.ceiling_ppm,
+                decision.best_occupancy_ppm,
+                decision.reason,
+            )
+        assert isinstance(decision, Placement)
+        s = routable[decision.replica_id]
+        dispatch_id = next(self._ids)
+        tokens = max(0, est_kv_tokens)
+        s.inflight[dispatch_id] = (now, tokens)
+        s.inflight_tokens += tokens
+        return Choice(s.replica, decision.occupancy_ppm, tokens, dispatch_id)
+
+    def release(self, choice: Choice) -> None:
+        """The request ended. If no scrape has absorbed it yet, stop counting its KV."""
+        s = self._by_id.get(choice.replica_id)
+        if s is None:
+            return
+        entry = s.inflight.pop(choice.dispatch_id, None)
+        if entry is not None:
+            s.inflight_tokens -= entry[1]
+
+    # -- measured TPOT
+
+    def _update_tpot(self, now: float) -> None:
+        for model, states in self._by_model.items():
+            merged: dict[float, int] = {}
+            for s in states:
+                if len(s.tpot_samples) < 2 or not s.healthy:
+                    continue
+                old = dict(s.tpot_samples[0][1])
+                for bound, count in s.tpot_samples[-1][1]:
+                    merged[bound] = merged.get(bound, 0) + count - old.get(bound, 0)
+            buckets = sorted(merged.items())
+            p95 = histogram_quantile(0.95, buckets)
+            if p95 is not None:
+                self._tpot[model] = (round(p95 * 1_000_000), buckets[-1][1], now)
+
+    def tpot_p95(self, model: str) -> TpotEstimate | None:
+        """p95 TPOT over the last 30 s from /metrics bucket deltas, and how old that reading is.
+        None until a window has held at least one finished request."""
+        got = self._tpot.get(model)
+        if got is None:
+            return None
+        p95_us, samples, at = got
+        return TpotEstimate(p95_us, samples, time.monotonic() - at)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, int]]) -> float | None:
+    """Prometheus-style quantile from cumulative (upper bound, count) buckets, linear within a
+    bucket. None when the buckets hold no observation."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    rank = q * total
+    counts = [c for _, c in buckets]
+    i = bisect.bisect_left(counts, rank)
+    i = min(i, len(buckets) - 1)
+    upper, c_hi = buckets[i]
+    lower, c_lo = (0.0, 0) if i == 0 else buckets[i - 1]
+    if math.isinf(upper):
+        return lower  # as Prometheus: the highest finite bound
+    if c_hi == c_lo:
+        return upper
+    return lower + (upper - lower) * (rank - c_lo) / (c_hi - c_lo)

@@ -1,0 +1,365 @@
+"""The edge's quota decision: the three layers in order, headers, Retry-After, the retry budget,
+stale-view policies, folding from events without double counting, and leases."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from domain.admission import AdmissionPolicy, Admitted, QuotaView, Rejected, ReserveQuota
+from domain.control import Limits
+from domain.cost import GIB, est_kv_byte_seconds
+from domain.errors import DomainError
+from tests import builders as b
+
+LIMITS = Limits(rpm=60, tpm=10_000, max_context=4_000, max_output=1_000, kv_gib_seconds=16)
+ENTERPRISE = replace(LIMITS, kv_gib_seconds=16, reserved_kv_gib_seconds=64)
+KV_8B = 131_072
+TPOT = 50_000
+
+
+def quota(limits: Limits = LIMITS, **policy: Any) -> QuotaView:
+    return QuotaView(lambda tenant, model: limits, AdmissionPolicy(**policy))
+
+
+_n = iter(range(10**9))
+
+
+def ask(seconds: float = 0, **kw: Any) -> ReserveQuota:
+    base = ReserveQuota(
+        request_id=f"r{next(_n)}",
+        tenant_id=b.TENANT,
+        key_id=b.KEY,
+        model=b.MODEL,
+        tier="standard",
+        edge_id="edge-1",
+        prompt_tokens=100,
+        max_tokens=100,
+        kv_bytes_per_token=KV_8B,
+        tpot_us=TPOT,
+        now=b.at(seconds),
+        jitter=0.0,
+    )
+    return replace(base, **kw)
+
+
+def admitted(decision: Admitted | Rejected) -> Admitted:
+    assert isinstance(decision, Admitted), decision
+    return decision
+
+
+def rejected(decision: Admitted | Rejected, reason: str) -> Rejected:
+    assert isinstance(decision, Rejected), decision
+    assert decision.reason == reason, decision
+    return decision
+
+
+# --- layer 1: requests/min ----------------------------------------------------------------------
+
+
+def test_requests_per_minute_bucket_refills_at_rpm_per_60_s() -> None:
+    view = quota(replace(LIMITS, rpm=3))
+    for _ in range(3):
+        admitted(view.decide(ask(0)))
+    refusal = rejected(view.decide(ask(0)), "requests")
+    assert refusal.http_status == 429
+    assert refusal.rate_limits.remaining_requests == 0
+    # 3 rpm refills one request every 20 s: Retry-After is max(5, 20) + jitter 0
+    assert refusal.retry_after_s == 20
+    admitted(view.decide(ask(20)))
+
+
+# --- layer 2: tokens/min ------------------------------------------------------------------------
+
+
+def test_tokens_are_charged_prompt_plus_max_output_and_refunded() -> None:
+    view = quota(replace(LIMITS, kv_gib_seconds=10**6))
+    first = admitted(view.decide(ask(0, prompt_tokens=1000, max_tokens=1000)))
+    assert first.estimate.reserved_tokens == 2000
+    assert first.rate_limits.remaining_tokens == 8000
+    for _ in range(4):
+        admitted(view.decide(ask(0, prompt_tokens=1000, max_tokens=1000)))
+    rejected(view.decide(ask(0, prompt_tokens=1000, max_tokens=1000)), "tokens")
+    # the first request used only 1,090 tokens: 910 come back at once
+    view.refund(first_id(view), used_tokens=1090, at=b.at(0))
+    assert admitted(view.decide(ask(0, prompt_tokens=400, max_tokens=500)))
+
+
+def first_id(view: QuotaView) -> str:
+    return view.in_flight()[0].request_id
+
+
+def test_max_tokens_above_max_output_is_clamped() -> None:
+    decision = admitted(quota().decide(ask(prompt_tokens=10, max_tokens=50_000)))
+    assert decision.estimate.reserved_output_tokens == 1_000 and decision.clamped_output
+    unset = admitted(quota().decide(ask(prompt_tokens=10, max_tokens=None)))
+    assert unset.estimate.reserved_output_tokens == 1_000 and not unset.clamped_output
+
+
+def test_prompt_above_max_context_is_invalid() -> None:
+    refusal = rejected(quota().decide(ask(prompt_tokens=4_001)), "invalid")
+    assert refusal.http_status == 400 and refusal.retry_after_s == 0
+    assert refusal.param == "messages" and "Retry-After" not in refusal.headers()
+
+
+def test_a_request_larger_than_the_tokens_per_minute_limit_is_invalid() -> None:
+    view = quota(replace(LIMITS, tpm=1_000))
+    rejected(view.decide(ask(prompt_tokens=900, max_tokens=200)), "invalid")
+
+
+def test_max_tokens_zero_is_invalid() -> None:
+    assert rejected(quota().decide(ask(max_tokens=0)), "invalid").param == "max_tokens"
+
+
+# --- layer 3: concurrent KV·s -------------------------------------------------------------------
+
+
+def kv_of(prompt: int, out: int) -> int:
+    return est_kv_byte_seconds(prompt, out, KV_8B, TPOT)
+
+
+def test_kv_seconds_in_flight_is_capped_per_tenant_and_model() -> None:
+    view = quota(replace(LIMITS, tpm=10**9))
+    one = kv_of(1000, 1000)  # (1000 + 500) × 128 KiB × 1000 × 0.05 s ≈ 9.2 GiB·s
+    assert (
+        admitted(view.decide(ask(prompt_tokens=1000, max_tokens=1000))).estimate.kv_byte_seconds
+        == one
+    )
+    refusal = rejected(view.decide(ask(prompt_tokens=1000, max_tokens=1000)), "concurrency")
+    assert refusal.http_status == 429 and "16 GiB·s" in refusal.detail
+    assert view.kv_in_flight(b.TENANT, b.MODEL) == one
+    # another model of the same tenant has its own allowance
+    admitted(view.decide(ask(prompt_tokens=1000, max_tokens=1000, model="llama-3.1-8b")))
+
+
+def test_a_lone_request_above_the_cap_is_admitted() -> None:
+    view = quota(replace(LIMITS, tpm=10**9, kv_gib_seconds=1))
+    admitted(view.decide(ask(prompt_tokens=4000, max_tokens=1000)))
+    rejected(view.decide(ask(prompt_tokens=10, max_tokens=10)), "concurrency")
+
+
+def test_kv_comes_back_on_the_terminal_event() -> None:
+    view = quota(replace(LIMITS, tpm=10**9))
+    admitted(view.decide(ask(prompt_tokens=1000, max_tokens=1000)))
+    rid = first_id(view)
+    view.apply(b.record(b.completed(request_id=rid), version=3, seconds=1))
+    assert view.kv_in_flight(b.TENANT, b.MODEL) == 0
+    admitted(view.decide(ask(2, prompt_tokens=1000, max_tokens=1000)))
+
+
+def test_enterprise_is_admitted_up_to_its_reserved_floor() -> None:
+    view = quota(replace(ENTERPRISE, tpm=10**9))
+    for _ in range(6):  # 6 × 9.2 ≈ 55 GiB·s: above the 16 cap, within the 64 floor
+        admitted(view.decide(ask(tier="enterprise", prompt_tokens=1000, max_tokens=1000)))
+    rejected(
+        view.decide(ask(tier="enterprise", prompt_tokens=1000, max_tokens=1000)), "concurrency"
+    )
+    # the floor is the reserved class's only: a standard key of the same limits stops at 16
+    other = quota(replace(ENTERPRISE, tpm=10**9))
+    admitted(other.decide(ask(prompt_tokens=1000, max_tokens=1000)))
+    rejected(other.decide(ask(prompt_tokens=1000, max_tokens=1000)), "concurrency")
+
+
+# --- stale view ---------------------------------------------------------------------------------
+
+
+def test_stale_view_fails_open_on_tokens() -> None:
+    view = quota(replace(LIMITS, tpm=2_000, kv_gib_seconds=10**6))
+    admitted(view.decide(ask(prompt_tokens=900, max_tokens=900)))
+    rejected(view.decide(ask(prompt_tokens=900, max_tokens=900)), "tokens")
+    admitted(view.decide(ask(prompt_tokens=900, max_tokens=900), stale=True))
+
+
+def test_stale_view_fails_closed_on_kv_to_the_conservative_cap() -> None:
+    limits = replace(LIMITS, tpm=10**9, kv_gib_seconds=1000)
+    view = quota(limits, stale_kv_gib_seconds=10)
+    admitted(view.decide(ask(prompt_tokens=1000, max_tokens=1000)))
+    admitted(view.decide(ask(prompt_tokens=1000, max_tokens=1000)))  # fresh: cap 1000
+    refusal = rejected(
+        view.decide(ask(prompt_tokens=1000, max_tokens=1000), stale=True), "concurrency"
+    )
+    assert "stale" in refusal.detail
+
+
+def test_stale_view_still_honours_the_reserved_floor() -> None:
+    view = quota(replace(ENTERPRISE, tpm=10**9), stale_kv_gib_seconds=1)
+    for _ in range(6):
+        admitted(
+            view.decide(ask(tier="enterprise", prompt_tokens=1000, max_tokens=1000), stale=True)
+        )
+
+
+# --- headers and Retry-After --------------------------------------------------------------------
+
+
+def test_headers_report_limit_remaining_and_reset() -> None:
+    decision = admitted(quota().decide(ask(prompt_tokens=1000, max_tokens=1000)))
+    info = decision.rate_limits
+    assert (info.limit_requests, info.remaining_requests) == (60, 59)
+    assert (info.limit_tokens, info.remaining_tokens) == (10_000, 8_000)
+    # 1 request at 1/s refills in 1 s; 2,000 tokens at 10,000/60 per s in 12 s
+    assert (info.reset_requests_ms, info.reset_tokens_ms) == (1_000, 12_000)
+    headers = decision.headers()
+    assert headers["X-RateLimit-Remaining-Tokens"] == "8000"
+    assert headers["X-RateLimit-Reset-Requests"] == "1s"
+    assert headers["X-RateLimit-Reset-Tokens"] == "12s"
+
+
+@pytest.mark.parametrize(("jitter", "expected"), [(0.0, 5), (0.5, 8), (0.999, 10)])
+def test_retry_after_is_base_plus_jitter(jitter: float, expected: int) -> None:
+    view = quota(replace(LIMITS, tpm=10**9, kv_gib_seconds=1))
+    admitted(view.decide(ask(prompt_tokens=1000, max_tokens=1000)))
+    refusal = rejected(
+        view.decide(ask(prompt_tokens=1000, max_tokens=1000, jitter=jitter)), "concurrency"
+    )
+    assert refusal.retry_after_s == expected
+    assert refusal.headers()["Retry-After"] == str(expected)
+
+
+def test_jitter_outside_unit_interval_is_a_domain_error() -> None:
+    with pytest.raises(DomainError):
+        quota().decide(ask(jitter=1.0))
+
+
+# --- retry budget (R6) --------------------------------------------------------------------------
+
+
+def test_retries_above_20_percent_are_shed_except_enterprise() -> None:
+    view = quota(replace(LIMITS, rpm=10**6, tpm=10**9, kv_gib_seconds=10**6))
+    for i in range(80):
+        admitted(view.decide(ask(i * 0.5, key_id=f"k{i}")))
+    for i in range(20):  # 20 retries of 100 seen: exactly 20 %, not above
+        admitted(view.decide(ask(40, key_id=f"r{i}", is_retry=True)))
+    shed = rejected(view.decide(ask(40, is_retry=True, jitter=0.5)), "retry_budget")
+    assert shed.http_status == 503 and 30 <= shed.retry_after_s <= 60
+    assert shed.retry_after_s == 30 + 15
+    admitted(view.decide(ask(40, is_retry=True, tier="enterprise")))
+    admitted(view.decide(ask(40)))  # first attempts are never shed by the budget
+    # a minute later the storm has left the window
+    admitted(view.decide(ask(101, is_retry=True)))
+
+
+def test_retry_budget_needs_volume() -> None:
+    view = quota(replace(LIMITS, rpm=10**6, tpm=10**9, kv_gib_seconds=10**6))
+    for _ in range(5):
+        admitted(view.decide(ask(0, is_retry=True)))
+
+
+def test_retries_seen_from_other_edges_count_once() -> None:
+    view = quota(replace(LIMITS, rpm=10**6, tpm=10**9, kv_gib_seconds=10**6))
+    for i in range(30):
+        ev = b.rejected(request_id=f"x{i}", is_retry=True)
+        view.apply(b.record(ev, seconds=1))
+        view.apply(b.record(ev, seconds=1))  # redelivered
+    assert view.retry_window() == (30, 30)
+    rejected(view.decide(ask(2, is_retry=True)), "retry_budget")
+
+
+# --- folding: the same view from events, no double counting -------------------------------------
+
+
+def events_for(rid: str, seconds: float = 0) -> list[Any]:
+    return [
+        b.record(b.admitted(request_id=rid), version=1, seconds=seconds),
+        b.record(
+            b.estimated(request_id=rid, reserved_tokens=2000, kv_byte_seconds=kv_of(1000, 1000)),
+            version=2,
+            seconds=seconds,
+        ),
+    ]
+
+
+def test_rebuilt_view_equals_the_live_view() -> None:
+    limits = replace(LIMITS, tpm=10**9)
+    live = quota(limits)
+    rebuilt = quota(limits)
+    decision = admitted(live.decide(ask(0, request_id="a", prompt_tokens=1000, max_tokens=1000)))
+    assert decision.estimate.kv_byte_seconds == kv_of(1000, 1000)
+    records = events_for("a")
+    for r in records:
+        live.apply(r)  # its own events coming back: already counted
+        rebuilt.apply(r)
+        rebuilt.apply(r)  # redelivery
+    assert live.kv_in_flight(b.TENANT, b.MODEL) == rebuilt.kv_in_flight(b.TENANT, b.MODEL)
+    assert [f.request_id for f in live.in_flight()] == [f.request_id for f in rebuilt.in_flight()]
+    a = live.decide(ask(0, prompt_tokens=10, max_tokens=10))
+    c = rebuilt.decide(ask(0, prompt_tokens=10, max_tokens=10))
+    assert a.rate_limits == c.rate_limits
+
+
+def test_refund_event_after_local_refund_is_not_counted_twice() -> None:
+    view = quota(replace(LIMITS, kv_gib_seconds=10**6))
+    admitted(view.decide(ask(0, request_id="a", prompt_tokens=1000, max_tokens=1000)))
+    view.refund("a", used_tokens=1000, at=b.at(0))
+    after_local = admitted(view.decide(ask(0, prompt_tokens=1, max_tokens=1))).rate_limits
+    view.apply(b.record(b.refunded(request_id="a", refunded_tokens=1000), version=4))
+    again = admitted(view.decide(ask(0, prompt_tokens=1, max_tokens=1))).rate_limits
+    assert again.remaining_tokens == after_local.remaining_tokens - 2
+
+
+def test_void_undoes_an_admission_refused_by_capacity() -> None:
+    view = quota(replace(LIMITS, rpm=1))
+    admitted(view.decide(ask(0, request_id="a")))
+    view.void("a")
+    assert view.kv_in_flight(b.TENANT, b.MODEL) == 0
+    admitted(view.decide(ask(0)))  # the request slot came back
+    # the capacity rejection's event later changes nothing more
+    view.apply(b.record(b.rejected(request_id="a", reason="capacity"), version=3))
+    assert len(view.in_flight()) == 1
+
+
+def test_duplicate_request_id_is_a_domain_error() -> None:
+    view = quota()
+    admitted(view.decide(ask(0, request_id="a")))
+    with pytest.raises(DomainError) as err:
+        view.decide(ask(0, request_id="a"))
+    assert err.value.rule == "duplicate_request"
+
+
+def test_estimate_before_admission_is_held_until_it_arrives() -> None:
+    view = quota()
+    admit, estimate = events_for("a")
+    view.apply(estimate)
+    assert view.kv_in_flight(b.TENANT, b.MODEL) == 0
+    view.apply(admit)
+    assert view.kv_in_flight(b.TENANT, b.MODEL) == kv_of(1000, 1000)
+
+
+def test_works_without_a_resolver_once_a_decision_saw_the_limits() -> None:
+    view = QuotaView()
+    assert isinstance(view.decide(ask(0), LIMITS), Admitted)
+    for r in events_for("other"):
+        view.apply(r)
+    assert len(view.in_flight()) == 2
+
+
+# --- leases -------------------------------------------------------------------------------------
+
+
+def test_unrenewed_leases_expire_after_15_s() -> None:
+    view = quota(replace(LIMITS, tpm=10**9, kv_gib_seconds=10**6))
+    admitted(view.decide(ask(0, request_id="a")))
+    admitted(view.decide(ask(0, request_id="b")))
+    renewal = b.renewed(b.lease_progress(request_id="a", completion_tokens=33), edge_id="edge-2")
+    view.apply(b.record(renewal, seconds=10, stream_id="edge-edge-2"))
+    assert view.expired(b.at(15)) == []
+    assert view.expired(b.at(15.001)) == ["b"]
+    assert view.expired(b.at(25.001)) == ["a", "b"]
+    flight = {f.request_id: f for f in view.in_flight(b.TENANT)}
+    assert flight["a"].edge_id == "edge-2" and flight["a"].renewed_at == b.at(10)
+    progress = view.progress("a")
+    assert progress is not None and progress.completion_tokens == 33
+
+
+def test_lease_expired_event_releases_kv_and_prune_forgets_finished() -> None:
+    view = quota()
+    admitted(view.decide(ask(0, request_id="a")))
+    view.apply(b.record(b.lease_expired(request_id="a"), version=3, seconds=16))
+    assert view.expired(b.at(100)) == [] and view.kv_in_flight(b.TENANT, b.MODEL) == 0
+    assert view.prune(b.at(16 + 601)) == 1
+
+
+def test_gib() -> None:
+    assert GIB == 2**30

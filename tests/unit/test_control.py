@@ -1,0 +1,214 @@
+"""The control plane: decide_control's refusals, and the view's history (limits and prices as of
+a past instant)."""
+
+from __future__ import annotations
+
+import pytest
+
+from domain import control as c
+from domain.errors import DomainError
+from domain.events import Event, LimitsSet, PlanChanged, TenantRegistered
+from tests import builders as b
+
+
+def view_of(*timed: tuple[float, Event]) -> c.ControlView:
+    view = c.ControlView()
+    for i, (seconds, event) in enumerate(timed, start=1):
+        view.apply(b.record(event, version=i, seconds=seconds, position=i))
+    return view
+
+
+def refused(view: c.ControlView, command: c.ControlCommand) -> DomainError:
+    with pytest.raises(DomainError) as err:
+        c.decide_control(view, command)
+    return err.value
+
+
+ACME = (0.0, b.tenant_registered())
+
+
+# --- decide_control -----------------------------------------------------------------------------
+
+
+def test_register_tenant() -> None:
+    events = c.decide_control(c.ControlView(), c.RegisterTenant("acme", "standard", "salt"))
+    assert events == (TenantRegistered("acme", "acme", "standard", "salt"),)
+
+
+@pytest.mark.parametrize("name", ["", "Acme", "-acme", "a" * 64, "acme corp", "acme_1"])
+def test_bad_tenant_names_are_refused(name: str) -> None:
+    err = refused(c.ControlView(), c.RegisterTenant(name, "free", "salt"))
+    assert (err.rule, err.field) == ("bad_name", "name")
+
+
+def test_tenant_name_limits() -> None:
+    for name in ("a", "0", "a" * 63, "acme-2"):
+        assert c.decide_control(c.ControlView(), c.RegisterTenant(name, "free", "s"))
+
+
+def test_duplicate_tenant_is_refused() -> None:
+    assert refused(view_of(ACME), c.RegisterTenant("acme", "free", "s")).rule == "duplicate_tenant"
+
+
+def test_bad_plan_is_refused() -> None:
+    assert refused(c.ControlView(), c.RegisterTenant("x", "gold", "s")).rule == "bad_plan"
+    assert refused(view_of(ACME), c.ChangePlan("acme", "gold")).rule == "bad_plan"
+
+
+def test_unknown_tenant_is_refused() -> None:
+    for command in (
+        c.ChangePlan("nope", "free"),
+        c.SetLimits("nope", "*", rpm=1),
+        c.IssueApiKey("nope", "k", b.KEY_HASH),
+    ):
+        assert refused(view_of(ACME), command).rule == "unknown_tenant"
+
+
+def test_change_plan_to_the_same_plan_records_nothing() -> None:
+    view = view_of(ACME)
+    assert c.decide_control(view, c.ChangePlan("acme", "standard")) == ()
+    assert c.decide_control(view, c.ChangePlan("acme", "free")) == (PlanChanged("acme", "free"),)
+
+
+def test_negative_limits_name_the_field() -> None:
+    err = refused(view_of(ACME), c.SetLimits("acme", "*", rpm=10, max_output=-1))
+    assert (err.rule, err.field) == ("negative_limit", "max_output")
+
+
+def test_set_limits_records_only_what_it_sets() -> None:
+    events = c.decide_control(view_of(ACME), c.SetLimits("acme", "llama-3.1-8b", tpm=5))
+    assert events == (LimitsSet("acme", "llama-3.1-8b", tpm=5),)
+    assert refused(view_of(ACME), c.SetLimits("acme", "*")).rule == "empty_limits"
+
+
+def test_issue_key_checks_hash_scope_and_duplicates() -> None:
+    view = view_of(ACME, (1.0, b.key_issued()))
+    assert refused(view, c.IssueApiKey("acme", "k2", "XYZ")).rule == "bad_key_hash"
+    assert refused(view, c.IssueApiKey("acme", "k2", "b" * 64, "root")).rule == "bad_scope"
+    assert refused(view, c.IssueApiKey("acme", "k2", b.KEY_HASH)).rule == "duplicate_key_hash"
+    assert refused(view, c.IssueApiKey("acme", b.KEY, "b" * 64)).rule == "duplicate_key"
+    assert c.decide_control(view, c.IssueApiKey("acme", b.KEY, b.KEY_HASH)) == ()  # a repeat
+
+
+def test_revoke_key() -> None:
+    view = view_of(ACME, (1.0, b.key_issued()))
+    assert c.decide_control(view, c.RevokeApiKey("acme", b.KEY)) == (b.key_revoked(),)
+    assert refused(view, c.RevokeApiKey("other", b.KEY)).rule == "unknown_key"
+    view.apply(b.record(b.key_revoked(), version=3, seconds=2))
+    assert c.decide_control(view, c.RevokeApiKey("acme", b.KEY)) == ()
+
+
+def test_set_price_cannot_be_backdated_or_negative() -> None:
+    ok = c.SetPrice("llama-3.1-8b", 1, 2, 0, effective_at=b.at(10), now=b.at(5))
+    assert c.decide_control(c.ControlView(), ok)
+    late = c.SetPrice("llama-3.1-8b", 1, 2, 0, effective_at=b.at(0), now=b.at(5))
+    assert refused(c.ControlView(), late).rule == "price_backdated"
+    neg = c.SetPrice("llama-3.1-8b", 1, -2, 0, effective_at=b.at(10), now=b.at(5))
+    assert refused(c.ControlView(), neg).field == "completion_micros_per_mtok"
+
+
+# --- the view -----------------------------------------------------------------------------------
+
+
+def test_keys_by_hash_and_revocation() -> None:
+    view = view_of(ACME, (1.0, b.key_issued()))
+    key = view.key_by_hash(b.KEY_HASH)
+    assert key is not None and key.tenant_id == "acme" and not key.revoked
+    view.apply(b.record(b.key_revoked(), version=3, seconds=2))
+    assert view.key_by_hash(b.KEY_HASH) is None  # a revoked key answers like an unknown one
+    revoked = view.key(b.KEY)
+    assert revoked is not None and revoked.revoked and revoked.revoked_at == b.at(2)
+    assert view.key_by_hash("f" * 64) is None
+
+
+def test_cache_salt_is_per_tenant() -> None:
+    view = view_of(ACME, (0.0, b.tenant_registered(tenant_id="bolt", name="bolt", cache_salt="x")))
+    assert view.cache_salt("acme") == "salt-acme" and view.cache_salt("bolt") == "x"
+
+
+def test_limits_resolve_plan_then_star_then_base_then_version() -> None:
+    view = view_of(
+        ACME,
+        (1.0, b.limits_set(model="*", rpm=100, tpm=1000)),
+        (2.0, b.limits_set(model="llama-3.1-8b", rpm=50)),
+        (3.0, b.limits_set(model="llama-3.1-8b-2026-05", max_output=77)),
+    )
+    std = c.PLAN_LIMITS["standard"]
+    pinned = view.limits("acme", "llama-3.1-8b-2026-05")
+    assert (pinned.rpm, pinned.tpm, pinned.max_output) == (50, 1000, 77)
+    assert pinned.max_context == std.max_context
+    base = view.limits("acme", "llama-3.1-8b")
+    assert (base.rpm, base.tpm, base.max_output) == (50, 1000, std.max_output)
+    other = view.limits("acme", "llama-3.1-70b")
+    assert (other.rpm, other.tpm) == (100, 1000)
+
+
+def test_limits_as_of_a_past_instant() -> None:
+    view = view_of(
+        ACME,
+        (10.0, b.limits_set(rpm=100)),
+        (20.0, b.plan_changed(plan="enterprise")),
+        (30.0, b.limits_set(rpm=7)),
+        (40.0, b.limits_set(tpm=9)),  # leaves rpm=7 in force
+    )
+    std, ent = c.PLAN_LIMITS["standard"], c.PLAN_LIMITS["enterprise"]
+    assert view.limits("acme", b.MODEL, b.at(5)) == std
+    assert view.limits("acme", b.MODEL, b.at(15)).rpm == 100
+    assert view.limits("acme", b.MODEL, b.at(25)).max_context == ent.max_context
+    assert view.limits("acme", b.MODEL, b.at(35)).rpm == 7
+    now = view.limits("acme", b.MODEL)
+    assert (now.rpm, now.tpm, now.max_context) == (7, 9, ent.max_context)
+    assert view.plan("acme", b.at(15)) == "standard" and view.plan("acme") == "enterprise"
+    with pytest.raises(DomainError):
+        view.limits("acme", b.MODEL, b.at(-1))  # before the tenant existed
+
+
+def test_current_limits_cache_follows_new_events() -> None:
+    view = view_of(ACME)
+    assert view.limits("acme", b.MODEL).rpm == c.PLAN_LIMITS["standard"].rpm
+    view.apply(b.record(b.limits_set(rpm=3), version=2, seconds=1))
+    assert view.limits("acme", b.MODEL).rpm == 3
+
+
+def test_price_is_effective_dated_and_never_retroactive() -> None:
+    view = view_of(
+        (0.0, b.price_set(prompt_micros_per_mtok=100, effective_at=b.at(0))),
+        (5.0, b.price_set(prompt_micros_per_mtok=200, effective_at=b.at(100))),
+        # recorded at 50 s but claims to be effective from 10 s: in force only from 50 s
+        (50.0, b.price_set(prompt_micros_per_mtok=300, effective_at=b.at(10))),
+    )
+
+    def at(seconds: float, model: str = "llama-3.1-8b") -> int:
+        return view.price(model, b.at(seconds)).prompt_micros_per_mtok
+
+    assert at(0) == 100 and at(20) == 100 and at(49) == 100
+    assert at(50) == 300 and at(99) == 300 and at(100) == 200
+    assert at(150, "llama-3.1-8b-2026-05") == 200  # a version falls back to its base price
+    with pytest.raises(DomainError) as err:
+        view.price("llama-3.1-8b", b.at(-1))
+    assert err.value.rule == "no_price"
+
+
+def test_a_version_price_overrides_its_base() -> None:
+    view = view_of(
+        (0.0, b.price_set(prompt_micros_per_mtok=100)),
+        (0.0, b.price_set(model=b.MODEL, prompt_micros_per_mtok=150)),
+    )
+    assert view.price(b.MODEL, b.at(1)).prompt_micros_per_mtok == 150
+    assert view.price("llama-3.1-8b-2026-06", b.at(1)).prompt_micros_per_mtok == 100
+
+
+def test_redelivered_control_event_is_ignored() -> None:
+    view = c.ControlView()
+    first = b.record(b.tenant_registered(), seconds=0)
+    view.apply(first)
+    view.apply(b.record(b.plan_changed(plan="free"), version=2, seconds=1))
+    view.apply(first)
+    assert view.plan("acme") == "free"
+
+
+def test_plan_defaults_are_ordered() -> None:
+    free, std, ent = (c.PLAN_LIMITS[p] for p in ("free", "standard", "enterprise"))
+    for name in c.LIMIT_FIELDS[:5]:
+        assert getattr(free, name) < getattr(std, name) < getattr(ent, name), name
+    assert ent.reserved_kv_gib_seconds > 0 == std.reserved_kv_gib_seconds

@@ -1,0 +1,138 @@
+"""Projection specs: rows from events, keyed by natural keys, rebuildable to identical rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from domain.events import Recorded
+from domain.projections import (
+    LEDGER_ENTRIES,
+    PROJECTIONS,
+    REQUEST_LOG,
+    USAGE_HOURLY,
+    ProjectionSpec,
+)
+from tests import builders as b
+
+
+def run(spec: ProjectionSpec, records: list[Recorded]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """What the ledger's runner does, in memory: upsert by key, delete on None."""
+    table: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for recorded in records:
+        key = spec.key(recorded)
+        if key is None:
+            continue
+        row = spec.project(table.get(key), recorded)
+        if row is None:
+            table.pop(key, None)
+        else:
+            assert tuple(row) == spec.columns, "rows carry every column, in order"
+            assert tuple(row[c] for c in spec.key_columns) == key
+            table[key] = row
+    return table
+
+
+def test_specs_list_key_columns_first() -> None:
+    for spec in PROJECTIONS:
+        assert spec.columns[: len(spec.key_columns)] == spec.key_columns
+
+
+def test_request_log_follows_a_request_to_its_end() -> None:
+    rows = run(REQUEST_LOG, b.stream(*b.happy_path()))
+    row = rows[(b.RID,)]
+    assert row == {
+        "request_id": b.RID,
+        "tenant_id": b.TENANT,
+        "key_id": b.KEY,
+        "model": b.MODEL,
+        "tier": "standard",
+        "status": "completed",
+        "admitted_at": b.at(0),
+        "finished_at": b.at(4),
+        "prompt_tokens": 812,
+        "completion_tokens": 300,
+        "cached_tokens": 512,
+        "ttft_ms": 180,
+        "tpot_us": 42_000,
+        "finish_reason": "stop",
+        "replica_id": "replica-1",
+        "reject_reason": None,
+    }
+
+
+def test_request_log_records_rejections() -> None:
+    row = run(REQUEST_LOG, b.stream(b.rejected(reason="concurrency")))[(b.RID,)]
+    assert (row["status"], row["reject_reason"], row["admitted_at"]) == (
+        "rejected",
+        "concurrency",
+        None,
+    )
+
+
+def test_request_log_cancel_and_expiry() -> None:
+    cancelled = run(REQUEST_LOG, b.stream(b.admitted(), b.routed(), b.cancelled()))[(b.RID,)]
+    assert (cancelled["status"], cancelled["finish_reason"]) == ("cancelled", "client_disconnected")
+    expired = run(REQUEST_LOG, b.stream(b.admitted(), b.lease_expired()))[(b.RID,)]
+    assert (expired["status"], expired["completion_tokens"]) == ("lease_expired", 40)
+
+
+def test_usage_hourly_sums_ledger_entries_by_tenant_model_and_hour() -> None:
+    late = datetime(2026, 5, 4, 12, 59, 59, 999_999, tzinfo=UTC)
+    records = [
+        b.record(b.billed(request_id="a", finished_at=b.at(10)), position=1),
+        b.record(b.billed(request_id="b", finished_at=late, amount_micros=10), position=2),
+        b.record(b.billed(request_id="c", finished_at=b.at(3600)), position=3),
+        b.record(b.billed(request_id="d", tenant_id="bolt"), position=4),
+        b.record(b.completed(), position=5),  # not a bill: ignored
+    ]
+    rows = run(USAGE_HOURLY, records)
+    noon = (b.TENANT, b.MODEL, datetime(2026, 5, 4, 12, tzinfo=UTC))
+    assert rows[noon] == {
+        "tenant_id": b.TENANT,
+        "model": b.MODEL,
+        "hour": datetime(2026, 5, 4, 12, tzinfo=UTC),
+        "requests": 2,
+        "prompt_tokens": 1624,
+        "completion_tokens": 600,
+        "cached_tokens": 1024,
+        "amount_micros": 276,
+    }
+    assert rows[(b.TENANT, b.MODEL, datetime(2026, 5, 4, 13, tzinfo=UTC))]["requests"] == 1
+    assert len(rows) == 3
+
+
+def test_ledger_entry_is_posted_once_with_its_position() -> None:
+    bill = b.record(b.billed(), seconds=30, position=42)
+    rows = run(LEDGER_ENTRIES, [bill, b.record(b.billed(amount_micros=999), position=43)])
+    row = rows[(b.RID,)]
+    assert row["amount_micros"] == 266 and row["position"] == 42
+    assert row["billed_at"] == b.at(30) and row["terminal"] == "completed"
+    assert row["admitted_at"].tzinfo is not None
+
+
+def test_rebuild_from_zero_gives_identical_rows() -> None:
+    records = [
+        *b.stream(*b.happy_path()),
+        *[
+            b.record(e, version=i + 1, position=100 + i)
+            for i, e in enumerate(
+                [
+                    b.admitted(request_id="z"),
+                    b.estimated(request_id="z"),
+                    b.rejected(request_id="q"),
+                ]
+            )
+        ],
+    ]
+    for spec in PROJECTIONS:
+        assert run(spec, records) == run(spec, list(records))
+
+
+def test_rows_hold_only_primitives() -> None:
+    for spec in PROJECTIONS:
+        for row in run(spec, b.stream(*b.happy_path())).values():
+            for value in row.values():
+                assert value is None or isinstance(value, int | str | datetime)
+                if isinstance(value, datetime):
+                    assert value.tzinfo is not None
