@@ -11,13 +11,25 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api.backoffice import (
+    ENTRY_COLUMNS,
+    FORMATS,
+    GROUP_BY,
+    INVOICE_COLUMNS,
+    USAGE_COLUMNS,
+    choice,
+    parse_range,
+    timeline_json,
+    to_csv,
+)
 from api.chat_request import too_large
-from api.edge import Caller, JsonOutcome, new_request_id
+from api.edge import Caller, JsonOutcome, new_request_id, utcnow
 from api.errors import ApiError, error_body
 from api.runtime import Runtime
 
 T = TypeVar("T")
 CUSTOMER = frozenset({"customer", "admin"})
+ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})
 
 
 def customer(request: Request) -> Caller:
@@ -27,6 +39,15 @@ def customer(request: Request) -> Caller:
 
 
 CustomerDep = Annotated[Caller, Depends(customer)]
+
+
+def any_key(request: Request) -> Caller:
+    request.state.request_id = new_request_id()
+    runtime: Runtime = request.app.state.runtime
+    return runtime.edge.authenticate(request.headers.get("authorization"), ALL_SCOPES)
+
+
+AnyKeyDep = Annotated[Caller, Depends(any_key)]
 
 
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
@@ -76,6 +97,60 @@ def create_app(runtime: Runtime) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(caller: CustomerDep) -> Response:
         return json_response(200, {"object": "list", "data": runtime.fleet_models()})
+
+    @app.get("/v1/billing/usage")
+    async def billing_usage(request: Request, caller: AnyKeyDep) -> Response:
+        q = request.query_params
+        bo = runtime.backoffice
+        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
+        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
+        group_by = choice(q.get("group_by"), GROUP_BY, "hour", "group_by")
+        fmt = choice(q.get("format"), FORMATS, "json", "format")
+        rows = await asyncio.to_thread(bo.usage, tenant, start, end, q.get("model"), group_by)
+        columns = USAGE_COLUMNS + (("key_id",) if group_by == "key" else ())
+        return render_rows(rows, fmt, columns, request.state.request_id)
+
+    @app.get("/v1/billing/ledger")
+    async def billing_ledger(request: Request, caller: AnyKeyDep) -> Response:
+        q = request.query_params
+        bo = runtime.backoffice
+        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
+        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
+        fmt = choice(q.get("format"), FORMATS, "json", "format")
+        limit = _int_param(q.get("limit"), 1000, "limit")
+        rows = await asyncio.to_thread(
+            bo.entries, tenant, start, end, q.get("model"), limit, q.get("after")
+        )
+        return render_rows(rows, fmt, ENTRY_COLUMNS, request.state.request_id)
+
+    @app.get("/v1/billing/invoices/{tenant}")
+    async def billing_invoice(request: Request, tenant: str, caller: AnyKeyDep) -> Response:
+        q = request.query_params
+        bo = runtime.backoffice
+        bo.billing_tenant(caller.scope, caller.tenant_id, tenant)
+        fmt = choice(q.get("format"), FORMATS, "json", "format")
+        invoice = await asyncio.to_thread(bo.invoice, tenant, q.get("period"), utcnow())
+        if fmt == "csv":
+            return render_rows(invoice["lines"], fmt, INVOICE_COLUMNS, request.state.request_id)
+        return json_response(200, invoice, {"X-Request-Id": request.state.request_id})
+
+    @app.get("/v1/billing/reconciliation")
+    async def billing_reconciliation(request: Request, caller: AnyKeyDep) -> Response:
+        q = request.query_params
+        bo = runtime.backoffice
+        if bo.billing_tenant(caller.scope, caller.tenant_id, None) is not None:
+            raise ApiError(403, "the reconciliation report is for finance keys",
+                           type="permission_error", code="insufficient_scope")
+        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
+        report = await asyncio.to_thread(bo.reconciliation, start, end)
+        return json_response(200, report, {"X-Request-Id": request.state.request_id})
+
+    @app.get("/v1/requests/{request_id}/events")
+    async def request_events(request: Request, request_id: str, caller: AnyKeyDep) -> Response:
+        timeline = await asyncio.to_thread(
+            runtime.backoffice.timeline, request_id, caller.scope, caller.tenant_id, utcnow()
+        )
+        return json_response(200, timeline_json(timeline), {"X-Request-Id": request.state.request_id})
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -137,6 +212,25 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def render_rows(
+    rows: list[dict[str, Any]], fmt: str, columns: tuple[str, ...], request_id: str
+) -> Response:
+    headers = {"X-Request-Id": request_id}
+    if fmt == "csv":
+        return Response(to_csv(rows, columns), 200, headers, media_type="text/csv")
+    return json_response(200, {"data": rows}, headers)
+
+
+def _int_param(value: str | None, default: int, name: str) -> int:
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ApiError(400, f"'{name}' must be an integer", param=name,
+                       code="invalid_value") from None
 
 
 def _int_header(value: str | None) -> int:

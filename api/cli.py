@@ -252,6 +252,166 @@ def projections_rebuild(name: str | None, database_url: str | None) -> None:
         click.echo(f"{projection}\t{rows} rows\tsha256 {digest}")
 
 
+# --- finance and support -------------------------------------------------------------------
+
+format_option = click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]),
+                             default="table", show_default=True)
+range_options = [
+    click.option("--from", "start", default=None, help="ISO 8601 (default: 30 days before --to)"),
+    click.option("--to", "end", default=None, help="ISO 8601 (default: now)"),
+]
+
+
+def _with_range(fn: F) -> F:
+    for option in reversed(range_options):
+        fn = option(fn)
+    return fn
+
+
+def _emit(rows: list[dict[str, Any]], fmt: str, columns: tuple[str, ...], title: str) -> None:
+    from api.backoffice import to_csv
+
+    if fmt == "json":
+        import orjson
+
+        click.echo(orjson.dumps({"data": rows}, option=orjson.OPT_INDENT_2).decode())
+    elif fmt == "csv":
+        click.echo(to_csv(rows, columns), nl=False)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column, justify="right" if column.endswith(("tokens", "micros",
+                                                                         "requests")) else "left")
+        for row in rows:
+            table.add_row(*(str(row.get(c, "")) for c in columns))
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+@main.group()
+def ledger() -> None:
+    """The billing ledger: usage, entries, invoices, reconciliation."""
+
+
+@ledger.command("usage")
+@click.option("--tenant", default=None)
+@click.option("--model", default=None)
+@click.option("--group-by", type=click.Choice(["hour", "day", "model", "key"]), default="hour",
+              show_default=True)
+@_with_range
+@format_option
+@database_option
+@one_line_errors
+def ledger_usage(tenant: str | None, model: str | None, group_by: str, start: str | None,
+                 end: str | None, fmt: str, database_url: str | None) -> None:
+    from api.backoffice import USAGE_COLUMNS, parse_range
+
+    with control.open_backoffice(database_url) as bo:
+        if tenant is not None:
+            bo.billing_tenant("finance", "", tenant)
+        lo, hi = parse_range(start, end, datetime.now(UTC))
+        rows = bo.usage(tenant, lo, hi, model, group_by)
+    columns = USAGE_COLUMNS + (("key_id",) if group_by == "key" else ())
+    _emit(rows, fmt, columns, f"usage by {group_by}")
+
+
+@ledger.command("entries")
+@click.option("--tenant", default=None)
+@click.option("--model", default=None)
+@click.option("--limit", default=1000, show_default=True, type=int)
+@_with_range
+@format_option
+@database_option
+@one_line_errors
+def ledger_entries(tenant: str | None, model: str | None, limit: int, start: str | None,
+                   end: str | None, fmt: str, database_url: str | None) -> None:
+    from api.backoffice import ENTRY_COLUMNS, parse_range
+
+    with control.open_backoffice(database_url) as bo:
+        if tenant is not None:
+            bo.billing_tenant("finance", "", tenant)
+        lo, hi = parse_range(start, end, datetime.now(UTC))
+        rows = bo.entries(tenant, lo, hi, model, limit, None)
+    _emit(rows, fmt, ENTRY_COLUMNS, "ledger entries")
+
+
+@ledger.command("invoice")
+@click.argument("tenant")
+@click.option("--period", default=None, help="YYYY-MM (default: this month)")
+@format_option
+@database_option
+@one_line_errors
+def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str | None) -> None:
+    from api.backoffice import INVOICE_COLUMNS
+
+    with control.open_backoffice(database_url) as bo:
+        invoice = bo.invoice(tenant, period, datetime.now(UTC))
+    if fmt == "json":
+        import orjson
+
+        click.echo(orjson.dumps(invoice, option=orjson.OPT_INDENT_2).decode())
+        return
+    _emit(invoice["lines"], fmt, INVOICE_COLUMNS,
+          f"invoice {tenant} {invoice['period']}: total {invoice['amount']}")
+
+
+@ledger.command("reconcile")
+@_with_range
+@database_option
+@one_line_errors
+def ledger_reconcile(start: str | None, end: str | None, database_url: str | None) -> None:
+    """Admitted vs terminal vs ledger entries, reserved vs refunded vs billed; exit 1 on any
+    mismatch."""
+    import orjson
+
+    from api.backoffice import parse_range
+
+    with control.open_backoffice(database_url) as bo:
+        lo, hi = parse_range(start, end, datetime.now(UTC))
+        report = bo.reconciliation(lo, hi)
+    click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    if not report["ok"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True, help="the full timeline as JSON")
+@database_option
+@one_line_errors
+def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
+    """Re-fold a request's events: every step, the state after it, quota and billing effects,
+    the limits in force at admission, and anomalies."""
+    import orjson
+
+    from api.backoffice import timeline_json
+
+    with control.open_backoffice(database_url) as bo:
+        timeline = timeline_json(bo.timeline(request_id, "support", "", datetime.now(UTC)))
+    if as_json:
+        click.echo(orjson.dumps(timeline, option=orjson.OPT_INDENT_2).decode())
+        return
+    click.echo(f"{timeline['request_id']}  {timeline['status']}  tenant={timeline['tenant']} "
+               f"model={timeline['model']} tier={timeline['tier']}")
+    click.echo(f"plan at admission: {timeline['plan_at_admission']}  limits: "
+               f"{timeline['limits_at_admission']}")
+    click.echo(f"replica {timeline['replica_id']} (occupancy at routing "
+               f"{timeline['replica_occupancy_at_routing']}), ttft {timeline['ttft_ms']} ms, "
+               f"tpot {timeline['tpot_us']} us, lease renewals {timeline['lease_renewals']}")
+    for step in timeline["events"]:
+        effect = " ".join(f"{k}={v}" for k, v in step["quota_effect"].items())
+        click.echo(f"  {step['occurred_at']}  v{step['stream_version']:<2} {step['type']:<20} "
+                   f"-> {step['state_after']:<13} {effect}")
+    click.echo(f"quota: {timeline['quota']}  tokens: {timeline['tokens']}")
+    if timeline["billing"]:
+        click.echo(f"billed: {timeline['billing']['amount_micros']} micro-units "
+                   f"({timeline['billing']['terminal']})")
+    for anomaly in timeline["anomalies"]:
+        click.echo(f"ANOMALY {anomaly['kind']}: {anomaly['detail']}")
+
+
 # --- serving -----------------------------------------------------------------------------------
 
 

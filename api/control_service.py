@@ -62,6 +62,25 @@ def rebuild_projections(
         engine.dispose()
 
 
+@contextmanager
+def open_backoffice(database_url: str | None) -> Iterator[Any]:
+    """A Backoffice over the database, with the control view folded (the CLI acts as an
+    operator: it has every scope)."""
+    from api.backoffice import Backoffice
+
+    url = database_url or default_database_url()
+    upgrade(url)
+    engine = create_engine_from_url(url)
+    try:
+        store = SqlEventStore(engine)
+        view = c.ControlView()
+        for record in store.read_streams_with_prefix(CONTROL_PREFIXES):
+            view.apply(record)
+        yield Backoffice(engine, store, view)
+    finally:
+        engine.dispose()
+
+
 class ControlService:
     def __init__(self, store: SqlEventStore) -> None:
         self.store = store

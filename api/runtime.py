@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import sqlalchemy as sa
 
+from api.backoffice import Backoffice
 from api.config import ServeSettings
 from api.edge import Edge
 from api.idempotency_service import AsyncIdempotency
@@ -73,6 +74,7 @@ class Runtime:
         self.billing = BillingFold(self.store, self.checkpoints, self.control)
         self.sweeper = LeaseSweeper(self.store, ttl_s=self.settings.lease_ttl_s)
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
+        self.backoffice = Backoffice(self.engine, self.store, self.control)
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.edge: Edge = None  # type: ignore[assignment]  # set in start(): needs the fleet
