@@ -158,7 +158,8 @@ class FinanceQueries:
         )
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
-        lines = [{str(k): (int(v) if isinstance(v, int | float) else v) for k, v in r.items()}
+        # PostgreSQL sums bigints as NUMERIC: every figure comes back as an exact int.
+        lines = [{str(k): (v if isinstance(v, str) else int(v)) for k, v in r.items()}
                  for r in rows]
         total = sum(line["amount_micros"] for line in lines)
         return {

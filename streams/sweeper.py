@@ -11,7 +11,6 @@ from datetime import datetime, timedelta
 from domain import lifecycle
 from domain.events import (
     TERMINAL_EVENTS,
-    LeaseProgress,
     LeasesRenewed,
     Recorded,
     RequestAdmitted,
@@ -90,10 +89,9 @@ class LeaseSweeper:
             command = lifecycle.ExpireLease(
                 request_id=lease.request_id,
                 last_renewed_at=lease.renewed_at,
-                progress=LeaseProgress(
-                    lease.request_id, lease.tenant_id, lease.prompt_tokens,
-                    lease.completion_tokens, lease.cached_tokens,
-                ),
+                prompt_tokens=lease.prompt_tokens,
+                completion_tokens=lease.completion_tokens,
+                cached_tokens=lease.cached_tokens,
             )
             events = [
                 NewEvent(str(uuid.uuid4()), lease.request_id, lease.tenant_id, now, e)
