@@ -1,0 +1,108 @@
+"""Engines for the two supported backends: SQLite (embedded) and PostgreSQL via psycopg 3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
+
+from ledger.errors import BadDatabaseUrl, StoreUnavailable
+
+# Execution option a store sets on a connection that is about to write; on SQLite it turns the
+# next BEGIN into BEGIN IMMEDIATE (see _sqlite_begin).
+WRITE = "tollgate_write"
+
+
+def create_engine_from_url(url: str | URL, *, check: bool = True, **kwargs: Any) -> Engine:
+    """An Engine for `url`, tuned for the event store. Raises BadDatabaseUrl for a URL we cannot
+    use and, when `check`, StoreUnavailable if the database does not answer."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = _sqlite_engine(parsed, **kwargs)
+    else:
+        engine = _postgres_engine(parsed, **kwargs)
+    if check:
+        try:
+            with engine.connect():
+                pass
+        except sa.exc.DBAPIError as exc:
+            engine.dispose()
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+            raise StoreUnavailable(f"cannot reach {_shown(parsed)}: {reason}") from None
+    return engine
+
+
+def parse_url(url: str | URL) -> URL:
+    """Validate `url` and normalise `postgresql://` and `postgres://` to the psycopg 3 driver."""
+    try:
+        parsed = make_url(url) if isinstance(url, str) else url
+    except sa.exc.ArgumentError:
+        raise BadDatabaseUrl(
+            f"malformed database URL {url!r}: expected sqlite:///path/to/file.db or "
+            "postgresql+psycopg://user@host:5432/dbname"
+        ) from None
+    drivername = parsed.drivername
+    if drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif drivername in ("sqlite", "sqlite+pysqlite"):
+        if parsed.database in (None, "", ":memory:"):
+            raise BadDatabaseUrl(
+                f"{_shown(parsed)}: an in-memory SQLite database cannot be shared between "
+                "connections; give a file path (sqlite:///data/tollgate.db)"
+            )
+    elif drivername != "postgresql+psycopg":
+        raise BadDatabaseUrl(
+            f"unsupported database URL scheme {drivername!r}: use sqlite:/// or postgresql+psycopg://"
+        )
+    if parsed.get_backend_name() == "postgresql" and not parsed.database:
+        raise BadDatabaseUrl(f"{_shown(parsed)} names no database")
+    return parsed
+
+
+def _shown(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
+
+
+def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
+    assert url.database is not None
+    parent = Path(url.database).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise StoreUnavailable(f"cannot open {_shown(url)}: directory {parent} does not exist")
+    connect_args = {"check_same_thread": False, **kwargs.pop("connect_args", {})}
+    engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when a transaction begins (see _sqlite_begin).
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode loses no committed transaction on a crash of the process, only on
+        # power loss the last few; it is what makes SQLite commits cheap.
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=10000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _sqlite_begin(conn: sa.Connection) -> None:
+        # A deferred transaction that reads and then writes fails with SQLITE_BUSY (no retry) if
+        # another connection wrote in between; writers therefore take the write lock up front.
+        # Readers stay deferred so WAL lets them run alongside the single writer.
+        if conn.get_execution_options().get(WRITE):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            conn.exec_driver_sql("BEGIN")
+
+    return engine
+
+
+def _postgres_engine(url: URL, **kwargs: Any) -> Engine:
+    if "connect_timeout" not in url.query:
+        url = url.update_query_dict({"connect_timeout": "5"})
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 10)
+    return sa.create_engine(url, **kwargs)

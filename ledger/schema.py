@@ -1,0 +1,213 @@
+"""The tables of Tollgate as SQLAlchemy Core `Table`s, and the programmatic way to migrate them.
+
+Migrations (Alembic, `migrations/`) are the only thing that creates these tables; the objects
+here describe them for queries. `tests/integration/test_migrations.py` checks the two agree.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+# Explicit, predictable constraint names so migrations can drop and alter them on both backends.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """A timezone-aware instant that always comes back as UTC.
+
+    SQLite has no timestamptz: it stores text without an offset and returns naive datetimes, so
+    we store UTC and re-attach UTC on the way out. PostgreSQL returns the session's zone, which we
+    normalise so equal instants compare and hash the same everywhere.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: Tollgate stores timezone-aware UTC only")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):  # CURRENT_TIMESTAMP defaults read back raw on some paths
+            value = datetime.fromisoformat(value)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+# SQLite only makes a column an alias of the rowid (and so auto-assigned) when it is INTEGER.
+PositionType = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+# The event log. Append-only: triggers in the migration refuse UPDATE, DELETE and TRUNCATE.
+# PostgreSQL also has `txid xid8 DEFAULT pg_current_xact_id()`; it is left out of this object
+# because SQLite has no such column and the store names it explicitly where it reads it.
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("position", PositionType, sa.Identity(), primary_key=True),
+    sa.Column("event_id", sa.String(36), nullable=False, unique=True),
+    sa.Column("stream_id", sa.String(200), nullable=False),
+    sa.Column("stream_version", sa.Integer, nullable=False),
+    sa.Column("type", sa.String(100), nullable=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("tenant_id", sa.String(100), nullable=False),
+    sa.Column("occurred_at", UTCDateTime, nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column(
+        "recorded_at", UTCDateTime, nullable=False, server_default=sa.text("CURRENT_TIMESTAMP")
+    ),
+    sa.UniqueConstraint("stream_id", "stream_version"),
+    sa.Index(None, "tenant_id", "position"),
+)
+
+projection_checkpoints = sa.Table(
+    "projection_checkpoints",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+request_log = sa.Table(
+    "request_log",
+    metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("tenant_id", sa.String(100), nullable=False),
+    sa.Column("key_id", sa.String(100), nullable=False),
+    sa.Column("model", sa.String(200), nullable=False),
+    sa.Column("tier", sa.String(32), nullable=False),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("admitted_at", UTCDateTime, nullable=False),
+    sa.Column("finished_at", UTCDateTime),
+    sa.Column("prompt_tokens", sa.BigInteger),
+    sa.Column("completion_tokens", sa.BigInteger),
+    sa.Column("cached_tokens", sa.BigInteger),
+    sa.Column("ttft_ms", sa.BigInteger),
+    sa.Column("tpot_us", sa.BigInteger),
+    sa.Column("finish_reason", sa.String(64)),
+    sa.Column("replica_id", sa.String(100)),
+    sa.Column("reject_reason", sa.String(64)),
+    sa.Index(None, "tenant_id", "admitted_at"),
+)
+
+usage_hourly = sa.Table(
+    "usage_hourly",
+    metadata,
+    sa.Column("tenant_id", sa.String(100), primary_key=True),
+    sa.Column("model", sa.String(200), primary_key=True),
+    sa.Column("hour", UTCDateTime, primary_key=True),
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False),
+    sa.Column("amount_micros", sa.BigInteger, nullable=False),
+)
+
+ledger_entries = sa.Table(
+    "ledger_entries",
+    metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("tenant_id", sa.String(100), nullable=False),
+    sa.Column("key_id", sa.String(100), nullable=False),
+    sa.Column("model", sa.String(200), nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False),
+    sa.Column("prompt_micros_per_mtok", sa.BigInteger, nullable=False),
+    sa.Column("completion_micros_per_mtok", sa.BigInteger, nullable=False),
+    sa.Column("cached_micros_per_mtok", sa.BigInteger, nullable=False),
+    sa.Column("amount_micros", sa.BigInteger, nullable=False),
+    sa.Column("terminal", sa.String(32), nullable=False),
+    sa.Column("admitted_at", UTCDateTime, nullable=False),
+    sa.Column("finished_at", UTCDateTime, nullable=False),
+    sa.Column("billed_at", UTCDateTime, nullable=False),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Index(None, "tenant_id", "finished_at"),
+)
+
+# Not an event projection: a mutable 24 h cache of responses the client explicitly asked to be
+# replayable (Idempotency-Key). Rows are written, finished and expired in place; the billing
+# truth stays in `events`, so dropping this table loses replays, never money.
+idempotency_records = sa.Table(
+    "idempotency_records",
+    metadata,
+    sa.Column("tenant_id", sa.String(100), primary_key=True),
+    sa.Column("idempotency_key", sa.String(255), primary_key=True),
+    sa.Column("request_id", sa.String(64), nullable=False),
+    sa.Column("body_sha256", sa.String(64), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("response_status", sa.Integer),
+    sa.Column("response_body", sa.Text),
+    sa.Column("content_type", sa.String(100)),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False),
+    sa.CheckConstraint("status IN ('in_flight', 'done')", name="status"),
+)
+
+
+def _alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    here = Path(str(resources.files("migrations")))
+    config = Config(str(here / "alembic.ini"))
+    config.set_main_option("script_location", str(here))
+    config.attributes["url"] = url
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> str | None:
+    """Migrate the database at `url` up to `revision` (used by `tollgate db upgrade`); returns
+    the revision the database is then at."""
+    from alembic import command
+
+    command.upgrade(_alembic_config(url), revision)
+    return current(url)
+
+
+def downgrade(url: str, revision: str) -> None:
+    """Migrate the database at `url` down to `revision` ("base" removes every table)."""
+    from alembic import command
+
+    command.downgrade(_alembic_config(url), revision)
+
+
+def head() -> str:
+    """The newest revision the migrations know."""
+    from alembic.script import ScriptDirectory
+
+    revision = ScriptDirectory.from_config(_alembic_config("")).get_current_head()
+    assert revision is not None
+    return revision
+
+
+def current(url: str) -> str | None:
+    """The revision the database is at, or None for an empty database."""
+    from alembic.runtime.migration import MigrationContext
+
+    from ledger.engine import create_engine_from_url
+
+    engine = create_engine_from_url(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

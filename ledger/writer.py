@@ -1,0 +1,209 @@
+"""Group commit: many callers' appends share one transaction, so throughput is bounded by
+rows per commit rather than commits per second."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from domain.events import Recorded
+from ledger.errors import StoreError
+from ledger.store import AppendBatch, AppendResult, EventStore, _prepare
+
+
+class WriterClosed(StoreError):
+    """submit() after close(), or after the writer stopped on an error."""
+
+
+class WriterOverloaded(StoreError):
+    """The queue of pending appends is full: shed load (503) instead of queueing without end."""
+
+
+@dataclass(slots=True)
+class _Flush:
+    done: threading.Event
+
+
+_STOP = object()
+
+Committed = Callable[[list[Recorded]], None]
+
+
+class Callbacks(list[Committed]):
+    """The on_committed callbacks: a list, and also callable to register one (usable as a
+    decorator): `writer.on_committed(fn)` is `writer.on_committed.append(fn)`."""
+
+    def __call__(self, callback: Committed) -> Committed:
+        self.append(callback)
+        return callback
+
+
+class GroupCommitWriter:
+    """A background thread that commits submitted batches with `store.append_many`.
+
+    It takes whatever is queued, waiting at most `max_delay_ms` after the first item for more,
+    up to about `max_batch` events per commit. Each `submit` returns a Future of that batch's
+    AppendResult (asyncio callers: `await asyncio.wrap_future(writer.submit(batch))`).
+
+    After each commit, every `on_committed` callback receives the newly written records in
+    position order (repeats answered from the store are not redelivered), and only then are the
+    futures resolved, so a caller that sees its result knows the in-process bus has its events.
+
+    Errors are never swallowed: if `append_many` raises, every future of that commit fails with
+    the error. If a callback raises, the commit stands (its futures succeed) but the writer
+    stops: queued and later submissions fail with WriterClosed, and flush()/close() re-raise.
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        max_batch: int = 500,
+        max_delay_ms: float = 2,
+        *,
+        max_pending: int = 50_000,
+        on_committed: list[Committed] | None = None,
+    ) -> None:
+        self._store = store
+        self._max_batch = max_batch
+        self._max_delay_s = max_delay_ms / 1000
+        self.on_committed = Callbacks(on_committed or [])
+        # Bounded: overload becomes a fast error, never an unbounded queue (DESIGN.md 4.6).
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: AppendBatch) -> Future[AppendResult]:
+        # Validate in the caller's thread: a malformed batch is that caller's bug alone.
+        _prepare([batch])
+        future: Future[AppendResult] = Future()
+        with self._lock:
+            if self._failure is not None:
+                raise WriterClosed(f"group-commit writer stopped: {self._failure!r}")
+            if self._closed:
+                raise WriterClosed("group-commit writer is closed")
+            try:
+                self._queue.put_nowait((batch, future))
+            except queue.Full:
+                raise WriterOverloaded(
+                    f"{self._queue.maxsize} appends already waiting to commit"
+                ) from None
+        return future
+
+    def flush(self) -> None:
+        """Return once everything submitted before this call is committed."""
+        marker = _Flush(threading.Event())
+        with self._lock:
+            if self._closed and not self._thread.is_alive():
+                self._raise_failure()
+                return
+            self._queue.put(marker)
+        while not marker.done.wait(0.1):
+            if not self._thread.is_alive():
+                break
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Commit everything already submitted, then stop the thread."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
+        self._thread.join()
+        self._raise_failure()
+
+    def __enter__(self) -> GroupCommitWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise WriterClosed(f"group-commit writer stopped: {self._failure!r}") from self._failure
+
+    # the thread
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            group: list[tuple[AppendBatch, Future[AppendResult]]] = []
+            markers: list[_Flush] = []
+            events = 0
+            item = self._queue.get()
+            deadline = time.monotonic() + self._max_delay_s
+            while True:
+                if item is _STOP:
+                    stopping = True
+                elif isinstance(item, _Flush):
+                    markers.append(item)
+                else:
+                    batch, future = item  # type: ignore[misc]
+                    group.append((batch, future))
+                    events += len(batch.events)
+                # A flush or stop commits what it follows straight away instead of waiting.
+                if stopping or markers or events >= self._max_batch:
+                    break
+                try:
+                    remaining = deadline - time.monotonic()
+                    item = (
+                        self._queue.get_nowait()
+                        if remaining <= 0
+                        else self._queue.get(timeout=remaining)
+                    )
+                except queue.Empty:
+                    break
+            if group:
+                self._commit(group)
+            for marker in markers:
+                marker.done.set()
+            if self._failure is not None:
+                self._fail_queued()
+                return
+
+    def _commit(self, group: list[tuple[AppendBatch, Future[AppendResult]]]) -> None:
+        live = [(b, f) for b, f in group if f.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            results = self._store.append_many([b for b, _ in live])
+        except BaseException as exc:
+            for _, future in live:
+                future.set_exception(exc)
+            return
+        committed = sorted(
+            (r for result in results if result.ok and not result.duplicate for r in result.records),
+            key=lambda r: r.position,
+        )
+        try:
+            if committed:
+                for callback in self.on_committed:
+                    callback(committed)
+        except BaseException as exc:
+            with self._lock:
+                self._failure = exc
+        finally:
+            for (_, future), result in zip(live, results, strict=True):
+                future.set_result(result)
+
+    def _fail_queued(self) -> None:
+        error = WriterClosed(f"group-commit writer stopped: {self._failure!r}")
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Flush):
+                item.done.set()
+            elif item is not _STOP:
+                _, future = item  # type: ignore[misc]
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)

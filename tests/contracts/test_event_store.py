@@ -1,0 +1,294 @@
+"""The EventStore contract, run against every implementation: in memory, SQLite, PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from domain.errors import DomainError
+from domain.events import FirstTokenStreamed, RequestRejected, RequestRouted, TenantRegistered
+from ledger import schema
+from ledger.engine import create_engine_from_url
+from ledger.store import (
+    AppendBatch,
+    EventIdConflict,
+    EventStore,
+    InMemoryEventStore,
+    NewEvent,
+    SqlEventStore,
+    WrongExpectedVersion,
+)
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def new(
+    stream_id: str, ttft_ms: int = 10, *, event_id: str | None = None, **kw: object
+) -> NewEvent:
+    return NewEvent(
+        event_id=event_id or str(uuid.uuid4()),
+        stream_id=stream_id,
+        tenant_id=str(kw.get("tenant_id", "acme")),
+        occurred_at=kw.get("occurred_at", T0),  # type: ignore[arg-type]
+        event=FirstTokenStreamed(request_id=stream_id, ttft_ms=ttft_ms),
+    )
+
+
+def stream() -> str:
+    return f"req-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest) -> Iterator[EventStore]:
+    if request.param == "memory":
+        yield InMemoryEventStore()
+        return
+    url = request.getfixturevalue(f"{request.param}_url")
+    schema.upgrade(url)
+    engine = create_engine_from_url(url)
+    try:
+        # Multi-event appends take PostgreSQL's COPY path, single events the INSERT path.
+        yield SqlEventStore(engine, copy_min_rows=2)
+    finally:
+        engine.dispose()
+
+
+def test_append_then_read_back(store: EventStore) -> None:
+    s = stream()
+    appended = store.append(s, 0, [new(s, 1), new(s, 2)])
+
+    assert [r.stream_version for r in appended] == [1, 2]
+    assert appended[0].position < appended[1].position
+    assert [r.event for r in appended] == [FirstTokenStreamed(s, 1), FirstTokenStreamed(s, 2)]
+    assert store.read_stream(s) == appended
+    assert store.read_all() == appended
+    assert store.stream_version(s) == 2
+    assert store.last_position() == appended[-1].position
+    assert store.read_stream("req-missing") == []
+    assert store.stream_version("req-missing") == 0
+
+
+def test_instants_come_back_as_the_same_utc_instant(store: EventStore) -> None:
+    s = stream()
+    paris = datetime(2026, 11, 29, 13, 0, 0, 123456, tzinfo=timezone(timedelta(hours=1)))
+    store.append(s, 0, [new(s, occurred_at=paris)])
+
+    (read,) = store.read_stream(s)
+    assert read.occurred_at == paris
+    assert read.occurred_at.tzinfo == UTC
+
+
+def test_expected_version_must_match(store: EventStore) -> None:
+    s = stream()
+    store.append(s, 0, [new(s)])
+
+    with pytest.raises(WrongExpectedVersion) as stale:
+        store.append(s, 0, [new(s)])
+    assert (stale.value.stream_id, stale.value.expected, stale.value.actual) == (s, 0, 1)
+    assert "is at version 1, expected 0" in str(stale.value)
+
+    with pytest.raises(WrongExpectedVersion) as ahead:
+        store.append(s, 5, [new(s)])
+    assert (ahead.value.expected, ahead.value.actual) == (5, 1)
+
+    assert [r.stream_version for r in store.append(s, 1, [new(s)])] == [2]
+    assert [r.stream_version for r in store.append(s, None, [new(s)])] == [3]
+    assert store.stream_version(s) == 3
+
+
+def test_concurrent_appends_to_one_stream_exactly_one_wins(store: EventStore) -> None:
+    for _ in range(10):
+        s = stream()
+        barrier = threading.Barrier(2)
+        outcomes: list[object] = []
+
+        def append(
+            s: str = s, barrier: threading.Barrier = barrier, outcomes: list[object] = outcomes
+        ) -> None:
+            event = new(s)
+            barrier.wait()
+            try:
+                outcomes.append(store.append(s, 0, [event]))
+            except WrongExpectedVersion as exc:
+                outcomes.append(exc)
+
+        threads = [threading.Thread(target=append) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+        errors = [o for o in outcomes if isinstance(o, WrongExpectedVersion)]
+        assert len(outcomes) == 2 and len(errors) == 1
+        assert (errors[0].expected, errors[0].actual) == (0, 1)
+        assert len(store.read_stream(s)) == 1
+
+
+def test_reappending_the_same_events_is_a_no_op(store: EventStore) -> None:
+    s = stream()
+    batch = [new(s, 1), new(s, 2)]
+    first = store.append(s, 0, batch)
+    position = store.last_position()
+
+    assert store.append(s, 0, batch) == first
+    assert store.append(s, None, batch) == first
+    assert store.append(s, 7, batch) == first
+    assert store.last_position() == position
+    assert store.read_stream(s) == first
+
+
+def test_same_event_id_with_different_content_is_refused(store: EventStore) -> None:
+    s = stream()
+    original = new(s, 1)
+    store.append(s, 0, [original])
+
+    with pytest.raises(EventIdConflict) as changed:
+        store.append(s, 1, [new(s, 99, event_id=original.event_id)])
+    assert changed.value.event_id == original.event_id
+    assert changed.value.fields == ("payload.ttft_ms",)
+
+    other = stream()
+    with pytest.raises(EventIdConflict) as moved:
+        store.append(other, 0, [new(other, 1, event_id=original.event_id, tenant_id="globex")])
+    assert set(moved.value.fields) == {"stream_id", "tenant_id", "payload.request_id"}
+
+    with pytest.raises(EventIdConflict) as mixed:
+        store.append(s, 1, [original, new(s, 2)])
+    assert mixed.value.fields == ("batch",)
+    assert store.read_stream(s)[0].event == FirstTokenStreamed(s, 1)
+    assert store.stream_version(s) == 1 and store.stream_version(other) == 0
+
+
+def test_an_append_is_all_or_nothing(store: EventStore) -> None:
+    s = stream()
+    bad = NewEvent(str(uuid.uuid4()), s, "acme", T0, FirstTokenStreamed(s, 1.5))  # type: ignore[arg-type]
+    with pytest.raises(DomainError):
+        store.append(s, 0, [new(s), bad])
+    with pytest.raises(ValueError):
+        store.append(s, 0, [new(s), new("req-elsewhere")])
+    assert store.read_stream(s) == []
+    assert store.last_position() == 0
+
+
+def test_append_many_a_conflicting_batch_does_not_sink_the_others(store: EventStore) -> None:
+    taken, a, b = stream(), stream(), stream()
+    store.append(taken, 0, [new(taken)])
+    repeated = [new(a, 1)]
+    store.append(a, 0, repeated)
+
+    results = store.append_many(
+        [
+            AppendBatch(b, 0, [new(b, 1), new(b, 2)]),
+            AppendBatch(taken, 0, [new(taken)]),  # stale
+            AppendBatch(a, 0, repeated),  # a retry: answered from the store
+            AppendBatch(a, 1, [new(a, 2)]),
+            AppendBatch(b, 2, [new(b, 3)]),  # sees the first batch of this call
+            AppendBatch(b, 2, [new(b, 4)]),  # and so this one is stale
+        ]
+    )
+
+    assert [r.ok for r in results] == [True, False, True, True, True, False]
+    assert isinstance(results[1].error, WrongExpectedVersion)
+    assert results[2].duplicate and results[2].records == store.read_stream(a)[:1]
+    assert isinstance(results[5].error, WrongExpectedVersion)
+    assert (results[5].error.expected, results[5].error.actual) == (2, 3)
+    with pytest.raises(WrongExpectedVersion):
+        results[1].unwrap()
+    assert [r.event.ttft_ms for r in store.read_stream(b)] == [1, 2, 3]  # type: ignore[attr-defined]
+    assert [r.stream_version for r in store.read_stream(b)] == [1, 2, 3]
+    assert len(store.read_stream(taken)) == 1
+    assert len(store.read_stream(a)) == 2
+    written = [r for res in results if res.ok and not res.duplicate for r in res.records]
+    assert sorted(r.position for r in written) == [r.position for r in written]
+
+
+def test_append_many_finds_repeated_ids_that_pass_the_version_check(store: EventStore) -> None:
+    a, b = stream(), stream()
+    first = store.append(a, None, [new(a, 1)])
+    original = NewEvent(first[0].event_id, a, "acme", T0, FirstTokenStreamed(a, 1))
+    changed = NewEvent(first[0].event_id, a, "acme", T0, FirstTokenStreamed(a, 2))
+
+    results = store.append_many(
+        [
+            AppendBatch(b, None, [new(b)]),
+            AppendBatch(a, None, [original]),
+            AppendBatch(a, None, [changed]),
+            AppendBatch(b, None, [new(b)]),
+        ]
+    )
+
+    assert [r.ok for r in results] == [True, True, False, True]
+    assert results[1].duplicate and results[1].records == first
+    assert isinstance(results[2].error, EventIdConflict)
+    assert [r.stream_version for r in store.read_stream(b)] == [1, 2]
+    assert store.stream_version(a) == 1
+
+
+def test_read_all_is_in_position_order_and_pages(store: EventStore) -> None:
+    streams = [stream() for _ in range(5)]
+    for round_ in range(5):
+        for s in streams:
+            store.append(s, round_, [new(s, round_)])
+    everything = store.read_all(limit=1000)
+    assert len(everything) == 25
+    positions = [r.position for r in everything]
+    assert positions == sorted(positions) and len(set(positions)) == 25
+
+    pages, after = [], 0
+    while page := store.read_all(after_position=after, limit=7):
+        assert len(page) <= 7
+        pages.extend(page)
+        after = page[-1].position
+    assert pages == everything
+    assert store.read_all(after_position=everything[-1].position) == []
+    assert store.last_position() == everything[-1].position
+
+
+def test_read_streams_with_prefix(store: EventStore) -> None:
+    def registered(tenant: str) -> NewEvent:
+        return NewEvent(
+            str(uuid.uuid4()),
+            f"tenant-{tenant}",
+            tenant,
+            T0,
+            TenantRegistered(tenant, tenant.title(), "free", "salt"),
+        )
+
+    store.append("tenant-acme", 0, [registered("acme")])
+    s = stream()
+    store.append(s, 0, [new(s)])
+    store.append(
+        "tenant_x",
+        0,
+        [NewEvent(str(uuid.uuid4()), "tenant_x", "x", T0, RequestRouted("r", "replica", 1))],
+    )
+    store.append("tenant-globex", 0, [registered("globex")])
+    store.append(
+        "fleet",
+        0,
+        [NewEvent(str(uuid.uuid4()), "fleet", "-", T0, RequestRouted("r", "replica", 1))],
+    )
+
+    tenants = store.read_streams_with_prefix("tenant-")
+    assert [r.stream_id for r in tenants] == ["tenant-acme", "tenant-globex"]
+    assert [r.stream_id for r in store.read_streams_with_prefix(("tenant-", "fleet"))] == [
+        "tenant-acme",
+        "tenant-globex",
+        "fleet",
+    ]
+    assert store.read_streams_with_prefix("tenant%") == []
+
+
+def test_awkward_text_survives_the_round_trip(store: EventStore) -> None:
+    s = "req-\\weird\tstream"
+    detail = 'tab\there, newline\nthere, back\\slash, quote " and \u00e9\u4e2d\U0001f600 and \\N'
+    rejected = RequestRejected(s, "acme", "key", "model", "free", "invalid", 1, detail=detail)
+    events = [NewEvent(str(uuid.uuid4()), s, "acme\\x", T0, rejected), new(s)]
+    appended = store.append(s, 0, events)
+    assert store.read_stream(s) == appended
+    assert appended[0].event == rejected and appended[0].tenant_id == "acme\\x"
+    assert store.append(s, 0, events) == appended  # and compares equal to itself on retry

@@ -1,0 +1,104 @@
+"""What the database itself guarantees about the events table, below any code path."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from domain.events import FirstTokenStreamed
+from ledger import schema
+from ledger.engine import create_engine_from_url
+from ledger.errors import BadDatabaseUrl, StoreUnavailable
+from ledger.store import NewEvent, SqlEventStore
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def new(stream_id: str) -> NewEvent:
+    return NewEvent(str(uuid.uuid4()), stream_id, "acme", T0, FirstTokenStreamed(stream_id, 5))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest) -> Iterator[SqlEventStore]:
+    url = request.getfixturevalue(f"{request.param}_url")
+    schema.upgrade(url)
+    engine = create_engine_from_url(url)
+    try:
+        yield SqlEventStore(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["UPDATE events SET payload = '{}'", "DELETE FROM events", "UPDATE events SET position = 99"],
+)
+def test_the_database_refuses_to_change_events(store: SqlEventStore, statement: str) -> None:
+    store.append("req-1", 0, [new("req-1")])
+    with pytest.raises(sa.exc.DatabaseError, match="append-only"), store.engine.begin() as conn:
+        conn.exec_driver_sql(statement)
+    assert len(store.read_stream("req-1")) == 1
+
+
+@pytest.mark.postgres
+def test_postgres_refuses_to_truncate_events(postgres_url: str) -> None:
+    schema.upgrade(postgres_url)
+    engine = create_engine_from_url(postgres_url)
+    try:
+        store = SqlEventStore(engine)
+        store.append("req-1", 0, [new("req-1")])
+        with pytest.raises(sa.exc.DatabaseError, match="append-only"), engine.begin() as conn:
+            conn.exec_driver_sql("TRUNCATE events")
+        assert store.last_position() == 1
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_tailing_reader_never_skips_an_event_that_commits_late(postgres_url: str) -> None:
+    """Two raw writers that skip the store's lock: the one with the lower position commits last.
+    read_all must hold back the later position until the earlier one is visible."""
+    schema.upgrade(postgres_url)
+    engine = create_engine_from_url(postgres_url)
+    conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    insert = (
+        "INSERT INTO events (event_id, stream_id, stream_version, type, version, tenant_id,"
+        " occurred_at, payload) VALUES (%s, %s, 1, 'FirstTokenStreamed', 1, 'acme', now(), %s)"
+    )
+    try:
+        store = SqlEventStore(engine)
+        with psycopg.connect(conninfo) as slow, psycopg.connect(conninfo) as fast:
+            slow.execute(
+                insert, (str(uuid.uuid4()), "req-slow", '{"request_id":"req-slow","ttft_ms":1}')
+            )
+            fast.execute(
+                insert, (str(uuid.uuid4()), "req-fast", '{"request_id":"req-fast","ttft_ms":2}')
+            )
+            fast.commit()
+            assert store.read_all() == []  # req-fast (position 2) waits for req-slow (1)
+            slow.commit()
+        seen = store.read_all()
+        assert [(r.stream_id, r.position) for r in seen] == [("req-slow", 1), ("req-fast", 2)]
+        assert store.last_position() == 2
+    finally:
+        engine.dispose()
+
+
+def test_bad_urls_and_absent_databases_fail_with_one_line(tmp_path: object) -> None:
+    with pytest.raises(BadDatabaseUrl, match="malformed database URL"):
+        create_engine_from_url("not a url")
+    with pytest.raises(BadDatabaseUrl, match="unsupported database URL scheme 'mysql'"):
+        create_engine_from_url("mysql://localhost/x")
+    with pytest.raises(BadDatabaseUrl, match="in-memory"):
+        create_engine_from_url("sqlite://")
+    with pytest.raises(StoreUnavailable, match="does not exist"):
+        create_engine_from_url("sqlite:////nonexistent-dir/x/tollgate.db")
+    with pytest.raises(
+        StoreUnavailable, match=r"cannot reach postgresql\+psycopg://u:\*\*\*@127.0.0.1:1/x"
+    ):
+        create_engine_from_url("postgresql://u:secret@127.0.0.1:1/x")
