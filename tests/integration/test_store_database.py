@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -61,32 +62,52 @@ def test_postgres_refuses_to_truncate_events(postgres_url: str) -> None:
 
 @pytest.mark.postgres
 def test_a_tailing_reader_never_skips_an_event_that_commits_late(postgres_url: str) -> None:
-    """Two raw writers that skip the store's lock: the one with the lower position commits last.
-    read_all must hold back the later position until the earlier one is visible."""
+    """An append holds the events table's write lock until it commits, so a second append cannot
+    take a position (and become visible) before the first one is visible."""
     schema.upgrade(postgres_url)
     engine = create_engine_from_url(postgres_url)
     conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    insert = (
-        "INSERT INTO events (event_id, stream_id, stream_version, type, version, tenant_id,"
-        " occurred_at, payload) VALUES (%s, %s, 1, 'FirstTokenStreamed', 1, 'acme', now(), %s)"
-    )
     try:
         store = SqlEventStore(engine)
-        with psycopg.connect(conninfo) as slow, psycopg.connect(conninfo) as fast:
-            slow.execute(
-                insert, (str(uuid.uuid4()), "req-slow", '{"request_id":"req-slow","ttft_ms":1}')
+        with psycopg.connect(conninfo) as first:
+            # An append in progress: it holds the lock and has not committed yet.
+            first.execute("LOCK TABLE events IN EXCLUSIVE MODE")
+            done = threading.Event()
+            worker = threading.Thread(
+                target=lambda: (store.append("req-late", 0, [_first_token("req-late")]),
+                                done.set()),
             )
-            fast.execute(
-                insert, (str(uuid.uuid4()), "req-fast", '{"request_id":"req-fast","ttft_ms":2}')
-            )
-            fast.commit()
-            assert store.read_all() == []  # req-fast (position 2) waits for req-slow (1)
-            slow.commit()
-        seen = store.read_all()
-        assert [(r.stream_id, r.position) for r in seen] == [("req-slow", 1), ("req-fast", 2)]
-        assert store.last_position() == 2
+            worker.start()
+            assert not done.wait(0.5)  # the second append waits for the first to commit
+            assert store.read_all() == []
+            first.commit()
+            worker.join(10)
+        assert [r.stream_id for r in store.read_all()] == ["req-late"]
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_long_transaction_elsewhere_does_not_stall_tailing_readers(postgres_url: str) -> None:
+    """A transaction left open in another database of the same server (a bulk load, an
+    analyst's session) must not hide newly committed events from the folds."""
+    schema.upgrade(postgres_url)
+    engine = create_engine_from_url(postgres_url)
+    other = engine.url.set(drivername="postgresql", database="postgres", query={})
+    try:
+        store = SqlEventStore(engine)
+        with psycopg.connect(other.render_as_string(hide_password=False)) as idle:
+            idle.execute("SELECT pg_current_xact_id()")  # holds back the cluster's xmin
+            store.append("req-now", 0, [_first_token("req-now")])
+            assert [r.stream_id for r in store.read_all()] == ["req-now"]
+            assert store.last_position() == 1
+    finally:
+        engine.dispose()
+
+
+def _first_token(request_id: str) -> NewEvent:
+    return NewEvent(str(uuid.uuid4()), request_id, "acme", datetime.now(UTC),
+                    FirstTokenStreamed(request_id, 1))
 
 
 def test_bad_urls_and_absent_databases_fail_with_one_line(tmp_path: object) -> None:
