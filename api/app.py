@@ -168,6 +168,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         runtime.refresh_gauges()
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    from api.web import add_web_routes  # the /ui pages (issue 4)
+    add_web_routes(app, runtime)
     return app
 
 

@@ -1,0 +1,410 @@
+"""The /ui pages (issue 4) in a real headless Chromium against `tollgate serve` (embedded: demo
+tenants, simulated fleet) run as a subprocess.
+
+Chromium is Debian's `chromium` package; if /usr/bin/chromium is missing the fixture installs it
+with apt-get (as root), so these tests never skip. Screenshots land in test-output/screenshots/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import quote, urlencode
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import (
+    MODEL,
+    REPO,
+    TOLLGATE,
+    _stop_process,
+    auth,
+    free_port,
+    poll,
+    spawn,
+    wait_http,
+)
+
+pytestmark = pytest.mark.e2e
+
+SLOW_MODEL = "llama-3.1-70b-2026-05"
+SCREENSHOTS = REPO / "test-output" / "screenshots"
+CHROMIUM = Path("/usr/bin/chromium")
+EVENT_ORDER = ("RequestAdmitted", "RequestEstimated", "RequestRouted", "FirstTokenStreamed",
+               "RequestCompleted", "QuotaRefunded", "UsageBilled")
+CUSTOMERS = ("demo-free", "demo-standard", "demo-enterprise")
+
+
+def ensure_chromium() -> Path:
+    """Debian's chromium, installed on first use on a fresh machine (the lead's `./dev test`
+    set-up may do the same with `apt-get install -y --no-install-recommends chromium`)."""
+    if CHROMIUM.exists():
+        return CHROMIUM
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        pytest.fail("chromium is missing: run `apt-get update && apt-get install -y chromium`")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for args in ([apt, "update"], [apt, "install", "-y", "--no-install-recommends", "chromium"]):
+        done = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+        if done.returncode != 0:
+            pytest.fail(f"{' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    assert CHROMIUM.exists(), "apt-get installed chromium but /usr/bin/chromium is missing"
+    return CHROMIUM
+
+
+@dataclass
+class UiServer:
+    tmp: Path
+    port: int
+    proc: subprocess.Popen[bytes]
+    keys: dict[str, str]
+    chromium: Path
+    requests: dict[str, list[str]] = field(default_factory=dict)  # tenant -> request ids
+    stalled: str = ""  # a request whose edge died: the sweeper expires it (anomalies)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.tmp / 'data' / 'tollgate.db'}"
+
+    def url(self, path: str, key: str | None = None, **params: str) -> str:
+        query = dict(params)
+        if key is not None:
+            query["key"] = self.keys[key]
+        return f"{self.base}{path}" + ("?" + urlencode(query) if query else "")
+
+    def browser(self, *args: str, url: str) -> subprocess.CompletedProcess[str]:
+        profile = self.tmp / f"chromium-{uuid.uuid4().hex[:8]}"
+        cmd = [
+            str(self.chromium), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--disable-dev-shm-usage", "--hide-scrollbars",
+            f"--user-data-dir={profile}", *args, url,
+        ]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        finally:
+            shutil.rmtree(profile, ignore_errors=True)
+        assert done.returncode == 0, f"chromium failed ({done.returncode}):\n{done.stderr[-3000:]}"
+        return done
+
+    def dom(self, url: str) -> str:
+        out = self.browser("--dump-dom", url=url).stdout
+        assert "<html" in out, out[:500]
+        return out
+
+    def screenshot(self, name: str, url: str) -> Path:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        path = SCREENSHOTS / f"{name}.png"
+        path.unlink(missing_ok=True)
+        self.browser(f"--screenshot={path}", "--window-size=1280,1600", url=url)
+        assert_real_png(path, 1280, 1600)
+        return path
+
+
+def assert_real_png(path: Path, width: int, height: int) -> None:
+    assert path.exists(), f"no screenshot at {path}"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    w, h = struct.unpack(">II", data[16:24])
+    assert (w, h) == (width, height), f"{path} is {w}x{h}"
+    # A blank or single-colour page compresses to a few kilobytes; a rendered page does not.
+    assert len(data) > 30_000, f"{path} is only {len(data)} bytes: an empty page?"
+
+
+def _chat(server: UiServer, key: str, model: str, tokens: int, stream: bool) -> str:
+    body = {"model": model, "max_tokens": tokens, "stream": stream,
+            "messages": [{"role": "user", "content": f"Tell me about {key} and {model}."}]}
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body,
+                      headers=auth(server.keys[key]), timeout=60) as r:
+        r.read()
+        assert r.status_code == 200, r.text
+        return r.headers["x-request-id"]
+
+
+def _inject_stalled_request(server: UiServer) -> str:
+    """A request admitted by an edge that then died (no renewals, no terminal event): the lease
+    sweeper expires it and bills its last known progress, and the support page must flag it."""
+    from domain.events import RequestAdmitted, RequestEstimated
+    from ledger.engine import create_engine_from_url
+    from ledger.store import NewEvent, SqlEventStore
+
+    rid = f"req_{uuid.uuid4().hex}"
+    # Past the 15 s lease TTL, but not before the demo prices exist (no price: no bill).
+    first = server.requests["demo-free"][0]
+    timeline = httpx.get(f"{server.base}/v1/requests/{first}/events",
+                         headers=auth(server.keys["support"]), timeout=10).json()
+    admitted = datetime.fromisoformat(timeline["events"][0]["occurred_at"].replace("Z", "+00:00"))
+    at = max(datetime.now(UTC) - timedelta(seconds=20), admitted + timedelta(milliseconds=1))
+    engine = create_engine_from_url(server.db_url)
+    try:
+        store = SqlEventStore(engine)
+        store.append(rid, 0, [
+            NewEvent(str(uuid.uuid4()), rid, "demo-standard", at, RequestAdmitted(
+                request_id=rid, tenant_id="demo-standard", key_id="key_dead0000edge0000",
+                model=MODEL, tier="standard", edge_id="edge-that-died")),
+            NewEvent(str(uuid.uuid4()), rid, "demo-standard", at, RequestEstimated(
+                request_id=rid, prompt_tokens=12, reserved_output_tokens=64, reserved_tokens=76,
+                kv_byte_seconds=1 << 20, tpot_us=80_000)),
+        ])
+    finally:
+        engine.dispose()
+    return rid
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UiServer]:
+    chromium = ensure_chromium()
+    tmp = tmp_path_factory.mktemp("web")
+    port = free_port()
+    log = tmp / "serve.log"
+    proc = spawn([*TOLLGATE, "serve", "--port", str(port), "--sim-speed", "20"], log,
+                 env={"TOLLGATE_DATA_DIR": str(tmp / "data")})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc, log, timeout=60)
+        keys = json.loads((tmp / "data" / "demo-keys.json").read_text())
+        server = UiServer(tmp, port, proc, keys, chromium)
+        for i, tenant in enumerate(CUSTOMERS):
+            ids = [
+                _chat(server, tenant, MODEL, 16 + 8 * i, stream=False),
+                _chat(server, tenant, MODEL, 24, stream=True),
+                _chat(server, tenant, SLOW_MODEL, 12 + 4 * i, stream=True),
+            ]
+            server.requests[tenant] = ids
+        server.stalled = _inject_stalled_request(server)
+        wanted = {rid for ids in server.requests.values() for rid in ids} | {server.stalled}
+
+        def all_billed() -> bool:
+            r = httpx.get(f"{server.base}/v1/billing/ledger", headers=auth(keys["finance"]),
+                          timeout=10)
+            return wanted <= {e["request_id"] for e in r.json()["data"]}
+
+        poll("every request (and the stalled one, via the sweeper) to be billed", all_billed,
+             timeout=60, every=0.5)
+        yield server
+    finally:
+        _stop_process(proc, grace=10)
+        if proc.returncode not in (0, -15, None):
+            sys.stderr.write(log.read_text()[-3000:])
+
+
+# --- support ---------------------------------------------------------------------------------
+
+
+def test_support_page_shows_the_timeline(ui: UiServer) -> None:
+    rid = ui.requests["demo-standard"][1]  # a streamed completion
+    url = ui.url("/ui/support", key="support", request_id=rid)
+    dom = ui.dom(url)
+    api = httpx.get(f"{ui.base}/v1/requests/{rid}/events", headers=auth(ui.keys["support"]),
+                    timeout=10).json()
+
+    assert f'<code id="request-id">{rid}</code>' in dom
+    types = re.findall(r'<tr class="event[^"]*" data-type="(\w+)"', dom)
+    assert types == [e["type"] for e in api["events"]]
+    assert tuple(types) == EVENT_ORDER
+    for event in api["events"]:  # the time and state after of every event
+        assert event["occurred_at"][:19].replace("T", " ") in dom
+        assert f'class="badge {event["state_after"]}"' in dom
+    assert 'id="anomalies"' in dom and 'id="no-anomalies"' in dom
+    assert f'<code id="replica">{api["replica_id"]}</code>' in dom
+    assert re.search(r'id="occupancy">\d+\.\d %', dom)
+    assert f'id="ttft">{api["ttft_ms"]:,} ms' in dom
+    assert 'id="tpot">' in dom and 'id="plan">standard<' in dom
+    assert f"<dt>max_output</dt><dd>{api['limits_at_admission']['max_output']:,}</dd>" in dom
+    amount = api["billing"]["amount_micros"]
+    assert f"<strong>billed {amount // 1_000_000}.{amount % 1_000_000:06d}</strong>" in dom
+    assert "reserved tokens +" in dom and "refunded tokens +" in dom  # quota effects
+    assert 'id="who"' in dom and "support key" in dom  # the cookie session, key gone from URL
+
+    ui.screenshot("support-timeline", url)
+
+
+def test_support_page_highlights_anomalies(ui: UiServer) -> None:
+    url = ui.url("/ui/support", key="support", request_id=ui.stalled)
+    dom = ui.dom(url)
+    assert ui.stalled in dom
+    anomalies = re.findall(r'<li class="anomaly"><strong[^>]*>(\w+)</strong>', dom)
+    assert "lease_expired" in anomalies, anomalies
+    assert re.search(r'<tr class="event flagged" data-type="LeaseExpired"', dom)
+    assert 'class="badge lease_expired"' in dom
+    ui.screenshot("support-anomaly", url)
+
+
+def test_customer_sees_another_tenants_request_as_unknown(ui: UiServer) -> None:
+    own = ui.requests["demo-free"][0]
+    other = ui.requests["demo-enterprise"][0]
+    unknown = f"req_{uuid.uuid4().hex}"
+    pages = {}
+    for rid in (own, other, unknown):
+        r = httpx.get(ui.url("/ui/support", request_id=rid), headers=auth(ui.keys["demo-free"]),
+                      timeout=10)
+        pages[rid] = r
+    assert pages[own].status_code == 200 and own in pages[own].text
+    assert pages[other].status_code == pages[unknown].status_code == 404
+    assert "demo-enterprise" not in pages[other].text
+
+    def normalised(text: str, rid: str) -> str:
+        return text.replace(rid, "REQ")
+
+    other_dom = ui.dom(ui.url("/ui/support", key="demo-free", request_id=other))
+    unknown_dom = ui.dom(ui.url("/ui/support", key="demo-free", request_id=unknown))
+    assert normalised(other_dom, other) == normalised(unknown_dom, unknown)
+    assert f"no request {other}" in other_dom and "RequestAdmitted" not in other_dom
+    # and the support key does see it
+    assert "RequestAdmitted" in ui.dom(ui.url("/ui/support", key="support", request_id=other))
+
+
+def test_request_id_is_escaped(ui: UiServer) -> None:
+    evil = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
+    r = httpx.get(ui.url("/ui/support", request_id=evil), headers=auth(ui.keys["support"]),
+                  timeout=10)
+    assert r.status_code == 400
+    assert "<script>alert(1)" not in r.text and "<img src=x" not in r.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&#34;&gt;&lt;img" in r.text
+    assert "script-src" not in r.headers["content-security-policy"]  # no script at all
+
+
+# --- finance ---------------------------------------------------------------------------------
+
+
+def _invoice(ui: UiServer, tenant: str) -> dict:
+    r = httpx.get(f"{ui.base}/v1/billing/invoices/{tenant}", headers=auth(ui.keys["finance"]),
+                  timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_finance_page_all_tenants(ui: UiServer) -> None:
+    url = ui.url("/ui/finance", key="finance")
+    dom = ui.dom(url)
+    for tenant in CUSTOMERS:
+        assert f'<tr class="tenant-row" data-tenant="{tenant}">' in dom
+        assert f'<tr class="invoice-line" data-tenant="{tenant}">' in dom
+    chart = re.search(r'<svg id="tokens-chart".*?</svg>', dom, re.S)
+    assert chart, "no usage chart"
+    assert len(re.findall(r'<rect class="bar"', chart.group(0))) >= 3  # a bar per tenant at least
+    assert '<polyline class="amount-line"' in chart.group(0)
+    assert '<svg id="totals-chart"' in dom
+    invoices = [_invoice(ui, t) for t in CUSTOMERS]
+    total = sum(i["amount_micros"] for i in invoices)
+    assert f'id="invoice-total">{total // 1_000_000}.{total % 1_000_000:06d}<' in dom
+    for kind in ("usage", "ledger"):
+        assert f'href="/ui/export/billing/{kind}?' in dom
+        assert f"/v1/billing/{kind}?" in dom
+    ui.screenshot("finance-all-tenants", url)
+
+
+def test_finance_page_one_tenant_invoice_and_csv(ui: UiServer) -> None:
+    invoice = _invoice(ui, "demo-standard")
+    url = ui.url("/ui/finance", key="finance", tenant="demo-standard", period=invoice["period"],
+                 stack="kind")
+    dom = ui.dom(url)
+    assert f'id="invoice-total">{invoice["amount"]}<' in dom
+    assert len(re.findall(r'<tr class="invoice-line">', dom)) == len(invoice["lines"]) == 2
+    assert 'data-tenant="demo-free"' not in dom
+    assert ">completion<" in dom and ">cached<" in dom  # the token-kind legend
+    ui.screenshot("finance-one-tenant", url)
+
+    # The CSV links give what the /v1/billing/* CSV endpoints give.
+    links = re.findall(r'<a class="csv" href="([^"]+)"', dom)
+    assert len(links) == 3
+    with httpx.Client(base_url=ui.base, timeout=10) as browser:
+        browser.cookies.set("tollgate_key", ui.keys["finance"], path="/ui")
+        for link in links:
+            href = link.replace("&amp;", "&")
+            mine = browser.get(href)
+            assert mine.status_code == 200 and mine.headers["content-type"].startswith("text/csv")
+            assert "attachment" in mine.headers["content-disposition"]
+            api = httpx.get(ui.base + href.replace("/ui/export", "/v1"),
+                            headers=auth(ui.keys["finance"]), timeout=10)
+            assert api.status_code == 200
+            assert mine.text == api.text and mine.text.count("\n") >= 2
+
+
+def test_customer_finance_page_shows_only_its_tenant(ui: UiServer) -> None:
+    dom = ui.dom(ui.url("/ui/finance", key="demo-free"))
+    assert 'data-tenant="demo-free"' in dom
+    assert "demo-standard" not in dom and "demo-enterprise" not in dom
+    invoice = _invoice(ui, "demo-free")
+    assert f'id="invoice-total">{invoice["amount"]}<' in dom
+
+    r = httpx.get(ui.url("/ui/finance", tenant="demo-standard"),
+                  headers=auth(ui.keys["demo-free"]), timeout=10)
+    assert r.status_code == 403 and "only its own tenant" in r.text
+    r = httpx.get(f"{ui.base}/ui/export/billing/invoices/demo-standard",
+                  headers=auth(ui.keys["demo-free"]), timeout=10)
+    assert r.status_code == 403
+
+
+# --- login -----------------------------------------------------------------------------------
+
+
+def test_login_cookie_and_key_in_url(ui: UiServer) -> None:
+    with httpx.Client(base_url=ui.base, timeout=10) as browser:
+        r = browser.get("/ui/support")
+        assert r.status_code == 401 and 'action="/ui/login"' in r.text
+        assert 'name="next" value="/ui/support"' in r.text
+
+        r = browser.post("/ui/login", data={"key": "tg_not-a-key", "next": "/ui/finance"})
+        assert r.status_code == 401 and "invalid or revoked API key" in r.text
+        assert "set-cookie" not in r.headers
+
+        r = browser.post("/ui/login", data={"key": ui.keys["support"], "next": "//evil.example/"})
+        assert r.status_code == 303 and r.headers["location"] == "/ui/support"
+        cookie = r.headers["set-cookie"]
+        assert cookie.startswith("tollgate_key=") and "HttpOnly" in cookie
+        assert "SameSite=strict" in cookie and "Path=/ui" in cookie
+        assert browser.get("/ui/support").status_code == 200
+
+        r = browser.post("/ui/logout")
+        assert r.status_code == 303
+        assert browser.get("/ui/support").status_code == 401
+
+        rid = ui.requests["demo-standard"][0]
+        r = browser.get(f"/ui/support?request_id={rid}&key={quote(ui.keys['support'])}")
+        assert r.status_code == 303 and r.headers["location"] == f"/ui/support?request_id={rid}"
+        assert ui.keys["support"] not in r.headers["location"]
+        r = browser.get(r.headers["location"])
+        assert r.status_code == 200 and rid in r.text
+
+        browser.cookies.clear()
+        browser.cookies.set("tollgate_key", "tg_revoked-or-wrong", path="/ui")
+        r = browser.get("/ui/finance")
+        assert r.status_code == 401 and "invalid or revoked API key" in r.text
+        r = browser.get("/ui/finance?key=tg_bad")
+        assert r.status_code == 401 and "tg_bad" not in r.text
+
+
+def test_usage_chart_layout() -> None:
+    """The chart maths without a browser: gaps are zero-filled, a long span is drawn per day,
+    stacks add up to the axis."""
+    from api.web import time_chart
+
+    def row(when: datetime, tenant: str, tokens: int) -> dict:
+        return {"tenant": tenant, "model": MODEL, "period_start": when.isoformat(),
+                "requests": 1, "prompt_tokens": tokens, "completion_tokens": tokens,
+                "cached_tokens": 0, "amount_micros": tokens * 10}
+
+    t0 = datetime(2026, 11, 1, tzinfo=UTC)
+    chart, unit = time_chart([row(t0, "a", 50), row(t0, "b", 25),
+                              row(t0 + timedelta(hours=5), "a", 10)], "tenant")
+    assert unit == "hour" and len(chart.dots) == 24  # padded to a day, ending at the last hour
+    assert [name for name, _ in chart.legend] == ["a", "b"]
+    assert len(chart.bars) == 3 and chart.y_ticks[-1].label == "200"
+    chart, unit = time_chart([row(t0, "a", 5), row(t0 + timedelta(days=9), "a", 5)], "kind")
+    assert unit == "day" and len(chart.dots) == 24
+    assert {name for name, _ in chart.legend} == {"prompt (uncached)", "cached", "completion"}
