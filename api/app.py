@@ -158,10 +158,10 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        problems = runtime.readiness_problems()
+        problems, warnings = runtime.readiness()
         status = 503 if problems else 200
         return json_response(status, {"status": "ready" if not problems else "not_ready",
-                                      "problems": problems})
+                                      "problems": problems, "warnings": warnings})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -47,6 +47,10 @@ class Metrics:
         self.append_failures = Counter(
             "tollgate_event_append_failures", "Event appends that failed.", registry=r
         )
+        self.billing_dead_letters = Gauge(
+            "tollgate_billing_dead_letters", "Ended requests the billing fold could not bill.",
+            registry=r,
+        )
         self.billing_lag = Gauge(
             "tollgate_billing_lag_events", "Committed events the billing fold has not applied yet.",
             registry=r,

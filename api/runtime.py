@@ -67,9 +67,9 @@ class Runtime:
         self.control_position = self.store.last_position()
         self.quota = admission.QuotaView(limits_for=self.control.limits)
         self.checkpoints = Checkpoints(self.engine)
+        self.projection_specs = (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
         self.runners = [
-            ProjectionRunner(self.engine, self.store, spec)
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+            ProjectionRunner(self.engine, self.store, spec) for spec in self.projection_specs
         ]
         self.billing = BillingFold(self.store, self.checkpoints, self.control)
         self.sweeper = LeaseSweeper(self.store, ttl_s=self.settings.lease_ttl_s)
@@ -166,12 +166,30 @@ class Runtime:
         for record in self.store.read_all(self.control_position, 10_000):
             self.control.apply(record)
             self.control_position = record.position
-        self.billing.run_to_end()
-        for runner in self.runners:
-            runner.run_to_end()
+        # Each fold has its own checkpoint: one that cannot apply an event must not stall the
+        # others (a broken request_log must not stop billing, the ledger or the sweeper). The
+        # failures are still raised together, so /readyz shows them.
+        failures: list[str] = []
+        steps: list[tuple[str, Any]] = [("billing", self.billing.run_to_end)]
+        steps += [
+            (spec.name, runner.run_to_end)
+            for spec, runner in zip(self.projection_specs, self.runners, strict=True)
+        ]
+        steps.append(("sweeper", self._sweep))
+        for name, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                log.exception("fold %s failed", name)
+                failures.append(f"{name}: {type(exc).__name__}: {exc}"[:500])
+        self.metrics.billing_lag.set(self.billing.lag())
+        self.metrics.billing_dead_letters.set(len(self.billing.dead_letters))
+        if failures:
+            raise RuntimeError("; ".join(failures))
+
+    def _sweep(self) -> None:
         self.sweeper.follow()
         self.sweeper.sweep(datetime.now(UTC))
-        self.metrics.billing_lag.set(self.billing.lag())
 
     def _fold_loop(self) -> None:
         while not self._stop.is_set():
@@ -193,16 +211,23 @@ class Runtime:
         assert self.fleet is not None
         return [
             {"id": model, "object": "model", "created": 0, "owned_by": "tollgate"}
-            for model in self.fleet.models()
+            for model in self.edge.models()
         ]
 
-    def readiness_problems(self) -> list[str]:
-        problems = []
+    def readiness(self) -> tuple[list[str], list[str]]:
+        """(problems that make this edge unready, warnings that do not)."""
+        problems: list[str] = []
+        warnings: list[str] = []
         if self.fold_error:
             problems.append(f"folds: {self.fold_error}")
+        if self.billing.dead_letters:
+            warnings.append(
+                f"billing: {len(self.billing.dead_letters)} request(s) could not be billed, e.g. "
+                + "; ".join(f"{k} ({v})" for k, v in list(self.billing.dead_letters.items())[:3])
+            )
         if self.fleet is None or not any(r.healthy for r in self.fleet.replicas()):
             problems.append("no healthy replica")
-        return problems
+        return problems, warnings
 
     def refresh_gauges(self) -> None:
         if self.fleet is None:

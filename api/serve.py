@@ -9,13 +9,14 @@ import json
 import logging
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from api.app import create_app
-from api.config import ServeSettings, data_dir
+from api.config import DEFAULT_MODELS, ServeSettings, data_dir
 from api.control_service import ControlService
 from api.runtime import Runtime
 
@@ -52,15 +53,24 @@ def seed_demo(settings: ServeSettings) -> dict[str, Any]:
             service.create_tenant("tollgate-ops", "enterprise")
         keys["finance"] = service.issue_key("tollgate-ops", "finance")[1]
         keys["support"] = service.issue_key("tollgate-ops", "support")[1]
-        from domain.cost import base_model
-
-        for model in settings.models:
-            prices = DEMO_PRICES.get(base_model(model), (500_000, 1_500_000, 250_000))
-            service.set_price(model, *prices)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(keys, indent=2))
     os.chmod(path, 0o600)
     return keys
+
+
+def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
+    """Give each served model without any price the demo list price, so the demo can bill it.
+    (Outside the demo an unpriced model is simply not offered: see Edge.models.)"""
+    from datetime import UTC, datetime
+
+    from domain.cost import base_model
+
+    with ControlService.open(settings.database_url) as service:
+        for model in models:
+            if not service.view.has_price(model, datetime.now(UTC) + timedelta(days=3650)):
+                prices = DEMO_PRICES.get(base_model(model), (500_000, 1_500_000, 250_000))
+                service.set_price(model, *prices)
 
 
 async def start_simulated_fleet(settings: ServeSettings) -> tuple[list[Any], list[tuple[str, str, str]]]:
@@ -94,7 +104,11 @@ def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
 def run(settings: ServeSettings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if settings.replicas and settings.models == DEFAULT_MODELS:
+        settings.models = tuple(dict.fromkeys(m for _, m, _ in parse_replica_flags(settings.replicas)))
     keys = seed_demo(settings) if settings.seed_demo else {}
+    if settings.seed_demo:
+        ensure_demo_prices(settings, list(settings.models))
     asyncio.run(_serve(settings, keys))
 
 

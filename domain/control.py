@@ -291,6 +291,13 @@ class ControlView:
                     return history[index - 1][2]
         raise DomainError("no_price", f"no price for {model!r} in force at {at}", field="model")
 
+    def has_price(self, model: str, at: datetime) -> bool:
+        try:
+            self.price(model, at)
+        except DomainError:
+            return False
+        return True
+
     def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
         return [r for r in self._replicas.values() if model is None or r.model == model]
 

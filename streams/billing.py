@@ -13,6 +13,7 @@ import uuid
 
 from domain import lifecycle
 from domain.control import ControlView
+from domain.errors import DomainError
 from domain.events import TERMINAL_EVENTS, Recorded
 from ledger.checkpoints import Checkpoints
 from ledger.store import EventStore, NewEvent, WrongExpectedVersion
@@ -34,13 +35,21 @@ class BillingFold:
         self.store = store
         self.checkpoints = checkpoints
         self.control = control
+        # Requests the fold could not bill, with the rule that refused (e.g. no price in force).
+        # They are not retried silently: /readyz and /metrics show them, and the reconciliation
+        # report lists each as a terminal event without a bill.
+        self.dead_letters: dict[str, str] = {}
 
     def run_once(self, batch: int = 1000) -> int:
         position = self.checkpoints.get(self.name)
         records = self.store.read_all(position, batch)
         for record in records:
             if record.type in TERMINAL_TYPES:
-                self.bill(record)
+                try:
+                    self.bill(record)
+                except DomainError as exc:
+                    self.dead_letters[record.stream_id] = f"{exc.rule}: {exc.message}"
+                    log.error("cannot bill %s: %s", record.stream_id, exc.message)
         if records:
             self.checkpoints.set(self.name, records[-1].position)
         return len(records)
