@@ -162,30 +162,27 @@ class Runtime:
 
     def run_folds(self) -> None:
         """One pass of every in-process fold; the fold thread calls it on every commit and at
-        least twice a second (other processes, like the CLI, write to the same store)."""
-        for record in self.store.read_all(self.control_position, 10_000):
-            self.control.apply(record)
-            self.control_position = record.position
-        # Each fold has its own checkpoint: one that cannot apply an event must not stall the
-        # others (a broken request_log must not stop billing, the ledger or the sweeper). The
-        # failures are still raised together, so /readyz shows them.
-        failures: list[str] = []
-        steps: list[tuple[str, Any]] = [("billing", self.billing.run_to_end)]
-        steps += [
-            (spec.name, runner.run_to_end)
-            for spec, runner in zip(self.projection_specs, self.runners, strict=True)
-        ]
+        least twice a second (other processes, like the CLI, write to the same store). Each fold
+        runs on its own: one that cannot apply an event stops (and says so on /readyz) without
+        holding the others back."""
+        errors = []
+        steps = [("control", self._follow_control), ("billing", self.billing.run_to_end)]
+        steps += [(runner.name, runner.run_to_end) for runner in self.runners]
         steps.append(("sweeper", self._sweep))
         for name, step in steps:
             try:
                 step()
             except Exception as exc:
                 log.exception("fold %s failed", name)
-                failures.append(f"{name}: {type(exc).__name__}: {exc}"[:500])
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        self.fold_error = "; ".join(errors) or None
         self.metrics.billing_lag.set(self.billing.lag())
         self.metrics.billing_dead_letters.set(len(self.billing.dead_letters))
-        if failures:
-            raise RuntimeError("; ".join(failures))
+
+    def _follow_control(self) -> None:
+        for record in self.store.read_all(self.control_position, 10_000):
+            self.control.apply(record)
+            self.control_position = record.position
 
     def _sweep(self) -> None:
         self.sweeper.follow()
@@ -195,15 +192,9 @@ class Runtime:
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
-            try:
-                self.run_folds()
-                self.fold_error = None
-            except Exception as exc:
-                # A fold that cannot apply an event stops here and says so on /readyz; it is
-                # retried on the next pass, never skipped.
-                self.fold_error = f"{type(exc).__name__}: {exc}"
-                log.exception("fold pass failed")
-                self._stop.wait(1.0)
+            self.run_folds()
+            if self.fold_error:
+                self._stop.wait(1.0)  # retried, never skipped: back off a little
 
     # --- views for the routes ------------------------------------------------------------------
 

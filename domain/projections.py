@@ -96,12 +96,15 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
             )
             _advance(new, "admitted")
         case RequestRejected():
+            # A refused request was never admitted: its admitted_at is the instant it was
+            # decided, so support finds it in the tenant's log beside the admitted ones.
             new.update(
                 tenant_id=event.tenant_id,
                 key_id=event.key_id,
                 model=event.model,
                 tier=event.tier,
                 status="rejected",
+                admitted_at=at,
                 finished_at=at,
                 reject_reason=event.reason,
             )

@@ -219,3 +219,47 @@ def test_a_row_that_moves_its_key_is_refused(db: tuple[sa.Engine, SqlEventStore]
     with pytest.raises(ProjectionError, match="moved row"):
         runner.run_once()
     assert runner.checkpoint() == 0
+
+
+def test_the_real_read_models_fold_every_kind_of_request(
+    db: tuple[sa.Engine, SqlEventStore],
+) -> None:
+    """The domain's projections into the migrated tables: completed, rejected, cancelled and
+    expired requests all fit the schema, and a rebuild reaches the same rows."""
+    from dataclasses import replace as dc_replace
+
+    from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+    from tests import builders as b
+
+    engine, store = db
+    t0 = datetime(2026, 11, 1, tzinfo=UTC)
+    streams = {
+        "req-done": b.happy_path(),
+        "req-refused": [b.rejected(reason="tokens")],
+        "req-invalid": [b.rejected(reason="invalid", model="")],
+        "req-left": [b.admitted(), b.estimated(), b.routed(), b.cancelled(), b.refunded()],
+        "req-lost": [b.admitted(), b.estimated(), b.lease_expired(), b.refunded()],
+    }
+    for i, (rid, events) in enumerate(streams.items()):
+        new = [
+            NewEvent(str(uuid.uuid4()), rid, b.TENANT, t0 + timedelta(minutes=i, seconds=j),
+                     dc_replace(e, request_id=rid))  # type: ignore[type-var]
+            for j, e in enumerate(events)
+        ]
+        store.append(rid, 0, new)
+    runners = [ProjectionRunner(engine, store, spec) for spec in
+               (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)]
+    digests = []
+    for runner in runners:
+        runner.run_to_end()
+        digests.append(runner.table_digest())
+    with engine.connect() as conn:
+        statuses = dict(conn.execute(sa.text("SELECT request_id, status FROM request_log")).all())
+        ledger = conn.execute(sa.text("SELECT COUNT(*) FROM ledger_entries")).scalar()
+    assert statuses == {"req-done": "completed", "req-refused": "rejected",
+                        "req-invalid": "rejected", "req-left": "cancelled",
+                        "req-lost": "lease_expired"}
+    assert ledger == 1
+    for runner, digest in zip(runners, digests, strict=True):
+        runner.rebuild()
+        assert runner.table_digest() == digest

@@ -62,12 +62,15 @@ def test_request_log_follows_a_request_to_its_end() -> None:
 
 
 def test_request_log_records_rejections() -> None:
-    row = run(REQUEST_LOG, b.stream(b.rejected(reason="concurrency")))[(b.RID,)]
+    # admitted_at is NOT NULL in the table: a refusal carries the instant it was decided.
+    records = b.stream(b.rejected(reason="concurrency"))
+    row = run(REQUEST_LOG, records)[(b.RID,)]
     assert (row["status"], row["reject_reason"], row["admitted_at"]) == (
         "rejected",
         "concurrency",
-        None,
+        records[0].occurred_at,
     )
+    assert all(row[c] is not None for c in ("tenant_id", "key_id", "model", "tier", "status"))
 
 
 def test_request_log_cancel_and_expiry() -> None:
