@@ -459,3 +459,8 @@ def replica_sim(host: str, port: int, model: str, seed: int, speed: float) -> No
 
 if __name__ == "__main__":
     main()
+
+
+from api.loadgen.cli import loadgen  # noqa: E402
+
+main.add_command(loadgen)
