@@ -457,10 +457,13 @@ def replica_sim(host: str, port: int, model: str, seed: int, speed: float) -> No
     serve_forever(host=host, port=port, model=model, seed=seed, speed=speed)
 
 
+def _register_loadgen() -> None:
+    from api.loadgen.cli import loadgen
+
+    main.add_command(loadgen)
+
+
+_register_loadgen()
+
 if __name__ == "__main__":
     main()
-
-
-from api.loadgen.cli import loadgen  # noqa: E402
-
-main.add_command(loadgen)
