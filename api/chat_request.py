@@ -24,6 +24,9 @@ FORWARDED = frozenset(
         "tool_choice", "parallel_tool_calls", "reasoning_effort", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
         "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
+        # The simulated replica's fault injection (engine_adapter/README.md): real vLLM ignores
+        # unknown fields, and a client can only make its own request fail with them.
+        "sim_fail_after_tokens", "sim_drop_after_tokens",
     }
 )
 

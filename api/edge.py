@@ -10,6 +10,7 @@ admission decision: the quota view is local and the fleet view is the last scrap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import random
@@ -117,6 +118,7 @@ class Edge:
         self.rng = rng or random.Random()
         self.clock = clock
         self.in_flight: dict[str, InFlight] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- auth --------------------------------------------------------------------------------
 
@@ -145,9 +147,15 @@ class Edge:
 
     # --- completions ---------------------------------------------------------------------------
 
+    def models(self) -> list[str]:
+        """Model versions on sale: served by the fleet and priced now. An unpriced model could
+        never be billed, so it is not offered (and the billing fold never meets one)."""
+        now = self.clock()
+        return [m for m in self.fleet.models() if self.control.has_price(m, now)]
+
     def resolve_model(self, requested: str) -> str | None:
         """A pinned version is served as is; a base name goes to its newest version."""
-        models = self.fleet.models()
+        models = self.models()
         if requested in models:
             return requested
         versions = [m for m in models if base_model(m) == requested]
@@ -329,9 +337,14 @@ class Edge:
         self, flight: InFlight, req: ChatRequest, chunks: _Primed, caller: Caller
     ) -> AsyncIterator[bytes]:
         transcript: list[bytes] | None = [] if flight.idempotency_key else None
+        # The engine is read by a task of its own: a client disconnect cancels this generator's
+        # task (and Starlette's anyio scope then cancels every later await in it), so it must
+        # never land inside the engine read, where it would drop what the engine already sent.
+        pump = _Pump(chunks)
+        client_gone = False
         try:
             async for frame in relay_stream(
-                chunks, flight.progress, include_usage=req.include_usage,
+                pump, flight.progress, include_usage=req.include_usage,
                 continuous_usage=req.continuous_usage,
                 on_first_token=lambda: self._first_token(flight),
             ):
@@ -359,13 +372,34 @@ class Edge:
             yield error_frame("the model replica failed mid-stream", code="replica_failed")
             yield DONE
         except BaseException:
-            # Client gone (CancelledError from Starlette, or GeneratorExit): cancel at once.
-            self._finish(flight, "cancelled")
+            # Client gone (CancelledError from Starlette, or GeneratorExit): cancel at once. The
+            # abort, the count and the terminal event run in their own task: awaits here would
+            # be cancelled again before they ran.
+            client_gone = True
+            self._background(self._cancel_stream(flight, pump, caller))
             raise
         finally:
-            await _close_quietly(chunks)
-            if flight.idempotency_key and flight.state.status != "completed":
+            if not client_gone:
+                await pump.aclose()
+                if flight.idempotency_key and flight.state.status != "completed":
+                    await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+
+    async def _cancel_stream(self, flight: InFlight, pump: _Pump, caller: Caller) -> None:
+        """Abort the engine request and bill what it sent: everything the pump received before
+        the upstream connection is closed (which is vLLM's abort signal)."""
+        try:
+            await pump.aclose()
+        finally:
+            if pump.last_usage is not None:
+                flight.progress.absorb_usage(pump.last_usage)
+            self._finish(flight, "cancelled")
+            if flight.idempotency_key:
                 await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # --- lifecycle bookkeeping -----------------------------------------------------------------
 
@@ -517,6 +551,74 @@ class _Primed:
 
     async def aclose(self) -> None:
         await self._stream.aclose()  # type: ignore[attr-defined]
+
+
+_DRAIN_ROUNDS = 50
+
+
+class _End:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+
+class _Pump:
+    """Reads the engine stream in its own task into a queue, remembering the last cumulative
+    usage it received; iterating it yields the chunks (and re-raises the engine's error)."""
+
+    def __init__(self, chunks: _Primed) -> None:
+        self._chunks = chunks
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.last_usage: dict[str, Any] | None = None
+        self.received = 0
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for chunk in self._chunks:
+                usage = chunk.get("usage")
+                if usage is not None:
+                    self.last_usage = usage
+                self.received += 1
+                self._queue.put_nowait(chunk)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(_End(None))
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            self._queue.put_nowait(_End(exc))
+        else:
+            self._queue.put_nowait(_End(None))
+        finally:
+            await _close_quietly(self._chunks)
+
+    def __aiter__(self) -> _Pump:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        item = await self._queue.get()
+        if isinstance(item, _End):
+            self._queue.put_nowait(item)  # stays ended
+            if item.exc is not None:
+                raise item.exc
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        """Stop reading and close the engine stream. What already arrived is taken first: the
+        loop is turned while the pump still finds data (bounded, since the engine generates
+        until the connection closes)."""
+        for _ in range(_DRAIN_ROUNDS):
+            if self._task.done():
+                break
+            before = self.received
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            if self.received == before:
+                break
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
 
 
 async def _close_quietly(chunks: _Primed) -> None:

@@ -333,10 +333,18 @@ def to_payload(event: Event) -> dict[str, Any]:
 
 
 def from_payload(event_type: str, version: int, payload: Mapping[str, Any]) -> Event:
-    data = upcast(event_type, version, payload)
-    cls = EVENT_CLASSES[event_type]
-    hints = _hints(cls)
-    return cls(**{k: _decode(hints[k], v) for k, v in data.items() if k in hints})
+    cls = EVENT_CLASSES.get(event_type)
+    # The common case is the current version: no upcasting, no copy of the payload.
+    if cls is None or version != cls.EVENT_VERSION:
+        payload = upcast(event_type, version, payload)
+        cls = EVENT_CLASSES[event_type]
+    plan = _decoders(cls)
+    kwargs = {}
+    for name, value in payload.items():
+        if name in plan:
+            convert = plan[name]
+            kwargs[name] = value if convert is None or value is None else convert(value)
+    return cls(**kwargs)
 
 
 def dumps(event: Event) -> str:
@@ -357,24 +365,29 @@ def _encode(value: Any) -> Any:
     return value
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_DECODERS: dict[type, dict[str, Callable[[Any], Any] | None]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = get_type_hints(cls)
-    return hints
+def _decoders(cls: type) -> dict[str, Callable[[Any], Any] | None]:
+    """Per event class, each field's converter from its JSON form (None: used as is). Built
+    once per class: decoding is on every fold's path."""
+    plan = _DECODERS.get(cls)
+    if plan is None:
+        plan = {}
+        for f in dataclasses.fields(cls):
+            hint = get_type_hints(cls)[f.name]
+            if hint is datetime or hint == (datetime | None):
+                plan[f.name] = parse_instant
+            elif hint == tuple[LeaseProgress, ...]:
+                plan[f.name] = _progress
+            else:
+                plan[f.name] = None
+        _DECODERS[cls] = plan
+    return plan
 
 
-def _decode(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    if hint is datetime or hint == (datetime | None):
-        return parse_instant(value)
-    if hint == tuple[LeaseProgress, ...]:
-        return tuple(LeaseProgress(**item) for item in value)
-    return value
+def _progress(items: Any) -> tuple[LeaseProgress, ...]:
+    return tuple(LeaseProgress(**item) for item in items)
 
 
 def parse_instant(text: str) -> datetime:

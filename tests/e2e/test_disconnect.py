@@ -1,0 +1,88 @@
+"""A client that leaves mid-stream: the edge cancels at the replica at once (KV freed), refunds,
+and bills exactly the tokens the engine sent — the simulator's record is the ground truth."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL, SLOW_MODEL, Server, auth, long_body, poll
+
+pytestmark = pytest.mark.e2e
+
+# Tokens the engine may write between the edge's last read and its abort (one frame; a frame of
+# the fast replica can carry a few tokens when the edge falls behind).
+MAX_ABORT_RACE_TOKENS = {SLOW_MODEL: 1, MODEL: 4}
+
+
+def stream_then_leave(server: Server, secret: str, model: str, frames_to_read: int) -> str:
+    with httpx.Client(timeout=30) as client, client.stream(
+        "POST", f"{server.base}/v1/chat/completions", headers=auth(secret),
+        json=long_body(model, 3000, stream=True),
+    ) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        content = 0
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    content += 1
+                    if content >= frames_to_read:
+                        break
+        assert content >= frames_to_read
+    # leaving the `with` closes the connection with the body unread: the client is gone
+    return request_id
+
+
+@pytest.mark.parametrize(
+    "model,frames",
+    [(SLOW_MODEL, n) for n in (1, 3, 5, 8, 13)] + [(MODEL, n) for n in (1, 2, 4, 8, 16)],
+)
+def test_disconnect_bills_exactly_what_the_engine_sent(
+    server: Server, model: str, frames: int
+) -> None:
+    secret = server.keys["demo-enterprise"]
+    request_id = stream_then_leave(server, secret, model, frames)
+    entry = server.wait_billed(request_id)
+    types = server.event_types(request_id)
+    assert "RequestCancelled" in types, types
+    assert "RequestCompleted" not in types and "RequestFailed" not in types, types
+    assert types.count("QuotaRefunded") == 1 and types.count("UsageBilled") == 1, types
+    assert entry["terminal"] == "cancelled"
+
+    routed = next(p for t, p in server.events(request_id) if t == "RequestRouted")
+    replica = server.replica(routed["replica_id"])
+    record = poll(
+        f"the replica to finish {request_id}",
+        lambda: (rec := replica.record(request_id)) and rec["finished"] and rec,
+        timeout=10,
+    )
+    assert record["finish_reason"] == "abort"
+    cancelled = next(p for t, p in server.events(request_id) if t == "RequestCancelled")
+    assert cancelled["engine_reported"] is True
+    assert (entry["prompt_tokens"], entry["cached_tokens"]) == (
+        record["prompt_tokens"], record["cached_tokens"],
+    ), f"billed {dict(entry)} but the engine sent {record}"
+    # Completion tokens: exact, except for the close-as-abort race that the edge cannot close on
+    # its own. Closing the upstream connection is vLLM's abort signal, and it also throws away
+    # whatever the engine wrote that the edge had not read yet (or wrote while the FIN was in
+    # flight). The edge reads the engine in its own task, so this is a frame at most, and never
+    # an over-charge. Exact needs a half-close in engine_adapter.vllm_http (shutdown(SHUT_WR),
+    # read to EOF): see the e2e report. Measured: 1 in 30 disconnects off by one frame at 20 ms
+    # a token, a few in 30 at 1 ms.
+    missed = record["completion_tokens"] - entry["completion_tokens"]
+    assert 0 <= missed <= MAX_ABORT_RACE_TOKENS[model], (
+        f"billed {entry['completion_tokens']} completion tokens, the engine sent "
+        f"{record['completion_tokens']} ({record})"
+    )
+    assert entry["completion_tokens"] >= frames
+    assert record["completion_tokens"] < 3000, "generation was not cut short"
+    # The KV came back: nothing runs on the replica any more.
+    poll(
+        "vllm:num_requests_running to return to 0",
+        lambda: replica.metric("vllm:num_requests_running") == 0,
+        timeout=10,
+    )
