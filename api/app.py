@@ -32,7 +32,7 @@ CUSTOMER = frozenset({"customer", "admin"})
 ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})
 
 
-def customer(request: Request) -> Caller:
+async def customer(request: Request) -> Caller:
     request.state.request_id = new_request_id()
     runtime: Runtime = request.app.state.runtime
     return runtime.edge.authenticate(request.headers.get("authorization"), CUSTOMER)
@@ -41,7 +41,7 @@ def customer(request: Request) -> Caller:
 CustomerDep = Annotated[Caller, Depends(customer)]
 
 
-def any_key(request: Request) -> Caller:
+async def any_key(request: Request) -> Caller:
     request.state.request_id = new_request_id()
     runtime: Runtime = request.app.state.runtime
     return runtime.edge.authenticate(request.headers.get("authorization"), ALL_SCOPES)

@@ -184,26 +184,29 @@ def _encode(new: NewEvent) -> _Row:
     )
 
 
+def check_batch(batch: AppendBatch) -> None:
+    """The structural rules of one append (cheap: nothing is encoded); a malformed batch is a
+    bug in the caller and fails loudly."""
+    if batch.expected_version is not None and batch.expected_version < 0:
+        raise ValueError(f"stream {batch.stream_id!r}: expected_version must be >= 0 or None")
+    seen: set[str] = set()
+    for new in batch.events:
+        if new.stream_id != batch.stream_id:
+            raise ValueError(
+                f"event {new.event_id} is for stream {new.stream_id!r}, "
+                f"appended to {batch.stream_id!r}"
+            )
+        if new.event_id in seen:
+            raise ValueError(f"event {new.event_id} appears twice in one append")
+        seen.add(new.event_id)
+
+
 def _prepare(batches: Sequence[AppendBatch]) -> list[list[_Row]]:
-    """Encode and validate every batch before touching storage: a malformed batch is a bug in
-    the caller and fails the whole call loudly rather than becoming a per-batch result."""
-    prepared = []
+    """Check and encode every batch before touching storage: a malformed batch fails the whole
+    call loudly rather than becoming a per-batch result."""
     for batch in batches:
-        if batch.expected_version is not None and batch.expected_version < 0:
-            raise ValueError(f"stream {batch.stream_id!r}: expected_version must be >= 0 or None")
-        rows = [_encode(new) for new in batch.events]
-        seen: set[str] = set()
-        for row in rows:
-            if row.stream_id != batch.stream_id:
-                raise ValueError(
-                    f"event {row.event_id} is for stream {row.stream_id!r}, "
-                    f"appended to {batch.stream_id!r}"
-                )
-            if row.event_id in seen:
-                raise ValueError(f"event {row.event_id} appears twice in one append")
-            seen.add(row.event_id)
-        prepared.append(rows)
-    return prepared
+        check_batch(batch)
+    return [[_encode(new) for new in batch.events] for batch in batches]
 
 
 def _differences(stored: _Row, new: _Row) -> list[str]:

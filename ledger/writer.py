@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from domain.events import Recorded
 from ledger.errors import StoreError
-from ledger.store import AppendBatch, AppendResult, EventStore, _prepare
+from ledger.store import AppendBatch, AppendResult, EventStore, check_batch
 
 
 class WriterClosed(StoreError):
@@ -80,8 +80,9 @@ class GroupCommitWriter:
         self._thread.start()
 
     def submit(self, batch: AppendBatch) -> Future[AppendResult]:
-        # Validate in the caller's thread: a malformed batch is that caller's bug alone.
-        _prepare([batch])
+        # Check in the caller's thread, so a malformed batch is that caller's bug alone; the
+        # encoding itself happens once, on the writer thread, off the request path.
+        check_batch(batch)
         future: Future[AppendResult] = Future()
         with self._lock:
             if self._failure is not None:
