@@ -302,7 +302,10 @@ class Edge:
         body["priority"] = TIER_PRIORITY.get(caller.tier, 2)
         body["max_tokens"] = estimate.reserved_output_tokens
         chunks = _Primed(
-            choice.replica.stream_chat(body, request_id=request_id, cache_salt=caller.cache_salt)
+            choice.replica.stream_chat(
+                body, request_id=request_id, cache_salt=caller.cache_salt,
+                on_abort_usage=flight.progress.absorb_usage,
+            )
         )
         try:
             if req.stream:
@@ -314,8 +317,9 @@ class Edge:
                 chunks, flight.progress, lambda: self._first_token(flight)
             )
         except asyncio.CancelledError:
-            self._finish(flight, "cancelled")
+            # Close (abort) first: it reads what the engine already sent, which is billed.
             await _close_quietly(chunks)
+            self._finish(flight, "cancelled")
             raise
         except (ReplicaHTTPError, ReplicaUnavailable, ReplicaStreamBroken) as exc:
             if isinstance(exc, ReplicaStreamBroken) and exc.last_usage:

@@ -32,12 +32,14 @@ class Progress:
     error: dict[str, Any] | None = None
 
     def absorb_usage(self, usage: dict[str, Any]) -> None:
+        """Take an engine usage report. The counts are cumulative, so they only grow: a report
+        that arrives late (the drain after an abort) can never lower what was already seen."""
         self.engine_reported = True
-        self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens) or 0
-        self.completion_tokens = usage.get("completion_tokens", self.completion_tokens) or 0
+        self.prompt_tokens = max(self.prompt_tokens, usage.get("prompt_tokens") or 0)
+        self.completion_tokens = max(self.completion_tokens, usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details")
         if details:
-            self.cached_tokens = details.get("cached_tokens") or 0
+            self.cached_tokens = max(self.cached_tokens, details.get("cached_tokens") or 0)
 
     @property
     def ttft_ms(self) -> int:

@@ -1266,10 +1266,13 @@ class SimulatedReplica:
             written += n_new
             rec.completion_tokens = written
             if r.drop_after is not None and written >= r.drop_after and not finished:
-                # Fault injection: the connection dies mid-stream, no error frame, no [DONE].
+                # Fault injection: the replica dies mid-stream, no error frame, no [DONE]. Like a
+                # crashed process, what it already wrote still leaves (the kernel sends it, then
+                # FIN); what it never wrote does not. close(), not abort(): abort() would also
+                # drop bytes this record already counts as written.
                 self.engine.abort(r)
                 if request.transport is not None:
-                    request.transport.abort()
+                    request.transport.close()
                 return resp
             if finished:
                 await resp.write_eof()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,14 +99,23 @@ class VLLMReplica:
         return f"VLLMReplica({self.replica_id!r}, {self.url!r}, {self.model!r})"
 
     async def stream_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+        self,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        cache_salt: str,
+        on_abort_usage: Callable[[dict[str, Any]], None] | None = None,
+        drain_s: float = 1.0,
     ) -> AsyncIterator[dict[str, Any]]:
         """POST the chat request streamed and yield every parsed chunk up to `[DONE]`.
 
         Always streams with continuous usage, whatever the client asked, so that a cancelled
         request still has an engine-reported count. The tenant's `cache_salt` replaces any
-        client value. Closing the generator closes the connection, which aborts the request in
-        vLLM and frees its KV.
+        client value. Closing the generator early aborts the request in vLLM: it half-closes the
+        connection (the server sees the disconnect and stops), reads for at most `drain_s` what
+        the engine had already sent, hands the last usage found to `on_abort_usage` — so a
+        cancelled request is billed every token the engine produced, not only those read — and
+        then drops the connection.
         """
         payload = dict(body)
         payload["model"] = self.model
@@ -120,7 +129,9 @@ class VLLMReplica:
             )
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as e:
             raise ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}") from e
-        done = False
+        done = early = False
+        last_usage: dict[str, Any] | None = None
+        buf = b""
         try:
             if resp.status != 200:
                 raw = await resp.read()
@@ -129,8 +140,6 @@ class VLLMReplica:
                 except orjson.JSONDecodeError:
                     err = {"error": {"message": raw[:500].decode(errors="replace")}}
                 raise ReplicaHTTPError(resp.status, err if isinstance(err, dict) else {})
-            last_usage: dict[str, Any] | None = None
-            buf = b""
             content = resp.content
             try:
                 while True:
@@ -154,8 +163,15 @@ class VLLMReplica:
                 raise ReplicaStreamBroken(last_usage, f"{type(e).__name__}: {e}") from e
             except TimeoutError as e:
                 raise ReplicaStreamBroken(last_usage, "read timeout") from e
+            except (GeneratorExit, asyncio.CancelledError):
+                early = True  # the consumer stopped: abort, but count what the engine sent
+                raise
             raise ReplicaStreamBroken(last_usage, "connection closed")
         finally:
+            if early and on_abort_usage is not None and not resp.content.at_eof():
+                usage = await _drain_after_half_close(resp, buf, drain_s)
+                if usage is not None:
+                    on_abort_usage(usage)
             if done and not resp.content.at_eof():
                 # The chunked-encoding terminator follows [DONE]; reading it lets the connection
                 # go back to the pool instead of being closed.
@@ -167,6 +183,33 @@ class VLLMReplica:
                 # Not finished cleanly (aclose, cancellation, error): drop the connection. vLLM
                 # sees the disconnect and aborts the request at once.
                 resp.close()
+
+
+async def _drain_after_half_close(
+    resp: aiohttp.ClientResponse, buf: bytes, drain_s: float
+) -> dict[str, Any] | None:
+    """Send our FIN (the server reads EOF, takes it as the client leaving and aborts), then read
+    what the engine had already written until the server closes or `drain_s` runs out. Returns
+    the last cumulative usage in it."""
+    connection = resp.connection
+    transport = connection.transport if connection is not None else None
+    if transport is None or not transport.can_write_eof():
+        return None
+    last: dict[str, Any] | None = None
+    try:
+        transport.write_eof()
+        async with asyncio.timeout(drain_s):
+            while data := await resp.content.readany():
+                frames = (buf + data).split(b"\n\n")
+                buf = frames.pop()
+                for frame in frames:
+                    if frame.startswith(b"data: {"):
+                        usage = orjson.loads(frame[6:]).get("usage")
+                        if usage is not None:
+                            last = usage
+    except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
+        pass  # whatever was read before the cut still counts
+    return last
 
 
 # --- /metrics ------------------------------------------------------------------------------------
