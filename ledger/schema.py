@@ -142,6 +142,13 @@ ledger_entries = sa.Table(
     sa.Column("billed_at", UTCDateTime, nullable=False),
     sa.Column("position", sa.BigInteger, nullable=False),
     sa.Index(None, "tenant_id", "finished_at"),
+    # PostgreSQL only (migration 0006): an invoice reads a tenant-month from the index alone.
+    sa.Index(
+        "ix_ledger_entries_invoice", "tenant_id", "finished_at",
+        postgresql_include=["model", "prompt_micros_per_mtok", "completion_micros_per_mtok",
+                            "cached_micros_per_mtok", "prompt_tokens", "completion_tokens",
+                            "cached_tokens", "amount_micros"],
+    ),
 )
 
 # Not an event projection: a mutable 24 h cache of responses the client explicitly asked to be

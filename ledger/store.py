@@ -346,9 +346,13 @@ _VERSIONS = (
     .where(events_table.c.stream_id.in_(sa.bindparam("ids", expanding=True)))
     .group_by(events_table.c.stream_id)
 )
+# One index probe per stream (the max of (stream_id, stream_version) is the last index entry):
+# grouping over `stream_id = ANY(:ids)` read every entry of each stream instead, so appends to a
+# long stream (an edge's LeasesRenewed) got slower with its length, and large groups turned into
+# a full scan (measured in bench/finance_scale.py at 8M events).
 _PG_VERSIONS = sa.text(
-    "SELECT stream_id, max(stream_version) FROM events WHERE stream_id = ANY(:ids) "
-    "GROUP BY stream_id"
+    "SELECT s.id, (SELECT max(e.stream_version) FROM events e WHERE e.stream_id = s.id) "
+    "FROM unnest(:ids) AS s(id)"
 ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.String())))
 # setval(nextval + n - 1) reserves n contiguous positions in one round trip; contiguity holds
 # because appends run under the table lock.
@@ -463,7 +467,7 @@ class SqlEventStore(EventStore):
             rows = conn.execute(_PG_VERSIONS, {"ids": ids})
         else:
             rows = conn.execute(_VERSIONS, {"ids": ids})
-        return {stream_id: int(version) for stream_id, version in rows}
+        return {stream_id: int(version) for stream_id, version in rows if version is not None}
 
     def _by_ids(self, conn: sa.Connection, event_ids: list[str]) -> dict[str, _Stored]:
         found: dict[str, _Stored] = {}

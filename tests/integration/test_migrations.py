@@ -41,8 +41,13 @@ def differences(url: str) -> list[object]:
                 diffs = compare_metadata(context, schema.metadata)
     finally:
         engine.dispose()
-    # txid exists only on PostgreSQL and is deliberately not in the shared Table object.
-    return [d for d in diffs if not (d[0] == "remove_column" and d[3].name == "txid")]
+    # txid exists only on PostgreSQL and is deliberately not in the shared Table object; the
+    # invoice covering index (migration 0006) exists only on PostgreSQL, which has INCLUDE.
+    return [
+        d for d in diffs
+        if not (d[0] == "remove_column" and d[3].name == "txid")
+        and not (d[0] in ("remove_index", "add_index") and d[1].name == "ix_ledger_entries_invoice")
+    ]
 
 
 @pytest.mark.parametrize("db", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
