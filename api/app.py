@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 from typing import Annotated, Any, TypeVar
 
@@ -79,7 +80,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         outcome = await race_disconnect(
             request,
             runtime.edge.chat(
-                caller, raw, request_id=request.state.request_id,
+                caller,
+                raw,
+                request_id=request.state.request_id,
                 idempotency_key=request.headers.get("idempotency-key"),
                 retry_count=retry_count,
             ),
@@ -87,10 +90,12 @@ def create_app(runtime: Runtime) -> FastAPI:
         if outcome is None:  # the client left before the first token; the edge recorded it
             return Response(status_code=499)
         if isinstance(outcome, JsonOutcome):
-            return Response(outcome.body, outcome.status, outcome.headers,
-                            media_type="application/json")
+            return Response(
+                outcome.body, outcome.status, outcome.headers, media_type="application/json"
+            )
         return StreamingResponse(
-            outcome.frames, headers={**outcome.headers, "Cache-Control": "no-cache"},
+            outcome.frames,
+            headers={**outcome.headers, "Cache-Control": "no-cache"},
             media_type="text/event-stream",
         )
 
@@ -139,8 +144,12 @@ def create_app(runtime: Runtime) -> FastAPI:
         q = request.query_params
         bo = runtime.backoffice
         if bo.billing_tenant(caller.scope, caller.tenant_id, None) is not None:
-            raise ApiError(403, "the reconciliation report is for finance keys",
-                           type="permission_error", code="insufficient_scope")
+            raise ApiError(
+                403,
+                "the reconciliation report is for finance keys",
+                type="permission_error",
+                code="insufficient_scope",
+            )
         start, end = parse_range(q.get("from"), q.get("to"), utcnow())
         report = await asyncio.to_thread(bo.reconciliation, start, end)
         return json_response(200, report, {"X-Request-Id": request.state.request_id})
@@ -150,7 +159,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         timeline = await asyncio.to_thread(
             runtime.backoffice.timeline, request_id, caller.scope, caller.tenant_id, utcnow()
         )
-        return json_response(200, timeline_json(timeline), {"X-Request-Id": request.state.request_id})
+        return json_response(
+            200, timeline_json(timeline), {"X-Request-Id": request.state.request_id}
+        )
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -160,8 +171,14 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def readyz() -> Response:
         problems, warnings = runtime.readiness()
         status = 503 if problems else 200
-        return json_response(status, {"status": "ready" if not problems else "not_ready",
-                                      "problems": problems, "warnings": warnings})
+        return json_response(
+            status,
+            {
+                "status": "ready" if not problems else "not_ready",
+                "problems": problems,
+                "warnings": warnings,
+            },
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -169,6 +186,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     from api.web import add_web_routes  # the /ui pages (issue 4)
+
     add_web_routes(app, runtime)
     return app
 
@@ -202,10 +220,8 @@ async def race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     if task in done:
         return task.result()
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
         await task
-    except (asyncio.CancelledError, ApiError):
-        pass
     return None
 
 
@@ -231,8 +247,9 @@ def _int_param(value: str | None, default: int, name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ApiError(400, f"'{name}' must be an integer", param=name,
-                       code="invalid_value") from None
+        raise ApiError(
+            400, f"'{name}' must be an integer", param=name, code="invalid_value"
+        ) from None
 
 
 def _int_header(value: str | None) -> int:

@@ -19,14 +19,34 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 # Fields forwarded to the engine as the client sent them (after the checks below).
 FORWARDED = frozenset(
     {
-        "messages", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
-        "top_logprobs", "response_format", "seed", "stop", "temperature", "top_p", "tools",
-        "tool_choice", "parallel_tool_calls", "reasoning_effort", "top_k", "min_p",
-        "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-        "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
+        "messages",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "seed",
+        "stop",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "reasoning_effort",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "chat_template_kwargs",
         # The simulated replica's fault injection (engine_adapter/README.md): real vLLM ignores
         # unknown fields, and a client can only make its own request fail with them.
-        "sim_fail_after_tokens", "sim_drop_after_tokens",
+        "sim_fail_after_tokens",
+        "sim_drop_after_tokens",
     }
 )
 
@@ -80,7 +100,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise bad_request("stream_options can only be defined when stream=true", "stream_options")
+            raise bad_request(
+                "stream_options can only be defined when stream=true", "stream_options"
+            )
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = bool(options.get("include_usage"))
@@ -95,7 +117,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
         value = body.get(name)
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not low <= value <= high
         ):
             raise bad_request(f"'{name}' must be a number in [{low}, {high}]", name)
 

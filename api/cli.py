@@ -81,8 +81,9 @@ def tenants() -> None:
 
 @tenants.command("create")
 @click.argument("name")
-@click.option("--plan", type=str, default="standard", show_default=True,
-              help="free | standard | enterprise")
+@click.option(
+    "--plan", type=str, default="standard", show_default=True, help="free | standard | enterprise"
+)
 @database_option
 @one_line_errors
 def tenants_create(name: str, plan: str, database_url: str | None) -> None:
@@ -118,8 +119,12 @@ def keys() -> None:
 
 @keys.command("issue")
 @click.option("--tenant", required=True)
-@click.option("--scope", type=click.Choice(["customer", "finance", "support", "admin"]),
-              default="customer", show_default=True)
+@click.option(
+    "--scope",
+    type=click.Choice(["customer", "finance", "support", "admin"]),
+    default="customer",
+    show_default=True,
+)
 @database_option
 @one_line_errors
 def keys_issue(tenant: str, scope: str, database_url: str | None) -> None:
@@ -159,21 +164,42 @@ def _non_negative(ctx: click.Context, param: click.Parameter, value: int | None)
 @click.option("--tpm", type=int, callback=_non_negative, help="tokens per minute")
 @click.option("--max-context", type=int, callback=_non_negative, help="max prompt tokens")
 @click.option("--max-output", type=int, callback=_non_negative, help="max completion tokens")
-@click.option("--kv-seconds", type=int, callback=_non_negative,
-              help="cap on concurrent estimated KV GiB-seconds in flight")
-@click.option("--reserved-kv-seconds", type=int, callback=_non_negative,
-              help="enterprise reserved floor, KV GiB-seconds")
+@click.option(
+    "--kv-seconds",
+    type=int,
+    callback=_non_negative,
+    help="cap on concurrent estimated KV GiB-seconds in flight",
+)
+@click.option(
+    "--reserved-kv-seconds",
+    type=int,
+    callback=_non_negative,
+    help="enterprise reserved floor, KV GiB-seconds",
+)
 @database_option
 @one_line_errors
 def limits_set(
-    tenant: str, model: str, rpm: int | None, tpm: int | None, max_context: int | None,
-    max_output: int | None, kv_seconds: int | None, reserved_kv_seconds: int | None,
+    tenant: str,
+    model: str,
+    rpm: int | None,
+    tpm: int | None,
+    max_context: int | None,
+    max_output: int | None,
+    kv_seconds: int | None,
+    reserved_kv_seconds: int | None,
     database_url: str | None,
 ) -> None:
     with control.ControlService.open(database_url) as service:
-        service.set_limits(tenant, model, rpm=rpm, tpm=tpm, max_context=max_context,
-                           max_output=max_output, kv_gib_seconds=kv_seconds,
-                           reserved_kv_gib_seconds=reserved_kv_seconds)
+        service.set_limits(
+            tenant,
+            model,
+            rpm=rpm,
+            tpm=tpm,
+            max_context=max_context,
+            max_output=max_output,
+            kv_gib_seconds=kv_seconds,
+            reserved_kv_gib_seconds=reserved_kv_seconds,
+        )
     click.echo(f"limits for {tenant} on {model} recorded")
 
 
@@ -226,8 +252,14 @@ def prices() -> None:
 @click.option("--effective-at", default=None, help="ISO 8601 (default: now)")
 @database_option
 @one_line_errors
-def prices_set(model: str, prompt_: str, completion: str, cached: str,
-               effective_at: str | None, database_url: str | None) -> None:
+def prices_set(
+    model: str,
+    prompt_: str,
+    completion: str,
+    cached: str,
+    effective_at: str | None,
+    database_url: str | None,
+) -> None:
     at = _instant(effective_at) if effective_at else None
     with control.ControlService.open(database_url) as service:
         at = service.set_price(model, _micros(prompt_), _micros(completion), _micros(cached), at)
@@ -254,8 +286,13 @@ def projections_rebuild(name: str | None, database_url: str | None) -> None:
 
 # --- finance and support -------------------------------------------------------------------
 
-format_option = click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]),
-                             default="table", show_default=True)
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json"]),
+    default="table",
+    show_default=True,
+)
 range_options = [
     click.option("--from", "start", default=None, help="ISO 8601 (default: 30 days before --to)"),
     click.option("--to", "end", default=None, help="ISO 8601 (default: now)"),
@@ -283,8 +320,10 @@ def _emit(rows: list[dict[str, Any]], fmt: str, columns: tuple[str, ...], title:
 
         table = Table(title=title)
         for column in columns:
-            table.add_column(column, justify="right" if column.endswith(("tokens", "micros",
-                                                                         "requests")) else "left")
+            table.add_column(
+                column,
+                justify="right" if column.endswith(("tokens", "micros", "requests")) else "left",
+            )
         for row in rows:
             table.add_row(*(str(row.get(c, "")) for c in columns))
         Console(width=None if sys.stdout.isatty() else 200).print(table)
@@ -298,14 +337,25 @@ def ledger() -> None:
 @ledger.command("usage")
 @click.option("--tenant", default=None)
 @click.option("--model", default=None)
-@click.option("--group-by", type=click.Choice(["hour", "day", "model", "key"]), default="hour",
-              show_default=True)
+@click.option(
+    "--group-by",
+    type=click.Choice(["hour", "day", "model", "key"]),
+    default="hour",
+    show_default=True,
+)
 @_with_range
 @format_option
 @database_option
 @one_line_errors
-def ledger_usage(tenant: str | None, model: str | None, group_by: str, start: str | None,
-                 end: str | None, fmt: str, database_url: str | None) -> None:
+def ledger_usage(
+    tenant: str | None,
+    model: str | None,
+    group_by: str,
+    start: str | None,
+    end: str | None,
+    fmt: str,
+    database_url: str | None,
+) -> None:
     from api.backoffice import USAGE_COLUMNS, parse_range
 
     with control.open_backoffice(database_url) as bo:
@@ -325,8 +375,15 @@ def ledger_usage(tenant: str | None, model: str | None, group_by: str, start: st
 @format_option
 @database_option
 @one_line_errors
-def ledger_entries(tenant: str | None, model: str | None, limit: int, start: str | None,
-                   end: str | None, fmt: str, database_url: str | None) -> None:
+def ledger_entries(
+    tenant: str | None,
+    model: str | None,
+    limit: int,
+    start: str | None,
+    end: str | None,
+    fmt: str,
+    database_url: str | None,
+) -> None:
     from api.backoffice import ENTRY_COLUMNS, parse_range
 
     with control.open_backoffice(database_url) as bo:
@@ -353,8 +410,12 @@ def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str 
 
         click.echo(orjson.dumps(invoice, option=orjson.OPT_INDENT_2).decode())
         return
-    _emit(invoice["lines"], fmt, INVOICE_COLUMNS,
-          f"invoice {tenant} {invoice['period']}: total {invoice['amount']}")
+    _emit(
+        invoice["lines"],
+        fmt,
+        INVOICE_COLUMNS,
+        f"invoice {tenant} {invoice['period']}: total {invoice['amount']}",
+    )
 
 
 @ledger.command("reconcile")
@@ -393,21 +454,31 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
     if as_json:
         click.echo(orjson.dumps(timeline, option=orjson.OPT_INDENT_2).decode())
         return
-    click.echo(f"{timeline['request_id']}  {timeline['status']}  tenant={timeline['tenant']} "
-               f"model={timeline['model']} tier={timeline['tier']}")
-    click.echo(f"plan at admission: {timeline['plan_at_admission']}  limits: "
-               f"{timeline['limits_at_admission']}")
-    click.echo(f"replica {timeline['replica_id']} (occupancy at routing "
-               f"{timeline['replica_occupancy_at_routing']}), ttft {timeline['ttft_ms']} ms, "
-               f"tpot {timeline['tpot_us']} us, lease renewals {timeline['lease_renewals']}")
+    click.echo(
+        f"{timeline['request_id']}  {timeline['status']}  tenant={timeline['tenant']} "
+        f"model={timeline['model']} tier={timeline['tier']}"
+    )
+    click.echo(
+        f"plan at admission: {timeline['plan_at_admission']}  limits: "
+        f"{timeline['limits_at_admission']}"
+    )
+    click.echo(
+        f"replica {timeline['replica_id']} (occupancy at routing "
+        f"{timeline['replica_occupancy_at_routing']}), ttft {timeline['ttft_ms']} ms, "
+        f"tpot {timeline['tpot_us']} us, lease renewals {timeline['lease_renewals']}"
+    )
     for step in timeline["events"]:
         effect = " ".join(f"{k}={v}" for k, v in step["quota_effect"].items())
-        click.echo(f"  {step['occurred_at']}  v{step['stream_version']:<2} {step['type']:<20} "
-                   f"-> {step['state_after']:<13} {effect}")
+        click.echo(
+            f"  {step['occurred_at']}  v{step['stream_version']:<2} {step['type']:<20} "
+            f"-> {step['state_after']:<13} {effect}"
+        )
     click.echo(f"quota: {timeline['quota']}  tokens: {timeline['tokens']}")
     if timeline["billing"]:
-        click.echo(f"billed: {timeline['billing']['amount_micros']} micro-units "
-                   f"({timeline['billing']['terminal']})")
+        click.echo(
+            f"billed: {timeline['billing']['amount_micros']} micro-units "
+            f"({timeline['billing']['terminal']})"
+        )
     for anomaly in timeline["anomalies"]:
         click.echo(f"ANOMALY {anomaly['kind']}: {anomaly['detail']}")
 
@@ -419,26 +490,56 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @database_option
-@click.option("--simulated-replicas", default=2, show_default=True, type=int,
-              help="simulated vLLM replicas per model when no --replica is given")
-@click.option("--replica", "replicas", multiple=True,
-              help="a real vLLM replica: MODEL=URL or URL (its served model is asked)")
-@click.option("--model", "models", multiple=True,
-              help=f"model versions to simulate (default: {', '.join(DEFAULT_MODELS)})")
-@click.option("--sim-speed", default=1.0, show_default=True, type=float,
-              help="speed multiplier of the simulated engines")
+@click.option(
+    "--simulated-replicas",
+    default=2,
+    show_default=True,
+    type=int,
+    help="simulated vLLM replicas per model when no --replica is given",
+)
+@click.option(
+    "--replica",
+    "replicas",
+    multiple=True,
+    help="a real vLLM replica: MODEL=URL or URL (its served model is asked)",
+)
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    help=f"model versions to simulate (default: {', '.join(DEFAULT_MODELS)})",
+)
+@click.option(
+    "--sim-speed",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="speed multiplier of the simulated engines",
+)
 @click.option("--no-demo", is_flag=True, help="do not seed the demo tenants and keys")
 @one_line_errors
-def serve(host: str, port: int, database_url: str | None, simulated_replicas: int,
-          replicas: tuple[str, ...], models: tuple[str, ...], sim_speed: float,
-          no_demo: bool) -> None:
+def serve(
+    host: str,
+    port: int,
+    database_url: str | None,
+    simulated_replicas: int,
+    replicas: tuple[str, ...],
+    models: tuple[str, ...],
+    sim_speed: float,
+    no_demo: bool,
+) -> None:
     """Run Tollgate embedded: migrate, seed the demo, start the fleet, serve the API."""
     from api.serve import run
 
     settings = ServeSettings(
-        host=host, port=port, database_url=database_url or default_database_url(),
-        simulated_replicas=simulated_replicas, replicas=replicas,
-        models=models or DEFAULT_MODELS, sim_speed=sim_speed, seed_demo=not no_demo,
+        host=host,
+        port=port,
+        database_url=database_url or default_database_url(),
+        simulated_replicas=simulated_replicas,
+        replicas=replicas,
+        models=models or DEFAULT_MODELS,
+        sim_speed=sim_speed,
+        seed_demo=not no_demo,
     )
     run(settings)
 

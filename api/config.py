@@ -1,5 +1,5 @@
 """Where Tollgate keeps its data and how it is reached: flags override the environment, which
-overrides the defaults. Selecting PostgreSQL, Kafka or real replicas is configuration, never code."""
+overrides the defaults. Choosing PostgreSQL or real replicas is configuration, never code."""
 
 from __future__ import annotations
 

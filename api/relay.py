@@ -151,7 +151,8 @@ async def collect_completion(
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
     index = delta.get("index", 0)
     call = calls.setdefault(
-        index, {"id": delta.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+        index,
+        {"id": delta.get("id"), "type": "function", "function": {"name": "", "arguments": ""}},
     )
     if delta.get("id"):
         call["id"] = delta["id"]

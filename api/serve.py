@@ -8,7 +8,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,8 +22,11 @@ from api.runtime import Runtime
 
 log = logging.getLogger("tollgate.serve")
 
-DEMO_TENANTS = (("demo-free", "free"), ("demo-standard", "standard"),
-                ("demo-enterprise", "enterprise"))
+DEMO_TENANTS = (
+    ("demo-free", "free"),
+    ("demo-standard", "standard"),
+    ("demo-enterprise", "enterprise"),
+)
 # Demo list prices per million tokens, in micro-units (prompt, completion, cached).
 DEMO_PRICES = {
     "llama-3.1-8b": (150_000, 600_000, 75_000),
@@ -74,15 +76,20 @@ def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
                 service.set_price(model, *prices)
 
 
-async def start_simulated_fleet(settings: ServeSettings) -> tuple[list[Any], list[tuple[str, str, str]]]:
+async def start_simulated_fleet(
+    settings: ServeSettings,
+) -> tuple[list[Any], list[tuple[str, str, str]]]:
     from engine_adapter.simulated import SimConfig, start_simulated_replica
 
     handles, replicas = [], []
     for m_index, model in enumerate(settings.models):
         for i in range(settings.simulated_replicas):
             config = SimConfig(
-                model=model, seed=settings.sim_seed + 100 * m_index + i, speed=settings.sim_speed,
-                max_model_len=32_768, num_gpu_blocks=8_192,
+                model=model,
+                seed=settings.sim_seed + 100 * m_index + i,
+                speed=settings.sim_speed,
+                max_model_len=32_768,
+                num_gpu_blocks=8_192,
             )
             handle = await start_simulated_replica(config)
             handles.append(handle)
@@ -111,7 +118,9 @@ def run(settings: ServeSettings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     if settings.replicas and settings.models == DEFAULT_MODELS:
-        settings.models = tuple(dict.fromkeys(m for _, m, _ in parse_replica_flags(settings.replicas)))
+        settings.models = tuple(
+            dict.fromkeys(m for _, m, _ in parse_replica_flags(settings.replicas))
+        )
     keys = seed_demo(settings) if settings.seed_demo else {}
     if settings.seed_demo:
         ensure_demo_prices(settings, list(settings.models))
@@ -128,8 +137,14 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
     await runtime.start(replicas)
     app = create_app(runtime)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="none", http="httptools",
-        access_log=False, log_level="warning", lifespan="off",
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="none",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+        lifespan="off",
     )
     server = uvicorn.Server(config)
     base = f"http://{settings.host}:{settings.port}"
@@ -157,11 +172,7 @@ def _print_banner(
         lines.append(
             f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer "
             f"{keys['demo-standard']}' -H 'Content-Type: application/json' -d '{{\"model\": "
-            f"\"{settings.models[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-            f"\"Hello!\"}}]}}' -i"
+            f'"{settings.models[0]}", "messages": [{{"role": "user", "content": '
+            f'"Hello!"}}]}}\' -i'
         )
     print("\n".join(lines), flush=True)
-
-
-def _install_signal_handlers() -> None:
-    signal.signal(signal.SIGTERM, signal.default_int_handler)

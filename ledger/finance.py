@@ -47,7 +47,11 @@ class FinanceQueries:
     engine: Engine
 
     def usage(
-        self, tenant: str | None, start: datetime, end: datetime, model: str | None,
+        self,
+        tenant: str | None,
+        start: datetime,
+        end: datetime,
+        model: str | None,
         group_by: str,
     ) -> list[dict[str, Any]]:
         """Usage rows (tenant, model, period_start, requests, tokens, amount_micros) grouped by
@@ -69,8 +73,13 @@ class FinanceQueries:
             # built by zip, instants formatted directly (they are UTC whole hours).
             names = ("tenant", "model", "period_start", *USAGE_FIELDS)
             return [
-                dict(zip(names, (r[0], r[1], r[2].strftime("%Y-%m-%dT%H:%M:%SZ"),
-                                 *map(int, r[3:])), strict=True))
+                dict(
+                    zip(
+                        names,
+                        (r[0], r[1], r[2].strftime("%Y-%m-%dT%H:%M:%SZ"), *map(int, r[3:])),
+                        strict=True,
+                    )
+                )
                 for r in rows
             ]
         buckets: dict[tuple[str, str, datetime], dict[str, int]] = defaultdict(
@@ -86,7 +95,9 @@ class FinanceQueries:
                 bucket[f] += getattr(r, f)
         return [
             {"tenant": t, "model": m, "period_start": _iso(when), **values}
-            for (t, m, when), values in sorted(buckets.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1]))
+            for (t, m, when), values in sorted(
+                buckets.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])
+            )
         ]
 
     def _usage_by_key(
@@ -95,15 +106,16 @@ class FinanceQueries:
         e = ledger_entries
         query = (
             sa.select(
-                e.c.tenant_id, e.c.key_id, e.c.model,
+                e.c.tenant_id,
+                e.c.key_id,
+                e.c.model,
                 sa.func.count().label("requests"),
                 sa.func.sum(e.c.prompt_tokens).label("prompt_tokens"),
                 sa.func.sum(e.c.completion_tokens).label("completion_tokens"),
                 sa.func.sum(e.c.cached_tokens).label("cached_tokens"),
                 sa.func.sum(e.c.amount_micros).label("amount_micros"),
             )
-            .where(e.c.finished_at >= start, e.c.finished_at < end,
-                   _model_filter(e.c.model, model))
+            .where(e.c.finished_at >= start, e.c.finished_at < end, _model_filter(e.c.model, model))
             .group_by(e.c.tenant_id, e.c.key_id, e.c.model)
             .order_by(e.c.tenant_id, e.c.key_id, e.c.model)
         )
@@ -111,21 +123,23 @@ class FinanceQueries:
             query = query.where(e.c.tenant_id == tenant)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [
-            {**_usage_row(r.tenant_id, r.model, start, r), "key_id": r.key_id} for r in rows
-        ]
+        return [{**_usage_row(r.tenant_id, r.model, start, r), "key_id": r.key_id} for r in rows]
 
     def entries(
-        self, tenant: str | None, start: datetime, end: datetime, model: str | None,
-        limit: int, after: str | None = None,
+        self,
+        tenant: str | None,
+        start: datetime,
+        end: datetime,
+        model: str | None,
+        limit: int,
+        after: str | None = None,
     ) -> list[dict[str, Any]]:
         """Ledger entries in (finished_at, request_id) order; `after` is the last request id of
         the previous page."""
         e = ledger_entries
         query = (
             sa.select(e)
-            .where(e.c.finished_at >= start, e.c.finished_at < end,
-                   _model_filter(e.c.model, model))
+            .where(e.c.finished_at >= start, e.c.finished_at < end, _model_filter(e.c.model, model))
             .order_by(e.c.finished_at, e.c.request_id)
             .limit(limit)
         )
@@ -138,8 +152,10 @@ class FinanceQueries:
                 ).scalar()
                 if anchor is not None:
                     query = query.where(
-                        sa.or_(e.c.finished_at > anchor,
-                               sa.and_(e.c.finished_at == anchor, e.c.request_id > after))
+                        sa.or_(
+                            e.c.finished_at > anchor,
+                            sa.and_(e.c.finished_at == anchor, e.c.request_id > after),
+                        )
                     )
             rows = conn.execute(query).mappings().all()
         return [_entry({str(k): v for k, v in r.items()}) for r in rows]
@@ -150,7 +166,9 @@ class FinanceQueries:
         e = ledger_entries
         query = (
             sa.select(
-                e.c.model, e.c.prompt_micros_per_mtok, e.c.completion_micros_per_mtok,
+                e.c.model,
+                e.c.prompt_micros_per_mtok,
+                e.c.completion_micros_per_mtok,
                 e.c.cached_micros_per_mtok,
                 sa.func.count().label("requests"),
                 sa.func.sum(e.c.prompt_tokens - e.c.cached_tokens).label("uncached_prompt_tokens"),
@@ -159,15 +177,20 @@ class FinanceQueries:
                 sa.func.sum(e.c.amount_micros).label("amount_micros"),
             )
             .where(e.c.tenant_id == tenant, e.c.finished_at >= start, e.c.finished_at < end)
-            .group_by(e.c.model, e.c.prompt_micros_per_mtok, e.c.completion_micros_per_mtok,
-                      e.c.cached_micros_per_mtok)
+            .group_by(
+                e.c.model,
+                e.c.prompt_micros_per_mtok,
+                e.c.completion_micros_per_mtok,
+                e.c.cached_micros_per_mtok,
+            )
             .order_by(e.c.model, e.c.prompt_micros_per_mtok)
         )
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         # PostgreSQL sums bigints as NUMERIC: every figure comes back as an exact int.
-        lines = [{str(k): (v if isinstance(v, str) else int(v)) for k, v in r.items()}
-                 for r in rows]
+        lines = [
+            {str(k): (v if isinstance(v, str) else int(v)) for k, v in r.items()} for r in rows
+        ]
         total = sum(line["amount_micros"] for line in lines)
         return {
             "tenant": tenant,
@@ -186,13 +209,16 @@ class FinanceQueries:
         entries, reserved vs refunded vs billed tokens, and every mismatch by request id. A
         request younger than `grace_s` without its terminal event is in flight, not a mismatch."""
         ev = events
-        admitted_ids = (
-            sa.select(ev.c.stream_id)
-            .where(ev.c.type == "RequestAdmitted", ev.c.occurred_at >= start,
-                   ev.c.occurred_at < end)
+        admitted_ids = sa.select(ev.c.stream_id).where(
+            ev.c.type == "RequestAdmitted", ev.c.occurred_at >= start, ev.c.occurred_at < end
         )
-        wanted = ("RequestAdmitted", "RequestEstimated", *TERMINAL_TYPES, "QuotaRefunded",
-                  "UsageBilled")
+        wanted = (
+            "RequestAdmitted",
+            "RequestEstimated",
+            *TERMINAL_TYPES,
+            "QuotaRefunded",
+            "UsageBilled",
+        )
         query = (
             sa.select(ev.c.stream_id, ev.c.type, ev.c.occurred_at, ev.c.payload)
             .where(ev.c.stream_id.in_(admitted_ids), ev.c.type.in_(wanted))
@@ -205,8 +231,11 @@ class FinanceQueries:
                 r[type_] += 1
                 if type_ == "RequestAdmitted":
                     r["admitted_at"] = occurred_at
-                elif type_ in ("RequestEstimated", "QuotaRefunded") or type_ in TERMINAL_TYPES \
-                        or type_ == "UsageBilled":
+                elif (
+                    type_ in ("RequestEstimated", "QuotaRefunded")
+                    or type_ in TERMINAL_TYPES
+                    or type_ == "UsageBilled"
+                ):
                     r[f"{type_}:payload"] = orjson.loads(payload)
             ledger_ids = set(
                 conn.execute(
@@ -217,9 +246,20 @@ class FinanceQueries:
             )
         now = datetime.now(UTC)
         totals = dict.fromkeys(
-            ("admitted", "terminal", "refunded", "billed_events", "ledger_entries",
-             "reserved_tokens", "refunded_tokens", "used_tokens", "billed_tokens",
-             "in_flight"), 0)
+            (
+                "admitted",
+                "terminal",
+                "refunded",
+                "billed_events",
+                "ledger_entries",
+                "reserved_tokens",
+                "refunded_tokens",
+                "used_tokens",
+                "billed_tokens",
+                "in_flight",
+            ),
+            0,
+        )
         mismatches: list[dict[str, str]] = []
 
         def flag(rid: str, problem: str) -> None:
@@ -252,15 +292,21 @@ class FinanceQueries:
                 totals["refunded_tokens"] += int(refund["refunded_tokens"])
                 totals["used_tokens"] += int(refund["used_tokens"])
                 if int(refund["refunded_tokens"]) != max(0, reserved - used):
-                    flag(rid, f"refund {refund['refunded_tokens']} != reserved {reserved} − used "
-                              f"{used}")
+                    flag(
+                        rid,
+                        f"refund {refund['refunded_tokens']} != reserved {reserved} − used {used}",
+                    )
             if r["UsageBilled"] != 1:
                 flag(rid, f"{r['UsageBilled']} UsageBilled events")
             else:
                 bill = r["UsageBilled:payload"]
-                totals["billed_tokens"] += int(bill["prompt_tokens"]) + int(bill["completion_tokens"])
+                totals["billed_tokens"] += int(bill["prompt_tokens"]) + int(
+                    bill["completion_tokens"]
+                )
                 if (bill["prompt_tokens"], bill["completion_tokens"], bill["cached_tokens"]) != (
-                    term["prompt_tokens"], term["completion_tokens"], term["cached_tokens"]
+                    term["prompt_tokens"],
+                    term["completion_tokens"],
+                    term["cached_tokens"],
                 ):
                     flag(rid, "billed tokens differ from the terminal event's")
             if rid not in ledger_ids:
@@ -275,8 +321,12 @@ class FinanceQueries:
 
 
 def _usage_row(tenant: str, model: str, when: datetime, r: Any) -> dict[str, Any]:
-    return {"tenant": tenant, "model": model, "period_start": _iso(when),
-            **{f: int(getattr(r, f) or 0) for f in USAGE_FIELDS}}
+    return {
+        "tenant": tenant,
+        "model": model,
+        "period_start": _iso(when),
+        **{f: int(getattr(r, f) or 0) for f in USAGE_FIELDS},
+    }
 
 
 def _entry(row: dict[str, Any]) -> dict[str, Any]:

@@ -105,7 +105,9 @@ class LeaseSweeper:
             self.expired_total += 1
             log.warning(
                 "lease expired for %s (edge %s silent since %s)",
-                lease.request_id, lease.edge_id, lease.renewed_at.isoformat(),
+                lease.request_id,
+                lease.edge_id,
+                lease.renewed_at.isoformat(),
             )
             return True
         return False

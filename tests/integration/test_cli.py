@@ -13,10 +13,15 @@ import sqlalchemy as sa
 TOLLGATE = str(Path(sys.executable).with_name("tollgate"))
 
 
-def run(*args: str, url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, url: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [TOLLGATE, *args, "--database-url", url] if url else [TOLLGATE, *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -46,8 +51,19 @@ def test_tenants_keys_limits_round_trip(url: str) -> None:
     out = ok("keys", "issue", "--tenant", "acme", "--scope", "finance", url=url)
     secret = out.strip().splitlines()[-1]
     assert secret.startswith("tg_") and len(secret) > 30
-    ok("limits", "set", "--tenant", "acme", "--model", "llama-3.1-8b", "--rpm", "7",
-       "--max-output", "99", url=url)
+    ok(
+        "limits",
+        "set",
+        "--tenant",
+        "acme",
+        "--model",
+        "llama-3.1-8b",
+        "--rpm",
+        "7",
+        "--max-output",
+        "99",
+        url=url,
+    )
     shown = ok("limits", "show", "--tenant", "acme", "--model", "llama-3.1-8b-2026-05", url=url)
     assert "rpm\t7" in shown and "max_output\t99" in shown and "plan\tstandard" in shown
     assert "acme\tstandard" in ok("tenants", "list", url=url)
@@ -68,8 +84,9 @@ def test_tenants_keys_limits_round_trip(url: str) -> None:
         (("limits", "set", "--tenant", "nobody", "--model", "*", "--rpm", "5"), ("nobody",)),
     ],
 )
-def test_bad_input_is_one_line_and_writes_nothing(url: str, args: tuple[str, ...],
-                                                  words: tuple[str, ...]) -> None:
+def test_bad_input_is_one_line_and_writes_nothing(
+    url: str, args: tuple[str, ...], words: tuple[str, ...]
+) -> None:
     ok("db", "upgrade", url=url)
     engine = sa.create_engine(url)
     with engine.connect() as conn:
@@ -95,8 +112,7 @@ def test_bad_and_unreachable_databases() -> None:
         run("db", "upgrade", url="postgresql+psycopg://postgres@127.0.0.1:1/none"),
         "cannot reach",
     )
-    one_line_error(run("tenants", "list", url="sqlite:////nonexistent-dir/x.db"),
-                   "does not exist")
+    one_line_error(run("tenants", "list", url="sqlite:////nonexistent-dir/x.db"), "does not exist")
 
 
 def test_projection_rebuild_prints_digests(url: str) -> None:

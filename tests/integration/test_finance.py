@@ -41,26 +41,48 @@ def db(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 def _seed(store: SqlEventStore) -> ControlView:
     view = ControlView()
     events = [
-        _new("tenant-acme", "acme", T0 - timedelta(days=1),
-             TenantRegistered("acme", "acme", "standard", "salt-a")),
-        _new("tenant-beta", "beta", T0 - timedelta(days=1),
-             TenantRegistered("beta", "beta", "free", "salt-b")),
+        _new(
+            "tenant-acme",
+            "acme",
+            T0 - timedelta(days=1),
+            TenantRegistered("acme", "acme", "standard", "salt-a"),
+        ),
+        _new(
+            "tenant-beta",
+            "beta",
+            T0 - timedelta(days=1),
+            TenantRegistered("beta", "beta", "free", "salt-b"),
+        ),
     ]
     for e in events:
         for r in store.append(e.stream_id, None, [e]):
             view.apply(r)
-    for effective, prices in ((T0 - timedelta(days=1), (150_000, 600_000, 75_000)),
-                              (PRICE_CHANGE, (300_000, 1_200_000, 150_000))):
-        e = _new(f"prices-{MODEL}", "", T0 - timedelta(days=1),
-                 PriceSet(MODEL, *prices, effective_at=effective))
+    for effective, prices in (
+        (T0 - timedelta(days=1), (150_000, 600_000, 75_000)),
+        (PRICE_CHANGE, (300_000, 1_200_000, 150_000)),
+    ):
+        e = _new(
+            f"prices-{MODEL}",
+            "",
+            T0 - timedelta(days=1),
+            PriceSet(MODEL, *prices, effective_at=effective),
+        )
         for r in store.append(e.stream_id, None, [e]):
             view.apply(r)
     return view
 
 
-def _request(store: SqlEventStore, view: ControlView, tenant: str, at: datetime,
-             prompt: int, completion: int, cached: int, key: str = "key-1",
-             terminal: str = "complete") -> str:
+def _request(
+    store: SqlEventStore,
+    view: ControlView,
+    tenant: str,
+    at: datetime,
+    prompt: int,
+    completion: int,
+    cached: int,
+    key: str = "key-1",
+    terminal: str = "complete",
+) -> str:
     rid = "req_" + uuid.uuid4().hex
     state = lc.RequestState()
     batch: list[NewEvent] = []
@@ -71,8 +93,12 @@ def _request(store: SqlEventStore, view: ControlView, tenant: str, at: datetime,
             batch.append(_new(rid, tenant, when, event))
             state = lc.evolve_event(state, event, when)
 
-    run(lc.AdmitRequest(rid, tenant, key, MODEL, "standard", "edge-1",
-                        Estimate(prompt, 500, 1_000_000, 40_000)), at)
+    run(
+        lc.AdmitRequest(
+            rid, tenant, key, MODEL, "standard", "edge-1", Estimate(prompt, 500, 1_000_000, 40_000)
+        ),
+        at,
+    )
     run(lc.RouteRequest("replica-1", 100_000, request_id=rid), at)
     end = at + timedelta(seconds=2)
     if terminal == "complete":
@@ -94,10 +120,10 @@ def test_usage_invoices_and_views_agree(db) -> None:  # type: ignore[no-untyped-
     engine, store = db
     view = _seed(store)
     made = [
-        ("acme", T0, 1000, 200, 0),                                  # October, old price
-        ("acme", T0 + timedelta(minutes=30), 2000, 100, 512),        # October, same hour
-        ("acme", T0 + timedelta(days=2), 700, 300, 0),               # November, old price
-        ("acme", PRICE_CHANGE + timedelta(hours=5), 900, 50, 256),   # November, new price
+        ("acme", T0, 1000, 200, 0),  # October, old price
+        ("acme", T0 + timedelta(minutes=30), 2000, 100, 512),  # October, same hour
+        ("acme", T0 + timedelta(days=2), 700, 300, 0),  # November, old price
+        ("acme", PRICE_CHANGE + timedelta(hours=5), 900, 50, 256),  # November, new price
         ("beta", T0 + timedelta(days=2), 123, 45, 0),
     ]
     for tenant, at, p, c, k in made:
@@ -129,15 +155,18 @@ def test_usage_invoices_and_views_agree(db) -> None:  # type: ignore[no-untyped-
     )
 
     with engine.connect() as conn:
-        view_total = conn.execute(sa.text(
-            "SELECT amount_micros FROM finance_invoices WHERE tenant = 'acme' AND period = '2026-11'"
-        )).scalar()
-        usage_rows = conn.execute(sa.text(
-            "SELECT COUNT(*) FROM finance_usage_hourly WHERE tenant = 'acme'"
-        )).scalar()
-        entries = conn.execute(sa.text(
-            "SELECT COUNT(*), SUM(amount_micros) FROM finance_ledger_entries"
-        )).one()
+        view_total = conn.execute(
+            sa.text(
+                "SELECT amount_micros FROM finance_invoices"
+                " WHERE tenant = 'acme' AND period = '2026-11'"
+            )
+        ).scalar()
+        usage_rows = conn.execute(
+            sa.text("SELECT COUNT(*) FROM finance_usage_hourly WHERE tenant = 'acme'")
+        ).scalar()
+        entries = conn.execute(
+            sa.text("SELECT COUNT(*), SUM(amount_micros) FROM finance_ledger_entries")
+        ).one()
     assert int(view_total) == expected
     assert usage_rows == 3
     assert entries[0] == 5
@@ -152,10 +181,10 @@ def test_reconciliation_lists_each_mismatch(db) -> None:  # type: ignore[no-unty
     engine, store = db
     view = _seed(store)
     now = datetime.now(UTC)
-    healthy = [_request(store, view, "acme", now - timedelta(hours=2), 100, 10, 0)
-               for _ in range(3)]
-    cancelled = _request(store, view, "acme", now - timedelta(hours=2), 50, 5, 0,
-                         terminal="cancel")
+    healthy = [
+        _request(store, view, "acme", now - timedelta(hours=2), 100, 10, 0) for _ in range(3)
+    ]
+    cancelled = _request(store, view, "acme", now - timedelta(hours=2), 50, 5, 0, terminal="cancel")
     dangling = _request(store, view, "acme", now - timedelta(hours=1), 100, 0, 0, terminal="none")
     _project(engine, store)
     unprojected = _request(store, view, "beta", now - timedelta(minutes=30), 10, 1, 0)

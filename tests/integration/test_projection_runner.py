@@ -242,13 +242,20 @@ def test_the_real_read_models_fold_every_kind_of_request(
     }
     for i, (rid, events) in enumerate(streams.items()):
         new = [
-            NewEvent(str(uuid.uuid4()), rid, b.TENANT, t0 + timedelta(minutes=i, seconds=j),
-                     dc_replace(e, request_id=rid))  # type: ignore[type-var]
+            NewEvent(
+                str(uuid.uuid4()),
+                rid,
+                b.TENANT,
+                t0 + timedelta(minutes=i, seconds=j),
+                dc_replace(e, request_id=rid),
+            )  # type: ignore[type-var]
             for j, e in enumerate(events)
         ]
         store.append(rid, 0, new)
-    runners = [ProjectionRunner(engine, store, spec) for spec in
-               (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)]
+    runners = [
+        ProjectionRunner(engine, store, spec)
+        for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+    ]
     digests = []
     for runner in runners:
         runner.run_to_end()
@@ -256,9 +263,13 @@ def test_the_real_read_models_fold_every_kind_of_request(
     with engine.connect() as conn:
         statuses = dict(conn.execute(sa.text("SELECT request_id, status FROM request_log")).all())
         ledger = conn.execute(sa.text("SELECT COUNT(*) FROM ledger_entries")).scalar()
-    assert statuses == {"req-done": "completed", "req-refused": "rejected",
-                        "req-invalid": "rejected", "req-left": "cancelled",
-                        "req-lost": "lease_expired"}
+    assert statuses == {
+        "req-done": "completed",
+        "req-refused": "rejected",
+        "req-invalid": "rejected",
+        "req-left": "cancelled",
+        "req-lost": "lease_expired",
+    }
     assert ledger == 1
     for runner, digest in zip(runners, digests, strict=True):
         runner.rebuild()
