@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from api.backoffice import Backoffice
 from api.config import ServeSettings
+from api.control_service import CONTROL_PREFIXES
 from api.edge import Edge
 from api.idempotency_service import AsyncIdempotency
 from api.metrics import Metrics
@@ -40,7 +41,6 @@ from streams.sweeper import LeaseSweeper
 
 log = logging.getLogger("tollgate")
 
-CONTROL_PREFIXES = ("tenant-", "prices-", "fleet")
 LIVE_STATUSES = ("admitted", "routed", "streaming")
 
 
@@ -62,9 +62,11 @@ class Runtime:
         # No artificial delay: whatever queued while the last commit ran is the next group.
         self.writer = GroupCommitWriter(self.store, max_delay_ms=0)
         self.control = ControlView()
+        # Position first, then the streams: a control event committed in between is read twice
+        # (the view ignores a repeat), never missed.
+        self.control_position = self.store.last_position()
         for record in self.store.read_streams_with_prefix(CONTROL_PREFIXES):
             self.control.apply(record)
-        self.control_position = self.store.last_position()
         self.quota = admission.QuotaView(limits_for=self.control.limits)
         self.checkpoints = Checkpoints(self.engine)
         self.projection_specs = (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
