@@ -35,8 +35,17 @@ class VLLMInProcess:
         self._engine.shutdown()
 
     async def stream_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+        self,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        cache_salt: str,
+        on_abort_usage: Any = None,
+        drain_s: float = 0.0,
     ) -> AsyncIterator[dict[str, Any]]:
+        # In process, closing the generator aborts the engine request directly (AsyncLLM
+        # catches GeneratorExit/CancelledError and aborts), and every yielded chunk was seen:
+        # there is nothing in flight to drain, so on_abort_usage and drain_s are not needed.
         prompt_ids = self._tokenizer.apply_chat_template(
             body["messages"], add_generation_prompt=True, tokenize=True
         )
