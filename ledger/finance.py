@@ -59,8 +59,14 @@ class FinanceQueries:
         if group_by == "key":
             return self._usage_by_key(tenant, start, end, model)
         u = usage_hourly
+        hour: Any = u.c.hour
+        if group_by == "hour" and self.engine.dialect.name == "postgresql":
+            # The hot finance read: PostgreSQL formats the instant, Python does no datetime work.
+            hour = sa.func.to_char(
+                sa.func.timezone("UTC", u.c.hour), 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
+            )
         query = (
-            sa.select(u.c.tenant_id, u.c.model, u.c.hour, *(u.c[f] for f in USAGE_FIELDS))
+            sa.select(u.c.tenant_id, u.c.model, hour, *(u.c[f] for f in USAGE_FIELDS))
             .where(u.c.hour >= start, u.c.hour < end, _model_filter(u.c.model, model))
             .order_by(u.c.hour, u.c.tenant_id, u.c.model)
         )
@@ -76,7 +82,7 @@ class FinanceQueries:
                 dict(
                     zip(
                         names,
-                        (r[0], r[1], r[2].strftime("%Y-%m-%dT%H:%M:%SZ"), *map(int, r[3:])),
+                        (r[0], r[1], _hour_text(r[2]), *map(int, r[3:])),
                         strict=True,
                     )
                 )
@@ -87,7 +93,7 @@ class FinanceQueries:
         )
         for r in rows:
             if group_by == "day":
-                when = r.hour.replace(hour=0, minute=0, second=0, microsecond=0)
+                when = r[2].replace(hour=0, minute=0, second=0, microsecond=0)
             else:  # model
                 when = start
             bucket = buckets[(r.tenant_id, r.model, when)]
@@ -318,6 +324,10 @@ class FinanceQueries:
             "mismatches": mismatches,
             "ok": not mismatches,
         }
+
+
+def _hour_text(hour: str | datetime) -> str:
+    return hour if isinstance(hour, str) else hour.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _usage_row(tenant: str, model: str, when: datetime, r: Any) -> dict[str, Any]:
