@@ -47,15 +47,6 @@ class LeaseSweeper:
             self.apply(record)
         self.position = position
 
-    def follow(self, batch: int = 2000) -> int:
-        total = 0
-        while records := self.store.read_all(self.position, batch):
-            for record in records:
-                self.apply(record)
-            self.position = records[-1].position
-            total += len(records)
-        return total
-
     def apply(self, record: Recorded) -> None:
         event = record.event
         if isinstance(event, RequestAdmitted):
