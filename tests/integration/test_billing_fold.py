@@ -1,0 +1,129 @@
+"""The billing fold: exactly one bill per ended request, under redelivery, restarts and
+requests it cannot price."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from domain import lifecycle as lc
+from domain.control import ControlView
+from domain.cost import Estimate
+from domain.events import PriceSet, Recorded
+from ledger.checkpoints import Checkpoints
+from ledger.engine import create_engine_from_url
+from ledger.schema import upgrade
+from ledger.store import NewEvent, SqlEventStore
+from streams.billing import BillingFold
+
+PRICED = "llama-3.1-8b-2026-05"
+UNPRICED = "llama-3.1-70b-2026-05"
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+    upgrade(url)
+    engine = create_engine_from_url(url)
+    yield SqlEventStore(engine)
+    engine.dispose()
+
+
+def _control(store: SqlEventStore) -> ControlView:
+    view = ControlView()
+    price = NewEvent(
+        str(uuid.uuid4()),
+        f"prices-{PRICED}",
+        "",
+        T0 - timedelta(days=1),
+        PriceSet(PRICED, 150_000, 600_000, 75_000, T0 - timedelta(days=1)),
+    )
+    for r in store.append(price.stream_id, 0, [price]):
+        view.apply(r)
+    return view
+
+
+def _ended(store: SqlEventStore, model: str = PRICED, at: datetime = T0) -> str:
+    rid = "req_" + uuid.uuid4().hex
+    state, new = lc.RequestState(), []
+    commands = [
+        lc.AdmitRequest(
+            rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
+        ),
+        lc.RouteRequest("replica-1", 0, request_id=rid),
+        lc.CompleteRequest(100, 42, 16, "stop", 30, 20_000, request_id=rid),
+    ]
+    for command in commands:
+        for event in lc.decide(state, command):  # type: ignore[arg-type]
+            new.append(NewEvent(str(uuid.uuid4()), rid, "acme", at, event))
+            state = lc.evolve_event(state, event, at)
+    store.append(rid, 0, new)
+    return rid
+
+
+def _bills(store: SqlEventStore, rid: str) -> list[Recorded]:
+    return [r for r in store.read_stream(rid) if r.type == "UsageBilled"]
+
+
+def test_one_bill_per_request_even_when_events_come_again(store: SqlEventStore) -> None:
+    control = _control(store)
+    rids = [_ended(store) for _ in range(5)]
+    fold = BillingFold(store, Checkpoints(store.engine), control)
+    records = store.read_all(0, 10_000)
+    fold.process(records)
+    fold.process(records)  # redelivery: skipped by the checkpoint
+    again = BillingFold(store, Checkpoints(store.engine), control)
+    again.position = 0  # a crash before the checkpoint moved: everything is folded again
+    again.process(store.read_all(0, 10_000))
+    for rid in rids:
+        bills = _bills(store, rid)
+        assert len(bills) == 1
+        bill = bills[0].event
+        assert (bill.prompt_tokens, bill.completion_tokens, bill.cached_tokens) == (100, 42, 16)
+        # (100 - 16) x 0.15 + 16 x 0.075 + 42 x 0.60 micro-units per token, rounded once
+        assert bill.amount_micros == (84 * 150_000 + 16 * 75_000 + 42 * 600_000 + 500_000) // 10**6
+
+
+def test_a_request_admitted_before_the_checkpoint_is_billed_from_its_stream(
+    store: SqlEventStore,
+) -> None:
+    control = _control(store)
+    rid = "req_" + uuid.uuid4().hex
+    state, first = lc.RequestState(), []
+    for command in (
+        lc.AdmitRequest(
+            rid, "acme", "key-1", PRICED, "standard", "edge-1", Estimate(10, 5, 100, 40_000)
+        ),
+        lc.RouteRequest("replica-1", 0, request_id=rid),
+    ):
+        for event in lc.decide(state, command):  # type: ignore[arg-type]
+            first.append(NewEvent(str(uuid.uuid4()), rid, "acme", T0, event))
+            state = lc.evolve_event(state, event, T0)
+    store.append(rid, 0, first)
+    fold = BillingFold(store, Checkpoints(store.engine), control)
+    fold.process(store.read_all(0, 100))  # sees the admission; then the process "restarts"
+    restarted = BillingFold(store, Checkpoints(store.engine), control)
+    assert restarted.states == {}
+    end = [
+        NewEvent(str(uuid.uuid4()), rid, "acme", T0, e)
+        for e in lc.decide(state, lc.CancelRequest(10, 3, 0, request_id=rid))
+    ]
+    store.append(rid, state.version, end)
+    restarted.process(store.read_all(restarted.position, 100))
+    assert len(_bills(store, rid)) == 1
+
+
+def test_an_unpriced_request_is_dead_lettered_and_the_others_still_billed(
+    store: SqlEventStore,
+) -> None:
+    control = _control(store)
+    unpriced = _ended(store, UNPRICED)
+    priced = _ended(store, PRICED)
+    fold = BillingFold(store, Checkpoints(store.engine), control)
+    fold.process(store.read_all(0, 100))
+    assert _bills(store, unpriced) == [] and "no_price" in fold.dead_letters[unpriced]
+    assert len(_bills(store, priced)) == 1
+    assert fold.lag() == 1  # only its own UsageBilled is behind the checkpoint
