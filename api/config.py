@@ -39,4 +39,3 @@ class ServeSettings:
     scrape_interval_s: float = 0.25
     tpot_target_us: int = 40_000
     seed_demo: bool = True
-    quiet: bool = False
