@@ -517,6 +517,12 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
     help="speed multiplier of the simulated engines",
 )
 @click.option("--no-demo", is_flag=True, help="do not seed the demo tenants and keys")
+@click.option(
+    "--no-fold-worker",
+    is_flag=True,
+    help="do not start the fold worker (billing, read models, leases) as a child process; "
+    "run `tollgate worker` against the same database instead",
+)
 @one_line_errors
 def serve(
     host: str,
@@ -527,6 +533,7 @@ def serve(
     models: tuple[str, ...],
     sim_speed: float,
     no_demo: bool,
+    no_fold_worker: bool,
 ) -> None:
     """Run Tollgate embedded: migrate, seed the demo, start the fleet, serve the API."""
     from api.serve import run
@@ -540,8 +547,36 @@ def serve(
         models=models or DEFAULT_MODELS,
         sim_speed=sim_speed,
         seed_demo=not no_demo,
+        fold_worker=not no_fold_worker,
     )
     run(settings)
+
+
+@main.command()
+@database_option
+@click.option(
+    "--lease-ttl",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(min=1.0),
+    help="seconds without a renewal after which a request's lease expires",
+)
+@click.option("--parent-pid", default=0, type=int, hidden=True)
+@one_line_errors
+def worker(database_url: str | None, lease_ttl: float, parent_pid: int) -> None:
+    """Run the folds: billing, the read models and the lease sweeper (until SIGTERM).
+
+    `tollgate serve` starts one itself; run this when serving with --no-fold-worker."""
+    import logging
+
+    from ledger.schema import upgrade
+    from streams.worker import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    url = database_url or default_database_url()
+    upgrade(url)
+    run_worker(url, lease_ttl_s=lease_ttl, parent_pid=parent_pid)
 
 
 @main.command("replica-sim")

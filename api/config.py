@@ -39,3 +39,4 @@ class ServeSettings:
     scrape_interval_s: float = 0.25
     tpot_target_us: int = 40_000
     seed_demo: bool = True
+    fold_worker: bool = True  # run the folds in a child process (else: `tollgate worker`)

@@ -24,7 +24,6 @@ from ledger.schema import upgrade as schema_upgrade
 from ledger.store import NewEvent, SqlEventStore, WrongExpectedVersion
 
 PROJECTIONS = {spec.name: spec for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)}
-CONTROL_PREFIXES = ("tenant-", "prices-", "fleet")
 
 
 def upgrade(url: str) -> str:
@@ -74,7 +73,7 @@ def open_backoffice(database_url: str | None) -> Iterator[Any]:
     try:
         store = SqlEventStore(engine)
         view = c.ControlView()
-        for record in store.read_streams_with_prefix(CONTROL_PREFIXES):
+        for record in store.read_streams_with_prefix(c.CONTROL_PREFIXES):
             view.apply(record)
         yield Backoffice(engine, store, view)
     finally:
@@ -85,7 +84,7 @@ class ControlService:
     def __init__(self, store: SqlEventStore) -> None:
         self.store = store
         self.view = c.ControlView()
-        for record in store.read_streams_with_prefix(CONTROL_PREFIXES):
+        for record in store.read_streams_with_prefix(c.CONTROL_PREFIXES):
             self.view.apply(record)
 
     @classmethod

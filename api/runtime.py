@@ -1,6 +1,7 @@
-"""The composition root of one Tollgate process: it builds the store, writer, views, fleet and
-edge, runs the folds (projections, billing, lease sweeper, control-plane follower) and the
-periodic tasks. Nothing is built at import time."""
+"""The composition root of one Tollgate edge process: it builds the store, writer, views, fleet
+and edge, follows the control plane, and starts (and supervises) the fold worker process that
+runs billing, the read models and the lease sweeper (streams/worker.py). Nothing is built at
+import time."""
 
 from __future__ import annotations
 
@@ -8,40 +9,40 @@ import asyncio
 import logging
 import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
-import sqlalchemy as sa
 
 from api.backoffice import Backoffice
 from api.config import ServeSettings
-from api.control_service import CONTROL_PREFIXES
 from api.edge import Edge
 from api.idempotency_service import AsyncIdempotency
 from api.metrics import Metrics
 from domain import admission
-from domain.control import ControlView
-from domain.events import Recorded, RequestAdmitted
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.control import CONTROL_PREFIXES, ControlView
 from engine_adapter.fleet import Fleet
-from ledger.checkpoints import Checkpoints
-from ledger.engine import WRITE, create_engine_from_url
+from ledger.engine import create_engine_from_url
 from ledger.idempotency import IdempotencyStore
-from ledger.projections import ProjectionRunner
-from ledger.schema import request_log, upgrade
+from ledger.schema import upgrade
 from ledger.store import SqlEventStore
 from ledger.writer import GroupCommitWriter
-from streams.billing import BillingFold
-from streams.sweeper import LeaseSweeper
+from streams.worker import FoldStatus, read_fold_status
 
 log = logging.getLogger("tollgate")
 
-LIVE_STATUSES = ("admitted", "routed", "streaming")
+# The control-plane follower's period: a new key, limit or price is in force within this.
+CONTROL_POLL_S = 0.2
+# A fold worker that died is started again after this pause.
+WORKER_RESTART_S = 1.0
 
 
 def new_edge_id() -> str:
@@ -68,25 +69,18 @@ class Runtime:
         for record in self.store.read_streams_with_prefix(CONTROL_PREFIXES):
             self.control.apply(record)
         self.quota = admission.QuotaView(limits_for=self.control.limits)
-        self.checkpoints = Checkpoints(self.engine)
-        self.projection_specs = (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
-        self.runners = [
-            ProjectionRunner(self.engine, self.store, spec) for spec in self.projection_specs
-        ]
-        self.billing = BillingFold(self.store, self.checkpoints, self.control)
-        self.projection_positions: dict[str, int] = {}
-        self.sweeper = LeaseSweeper(self.store, ttl_s=self.settings.lease_ttl_s)
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
         self.backoffice = Backoffice(self.engine, self.store, self.control)
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.edge: Edge = None  # type: ignore[assignment]  # set in start(): needs the fleet
-        self._wake = threading.Event()
+        self.worker: subprocess.Popen[bytes] | None = None
+        self._worker_started = 0.0
         self._stop = threading.Event()
-        self._folds: threading.Thread | None = None
+        self._follower: threading.Thread | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self.fold_error: str | None = None
-        self.writer.on_committed(lambda records: self._wake.set())
+        self.control_error: str | None = None
+        self._fold_status: tuple[float, FoldStatus] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -105,14 +99,18 @@ class Runtime:
             idempotency=self.idempotency, metrics=self.metrics, edge_id=self.edge_id,
             tpot_target_us=self.settings.tpot_target_us, rng=random.Random(),
         )
-        self._catch_up()
-        self._folds = threading.Thread(target=self._fold_loop, name="tollgate-folds", daemon=True)
-        self._folds.start()
+        self._follower = threading.Thread(
+            target=self._follow_control, name="tollgate-control", daemon=True
+        )
+        self._follower.start()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(self.settings.lease_renew_s, self.edge.renew_leases)),
             loop.create_task(self._every(600, self._purge_idempotency)),
         ]
+        if self.settings.fold_worker:
+            self._start_worker()
+            self._tasks.append(loop.create_task(self._every(0.5, self._supervise_worker)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -123,10 +121,10 @@ class Runtime:
             await self.session.close()
         self.writer.close()
         self._stop.set()
-        self._wake.set()
-        if self._folds is not None:
-            self._folds.join(timeout=10)
-        self.run_folds()  # what the writer flushed last is folded before we go
+        if self._follower is not None:
+            self._follower.join(timeout=5)
+        # The worker folds what the writer flushed last, then exits.
+        await asyncio.to_thread(self._stop_worker)
         self.engine.dispose()
 
     async def _every(self, seconds: float, fn: Any) -> None:
@@ -142,93 +140,66 @@ class Runtime:
     async def _purge_idempotency(self) -> None:
         await self.idempotency.purge_expired()
 
-    # --- folds ---------------------------------------------------------------------------------
+    # --- the control plane ---------------------------------------------------------------------
 
-    def _catch_up(self) -> None:
-        """Bring the projections up to date, then resume the sweeper from the requests that have
-        not ended (a previous process may have died with requests in flight)."""
-        for runner in self.runners:
-            runner.run_to_end()
-            self.projection_positions[runner.name] = runner.checkpoint()
-        self.billing.run_to_end()
-        with self.engine.connect() as conn:
-            live = [
-                r[0] for r in conn.execute(
-                    sa.select(request_log.c.request_id).where(request_log.c.status.in_(LIVE_STATUSES))
-                )
-            ]
-        admissions = []
-        for request_id in live:
-            for record in self.store.read_stream(request_id):
-                if isinstance(record.event, RequestAdmitted):
-                    admissions.append(record)
-        start = min((r.position for r in admissions), default=self.store.last_position())
-        self.sweeper.start_from(start - 1 if admissions else start, admissions)
+    def _follow_control(self) -> None:
+        """Tail the control-plane streams (keys, limits, plans, prices): what the CLI or another
+        edge writes is in force here within CONTROL_POLL_S."""
+        while not self._stop.wait(CONTROL_POLL_S):
+            try:
+                while records := self.store.read_all(
+                    self.control_position, 1000, stream_prefixes=CONTROL_PREFIXES
+                ):
+                    for record in records:
+                        self.control.apply(record)
+                    self.control_position = records[-1].position
+                self.control_error = None
+            except Exception as exc:
+                log.exception("control-plane follower failed")
+                self.control_error = f"{type(exc).__name__}: {exc}"
 
-    def run_folds(self, batch: int = 5000) -> None:
-        """One pass of every in-process fold. The new events are read once and handed to each
-        fold, which skips what it has already applied; each fold fails, reports (on /readyz)
-        and retries on its own, without holding the others back."""
-        errors: dict[str, str] = {}
-        while True:
-            start = min(self.control_position, self.sweeper.position, self.billing.position,
-                        *self.projection_positions.values())
-            records = self.store.read_all(start, batch)
-            for name, step in (
-                ("control", self._follow_control),
-                ("billing", self.billing.process),
-                ("projections", self._project),
-                ("sweeper", self._follow_leases),
-            ):
-                try:
-                    step(records)
-                except Exception as exc:
-                    log.exception("fold %s failed", name)
-                    errors[name] = f"{type(exc).__name__}: {exc}"
-            if len(records) < batch or errors:
-                break
-        try:
-            self.sweeper.sweep(datetime.now(UTC))
-        except Exception as exc:
-            log.exception("lease sweep failed")
-            errors["sweeper"] = f"{type(exc).__name__}: {exc}"
-        self.fold_error = "; ".join(f"{k}: {v}" for k, v in errors.items()) or None
-        self.metrics.billing_lag.set(self.billing.lag())
-        self.metrics.billing_dead_letters.set(len(self.billing.dead_letters))
+    # --- the fold worker -----------------------------------------------------------------------
 
-    def _follow_control(self, records: list[Recorded]) -> None:
-        for record in records:
-            if record.position > self.control_position:
-                self.control.apply(record)
-                self.control_position = record.position
+    def _start_worker(self) -> None:
+        cmd = [
+            sys.executable, "-m", "api.cli", "worker",
+            "--database-url", self.settings.database_url,
+            "--lease-ttl", str(self.settings.lease_ttl_s),
+            "--parent-pid", str(os.getpid()),
+        ]
+        self.worker = subprocess.Popen(cmd)
+        self._worker_started = time.monotonic()
+        log.info("fold worker started (pid %d)", self.worker.pid)
 
-    def _project(self, records: list[Recorded]) -> None:
-        """All read models in one transaction: rows and checkpoints commit together."""
-        if not records:
+    def _supervise_worker(self) -> None:
+        if self.worker is None or self._stop.is_set():
             return
-        with self.engine.connect() as conn:
-            conn.execution_options(**{WRITE: True})
-            with conn.begin():
-                for runner in self.runners:
-                    runner.apply_recorded(conn, records)
-        for runner in self.runners:
-            self.projection_positions[runner.name] = records[-1].position
+        code = self.worker.poll()
+        if code is None:
+            return
+        if time.monotonic() - self._worker_started < WORKER_RESTART_S:
+            return  # a worker that dies at once is not restarted in a tight loop
+        log.error("fold worker exited with %s; starting it again", code)
+        self._start_worker()
 
-    def _follow_leases(self, records: list[Recorded]) -> None:
-        for record in records:
-            if record.position > self.sweeper.position:
-                self.sweeper.apply(record)
-                self.sweeper.position = record.position
+    def _stop_worker(self) -> None:
+        if self.worker is None:
+            return
+        self.worker.send_signal(signal.SIGTERM)
+        try:
+            self.worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log.error("fold worker did not stop in 30 s; killing it")
+            self.worker.kill()
+            self.worker.wait()
+        self.worker = None
 
-    def _fold_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(0.5)
-            self._wake.clear()
-            self.run_folds()
-            # A pass at most every 100 ms: the folds then work in batches (one read, one commit
-            # per pass) instead of competing with the request path after every commit. Billing
-            # and the read models lag by about that much; admission does not read them.
-            self._stop.wait(1.0 if self.fold_error else 0.1)
+    def fold_status(self) -> FoldStatus:
+        """The folds' last report (worker_status), read at most once a second."""
+        now = time.monotonic()
+        if self._fold_status is None or now - self._fold_status[0] > 1.0:
+            self._fold_status = (now, read_fold_status(self.engine, datetime.now(UTC)))
+        return self._fold_status[1]
 
     # --- views for the routes ------------------------------------------------------------------
 
@@ -241,20 +212,19 @@ class Runtime:
 
     def readiness(self) -> tuple[list[str], list[str]]:
         """(problems that make this edge unready, warnings that do not)."""
-        problems: list[str] = []
-        warnings: list[str] = []
-        if self.fold_error:
-            problems.append(f"folds: {self.fold_error}")
-        if self.billing.dead_letters:
-            warnings.append(
-                f"billing: {len(self.billing.dead_letters)} request(s) could not be billed, e.g. "
-                + "; ".join(f"{k} ({v})" for k, v in list(self.billing.dead_letters.items())[:3])
-            )
+        folds = self.fold_status()
+        problems = list(folds.problems)
+        warnings = list(folds.warnings)
+        if self.control_error:
+            problems.append(f"control plane: {self.control_error}")
         if self.fleet is None or not any(r.healthy for r in self.fleet.replicas()):
             problems.append("no healthy replica")
         return problems, warnings
 
     def refresh_gauges(self) -> None:
+        folds = self.fold_status()
+        self.metrics.billing_lag.set(folds.billing_lag)
+        self.metrics.billing_dead_letters.set(folds.dead_letters)
         if self.fleet is None:
             return
         for replica in self.fleet.replicas():

@@ -95,6 +95,9 @@ SCOPES: Final = ("customer", "finance", "support", "admin")
 TENANT_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KEY_HASH: Final = re.compile(r"^[0-9a-f]{64}$")
 FLEET_STREAM: Final = "fleet"
+# Every control-plane stream starts with one of these (tenants with their keys and limits, prices,
+# the fleet): what a control-plane follower reads.
+CONTROL_PREFIXES: Final = ("tenant-", "prices-", FLEET_STREAM)
 
 
 def tenant_stream(tenant_id: str) -> str:

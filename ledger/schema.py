@@ -151,6 +151,22 @@ ledger_entries = sa.Table(
     ),
 )
 
+# Not an event projection: one row per fold worker, overwritten every pass (heartbeat, how far
+# billing lags, what it could not bill). The edges read it for /readyz and /metrics.
+worker_status = sa.Table(
+    "worker_status",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime, nullable=False),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("billing_lag", sa.BigInteger, nullable=False),
+    sa.Column("error", sa.Text),
+    sa.Column("dead_letters", sa.Integer, nullable=False),
+    sa.Column("dead_letter_sample", sa.Text),
+)
+
 # Not an event projection: a mutable 24 h cache of responses the client explicitly asked to be
 # replayable (Idempotency-Key). Rows are written, finished and expired in place; the billing
 # truth stays in `events`, so dropping this table loses replays, never money.

@@ -20,6 +20,7 @@ TABLES = {
     "usage_hourly",
     "ledger_entries",
     "idempotency_records",
+    "worker_status",
 }
 
 

@@ -1,0 +1,253 @@
+"""The fold worker: billing, the read models and the lease sweeper, in a process of their own.
+
+`tollgate worker` runs it; `tollgate serve` starts one as a child process (and restarts it if it
+dies). Keeping the folds out of the edge's process keeps their CPU off the request path: an edge
+thread folding a batch held the GIL for milliseconds at a time, which the event loop paid for in
+latency. Everything here reads the event log and writes through the store, so a worker can run on
+any machine that reaches the database, and a second one is harmless (checkpoint locks,
+deterministic bill ids and expected versions keep every effect exactly-once).
+
+Each pass reads the new events once and hands them to every fold; each fold fails, reports and
+retries on its own. After every pass the worker writes its heartbeat, positions and problems to
+`worker_status`, which the edges show on /readyz and /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import sqlalchemy as sa
+
+from domain.control import CONTROL_PREFIXES, ControlView
+from domain.events import Recorded, RequestAdmitted
+from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from ledger.checkpoints import Checkpoints
+from ledger.engine import WRITE, create_engine_from_url
+from ledger.projections import ProjectionRunner
+from ledger.schema import request_log, worker_status
+from ledger.store import SqlEventStore
+from streams.billing import BillingFold
+from streams.sweeper import LeaseSweeper
+
+log = logging.getLogger("tollgate.worker")
+
+LIVE_STATUSES = ("admitted", "routed", "streaming")
+WORKER_NAME = "folds"
+# An edge calls the folds dead when the heartbeat is older than this.
+HEARTBEAT_STALE_S = 10.0
+
+
+class FoldWorker:
+    """The folds over one event store. `run_pass` is one step; `run` loops until stopped."""
+
+    def __init__(
+        self, engine: sa.Engine, *, lease_ttl_s: float = 15.0, name: str = WORKER_NAME
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.store = SqlEventStore(engine)
+        # Billing prices each request with the price in force at its admission: the control
+        # plane's history is folded here too (from the same records).
+        self.control = ControlView()
+        self.control_position = 0
+        self.checkpoints = Checkpoints(engine)
+        self.runners = [
+            ProjectionRunner(engine, self.store, spec)
+            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+        ]
+        self.projection_position = 0
+        self.billing = BillingFold(self.store, self.checkpoints, self.control)
+        self.sweeper = LeaseSweeper(self.store, ttl_s=lease_ttl_s)
+        self.errors: dict[str, str] = {}
+
+    # --- start-up ------------------------------------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Fold the control plane, bring every fold up to the end of the log, and resume the
+        sweeper from the requests that have not ended (an edge may have died with requests in
+        flight)."""
+        self.control_position = self.store.last_position()
+        for record in self.store.read_streams_with_prefix(CONTROL_PREFIXES):
+            self.control.apply(record)
+        for runner in self.runners:
+            runner.run_to_end()
+        self.projection_position = min(runner.checkpoint() for runner in self.runners)
+        self.billing.run_to_end()
+        with self.engine.connect() as conn:
+            live = [
+                r[0]
+                for r in conn.execute(
+                    sa.select(request_log.c.request_id).where(
+                        request_log.c.status.in_(LIVE_STATUSES)
+                    )
+                )
+            ]
+        admissions = [
+            record
+            for request_id in live
+            for record in self.store.read_stream(request_id)
+            if isinstance(record.event, RequestAdmitted)
+        ]
+        start = min((r.position for r in admissions), default=self.store.last_position())
+        self.sweeper.start_from(start - 1 if admissions else start, admissions)
+
+    # --- one pass ------------------------------------------------------------------------------
+
+    def run_pass(self, batch: int = 5000) -> None:
+        """Read the new events once, hand them to every fold, then sweep expired leases."""
+        errors: dict[str, str] = {}
+        while True:
+            start = min(
+                self.control_position, self.sweeper.position, self.billing.position,
+                self.projection_position,
+            )
+            records = self.store.read_all(start, batch)
+            for name, step in (
+                ("control", self._follow_control),
+                ("billing", self.billing.process),
+                ("projections", self._project),
+                ("sweeper", self._follow_leases),
+            ):
+                try:
+                    step(records)
+                except Exception as exc:
+                    log.exception("fold %s failed", name)
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+            if len(records) < batch or errors:
+                break
+        try:
+            self.sweeper.sweep(datetime.now(UTC))
+        except Exception as exc:
+            log.exception("lease sweep failed")
+            errors["sweeper"] = f"{type(exc).__name__}: {exc}"
+        self.errors = errors
+
+    def _follow_control(self, records: list[Recorded]) -> None:
+        for record in records:
+            if record.position > self.control_position:
+                self.control.apply(record)
+                self.control_position = record.position
+
+    def _project(self, records: list[Recorded]) -> None:
+        """All read models in one transaction: rows and checkpoints commit together."""
+        if not records:
+            return
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                for runner in self.runners:
+                    runner.apply_recorded(conn, records)
+        self.projection_position = records[-1].position
+
+    def _follow_leases(self, records: list[Recorded]) -> None:
+        for record in records:
+            if record.position > self.sweeper.position:
+                self.sweeper.apply(record)
+                self.sweeper.position = record.position
+
+    # --- status --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        dead = self.billing.dead_letters
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "heartbeat_at": datetime.now(UTC),
+            "position": min(self.billing.position, self.projection_position),
+            "billing_lag": self.billing.lag(),
+            "error": "; ".join(f"{k}: {v}" for k, v in self.errors.items()) or None,
+            "dead_letters": len(dead),
+            "dead_letter_sample": orjson.dumps(dict(list(dead.items())[:3])).decode()
+            if dead
+            else None,
+        }
+
+    def write_status(self) -> None:
+        row = self.status()
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                updated = conn.execute(
+                    worker_status.update().where(worker_status.c.name == self.name).values(**row)
+                ).rowcount
+                if not updated:
+                    conn.execute(worker_status.insert().values(**row))
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, *, interval_s: float = 0.1, parent_pid: int = 0) -> None:
+        """Pass after pass, at most every `interval_s` (the folds then work in batches: one
+        read, one commit per pass). Stops on `stop`, or when `parent_pid` is given and that
+        process is gone (an edge killed with -9 takes its worker with it); a last pass folds
+        what was committed before the stop."""
+        while not stop.is_set():
+            self._pass_and_report()
+            if parent_pid and os.getppid() != parent_pid:
+                log.warning("parent process %d is gone; stopping", parent_pid)
+                break
+            stop.wait(1.0 if self.errors else interval_s)
+        self._pass_and_report()
+
+    def _pass_and_report(self) -> None:
+        self.run_pass()
+        try:
+            self.write_status()
+        except Exception:
+            log.exception("could not write the worker status")
+
+
+@dataclass(frozen=True, slots=True)
+class FoldStatus:
+    """What an edge knows of the folds, from `worker_status`."""
+
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+    billing_lag: int
+    dead_letters: int
+
+
+def read_fold_status(engine: sa.Engine, now: datetime, name: str = WORKER_NAME) -> FoldStatus:
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(worker_status).where(worker_status.c.name == name)
+        ).mappings().first()
+    if row is None:
+        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0)
+    problems: list[str] = []
+    warnings: list[str] = []
+    age = (now - row["heartbeat_at"]).total_seconds()
+    if age > HEARTBEAT_STALE_S:
+        problems.append(f"folds: the fold worker (pid {row['pid']}) last reported {age:.0f} s ago")
+    if row["error"]:
+        problems.append(f"folds: {row['error']}")
+    if row["dead_letters"]:
+        sample = orjson.loads(row["dead_letter_sample"] or "{}")
+        warnings.append(
+            f"billing: {row['dead_letters']} request(s) could not be billed, e.g. "
+            + "; ".join(f"{k} ({v})" for k, v in sample.items())
+        )
+    return FoldStatus(tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"])
+
+
+def run_worker(database_url: str, *, lease_ttl_s: float = 15.0, parent_pid: int = 0) -> None:
+    """`tollgate worker`: catch up, then fold until SIGTERM/SIGINT (or the parent is gone)."""
+    engine = create_engine_from_url(database_url)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker = FoldWorker(engine, lease_ttl_s=lease_ttl_s)
+    try:
+        worker.catch_up()
+        log.info("fold worker %d caught up at position %d", os.getpid(), worker.billing.position)
+        worker.run(stop, parent_pid=parent_pid)
+    finally:
+        engine.dispose()
