@@ -119,7 +119,9 @@ class EventStore(Protocol):
 
     def read_stream(self, stream_id: str) -> list[Recorded]: ...
 
-    def read_all(self, after_position: int = 0, limit: int = 1000) -> list[Recorded]: ...
+    def read_all(
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
+    ) -> list[Recorded]: ...
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]: ...
 
@@ -182,6 +184,11 @@ def _encode(new: NewEvent) -> _Row:
         event.EVENT_VERSION,
         payload,
     )
+
+
+def _prefixed(prefixes: Sequence[str]) -> sa.ColumnElement[bool]:
+    c = events_table.c
+    return sa.or_(sa.false(), *(c.stream_id.startswith(p, autoescape=True) for p in prefixes))
 
 
 def check_batch(batch: AppendBatch) -> None:
@@ -362,6 +369,34 @@ _PG_RESERVE = sa.text(
 )
 
 
+# SQLite's hot paths go through the driver's cursor: SQLAlchemy's per-row parameter processing
+# was most of an append's CPU (bench/store_append.py). Instants are stored in SQLAlchemy's own
+# SQLite DATETIME text form, "YYYY-MM-DD HH:MM:SS.ffffff" in UTC, so both paths read each other.
+_SQLITE_INSERT = (
+    f"INSERT INTO events ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
+)
+_SQLITE_TAIL = (
+    f"SELECT {', '.join(_COLUMNS)} FROM events WHERE position > ? ORDER BY position LIMIT ?"
+)
+
+
+def _sqlite_instant(at: datetime) -> str:
+    return at.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+
+
+def _from_sqlite_row(r: tuple[Any, ...]) -> Recorded:
+    position, event_id, stream_id, stream_version, tenant_id, occurred_at, type_, version, payload = r
+    return Recorded(
+        event_id=event_id,
+        stream_id=stream_id,
+        stream_version=stream_version,
+        tenant_id=tenant_id,
+        occurred_at=datetime.fromisoformat(occurred_at).replace(tzinfo=UTC),
+        event=from_payload(type_, version, orjson.loads(payload)),
+        position=position,
+    )
+
+
 class _IdsNeedChecking(Exception):
     """An insert hit a UNIQUE index: a retried event id the fast path did not look up."""
 
@@ -480,13 +515,11 @@ class SqlEventStore(EventStore):
     def _insert(self, conn: sa.Connection, to_write: list[_Stored]) -> int:
         """Write the rows at consecutive positions; returns the first position."""
         n = len(to_write)
-        if self._pg:
-            last = conn.execute(_PG_RESERVE, {"n": n}).scalar_one()
-            first = int(last) - n + 1
-        else:
-            top = conn.execute(sa.select(sa.func.max(events_table.c.position))).scalar()
-            first = (top or 0) + 1
-        if self._pg and n >= self._copy_min_rows:
+        if not self._pg:
+            return self._sqlite_insert(conn, to_write)
+        last = conn.execute(_PG_RESERVE, {"n": n}).scalar_one()
+        first = int(last) - n + 1
+        if n >= self._copy_min_rows:
             self._copy(conn, to_write, first)
         else:
             conn.execute(
@@ -506,6 +539,32 @@ class SqlEventStore(EventStore):
                     for i, s in enumerate(to_write)
                 ],
             )
+        return first
+
+    def _sqlite_insert(self, conn: sa.Connection, to_write: list[_Stored]) -> int:
+        import sqlite3
+
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            first = (cursor.execute("SELECT max(position) FROM events").fetchone()[0] or 0) + 1
+            cursor.executemany(
+                _SQLITE_INSERT,
+                [
+                    (
+                        first + i, s.row.event_id, s.row.stream_id, s.stream_version,
+                        s.row.tenant_id, _sqlite_instant(s.row.occurred_at), s.row.type,
+                        s.row.version, s.row.payload,
+                    )
+                    for i, s in enumerate(to_write)
+                ],
+            )
+        except sqlite3.IntegrityError as exc:
+            # The driver's own error, presented like SQLAlchemy's (the retry path catches it).
+            raise sa.exc.IntegrityError(_SQLITE_INSERT, None, exc) from exc
+        except sqlite3.OperationalError as exc:
+            raise sa.exc.OperationalError(_SQLITE_INSERT, None, exc) from exc
+        finally:
+            cursor.close()
         return first
 
     def _copy(self, conn: sa.Connection, to_write: list[_Stored], first: int) -> None:
@@ -536,21 +595,27 @@ class SqlEventStore(EventStore):
         c = events_table.c
         return self._read(_SELECT.where(c.stream_id == stream_id).order_by(c.stream_version))
 
-    def read_all(self, after_position: int = 0, limit: int = 1000) -> list[Recorded]:
+    def read_all(
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
+    ) -> list[Recorded]:
+        """The events after `after_position`, in position order; with `stream_prefixes`, only
+        those of streams starting with one of them (what a control-plane follower tails)."""
         c = events_table.c
         # Appends hold the events table's write lock until they commit, so positions become
         # visible in order and a reader tailing by position never steps past a late commit.
         # (A `txid < pg_snapshot_xmin(...)` filter would also be safe, but that xmin is
         # cluster-wide: one long transaction in any database of the server would stall every
         # tailing fold. Measured here: a bulk load in another database stopped billing.)
+        if not self._pg and not stream_prefixes:
+            return self._sqlite_tail(after_position, limit)
         query = _SELECT.where(c.position > after_position)
+        if stream_prefixes:
+            query = query.where(_prefixed(stream_prefixes))
         return self._read(query.order_by(c.position).limit(limit))
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
-        c = events_table.c
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
-        matches = [c.stream_id.startswith(p, autoescape=True) for p in prefixes]
-        return self._read(_SELECT.where(sa.or_(sa.false(), *matches)).order_by(c.position))
+        return self._read(_SELECT.where(_prefixed(prefixes)).order_by(events_table.c.position))
 
     def last_position(self) -> int:
         c = events_table.c
@@ -563,6 +628,15 @@ class SqlEventStore(EventStore):
         query = sa.select(sa.func.max(c.stream_version)).where(c.stream_id == stream_id)
         with self._connect() as conn:
             return int(conn.execute(query).scalar() or 0)
+
+    def _sqlite_tail(self, after_position: int, limit: int) -> list[Recorded]:
+        with self._connect() as conn:
+            cursor = conn.connection.driver_connection.cursor()
+            try:
+                rows = cursor.execute(_SQLITE_TAIL, (after_position, limit)).fetchall()
+            finally:
+                cursor.close()
+        return [_from_sqlite_row(r) for r in rows]
 
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
         with self._connect() as conn:
@@ -668,10 +742,15 @@ class InMemoryEventStore(EventStore):
         with self._lock:
             return [s.recorded() for s in self._streams.get(stream_id, ())]
 
-    def read_all(self, after_position: int = 0, limit: int = 1000) -> list[Recorded]:
+    def read_all(
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
+    ) -> list[Recorded]:
+        prefixes = tuple(stream_prefixes)
         with self._lock:
-            start = max(after_position, 0)
-            return [s.recorded() for s in self._log[start : start + limit]]
+            tail = self._log[max(after_position, 0) :]
+            if prefixes:
+                tail = [s for s in tail if s.row.stream_id.startswith(prefixes)]
+            return [s.recorded() for s in tail[:limit]]
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
         prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)

@@ -281,6 +281,14 @@ def test_read_streams_with_prefix(store: EventStore) -> None:
         "fleet",
     ]
     assert store.read_streams_with_prefix("tenant%") == []
+    # The tail of the log, filtered the same way (a control-plane follower's read).
+    acme = tenants[0].position
+    tail = store.read_all(acme, 10, stream_prefixes=("tenant-", "fleet"))
+    assert [r.stream_id for r in tail] == ["tenant-globex", "fleet"]
+    assert [r.stream_id for r in store.read_all(acme, 1, stream_prefixes=("tenant-",))] == [
+        "tenant-globex"
+    ]
+    assert store.read_all(0, 10, stream_prefixes=("tenant%",)) == []
 
 
 def test_awkward_text_survives_the_round_trip(store: EventStore) -> None:
