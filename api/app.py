@@ -1,16 +1,17 @@
-"""The FastAPI app factory. Routes parse, call a service, render; the rules live elsewhere."""
+"""The ASGI app: the completions route served directly, the rest through FastAPI. Routes parse,
+call a service, render; the rules live elsewhere."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
 
 from api.backoffice import (
     ENTRY_COLUMNS,
@@ -28,7 +29,6 @@ from api.edge import Caller, JsonOutcome, new_request_id, utcnow
 from api.errors import ApiError, error_body
 from api.runtime import Runtime
 
-T = TypeVar("T")
 CUSTOMER = frozenset({"customer", "admin"})
 ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})
 
@@ -71,32 +71,6 @@ def create_app(runtime: Runtime) -> FastAPI:
         headers = {"X-Request-Id": getattr(request.state, "request_id", "") or new_request_id()}
         return json_response(
             500, error_body("internal error", "server_error", None, "internal_error"), headers
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, caller: CustomerDep) -> Response:
-        raw = await read_limited(request, runtime.settings.max_body_bytes)
-        retry_count = _int_header(request.headers.get("x-stainless-retry-count"))
-        outcome = await race_disconnect(
-            request,
-            runtime.edge.chat(
-                caller,
-                raw,
-                request_id=request.state.request_id,
-                idempotency_key=request.headers.get("idempotency-key"),
-                retry_count=retry_count,
-            ),
-        )
-        if outcome is None:  # the client left before the first token; the edge recorded it
-            return Response(status_code=499)
-        if isinstance(outcome, JsonOutcome):
-            return Response(
-                outcome.body, outcome.status, outcome.headers, media_type="application/json"
-            )
-        return StreamingResponse(
-            outcome.frames,
-            headers={**outcome.headers, "Cache-Control": "no-cache"},
-            media_type="text/event-stream",
         )
 
     @app.get("/v1/models")
@@ -188,7 +162,110 @@ def create_app(runtime: Runtime) -> FastAPI:
     from api.web import add_web_routes  # the /ui pages (issue 4)
 
     add_web_routes(app, runtime)
-    return app
+    return TollgateApp(runtime, app)
+
+
+class TollgateApp:
+    """The ASGI application. `POST /v1/chat/completions` is served here directly: it is the hot
+    path, and FastAPI's routing, dependency solving and middleware stack cost more CPU per request
+    than the whole of admission (measured with py-spy, bench/gateway.py). Every other route goes
+    through the FastAPI app."""
+
+    def __init__(self, runtime: Runtime, api: FastAPI) -> None:
+        self.runtime = runtime
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+            await self.chat_completions(scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        request_id = new_request_id()
+        runtime = self.runtime
+        watch: _DisconnectWatch | None = None
+        frames: Any = None
+        try:
+            if scope["method"] != "POST":
+                raise ApiError(
+                    405, "use POST for /v1/chat/completions", code="method_not_allowed",
+                    headers={"Allow": "POST"},
+                )
+            caller = runtime.edge.authenticate(request.headers.get("authorization"), CUSTOMER)
+            raw = await read_limited(request, runtime.settings.max_body_bytes)
+            # From here a client disconnect cancels this task: the edge records the
+            # cancellation and aborts the engine request (closing its stream).
+            watch = _DisconnectWatch(receive)
+            outcome = await runtime.edge.chat(
+                caller,
+                raw,
+                request_id=request_id,
+                idempotency_key=request.headers.get("idempotency-key"),
+                retry_count=_int_header(request.headers.get("x-stainless-retry-count")),
+            )
+            if isinstance(outcome, JsonOutcome):
+                response = Response(
+                    outcome.body, outcome.status, outcome.headers, media_type="application/json"
+                )
+                await response(scope, receive, send)
+                return
+            frames = outcome.frames
+            headers = [
+                (k.lower().encode(), v.encode()) for k, v in outcome.headers.items()
+            ] + _SSE_HEADERS
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for frame in frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            frames = None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if watch is None or not watch.fired:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the client left
+        except ApiError as exc:
+            headers = {"X-Request-Id": request_id, **exc.headers}
+            await json_response(exc.status, exc.body(), headers)(scope, receive, send)
+        except Exception:
+            runtime.log.exception("unhandled error on /v1/chat/completions")
+            await json_response(
+                500, error_body("internal error", "server_error", None, "internal_error"),
+                {"X-Request-Id": request_id},
+            )(scope, receive, send)
+        finally:
+            if watch is not None:
+                watch.stop()
+            if frames is not None:  # left mid-stream: the edge cancels and bills what was sent
+                with contextlib.suppress(BaseException):
+                    await frames.aclose()
+
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class _DisconnectWatch:
+    """Cancels the current task when the client disconnects (uvicorn's `receive` answers
+    http.disconnect then), until `stop()`: one small task instead of a task group."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.fired = False
+        self._stopped = False
+        self._owner = asyncio.current_task()
+        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        # `receive` also answers http.disconnect once the response is complete; `stop()` runs
+        # right after the last send, before this task can resume.
+        if not self._stopped and self._owner is not None:
+            self.fired = True
+            self._owner.cancel()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._task.cancel()
 
 
 async def read_limited(request: Request, limit: int) -> bytes:
@@ -203,33 +280,6 @@ async def read_limited(request: Request, limit: int) -> bytes:
             raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Run `work` until done or until the client disconnects, which cancels it (the edge records
-    the cancellation and aborts the engine request). Returns None on disconnect."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, ApiError):
-        await task
-    return None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def render_rows(
