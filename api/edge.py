@@ -480,7 +480,11 @@ class Edge:
 
     def _record_nowait(self, flight: InFlight, *commands: Any) -> None:
         self._stage(flight, commands)
-        self.writer.submit(self._take_pending(flight)).add_done_callback(self._check_append)
+        self._submit_lazy(self._take_pending(flight))
+
+    def _submit_lazy(self, batch: AppendBatch) -> None:
+        """Record without waiting: the batch may share the next admission's commit."""
+        self.writer.submit(batch, urgent=False).add_done_callback(self._check_append)
 
     def _stage(self, flight: InFlight, commands: tuple[Any, ...]) -> None:
         """Run commands through the lifecycle rules and keep their events for the next append.
@@ -527,9 +531,7 @@ class Edge:
             detail=detail[:300], is_retry=is_retry,
         )
         new = NewEvent(new_id(), request_id, caller.tenant_id, self.clock(), event)
-        self.writer.submit(AppendBatch(request_id, 0, (new,))).add_done_callback(
-            self._check_append
-        )
+        self._submit_lazy(AppendBatch(request_id, 0, (new,)))
 
     # --- leases --------------------------------------------------------------------------------
 
@@ -540,9 +542,7 @@ class Edge:
         live = [f for f in list(self.in_flight.values()) if not f.finished]
         for flight in live:
             if flight.pending:
-                self.writer.submit(self._take_pending(flight)).add_done_callback(
-                    self._check_append
-                )
+                self._submit_lazy(self._take_pending(flight))
         if not live:
             return
         progress = tuple(
@@ -557,9 +557,7 @@ class Edge:
         stream = f"edge-{self.edge_id}"
         event = LeasesRenewed(edge_id=self.edge_id, progress=progress)
         new = NewEvent(new_id(), stream, "", self.clock(), event)
-        self.writer.submit(AppendBatch(stream, None, (new,))).add_done_callback(
-            self._check_append
-        )
+        self._submit_lazy(AppendBatch(stream, None, (new,)))
 
 
 class _Primed:

@@ -141,3 +141,29 @@ def test_close_drains_everything_submitted() -> None:
     assert store.stream_version("req-a") == 100
     with pytest.raises(WriterClosed):
         writer.submit(batch("req-a", 101))
+
+
+def test_a_lazy_batch_waits_for_an_urgent_one_and_shares_its_commit() -> None:
+    store = InMemoryEventStore()
+    commits: list[list[str]] = []
+    # A lazy window far longer than the test: the lazy batch can only commit with company.
+    writer = GroupCommitWriter(store, max_delay_ms=0, lazy_delay_ms=60_000)
+    writer.on_committed(lambda records: commits.append([r.stream_id for r in records]))
+    lazy = writer.submit(batch("req-ended", 1), urgent=False)
+    urgent = writer.submit(batch("req-admitted", 2))
+    assert urgent.result(timeout=10).ok
+    assert lazy.result(timeout=10).ok
+    assert commits == [["req-ended", "req-admitted"]]
+    writer.close()
+
+
+def test_a_lazy_batch_alone_is_committed_by_flush_and_close() -> None:
+    store = InMemoryEventStore()
+    writer = GroupCommitWriter(store, max_delay_ms=0, lazy_delay_ms=60_000)
+    first = writer.submit(batch("req-a", 1), urgent=False)
+    writer.flush()
+    assert first.result(timeout=0).ok
+    second = writer.submit(batch("req-b", 1), urgent=False)
+    writer.close()
+    assert second.result(timeout=0).ok
+    assert [r.stream_id for r in store.read_all()] == ["req-a", "req-b"]
