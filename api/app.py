@@ -182,7 +182,9 @@ class TollgateApp:
             await self.api(scope, receive, send)
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
+        # The few headers this route reads, from one dict (ASGI names are lower-case): Starlette's
+        # Headers scans and decodes the whole list on every lookup.
+        headers = dict(scope["headers"])
         request_id = new_request_id()
         runtime = self.runtime
         watch: _DisconnectWatch | None = None
@@ -193,8 +195,12 @@ class TollgateApp:
                     405, "use POST for /v1/chat/completions", code="method_not_allowed",
                     headers={"Allow": "POST"},
                 )
-            caller = runtime.edge.authenticate(request.headers.get("authorization"), CUSTOMER)
-            raw = await read_limited(request, runtime.settings.max_body_bytes)
+            caller = runtime.edge.authenticate(_header(headers, b"authorization"), CUSTOMER)
+            raw = await read_body(
+                receive, headers.get(b"content-length"), runtime.settings.max_body_bytes
+            )
+            if raw is None:
+                return  # the client left while sending the body: nothing was admitted
             # From here a client disconnect cancels this task: the edge records the
             # cancellation and aborts the engine request (closing its stream).
             watch = _DisconnectWatch(receive)
@@ -202,8 +208,8 @@ class TollgateApp:
                 caller,
                 raw,
                 request_id=request_id,
-                idempotency_key=request.headers.get("idempotency-key"),
-                retry_count=_int_header(request.headers.get("x-stainless-retry-count")),
+                idempotency_key=_header(headers, b"idempotency-key"),
+                retry_count=_int_header(_header(headers, b"x-stainless-retry-count")),
             )
             if isinstance(outcome, JsonOutcome):
                 response = Response(
@@ -268,18 +274,29 @@ class _DisconnectWatch:
         self._task.cancel()
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
+    """The request body, refused (413) above `limit` bytes before or while it is read; None if
+    the client disconnects first."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
 
 
 def render_rows(

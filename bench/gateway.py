@@ -496,6 +496,8 @@ def start_tollgate(upstream: str, data_dir: Path, log_dir: Path) -> tuple[Proc, 
             f"{MODEL}={upstream}",
             "--port",
             str(port),
+            # extra serve flags for experiments, e.g. "--no-fold-worker"
+            *os.environ.get("TOLLGATE_BENCH_SERVE_ARGS", "").split(),
         ],
         env,
         log_dir,
