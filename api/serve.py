@@ -3,7 +3,6 @@ starts a simulated fleet (or uses real replicas), prints the keys and a curl lin
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import json
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+import uvloop
 
 from api.app import create_app
 from api.config import DEFAULT_MODELS, ServeSettings, data_dir
@@ -125,7 +125,9 @@ def run(settings: ServeSettings) -> None:
     keys = seed_demo(settings) if settings.seed_demo else {}
     if settings.seed_demo:
         ensure_demo_prices(settings, list(settings.models))
-    asyncio.run(_serve(settings, keys))
+    # uvloop: the same asyncio API with the loop and its transports in C; measured here it cut
+    # the CPU of a 16-chunk stream by about a fifth (bench/gateway.py, A/B in one run).
+    uvloop.run(_serve(settings, keys))
 
 
 async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
