@@ -329,7 +329,21 @@ def upcast(event_type: str, version: int, payload: Mapping[str, Any]) -> dict[st
 
 def to_payload(event: Event) -> dict[str, Any]:
     """The JSON-ready payload of an event: primitives only."""
-    return {f.name: _encode(getattr(event, f.name)) for f in dataclasses.fields(event)}  # type: ignore[arg-type]
+    names = _FIELD_NAMES.get(type(event))
+    if names is None:
+        names = _FIELD_NAMES[type(event)] = tuple(f.name for f in dataclasses.fields(event))  # type: ignore[arg-type]
+    payload = {}
+    for name in names:
+        value = getattr(event, name)
+        kind = type(value)
+        # Most values are already JSON primitives (every event is written once on the request
+        # path, so this is hot); the rest, floats included (refused), go through _encode.
+        plain = kind is str or kind is int or kind is bool or value is None
+        payload[name] = value if plain else _encode(value)
+    return payload
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def from_payload(event_type: str, version: int, payload: Mapping[str, Any]) -> Event:

@@ -81,6 +81,17 @@ class ProjectionRunner:
         self._table = table
         self._key_cols = [table.c[name] for name in spec.key_columns]
         self._pg = engine.dialect.name == "postgresql"
+        self._column_names = frozenset(spec.columns)
+        # Built once: statements made per call cost more to construct and cache-key than to run.
+        keys = sa.bindparam("keys", expanding=True)
+        where = (
+            self._key_cols[0].in_(keys)
+            if len(self._key_cols) == 1
+            else sa.tuple_(*self._key_cols).in_(keys)
+        )
+        self._select_rows = sa.select(*(table.c[name] for name in spec.columns)).where(where)
+        self._delete_rows = table.delete().where(where)
+        self._single_key = len(self._key_cols) == 1
 
     @property
     def name(self) -> str:
@@ -171,11 +182,15 @@ class ProjectionRunner:
     def _checkpoint(self, conn: sa.Connection, lock: bool = False) -> int:
         c = projection_checkpoints.c
         query = sa.select(c.position).where(c.name == self.name)
-        if lock:
+        if not lock:
+            return int(conn.execute(query).scalar() or 0)
+        if self._pg:
+            query = query.with_for_update()
+        position = conn.execute(query).scalar()
+        if position is None:  # first run (or after a rebuild): create the row, then lock it
             self._ensure_checkpoint(conn)
-            if self._pg:
-                query = query.with_for_update()
-        return int(conn.execute(query).scalar() or 0)
+            position = conn.execute(query).scalar()
+        return int(position or 0)
 
     def _ensure_checkpoint(self, conn: sa.Connection) -> None:
         insert: Any
@@ -197,18 +212,15 @@ class ProjectionRunner:
             .values(position=position, updated_at=datetime.now(UTC))
         )
 
-    def _where_keys(self, keys: Sequence[Key]) -> sa.ColumnElement[bool]:
-        if len(self._key_cols) == 1:
-            return self._key_cols[0].in_([k[0] for k in keys])
-        return sa.tuple_(*self._key_cols).in_(keys)
+    def _key_params(self, keys: Sequence[Key]) -> dict[str, list[Any]]:
+        return {"keys": [k[0] for k in keys] if self._single_key else list(keys)}
 
     def _load(self, conn: sa.Connection, keys: list[Key]) -> Iterable[tuple[Key, Row]]:
         names = self._spec.columns
-        columns = [self._table.c[name] for name in names]
         width = len(self._key_cols)
         for start in range(0, len(keys), _KEYS_PER_QUERY):
             chunk = keys[start : start + _KEYS_PER_QUERY]
-            for r in conn.execute(sa.select(*columns).where(self._where_keys(chunk))):
+            for r in conn.execute(self._select_rows, self._key_params(chunk)):
                 yield tuple(r[:width]), dict(zip(names, r, strict=True))
 
     def _delete(self, conn: sa.Connection, keys: list[Key]) -> None:
@@ -216,10 +228,10 @@ class ProjectionRunner:
         # checkpoint lock.
         for start in range(0, len(keys), _KEYS_PER_QUERY):
             chunk = keys[start : start + _KEYS_PER_QUERY]
-            conn.execute(self._table.delete().where(self._where_keys(chunk)))
+            conn.execute(self._delete_rows, self._key_params(chunk))
 
     def _check_row(self, key: Key, row: Row, record: Recorded) -> None:
-        if set(row) != set(self._spec.columns):
+        if row.keys() != self._column_names:
             raise ProjectionError(
                 f"{self.name}: event {record.event_id} produced columns {sorted(row)}, "
                 f"expected {list(self._spec.columns)}"
