@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -67,6 +68,9 @@ class FoldWorker:
         self.billing = BillingFold(self.store, self.checkpoints, self.control)
         self.sweeper = LeaseSweeper(self.store, ttl_s=lease_ttl_s)
         self.errors: dict[str, str] = {}
+        self.read_position = 0  # the last position a pass read
+        self._reported: tuple[Any, ...] | None = None  # the problems last written
+        self._reported_at = 0.0
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -101,15 +105,21 @@ class FoldWorker:
 
     # --- one pass ------------------------------------------------------------------------------
 
-    def run_pass(self, batch: int = 5000) -> None:
-        """Read the new events once, hand them to every fold, then sweep expired leases."""
+    def run_pass(self, batch: int = 5000) -> int:
+        """Read the new events once, hand them to every fold, then sweep expired leases.
+        Returns how many events were read. (The bills a pass appends are projected by the next
+        pass: a pass reads the log once, before billing.)"""
         errors: dict[str, str] = {}
+        read = 0
         while True:
             start = min(
                 self.control_position, self.sweeper.position, self.billing.position,
                 self.projection_position,
             )
             records = self.store.read_all(start, batch)
+            read += len(records)
+            if records:
+                self.read_position = max(self.read_position, records[-1].position)
             for name, step in (
                 ("control", self._follow_control),
                 ("billing", self.billing.process),
@@ -129,6 +139,7 @@ class FoldWorker:
             log.exception("lease sweep failed")
             errors["sweeper"] = f"{type(exc).__name__}: {exc}"
         self.errors = errors
+        return read
 
     def _follow_control(self, records: list[Recorded]) -> None:
         for record in records:
@@ -163,7 +174,8 @@ class FoldWorker:
             "host": socket.gethostname(),
             "heartbeat_at": datetime.now(UTC),
             "position": min(self.billing.position, self.projection_position),
-            "billing_lag": self.billing.lag(),
+            # What this pass read and billing has not applied: it grows while billing fails.
+            "billing_lag": max(0, self.read_position - self.billing.position),
             "error": "; ".join(f"{k}: {v}" for k, v in self.errors.items()) or None,
             "dead_letters": len(dead),
             "dead_letter_sample": orjson.dumps(dict(list(dead.items())[:3])).decode()
@@ -171,8 +183,16 @@ class FoldWorker:
             else None,
         }
 
-    def write_status(self) -> None:
+    def write_status(self, *, every_s: float = 1.0) -> None:
+        """Upsert this worker's row: at once when its problems change, else (heartbeat,
+        positions, lag) every `every_s`. Every pass would be ten write transactions a second
+        competing with the edges' appends for SQLite's write lock."""
         row = self.status()
+        problems = (row["error"], row["dead_letters"])
+        now = time.monotonic()
+        if problems == self._reported and now - self._reported_at < every_s:
+            return
+        self._reported, self._reported_at = problems, now
         with self.engine.connect() as conn:
             conn.execution_options(**{WRITE: True})
             with conn.begin():
@@ -187,22 +207,25 @@ class FoldWorker:
     def run(self, stop: threading.Event, *, interval_s: float = 0.1, parent_pid: int = 0) -> None:
         """Pass after pass, at most every `interval_s` (the folds then work in batches: one
         read, one commit per pass). Stops on `stop`, or when `parent_pid` is given and that
-        process is gone (an edge killed with -9 takes its worker with it); a last pass folds
-        what was committed before the stop."""
+        process is gone (an edge killed with -9 takes its worker with it); the last passes
+        fold what was committed before the stop, and the bills they append."""
         while not stop.is_set():
             self._pass_and_report()
             if parent_pid and os.getppid() != parent_pid:
                 log.warning("parent process %d is gone; stopping", parent_pid)
                 break
             stop.wait(1.0 if self.errors else interval_s)
-        self._pass_and_report()
+        for _ in range(10):
+            if not self._pass_and_report() or self.errors:
+                break
 
-    def _pass_and_report(self) -> None:
-        self.run_pass()
+    def _pass_and_report(self) -> int:
+        read = self.run_pass()
         try:
             self.write_status()
         except Exception:
             log.exception("could not write the worker status")
+        return read
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,164 @@
+"""The fold worker: one pass bills, projects and sweeps; its heartbeat row is what the edges
+report on /readyz; `tollgate worker` runs it as a process and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from domain import lifecycle as lc
+from domain.cost import Estimate
+from domain.events import PriceSet
+from ledger.engine import create_engine_from_url
+from ledger.schema import ledger_entries, request_log, upgrade, worker_status
+from ledger.store import NewEvent, SqlEventStore
+from streams.worker import FoldWorker, read_fold_status
+
+PRICED = "llama-3.1-8b-2026-05"
+UNPRICED = "llama-3.1-70b-2026-05"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest) -> str:
+    url = str(request.getfixturevalue(f"{request.param}_url"))
+    upgrade(url)
+    return url
+
+
+def _price(store: SqlEventStore) -> None:
+    at = datetime.now(UTC) - timedelta(days=1)
+    new = NewEvent(
+        str(uuid.uuid4()), f"prices-{PRICED}", "", at, PriceSet(PRICED, 150_000, 600_000, 0, at)
+    )
+    store.append(new.stream_id, 0, [new])
+
+
+def _request(store: SqlEventStore, model: str = PRICED, *, end: bool = True) -> str:
+    rid = "req_" + uuid.uuid4().hex
+    at = datetime.now(UTC)
+    state, new = lc.RequestState(), []
+    commands: list[object] = [
+        lc.AdmitRequest(
+            rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
+        ),
+        lc.RouteRequest("replica-1", 0, request_id=rid),
+    ]
+    if end:
+        commands.append(lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid))
+    for command in commands:
+        for event in lc.decide(state, command):  # type: ignore[arg-type]
+            new.append(NewEvent(str(uuid.uuid4()), rid, "acme", at, event))
+            state = lc.evolve_event(state, event, at)
+    store.append(rid, 0, new)
+    return rid
+
+
+def test_one_pass_bills_projects_and_reports(url: str) -> None:
+    engine = create_engine_from_url(url)
+    try:
+        store = SqlEventStore(engine)
+        _price(store)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        done = [_request(store) for _ in range(3)]
+        live = _request(store, end=False)
+        worker.run_pass()  # bills the ended requests
+        worker.run_pass()  # projects the bills (a pass reads the log once, before it bills)
+        worker.write_status()
+
+        with engine.connect() as conn:
+            billed = {r.request_id for r in conn.execute(sa.select(ledger_entries.c.request_id))}
+            statuses = dict(
+                conn.execute(sa.select(request_log.c.request_id, request_log.c.status)).all()
+            )
+            row = conn.execute(sa.select(worker_status)).mappings().one()
+        assert billed == set(done)
+        assert statuses[live] == "routed" and all(statuses[r] == "completed" for r in done)
+        assert row["pid"] == os.getpid() and row["error"] is None and row["dead_letters"] == 0
+        assert row["billing_lag"] == 0
+        assert set(worker.sweeper.leases) == {live}
+
+        status = read_fold_status(engine, datetime.now(UTC))
+        assert status.problems == () and status.warnings == ()
+        # Silent for longer than the staleness limit: the edges say so.
+        later = read_fold_status(engine, datetime.now(UTC) + timedelta(seconds=11))
+        assert later.problems and "last reported" in later.problems[0]
+    finally:
+        engine.dispose()
+
+
+def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(url: str) -> None:
+    engine = create_engine_from_url(url)
+    try:
+        store = SqlEventStore(engine)
+        _price(store)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        unpriced = _request(store, UNPRICED)
+        worker.run_pass()
+        worker.write_status()
+        status = read_fold_status(engine, datetime.now(UTC))
+        assert status.problems == ()
+        assert status.dead_letters == 1 and unpriced in status.warnings[0]
+
+        def broken(records: object) -> None:
+            raise RuntimeError("projection table gone")
+
+        worker._project = broken  # type: ignore[method-assign]
+        _request(store)
+        worker.run_pass()
+        worker.write_status()  # a new problem is written at once, not at the next heartbeat
+        status = read_fold_status(engine, datetime.now(UTC))
+        assert any("projection table gone" in p for p in status.problems)
+    finally:
+        engine.dispose()
+
+
+def test_no_report_yet_is_a_problem(url: str) -> None:
+    engine = create_engine_from_url(url)
+    try:
+        status = read_fold_status(engine, datetime.now(UTC))
+        assert status.problems == ("folds: no fold worker has reported yet",)
+    finally:
+        engine.dispose()
+
+
+def test_tollgate_worker_runs_until_sigterm_and_folds_what_came_before(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    engine = create_engine_from_url(sqlite_url)
+    try:
+        store = SqlEventStore(engine)
+        _price(store)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "worker", "--database-url", sqlite_url],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while read_fold_status(engine, datetime.now(UTC)).problems:
+                assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the worker never reported"
+                time.sleep(0.1)
+            rid = _request(store)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out.decode()
+        # The last pass after SIGTERM folded the request appended just before it.
+        with engine.connect() as conn:
+            billed = {r[0] for r in conn.execute(sa.select(ledger_entries.c.request_id))}
+        assert rid in billed
+    finally:
+        engine.dispose()
