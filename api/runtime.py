@@ -30,7 +30,7 @@ from api.metrics import Metrics
 from domain import admission
 from domain.control import CONTROL_PREFIXES, ControlView
 from engine_adapter.fleet import Fleet
-from ledger.engine import create_engine_from_url
+from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore
@@ -58,7 +58,11 @@ class Runtime:
 
     def __post_init__(self) -> None:
         upgrade(self.settings.database_url)
-        self.engine = create_engine_from_url(self.settings.database_url)
+        # The fold worker checkpoints SQLite's WAL (it commits every pass); the edge does so
+        # itself only if the WAL passes ~40 MB (no worker running), never at the default ~4 MB.
+        self.engine = create_engine_from_url(
+            self.settings.database_url, wal_autocheckpoint=10 * DEFAULT_WAL_AUTOCHECKPOINT
+        )
         self.store = SqlEventStore(self.engine)
         # Admissions wait for their commit, so they get no artificial delay: whatever queued
         # while the last commit ran is the next group. What nobody waits for (terminal events,

@@ -16,12 +16,27 @@ from ledger.errors import BadDatabaseUrl, StoreUnavailable
 WRITE = "tollgate_write"
 
 
-def create_engine_from_url(url: str | URL, *, check: bool = True, **kwargs: Any) -> Engine:
+# SQLite's default: a commit that finds the WAL over 1,000 pages (~4 MB) checkpoints it, fsyncs
+# included, before returning.
+DEFAULT_WAL_AUTOCHECKPOINT = 1000
+
+
+def create_engine_from_url(
+    url: str | URL,
+    *,
+    check: bool = True,
+    wal_autocheckpoint: int = DEFAULT_WAL_AUTOCHECKPOINT,
+    **kwargs: Any,
+) -> Engine:
     """An Engine for `url`, tuned for the event store. Raises BadDatabaseUrl for a URL we cannot
-    use and, when `check`, StoreUnavailable if the database does not answer."""
+    use and, when `check`, StoreUnavailable if the database does not answer.
+
+    `wal_autocheckpoint` (SQLite only): the WAL size in pages at which this engine's commits
+    checkpoint. The edge raises it so that its admissions never pay for a checkpoint (a 5-10 ms
+    stall at p99); the fold worker, which commits every pass, keeps the default and does them."""
     parsed = parse_url(url)
     if parsed.get_backend_name() == "sqlite":
-        engine = _sqlite_engine(parsed, **kwargs)
+        engine = _sqlite_engine(parsed, wal_autocheckpoint, **kwargs)
     else:
         engine = _postgres_engine(parsed, **kwargs)
     if check:
@@ -66,7 +81,7 @@ def _shown(url: URL) -> str:
     return url.render_as_string(hide_password=True)
 
 
-def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
+def _sqlite_engine(url: URL, wal_autocheckpoint: int, **kwargs: Any) -> Engine:
     assert url.database is not None
     parent = Path(url.database).expanduser().resolve().parent
     if not parent.is_dir():
@@ -84,6 +99,7 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
         # power loss the last few; it is what makes SQLite commits cheap.
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA busy_timeout=10000")
+        cursor.execute(f"PRAGMA wal_autocheckpoint={int(wal_autocheckpoint)}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
