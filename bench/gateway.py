@@ -13,7 +13,9 @@ The upstream is `python -m bench.gateway upstream`: a minimal aiohttp server tha
 vLLM SSE shape (16 content chunks, then a usage chunk when asked, then [DONE]; continuous usage
 when asked), non-streaming JSON, /health, /v1/models and a static vLLM /metrics. Every frame is
 pre-rendered; each chunk is its own write, `--gap-ms` apart (default 1 ms: chunks arrive one by
-one as they do from a real engine, instead of being coalesced into one read).
+one as they do from a real engine, instead of being coalesced into one read). Both modes follow
+one token schedule: token i is ready at start + (i + 1) gaps; the JSON answer goes when the last
+one is, a stream sends each when it is.
 `--upstream sim` uses the simulated replica (engine_adapter.simulated) instead, for comparison.
 
 Run: .venv/bin/python -m bench.gateway [--quick] [--runs 3] [--duration 10] [--no-litellm]
@@ -173,6 +175,8 @@ def serve_upstream(port: int, model: str, gap_ms: float) -> None:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         if not body.get("stream"):
             if gap:
                 await asyncio.sleep(gap * OUTPUT_TOKENS)
@@ -187,11 +191,14 @@ def serve_upstream(port: int, model: str, gap_ms: float) -> None:
         await resp.prepare(request)
         last = len(frames) - 1
         for i, frame in enumerate(frames):
-            await resp.write(frame)
-            if gap and i < OUTPUT_TOKENS - 1:
-                await asyncio.sleep(gap)
+            if gap and i < OUTPUT_TOKENS:
+                # Token i is ready at start + (i + 1) gaps, as in the JSON answer, which is sent
+                # when the last one is: sleeping a gap after each write instead let the timer's
+                # overshoot pile up over 16 sleeps and made streams ~1-4 ms slower than JSON.
+                await asyncio.sleep(max(0.0, start + (i + 1) * gap - loop.time()))
             elif i < last:
                 await asyncio.sleep(0)
+            await resp.write(frame)
         await resp.write_eof()
         return resp
 
