@@ -38,7 +38,7 @@ from engine_adapter.vllm_http import (
     ReplicaStreamBroken,
     ReplicaUnavailable,
 )
-from ledger.store import AppendBatch, NewEvent
+from ledger.store import AppendBatch, AppendResult, NewEvent
 from ledger.writer import GroupCommitWriter
 
 log = logging.getLogger("tollgate.edge")
@@ -297,7 +297,7 @@ class Edge:
             # The admission is durable before the engine sees the request: a generation without
             # a recorded admission could never be billed. If it is not recorded, nothing was
             # admitted: the quota and the router's reservation are given back, no terminal event.
-            await self._record(flight, admit, route, wait=True)
+            await self._record(flight, admit, route)
         except BaseException:
             self.quota.void(request_id)
             self.fleet.release(choice)
@@ -474,14 +474,16 @@ class Edge:
                 self.metrics.in_flight.dec()
             self.metrics.finished.labels(how).inc()
 
-    async def _record(self, flight: InFlight, *commands: Any, wait: bool) -> None:
+    async def _record(self, flight: InFlight, *commands: Any) -> None:
+        """Record and wait until it is committed (the admission)."""
         self._stage(flight, commands)
-        future = self.writer.submit(self._take_pending(flight))
-        if not wait:
-            future.add_done_callback(self._check_append)
-            return
-        result = await asyncio.wrap_future(future)
-        self._check_append(future)
+        batch = self._take_pending(flight)
+        # An idle writer commits it here and now (a local SQLite file: ~0.1 ms); else it joins
+        # the next group commit.
+        result = self.writer.commit_now(batch)
+        if result is None:
+            result = await asyncio.wrap_future(self.writer.submit(batch))
+        self._count_append(result)
         if not result.ok:
             raise ApiError(
                 503, "the event store could not record the admission; retry later",
@@ -522,6 +524,9 @@ class Edge:
             self.metrics.append_failures.inc()
             log.error("event append failed: %r", exc)
             return
+        self._count_append(result)
+
+    def _count_append(self, result: AppendResult) -> None:
         if result.ok:
             for r in result.records:
                 self.metrics.events.labels(r.type).inc()

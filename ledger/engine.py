@@ -16,6 +16,8 @@ from ledger.errors import BadDatabaseUrl, StoreUnavailable
 WRITE = "tollgate_write"
 
 
+# How long a SQLite statement waits for another connection's write lock before failing.
+SQLITE_BUSY_TIMEOUT_MS = 10_000
 # SQLite's default: a commit that finds the WAL over 1,000 pages (~4 MB) checkpoints it, fsyncs
 # included, before returning.
 DEFAULT_WAL_AUTOCHECKPOINT = 1000
@@ -98,7 +100,7 @@ def _sqlite_engine(url: URL, wal_autocheckpoint: int, **kwargs: Any) -> Engine:
         # NORMAL in WAL mode loses no committed transaction on a crash of the process, only on
         # power loss the last few; it is what makes SQLite commits cheap.
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=10000")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute(f"PRAGMA wal_autocheckpoint={int(wal_autocheckpoint)}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()

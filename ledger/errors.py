@@ -17,6 +17,10 @@ class StoreUnavailable(StoreError):
     """The database cannot be reached (down, wrong host, missing directory)."""
 
 
+class StoreBusy(StoreError):
+    """`try_append_many` found the database's write lock taken; nothing was written."""
+
+
 class WrongExpectedVersion(StoreError):
     """Optimistic concurrency: the stream has `actual` events, the caller expected `expected`."""
 

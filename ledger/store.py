@@ -15,10 +15,11 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from domain.events import Event, Recorded, from_payload, to_payload
-from ledger.engine import WRITE, create_engine_from_url
+from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, create_engine_from_url
 from ledger.errors import (
     BadDatabaseUrl,
     EventIdConflict,
+    StoreBusy,
     StoreError,
     StoreUnavailable,
     WrongExpectedVersion,
@@ -404,10 +405,11 @@ def _from_sqlite_row(r: tuple[Any, ...]) -> Recorded:
     )
 
 
-def _sqlite_begin_immediate(cursor: Any, timeout_s: float = 10.0) -> None:
+def _sqlite_begin_immediate(cursor: Any, timeout_s: float) -> bool:
     """Take SQLite's write lock, polling every ~0.5 ms while another connection (the fold
     worker) holds it. SQLite's own busy handler sleeps 1, 2, 5, 10 ... ms between tries, so a
-    lock held for 3 ms cost an append up to 8 ms; appends are what admissions wait for."""
+    lock held for 3 ms cost an append up to 8 ms; appends are what admissions wait for.
+    With timeout_s 0 it tries once; False if the lock was taken (an error past a timeout)."""
     import sqlite3
 
     cursor.execute("PRAGMA busy_timeout=0")
@@ -417,10 +419,12 @@ def _sqlite_begin_immediate(cursor: Any, timeout_s: float = 10.0) -> None:
         while True:
             try:
                 cursor.execute("BEGIN IMMEDIATE")
-                return
+                return True
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise
+                if timeout_s <= 0:
+                    return False
                 now = time.monotonic()
                 deadline = deadline or now + timeout_s
                 if now > deadline:
@@ -428,7 +432,7 @@ def _sqlite_begin_immediate(cursor: Any, timeout_s: float = 10.0) -> None:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.0005)
     finally:
-        cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
 
 
 def _sqlite_insert_rows(cursor: Any, to_write: list[_Stored]) -> int:
@@ -524,21 +528,42 @@ class SqlEventStore(EventStore):
         return self.append_many([AppendBatch(stream_id, expected_version, events)])[0].unwrap()
 
     def append_many(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        return self._append_many(batches, wait=True)
+
+    @property
+    def can_try_append(self) -> bool:
+        """Whether try_append_many can be cheap enough to call on an event loop: SQLite (a
+        local file, no round trip) without inline hooks."""
+        return not self._pg and not self.before_commit
+
+    def try_append_many(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        """append_many, but if another connection holds the write lock, raise StoreBusy at once
+        (nothing written) instead of waiting for it. SQLite only (see can_try_append)."""
+        if not self.can_try_append:
+            raise StoreBusy("try_append_many needs SQLite without before_commit hooks")
+        return self._append_many(batches, wait=False)
+
+    def _append_many(self, batches: Sequence[AppendBatch], *, wait: bool) -> list[AppendResult]:
         prepared = _prepare(batches)
         if not any(prepared):
             return [AppendResult(b.stream_id) for b in batches]
         try:
             # Retries are rare, so the first attempt lets the UNIQUE index find repeated ids
             # instead of looking every id up.
-            return self._append(batches, prepared, check_ids=False)
+            return self._append(batches, prepared, check_ids=False, wait=wait)
         except _IdsNeedChecking:
-            return self._append(batches, prepared, check_ids=True)
+            return self._append(batches, prepared, check_ids=True, wait=wait)
 
     def _append(
-        self, batches: Sequence[AppendBatch], prepared: list[list[_Row]], *, check_ids: bool
+        self,
+        batches: Sequence[AppendBatch],
+        prepared: list[list[_Row]],
+        *,
+        check_ids: bool,
+        wait: bool = True,
     ) -> list[AppendResult]:
-        if not self._pg and not self.before_commit:
-            return self._sqlite_append(batches, prepared, check_ids=check_ids)
+        if self.can_try_append:
+            return self._sqlite_append(batches, prepared, check_ids=check_ids, wait=wait)
         try:
             with self._write_transaction() as conn:
                 # expected_version 0 needs no read: version 1 of an existing stream is already
@@ -638,7 +663,12 @@ class SqlEventStore(EventStore):
             cursor.close()
 
     def _sqlite_append(
-        self, batches: Sequence[AppendBatch], prepared: list[list[_Row]], *, check_ids: bool
+        self,
+        batches: Sequence[AppendBatch],
+        prepared: list[list[_Row]],
+        *,
+        check_ids: bool,
+        wait: bool,
     ) -> list[AppendResult]:
         """`_append` on SQLite's driver alone: the same plan, one BEGIN IMMEDIATE ... COMMIT,
         no SQLAlchemy statement processing (about half of an append's CPU)."""
@@ -653,7 +683,9 @@ class SqlEventStore(EventStore):
             assert db is not None
             cursor = db.cursor()
             try:
-                _sqlite_begin_immediate(cursor)
+                timeout_s = SQLITE_BUSY_TIMEOUT_MS / 1000 if wait else 0.0
+                if not _sqlite_begin_immediate(cursor, timeout_s):
+                    raise StoreBusy("the event store's write lock is taken")
                 try:
                     streams = {b.stream_id for b in batches if check_ids or b.expected_version != 0}
                     versions = _sqlite_versions(cursor, list(streams))

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from domain.events import Recorded
-from ledger.errors import StoreError
+from ledger.errors import StoreBusy, StoreError
 from ledger.store import AppendBatch, AppendResult, EventStore, check_batch
 
 
@@ -80,6 +80,8 @@ class GroupCommitWriter:
         self._closed = False
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
+        self._outstanding = 0  # submitted, not yet committed (under _lock)
+        self._commit_lock = threading.Lock()  # one commit at a time: callbacks stay in order
         self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
         self._thread.start()
 
@@ -102,7 +104,40 @@ class GroupCommitWriter:
                 raise WriterOverloaded(
                     f"{self._queue.maxsize} appends already waiting to commit"
                 ) from None
+            self._outstanding += 1
         return future
+
+    def commit_now(self, batch: AppendBatch) -> AppendResult | None:
+        """Commit `batch` in the caller's thread when that means no waiting: the store can try
+        an append without blocking (SQLite), nothing submitted is still uncommitted, and no
+        other connection holds the write lock. None otherwise: submit it instead.
+
+        An idle writer thus answers without the two thread hand-offs of submit-and-wait (about
+        0.7 ms at the median, several at p99 when the GIL is busy); under load the queue is
+        rarely empty and batches keep sharing commits."""
+        if not getattr(self._store, "can_try_append", False):
+            return None
+        check_batch(batch)
+        if not self._commit_lock.acquire(blocking=False):
+            return None
+        try:
+            with self._lock:
+                if self._failure is not None or self._closed or self._outstanding:
+                    return None
+            try:
+                result = self._store.try_append_many([batch])[0]  # type: ignore[attr-defined]
+            except StoreBusy:
+                return None
+            if result.ok and not result.duplicate and result.records:
+                try:
+                    for callback in self.on_committed:
+                        callback(list(result.records))
+                except BaseException as exc:
+                    with self._lock:
+                        self._failure = exc
+            return result
+        finally:
+            self._commit_lock.release()
 
     def flush(self) -> None:
         """Return once everything submitted before this call is committed."""
@@ -180,6 +215,14 @@ class GroupCommitWriter:
                 return
 
     def _commit(self, group: list[tuple[AppendBatch, Future[AppendResult]]]) -> None:
+        try:
+            with self._commit_lock:
+                self._commit_group(group)
+        finally:
+            with self._lock:
+                self._outstanding -= len(group)
+
+    def _commit_group(self, group: list[tuple[AppendBatch, Future[AppendResult]]]) -> None:
         live = [(b, f) for b, f in group if f.set_running_or_notify_cancel()]
         if not live:
             return
