@@ -190,22 +190,24 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
     tg = closed.get("tollgate", {})
     if any("server_thread_cpu_ms_per_req" in s for per_c in tg.values() for s in per_c.values()):
         rows += [
-            "Tollgate CPU ms per request by thread (/proc/PID/task; `event_loop` is the main "
-            "thread, `other_threads` the fold thread, the group-commit writer and FastAPI's "
-            "thread pool together):",
+            "Where Tollgate's CPU per request goes: the edge process by thread (/proc/PID/task; "
+            "`event_loop` is the main thread, `other_threads` the group-commit writer and the "
+            "control-plane follower), and its child processes (the fold worker: billing, read "
+            "models, leases) as the rest of the total:",
             "",
-            "| mode | conns | per thread |",
-            "| --- | --- | --- |",
+            "| mode | conns | per thread | child processes |",
+            "| --- | --- | --- | --- |",
         ]
         for mode, per_c in tg.items():
             for c, s in per_c.items():
                 th = s.get("server_thread_cpu_ms_per_req", {})
+                children = s["cpu_ms_per_req"] - sum(th.values())
                 rows.append(
                     f"| {mode} | {c} | "
                     + ", ".join(
                         f"{k} {v:.3f}" for k, v in sorted(th.items(), key=lambda kv: -kv[1])
                     )
-                    + " |"
+                    + f" | {children:.3f} |"
                 )
         rows.append("")
     rows += [

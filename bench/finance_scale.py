@@ -43,8 +43,13 @@ from sqlalchemy import event as sa_event  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
 from api.backoffice import Backoffice  # noqa: E402
-from domain.control import CONTROL_PREFIXES  # noqa: E402
-from domain.control import PLAN_LIMITS, ControlView, price_stream, tenant_stream  # noqa: E402
+from domain.control import (  # noqa: E402
+    CONTROL_PREFIXES,
+    PLAN_LIMITS,
+    ControlView,
+    price_stream,
+    tenant_stream,
+)
 from domain.cost import Price, amount_micros, est_kv_byte_seconds, profile_for  # noqa: E402
 from domain.events import (  # noqa: E402
     ApiKeyIssued,
