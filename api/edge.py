@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from api.chat_request import ChatRequest, parse_chat_request
+from api.commits import LoopCommits
 from api.errors import ApiError, error_frame
 from api.idempotency_service import AsyncIdempotency, replay_frames
 from api.metrics import Metrics
@@ -133,6 +134,7 @@ class Edge:
         self.quota = quota
         self.fleet = fleet
         self.writer = writer
+        self.commits = LoopCommits(writer)
         self.idempotency = idempotency
         self.metrics = metrics
         self.edge_id = edge_id
@@ -478,11 +480,7 @@ class Edge:
         """Record and wait until it is committed (the admission)."""
         self._stage(flight, commands)
         batch = self._take_pending(flight)
-        # An idle writer commits it here and now (a local SQLite file: ~0.1 ms); else it joins
-        # the next group commit.
-        result = self.writer.commit_now(batch)
-        if result is None:
-            result = await asyncio.wrap_future(self.writer.submit(batch))
+        result = await self.commits.commit(batch)
         self._count_append(result)
         if not result.ok:
             raise ApiError(
@@ -496,7 +494,7 @@ class Edge:
 
     def _submit_lazy(self, batch: AppendBatch) -> None:
         """Record without waiting: the batch may share the next admission's commit."""
-        self.writer.submit(batch, urgent=False).add_done_callback(self._check_append)
+        self.commits.later(batch).add_done_callback(self._check_append)
 
     def _stage(self, flight: InFlight, commands: tuple[Any, ...]) -> None:
         """Run commands through the lifecycle rules and keep their events for the next append.

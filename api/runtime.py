@@ -64,9 +64,8 @@ class Runtime:
             self.settings.database_url, wal_autocheckpoint=10 * DEFAULT_WAL_AUTOCHECKPOINT
         )
         self.store = SqlEventStore(self.engine)
-        # Admissions wait for their commit, so they get no artificial delay: whatever queued
-        # while the last commit ran is the next group. What nobody waits for (terminal events,
-        # rejections, lease renewals) waits up to 5 ms to share a commit with the next group.
+        # The edge's event loop forms the groups (api/commits.py) and commits them itself when
+        # that costs no waiting; this thread commits the rest, with no artificial delay.
         self.writer = GroupCommitWriter(self.store, max_delay_ms=0, lazy_delay_ms=5)
         self.control = ControlView()
         # Position first, then the streams: a control event committed in between is read twice
@@ -125,6 +124,8 @@ class Runtime:
             await self.fleet.stop()
         if self.session is not None:
             await self.session.close()
+        if self.edge is not None:
+            self.edge.commits.hand_over()  # what still waits on the loop goes to the writer
         self.writer.close()
         self._stop.set()
         if self._follower is not None:

@@ -186,25 +186,25 @@ def test_commit_now_commits_in_the_callers_thread_only_when_that_costs_no_wait(
     )
     try:
         if backend == "memory":  # no cheap non-blocking append: always the writer thread
-            assert writer.commit_now(batch("req-a", 1)) is None
+            assert writer.commit_now([batch("req-a", 1)]) is None
             return
-        result = writer.commit_now(batch("req-a", 1))
-        assert result is not None and result.ok
+        results = writer.commit_now([batch("req-a", 1)])
+        assert results is not None and results[0].ok
         assert seen == [("req-a", threading.current_thread().name)]
         # Something submitted and not yet committed: it must not be overtaken.
         lazy = writer.submit(batch("req-b", 1), urgent=False)
-        assert writer.commit_now(batch("req-c", 1)) is None
+        assert writer.commit_now([batch("req-c", 1)]) is None
         writer.submit(batch("req-c", 1)).result(timeout=10)
         assert lazy.result(timeout=10).ok
         # Another connection holds the write lock: no waiting, nothing written.
         other = engine.raw_connection()
         try:
             other.driver_connection.execute("BEGIN IMMEDIATE")  # type: ignore[union-attr]
-            assert writer.commit_now(batch("req-d", 1)) is None
+            assert writer.commit_now([batch("req-d", 1)]) is None
         finally:
             other.driver_connection.execute("ROLLBACK")  # type: ignore[union-attr]
             other.close()
-        assert writer.commit_now(batch("req-d", 1)) is not None
+        assert writer.commit_now([batch("req-d", 1)]) is not None
         assert [r.stream_id for r in store.read_all()] == ["req-a", "req-b", "req-c", "req-d"]
     finally:
         writer.close()
