@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Protocol
@@ -42,6 +43,16 @@ class ProjectionSpec(Protocol):
 
     @property
     def project(self) -> Callable[[Row | None, Recorded], Row | None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """New rows computed by ProjectionRunner.prepare, not yet written."""
+
+    after: int  # the checkpoint they were computed from
+    last_position: int  # the checkpoint once written
+    touched: list[Key]
+    rows: dict[Key, Row | None]  # None: delete the row
 
 
 # Keys per IN (...) query: well under SQLite's bind-parameter cap even for 3-column keys.
@@ -132,10 +143,21 @@ class ProjectionRunner:
         """Apply `records` (in position order) inside the caller's transaction and advance the
         checkpoint. Records at or below the checkpoint are skipped, so applying twice is
         applying once. Inline use must start from a caught-up projection (run_to_end first)."""
-        after = self._checkpoint(conn, lock=True)
+        prepared = self.prepare(conn, records, lock=True)
+        if prepared is not None:
+            self._write_rows(conn, prepared)
+
+    def prepare(
+        self, conn: sa.Connection, records: Sequence[Recorded], *, lock: bool = False
+    ) -> Prepared | None:
+        """Compute the new rows for `records` (reads only); None if nothing is new. Without the
+        lock, `write` commits them only if the checkpoint has not moved meanwhile: a worker can
+        compute outside the write transaction and hold SQLite's single write lock only for the
+        writes."""
+        after = self._checkpoint(conn, lock=lock)
         fresh = [r for r in records if r.position > after]
         if not fresh:
-            return
+            return None
         if any(b.position <= a.position for a, b in zip(fresh, fresh[1:], strict=False)):
             raise ProjectionError(f"{self.name}: records must come in increasing position order")
         spec = self._spec
@@ -148,12 +170,24 @@ class ProjectionRunner:
             if new is not None:
                 self._check_row(key, new, record)
             rows[key] = new
-        if touched:
-            self._delete(conn, touched)
-            alive = [row for row in rows.values() if row is not None]
+        return Prepared(after, fresh[-1].position, touched, rows)
+
+    def write(self, conn: sa.Connection, prepared: Prepared) -> bool:
+        """Inside the caller's write transaction: write what `prepare` computed, unless the
+        checkpoint moved since (another runner applied some of it); False then, and nothing is
+        written (prepare again under the lock)."""
+        if self._checkpoint(conn, lock=True) != prepared.after:
+            return False
+        self._write_rows(conn, prepared)
+        return True
+
+    def _write_rows(self, conn: sa.Connection, prepared: Prepared) -> None:
+        if prepared.touched:
+            self._delete(conn, prepared.touched)
+            alive = [row for row in prepared.rows.values() if row is not None]
             if alive:
                 conn.execute(self._table.insert(), alive)
-        self._save_checkpoint(conn, fresh[-1].position)
+        self._save_checkpoint(conn, prepared.last_position)
 
     def table_digest(self) -> str:
         """sha256 over every row in key order, in a canonical text form: equal digests mean

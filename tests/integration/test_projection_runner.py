@@ -187,6 +187,30 @@ def test_applying_records_twice_is_applying_them_once(db: tuple[sa.Engine, SqlEv
     assert runner.table_digest() == once
 
 
+def test_rows_prepared_outside_the_lock_are_written_only_if_the_checkpoint_stayed(
+    db: tuple[sa.Engine, SqlEventStore],
+) -> None:
+    engine, store = db
+    append_history(store)
+    records = store.read_all(limit=10_000)
+    runner = ProjectionRunner(engine, store, SPEC, stream_counts)
+    other = ProjectionRunner(engine, store, SPEC, stream_counts)  # e.g. a second worker
+    with engine.connect() as conn:
+        early = runner.prepare(conn, records[:12])
+        late = runner.prepare(conn, records)
+    assert early is not None and late is not None
+    with engine.begin() as conn:
+        assert runner.write(conn, early)
+    with engine.begin() as conn:  # computed from checkpoint 0, which has moved: refused
+        assert not runner.write(conn, late)
+    assert runner.checkpoint() == records[11].position
+    with engine.begin() as conn:
+        other.apply_recorded(conn, records)  # under the lock: from the checkpoint on
+    assert rows(engine) == fold_in_memory(records)
+    with engine.connect() as conn:
+        assert runner.prepare(conn, records) is None  # nothing new
+
+
 def test_inline_projection_commits_with_the_append(db: tuple[sa.Engine, SqlEventStore]) -> None:
     engine, store = db
     runner = ProjectionRunner(engine, store, SPEC, stream_counts)
