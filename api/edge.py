@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -88,27 +89,31 @@ class InFlight:
 
 
 # Event and request ids need uniqueness, not secrecy: a PRNG seeded from the OS avoids a system
-# call per id (uuid4 was ~4 % of the edge's CPU).
+# call per id (uuid4 was ~4 % of the edge's CPU). They are UUID version 7 (RFC 9562): 48 bits of
+# Unix milliseconds, then 74 random bits, so ids made later sort later. The events table's
+# unique indexes (event_id; stream_id, stream_version) and the read models keyed by request id
+# then grow at their right edge: with random ids every commit touched a random leaf page of each
+# index, and on a database of a million events commits slowed enough to matter (measured with
+# bench/gateway.py after 60k requests).
 _ids = random.Random(int.from_bytes(os.urandom(16), "big"))
+_V7_VERSION = 0x7 << 76
+_V7_VARIANT = 0x2 << 62
 
 
-# A random 128-bit number with the UUID version-4 and variant bits set, formatted by hand:
-# uuid.UUID's constructor validates and converts at every step (4 us; this is under 1 us).
-_V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
-_V4_SET = (0x4000 << 64) | (0x8000 << 48)
-
-
-def _v4_hex() -> str:
-    return "%032x" % ((_ids.getrandbits(128) & _V4_CLEAR) | _V4_SET)
+def _v7_hex() -> str:
+    ms = time.time_ns() // 1_000_000
+    rand = _ids.getrandbits(74)
+    value = (ms << 80) | _V7_VERSION | ((rand >> 62) << 64) | _V7_VARIANT | (rand & ((1 << 62) - 1))
+    return f"{value:032x}"
 
 
 def new_id() -> str:
-    h = _v4_hex()
+    h = _v7_hex()
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def new_request_id() -> str:
-    return "req_" + _v4_hex()
+    return "req_" + _v7_hex()
 
 
 def utcnow() -> datetime:
