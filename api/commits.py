@@ -25,13 +25,13 @@ class LoopCommits:
     def __init__(self, writer: GroupCommitWriter, *, lazy_delay_s: float = 0.005) -> None:
         self._writer = writer
         self._lazy_delay_s = lazy_delay_s
-        self._pending: list[tuple[AppendBatch, asyncio.Future[AppendResult], bool]] = []
+        self._pending: list[tuple[AppendBatch, asyncio.Future[AppendResult]]] = []
         self._flush_soon = False
         self._timer: asyncio.TimerHandle | None = None
 
     def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         """Commit `batch` with the others of this loop iteration; await the result."""
-        future = self._add(batch, urgent=True)
+        future = self._add(batch)
         if not self._flush_soon:
             self._flush_soon = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -39,7 +39,7 @@ class LoopCommits:
 
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         """Commit `batch` with the next group, at most `lazy_delay_s` from now."""
-        future = self._add(batch, urgent=False)
+        future = self._add(batch)
         if self._timer is None and not self._flush_soon:
             self._timer = asyncio.get_running_loop().call_later(self._lazy_delay_s, self._flush)
         return future
@@ -52,9 +52,9 @@ class LoopCommits:
         pending, self._pending = self._pending, []
         self._to_thread(pending)
 
-    def _add(self, batch: AppendBatch, *, urgent: bool) -> asyncio.Future[AppendResult]:
+    def _add(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((batch, future, urgent))
+        self._pending.append((batch, future))
         return future
 
     def _flush(self) -> None:
@@ -66,26 +66,24 @@ class LoopCommits:
         if not pending:
             return
         try:
-            results = self._writer.commit_now([batch for batch, _, _ in pending])
+            results = self._writer.commit_now([batch for batch, _ in pending])
         except Exception as exc:  # the store failed: every waiter hears it
-            for _, future, _ in pending:
+            for _, future in pending:
                 if not future.done():
                     future.set_exception(exc)
             return
         if results is None:
             self._to_thread(pending)
             return
-        for (_, future, _), result in zip(pending, results, strict=True):
+        for (_, future), result in zip(pending, results, strict=True):
             if not future.done():
                 future.set_result(result)
 
-    def _to_thread(
-        self, pending: list[tuple[AppendBatch, asyncio.Future[AppendResult], bool]]
-    ) -> None:
+    def _to_thread(self, pending: list[tuple[AppendBatch, asyncio.Future[AppendResult]]]) -> None:
         loop = asyncio.get_running_loop()
-        for batch, future, urgent in pending:
+        for batch, future in pending:
             try:
-                done = self._writer.submit(batch, urgent=urgent)
+                done = self._writer.submit(batch)
             except Exception as exc:
                 future.set_exception(exc)
                 continue

@@ -138,7 +138,6 @@ class Edge:
         self.control = control
         self.quota = quota
         self.fleet = fleet
-        self.writer = writer
         self.commits = LoopCommits(writer)
         self.idempotency = idempotency
         self.metrics = metrics

@@ -66,7 +66,7 @@ class Runtime:
         self.store = SqlEventStore(self.engine)
         # The edge's event loop forms the groups (api/commits.py) and commits them itself when
         # that costs no waiting; this thread commits the rest, with no artificial delay.
-        self.writer = GroupCommitWriter(self.store, max_delay_ms=0, lazy_delay_ms=5)
+        self.writer = GroupCommitWriter(self.store, max_delay_ms=0)
         self.control = ControlView()
         # Position first, then the streams: a control event committed in between is read twice
         # (the view ignores a repeat), never missed.

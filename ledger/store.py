@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, Protocol
@@ -392,17 +392,12 @@ def _sqlite_instant(at: datetime) -> str:
     return at.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
-def _from_sqlite_row(r: tuple[Any, ...]) -> Recorded:
+def _from_sqlite_row(r: tuple[Any, ...]) -> _Stored:
+    """A row of _COLUMNS as the driver returns it (instants as SQLAlchemy's DATETIME text)."""
     position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
-    return Recorded(
-        event_id=event_id,
-        stream_id=stream_id,
-        stream_version=stream_version,
-        tenant_id=tenant_id,
-        occurred_at=datetime.fromisoformat(at).replace(tzinfo=UTC),
-        event=from_payload(type_, version, orjson.loads(payload)),
-        position=position,
-    )
+    occurred_at = datetime.fromisoformat(at).replace(tzinfo=UTC)
+    row = _Row(event_id, stream_id, tenant_id, occurred_at, type_, version, payload)
+    return _Stored(row, stream_version, position)
 
 
 def _sqlite_begin_immediate(cursor: Any, timeout_s: float) -> bool:
@@ -451,34 +446,25 @@ def _sqlite_insert_rows(cursor: Any, to_write: list[_Stored]) -> int:
     return first
 
 
+def _sqlite_in(cursor: Any, query: str, values: list[str]) -> Iterator[tuple[Any, ...]]:
+    """Rows of `query` (one `IN ({})`) over `values`, 500 at a time: under SQLite's cap on
+    bound parameters."""
+    for start in range(0, len(values), 500):
+        chunk = values[start : start + 500]
+        yield from cursor.execute(query.format(", ".join("?" for _ in chunk)), chunk)
+
+
 def _sqlite_versions(cursor: Any, stream_ids: list[str]) -> dict[str, int]:
-    versions: dict[str, int] = {}
-    for start in range(0, len(stream_ids), 500):
-        chunk = stream_ids[start : start + 500]
-        marks = ", ".join("?" for _ in chunk)
-        for stream_id, version in cursor.execute(
-            "SELECT stream_id, max(stream_version) FROM events "
-            f"WHERE stream_id IN ({marks}) GROUP BY stream_id",
-            chunk,
-        ):
-            versions[stream_id] = int(version)
-    return versions
+    query = (
+        "SELECT stream_id, max(stream_version) FROM events "
+        "WHERE stream_id IN ({}) GROUP BY stream_id"
+    )
+    return {stream_id: int(v) for stream_id, v in _sqlite_in(cursor, query, stream_ids)}
 
 
 def _sqlite_by_ids(cursor: Any, event_ids: list[str]) -> dict[str, _Stored]:
-    found: dict[str, _Stored] = {}
-    for start in range(0, len(event_ids), 500):
-        chunk = event_ids[start : start + 500]
-        marks = ", ".join("?" for _ in chunk)
-        query = f"SELECT {', '.join(_COLUMNS)} FROM events WHERE event_id IN ({marks})"
-        for r in cursor.execute(query, chunk):
-            position, event_id, stream_id, stream_version, tenant_id, at, type_, version, data = r
-            row = _Row(
-                event_id, stream_id, tenant_id, datetime.fromisoformat(at).replace(tzinfo=UTC),
-                type_, version, data,
-            )
-            found[event_id] = _Stored(row, stream_version, position)
-    return found
+    query = f"SELECT {', '.join(_COLUMNS)} FROM events WHERE event_id IN ({{}})"
+    return {r[1]: _from_sqlite_row(r) for r in _sqlite_in(cursor, query, event_ids)}
 
 
 class _IdsNeedChecking(Exception):
@@ -794,7 +780,7 @@ class SqlEventStore(EventStore):
                 rows = cursor.execute(_sqlite_tail_sql(len(prefixes)), params).fetchall()
             finally:
                 cursor.close()
-        return [_from_sqlite_row(r) for r in rows]
+        return [_from_sqlite_row(r).recorded() for r in rows]
 
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
         with self._connect() as conn:

@@ -64,16 +64,12 @@ class GroupCommitWriter:
         max_batch: int = 500,
         max_delay_ms: float = 2,
         *,
-        lazy_delay_ms: float | None = None,
         max_pending: int = 50_000,
         on_committed: list[Committed] | None = None,
     ) -> None:
         self._store = store
         self._max_batch = max_batch
         self._max_delay_s = max_delay_ms / 1000
-        # A group that starts with a lazy batch (nobody waits for it) waits up to this long for
-        # company; an urgent batch arriving meanwhile commits the group at once.
-        self._lazy_delay_s = (max_delay_ms if lazy_delay_ms is None else lazy_delay_ms) / 1000
         self.on_committed = Callbacks(on_committed or [])
         # Bounded: overload becomes a fast error, never an unbounded queue (DESIGN.md 4.6).
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
@@ -85,10 +81,7 @@ class GroupCommitWriter:
         self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: AppendBatch, *, urgent: bool = True) -> Future[AppendResult]:
-        """Queue `batch`. `urgent=False` says nobody waits for it, so it may wait `lazy_delay_ms`
-        to share a commit with later batches (a request's terminal events ride with the next
-        admissions instead of costing a commit of their own)."""
+    def submit(self, batch: AppendBatch) -> Future[AppendResult]:
         # Check in the caller's thread, so a malformed batch is that caller's bug alone; the
         # encoding itself happens once, on the writer thread, off the request path.
         check_batch(batch)
@@ -99,7 +92,7 @@ class GroupCommitWriter:
             if self._closed:
                 raise WriterClosed("group-commit writer is closed")
             try:
-                self._queue.put_nowait((batch, future, urgent))
+                self._queue.put_nowait((batch, future))
             except queue.Full:
                 raise WriterOverloaded(
                     f"{self._queue.maxsize} appends already waiting to commit"
@@ -118,8 +111,6 @@ class GroupCommitWriter:
         is busy); when it cannot, the batches queue here behind what is already waiting."""
         if not getattr(self._store, "can_try_append", False):
             return None
-        for batch in batches:
-            check_batch(batch)
         if not self._commit_lock.acquire(blocking=False):
             return None
         try:
@@ -186,20 +177,16 @@ class GroupCommitWriter:
             markers: list[_Flush] = []
             events = 0
             item = self._queue.get()
-            lazy = isinstance(item, tuple) and not item[2]
-            deadline = time.monotonic() + (self._lazy_delay_s if lazy else self._max_delay_s)
+            deadline = time.monotonic() + self._max_delay_s
             while True:
                 if item is _STOP:
                     stopping = True
                 elif isinstance(item, _Flush):
                     markers.append(item)
                 else:
-                    batch, future, urgent = item  # type: ignore[misc]
+                    batch, future = item  # type: ignore[misc]
                     group.append((batch, future))
                     events += len(batch.events)
-                    if urgent and lazy:  # someone waits now: take what is queued and commit
-                        lazy = False
-                        deadline = time.monotonic() + self._max_delay_s
                 # A flush or stop commits what it follows straight away instead of waiting.
                 if stopping or markers or events >= self._max_batch:
                     break
@@ -265,6 +252,6 @@ class GroupCommitWriter:
             if isinstance(item, _Flush):
                 item.done.set()
             elif item is not _STOP:
-                _, future, _ = item  # type: ignore[misc]
+                _, future = item  # type: ignore[misc]
                 if future.set_running_or_notify_cancel():
                     future.set_exception(error)

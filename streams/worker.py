@@ -171,7 +171,7 @@ class FoldWorker:
             conn.execution_options(**{WRITE: True})
             with conn.begin():
                 for runner, ready in zip(self.runners, prepared, strict=True):
-                    if ready is None or not runner.write(conn, ready):
+                    if ready is not None and not runner.write(conn, ready):
                         runner.apply_recorded(conn, records)
         self.projection_position = records[-1].position
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -29,10 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest) -> str:
+def engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
     url = str(request.getfixturevalue(f"{request.param}_url"))
     upgrade(url)
-    return url
+    engine = create_engine_from_url(url)
+    yield engine
+    engine.dispose()
 
 
 def _price(store: SqlEventStore) -> None:
@@ -63,74 +66,62 @@ def _request(store: SqlEventStore, model: str = PRICED, *, end: bool = True) -> 
     return rid
 
 
-def test_one_pass_bills_projects_and_reports(url: str) -> None:
-    engine = create_engine_from_url(url)
-    try:
-        store = SqlEventStore(engine)
-        _price(store)
-        worker = FoldWorker(engine)
-        worker.catch_up()
-        done = [_request(store) for _ in range(3)]
-        live = _request(store, end=False)
-        worker.run_pass()  # bills the ended requests
-        worker.run_pass()  # projects the bills (a pass reads the log once, before it bills)
-        worker.write_status()
+def test_one_pass_bills_projects_and_reports(engine: sa.Engine) -> None:
+    store = SqlEventStore(engine)
+    _price(store)
+    worker = FoldWorker(engine)
+    worker.catch_up()
+    done = [_request(store) for _ in range(3)]
+    live = _request(store, end=False)
+    worker.run_pass()  # bills the ended requests
+    worker.run_pass()  # projects the bills (a pass reads the log once, before it bills)
+    worker.write_status()
 
-        with engine.connect() as conn:
-            billed = {r.request_id for r in conn.execute(sa.select(ledger_entries.c.request_id))}
-            statuses = dict(
-                conn.execute(sa.select(request_log.c.request_id, request_log.c.status)).all()
-            )
-            row = conn.execute(sa.select(worker_status)).mappings().one()
-        assert billed == set(done)
-        assert statuses[live] == "routed" and all(statuses[r] == "completed" for r in done)
-        assert row["pid"] == os.getpid() and row["error"] is None and row["dead_letters"] == 0
-        assert row["billing_lag"] == 0
-        assert set(worker.sweeper.leases) == {live}
+    with engine.connect() as conn:
+        billed = {r.request_id for r in conn.execute(sa.select(ledger_entries.c.request_id))}
+        statuses = dict(
+            conn.execute(sa.select(request_log.c.request_id, request_log.c.status)).all()
+        )
+        row = conn.execute(sa.select(worker_status)).mappings().one()
+    assert billed == set(done)
+    assert statuses[live] == "routed" and all(statuses[r] == "completed" for r in done)
+    assert row["pid"] == os.getpid() and row["error"] is None and row["dead_letters"] == 0
+    assert row["billing_lag"] == 0
+    assert set(worker.sweeper.leases) == {live}
 
-        status = read_fold_status(engine, datetime.now(UTC))
-        assert status.problems == () and status.warnings == ()
-        # Silent for longer than the staleness limit: the edges say so.
-        later = read_fold_status(engine, datetime.now(UTC) + timedelta(seconds=11))
-        assert later.problems and "last reported" in later.problems[0]
-    finally:
-        engine.dispose()
+    status = read_fold_status(engine, datetime.now(UTC))
+    assert status.problems == () and status.warnings == ()
+    # Silent for longer than the staleness limit: the edges say so.
+    later = read_fold_status(engine, datetime.now(UTC) + timedelta(seconds=11))
+    assert later.problems and "last reported" in later.problems[0]
 
 
-def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(url: str) -> None:
-    engine = create_engine_from_url(url)
-    try:
-        store = SqlEventStore(engine)
-        _price(store)
-        worker = FoldWorker(engine)
-        worker.catch_up()
-        unpriced = _request(store, UNPRICED)
-        worker.run_pass()
-        worker.write_status()
-        status = read_fold_status(engine, datetime.now(UTC))
-        assert status.problems == ()
-        assert status.dead_letters == 1 and unpriced in status.warnings[0]
+def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(engine: sa.Engine) -> None:
+    store = SqlEventStore(engine)
+    _price(store)
+    worker = FoldWorker(engine)
+    worker.catch_up()
+    unpriced = _request(store, UNPRICED)
+    worker.run_pass()
+    worker.write_status()
+    status = read_fold_status(engine, datetime.now(UTC))
+    assert status.problems == ()
+    assert status.dead_letters == 1 and unpriced in status.warnings[0]
 
-        def broken(records: object) -> None:
-            raise RuntimeError("projection table gone")
+    def broken(records: object) -> None:
+        raise RuntimeError("projection table gone")
 
-        worker._project = broken  # type: ignore[method-assign]
-        _request(store)
-        worker.run_pass()
-        worker.write_status()  # a new problem is written at once, not at the next heartbeat
-        status = read_fold_status(engine, datetime.now(UTC))
-        assert any("projection table gone" in p for p in status.problems)
-    finally:
-        engine.dispose()
+    worker._project = broken  # type: ignore[method-assign]
+    _request(store)
+    worker.run_pass()
+    worker.write_status()  # a new problem is written at once, not at the next heartbeat
+    status = read_fold_status(engine, datetime.now(UTC))
+    assert any("projection table gone" in p for p in status.problems)
 
 
-def test_no_report_yet_is_a_problem(url: str) -> None:
-    engine = create_engine_from_url(url)
-    try:
-        status = read_fold_status(engine, datetime.now(UTC))
-        assert status.problems == ("folds: no fold worker has reported yet",)
-    finally:
-        engine.dispose()
+def test_no_report_yet_is_a_problem(engine: sa.Engine) -> None:
+    status = read_fold_status(engine, datetime.now(UTC))
+    assert status.problems == ("folds: no fold worker has reported yet",)
 
 
 def test_tollgate_worker_runs_until_sigterm_and_folds_what_came_before(sqlite_url: str) -> None:

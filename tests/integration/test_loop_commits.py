@@ -34,7 +34,7 @@ def setup(request: pytest.FixtureRequest) -> Iterator[tuple[SqlEventStore, Group
     schema.upgrade(url)
     engine = create_engine_from_url(url)
     store = SqlEventStore(engine)
-    writer = GroupCommitWriter(store, max_delay_ms=0, lazy_delay_ms=5)
+    writer = GroupCommitWriter(store, max_delay_ms=0)
     commits: list[tuple[list[str], str]] = []
     writer.on_committed(
         lambda rs: commits.append(([r.stream_id for r in rs], threading.current_thread().name))

@@ -143,32 +143,6 @@ def test_close_drains_everything_submitted() -> None:
         writer.submit(batch("req-a", 101))
 
 
-def test_a_lazy_batch_waits_for_an_urgent_one_and_shares_its_commit() -> None:
-    store = InMemoryEventStore()
-    commits: list[list[str]] = []
-    # A lazy window far longer than the test: the lazy batch can only commit with company.
-    writer = GroupCommitWriter(store, max_delay_ms=0, lazy_delay_ms=60_000)
-    writer.on_committed(lambda records: commits.append([r.stream_id for r in records]))
-    lazy = writer.submit(batch("req-ended", 1), urgent=False)
-    urgent = writer.submit(batch("req-admitted", 2))
-    assert urgent.result(timeout=10).ok
-    assert lazy.result(timeout=10).ok
-    assert commits == [["req-ended", "req-admitted"]]
-    writer.close()
-
-
-def test_a_lazy_batch_alone_is_committed_by_flush_and_close() -> None:
-    store = InMemoryEventStore()
-    writer = GroupCommitWriter(store, max_delay_ms=0, lazy_delay_ms=60_000)
-    first = writer.submit(batch("req-a", 1), urgent=False)
-    writer.flush()
-    assert first.result(timeout=0).ok
-    second = writer.submit(batch("req-b", 1), urgent=False)
-    writer.close()
-    assert second.result(timeout=0).ok
-    assert [r.stream_id for r in store.read_all()] == ["req-a", "req-b"]
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "memory"])
 def test_commit_now_commits_in_the_callers_thread_only_when_that_costs_no_wait(
     backend: str, sqlite_url: str
@@ -180,7 +154,8 @@ def test_commit_now_commits_in_the_callers_thread_only_when_that_costs_no_wait(
         engine = create_engine_from_url(sqlite_url)
         store = SqlEventStore(engine)
     seen: list[tuple[str, str]] = []
-    writer = GroupCommitWriter(store, max_delay_ms=0, lazy_delay_ms=60_000)
+    # A group waits up to a minute for company: a submitted batch stays uncommitted until flush.
+    writer = GroupCommitWriter(store, max_delay_ms=60_000)
     writer.on_committed(
         lambda records: seen.extend((r.stream_id, threading.current_thread().name) for r in records)
     )
@@ -192,10 +167,11 @@ def test_commit_now_commits_in_the_callers_thread_only_when_that_costs_no_wait(
         assert results is not None and results[0].ok
         assert seen == [("req-a", threading.current_thread().name)]
         # Something submitted and not yet committed: it must not be overtaken.
-        lazy = writer.submit(batch("req-b", 1), urgent=False)
+        queued = writer.submit(batch("req-b", 1))
         assert writer.commit_now([batch("req-c", 1)]) is None
-        writer.submit(batch("req-c", 1)).result(timeout=10)
-        assert lazy.result(timeout=10).ok
+        later = writer.submit(batch("req-c", 1))
+        writer.flush()
+        assert queued.result(timeout=0).ok and later.result(timeout=0).ok
         # Another connection holds the write lock: no waiting, nothing written.
         other = engine.raw_connection()
         try:
