@@ -45,6 +45,23 @@ CONTROL_POLL_S = 0.2
 WORKER_RESTART_S = 1.0
 
 
+def follow_control(store: SqlEventStore, control: ControlView, position: int) -> int:
+    """Apply the control-plane records after `position` to `control`; returns the position
+    scanned to.
+
+    That is the log's end as read before the scan, not the last control record: requests'
+    events far outnumber control ones, and each poll would otherwise scan again every event
+    since the last key or price change (7 % of the edge's CPU ten seconds after start, and
+    growing). Positions commit in order (the store's append lock), so every event up to the end
+    read first is visible to the scan that follows."""
+    end = store.last_position()
+    while records := store.read_all(position, 1000, stream_prefixes=CONTROL_PREFIXES):
+        for record in records:
+            control.apply(record)
+        position = records[-1].position
+    return max(position, end)
+
+
 def new_edge_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -154,12 +171,9 @@ class Runtime:
         edge writes is in force here within CONTROL_POLL_S."""
         while not self._stop.wait(CONTROL_POLL_S):
             try:
-                while records := self.store.read_all(
-                    self.control_position, 1000, stream_prefixes=CONTROL_PREFIXES
-                ):
-                    for record in records:
-                        self.control.apply(record)
-                    self.control_position = records[-1].position
+                self.control_position = follow_control(
+                    self.store, self.control, self.control_position
+                )
                 self.control_error = None
             except Exception as exc:
                 log.exception("control-plane follower failed")

@@ -1,0 +1,57 @@
+"""The edge's control-plane follower: it applies what the control streams gain and moves its
+position to the end of the log, so each poll reads only what was appended since the last one."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from api.runtime import follow_control
+from domain.control import ControlView
+from domain.events import PriceSet
+from ledger.engine import create_engine_from_url
+from ledger.schema import upgrade
+from ledger.store import NewEvent, SqlEventStore
+from tests.integration.test_fold_worker import _request
+
+MODEL = "llama-3.1-8b-2026-05"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest) -> Iterator[SqlEventStore]:
+    url = str(request.getfixturevalue(f"{request.param}_url"))
+    upgrade(url)
+    engine = create_engine_from_url(url)
+    yield SqlEventStore(engine)
+    engine.dispose()
+
+
+def _set_price(store: SqlEventStore, micros: int) -> None:
+    at = datetime.now(UTC) - timedelta(seconds=1)
+    stream = f"prices-{MODEL}"
+    new = NewEvent(str(uuid.uuid4()), stream, "", at, PriceSet(MODEL, micros, micros, 0, at))
+    store.append(stream, None, [new])
+
+
+def test_the_follower_applies_control_records_and_moves_to_the_end(store: SqlEventStore) -> None:
+    control = ControlView()
+    _set_price(store, 100_000)
+    _request(store)
+    position = follow_control(store, control, 0)
+    assert position == store.last_position()
+    assert control.price(MODEL, datetime.now(UTC)).prompt_micros_per_mtok == 100_000
+
+    # Only request events since: the position still moves to the end (a poll that stayed at
+    # the last control record would scan these again and again).
+    for _ in range(3):
+        _request(store)
+    moved = follow_control(store, control, position)
+    assert moved == store.last_position() > position
+
+    _set_price(store, 250_000)
+    _request(store)
+    assert follow_control(store, control, moved) == store.last_position()
+    assert control.price(MODEL, datetime.now(UTC)).prompt_micros_per_mtok == 250_000
