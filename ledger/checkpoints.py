@@ -19,11 +19,15 @@ class Checkpoints:
             value = conn.execute(sa.select(t.c.position).where(t.c.name == name)).scalar()
         return int(value or 0)
 
-    def set(self, name: str, position: int) -> None:
+    def set(self, name: str, position: int, conn: sa.Connection | None = None) -> None:
+        """Save `position`, in its own transaction or inside the caller's `conn`."""
+        if conn is None:
+            with self.engine.begin() as own:
+                self.set(name, position, own)
+            return
         now = datetime.now(UTC)
-        with self.engine.begin() as conn:
-            updated = conn.execute(
-                t.update().where(t.c.name == name).values(position=position, updated_at=now)
-            ).rowcount
-            if not updated:
-                conn.execute(t.insert().values(name=name, position=position, updated_at=now))
+        updated = conn.execute(
+            t.update().where(t.c.name == name).values(position=position, updated_at=now)
+        ).rowcount
+        if not updated:
+            conn.execute(t.insert().values(name=name, position=position, updated_at=now))

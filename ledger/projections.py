@@ -103,6 +103,9 @@ class ProjectionRunner:
         self._select_rows = sa.select(*(table.c[name] for name in spec.columns)).where(where)
         self._delete_rows = table.delete().where(where)
         self._single_key = len(self._key_cols) == 1
+        self._sqlite = _SqliteRows(table, spec.columns, spec.key_columns, engine.dialect) if (
+            engine.dialect.name == "sqlite"
+        ) else None
 
     @property
     def name(self) -> str:
@@ -182,6 +185,11 @@ class ProjectionRunner:
         return True
 
     def _write_rows(self, conn: sa.Connection, prepared: Prepared) -> None:
+        if self._sqlite is not None:
+            # On SQLite this runs under the database's only write lock, which admissions wait
+            # for: the driver alone, with SQLAlchemy's own conversions, is ~5x shorter.
+            self._sqlite.write(conn, self.name, prepared)
+            return
         if prepared.touched:
             self._delete(conn, prepared.touched)
             alive = [row for row in prepared.rows.values() if row is not None]
@@ -275,6 +283,61 @@ class ProjectionRunner:
             raise ProjectionError(
                 f"{self.name}: event {record.event_id} moved row {key!r} to key {moved!r}"
             )
+
+
+class _SqliteRows:
+    """A projection's writes on SQLite's driver: `INSERT OR REPLACE` of the live rows and a
+    delete of the removed ones by primary key, then the checkpoint; values pass through the
+    columns' own bind processors, so what is stored is what SQLAlchemy would store."""
+
+    def __init__(
+        self, table: sa.Table, columns: Sequence[str], key_columns: Sequence[str],
+        dialect: sa.Dialect,
+    ) -> None:
+        self._key_columns = tuple(key_columns)
+        self._row_types = tuple((n, _processor(table.c[n], dialect)) for n in columns)
+        self._key_types = self._row_types[: len(key_columns)]
+        names = ", ".join(f'"{n}"' for n in columns)
+        marks = ", ".join("?" for _ in columns)
+        self._upsert = f'INSERT OR REPLACE INTO "{table.name}" ({names}) VALUES ({marks})'
+        where = " AND ".join(f'"{n}" = ?' for n in key_columns)
+        self._delete = f'DELETE FROM "{table.name}" WHERE {where}'
+
+    @staticmethod
+    def _values(row: Row, types: tuple[tuple[str, Any], ...]) -> tuple[Any, ...]:
+        return tuple(
+            row[n] if fn is None or row[n] is None else fn(row[n]) for n, fn in types
+        )
+
+    def write(self, conn: sa.Connection, name: str, prepared: Prepared) -> None:
+        live = [row for row in prepared.rows.values() if row is not None]
+        gone = [
+            dict(zip(self._key_columns, key, strict=True))
+            for key, row in prepared.rows.items()
+            if row is None
+        ]
+        checkpoint = _processor(projection_checkpoints.c.updated_at, conn.dialect)
+        now: Any = datetime.now(UTC)
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            if gone:
+                cursor.executemany(
+                    self._delete, [self._values(k, self._key_types) for k in gone]
+                )
+            if live:
+                cursor.executemany(self._upsert, [self._values(r, self._row_types) for r in live])
+            cursor.execute(
+                "UPDATE projection_checkpoints SET position = ?, updated_at = ? WHERE name = ?",
+                (prepared.last_position, checkpoint(now) if checkpoint else now, name),
+            )
+        finally:
+            cursor.close()
+
+
+def _processor(column: sa.Column[Any], dialect: sa.Dialect) -> Callable[[Any], Any] | None:
+    """The column type's conversion to what the driver stores, as SQLAlchemy applies it (for
+    UTCDateTime: to UTC, then to SQLite's DATETIME text)."""
+    return column.type.dialect_impl(dialect).bind_processor(dialect)
 
 
 def _canonical(value: Any) -> Any:

@@ -58,9 +58,13 @@ class BillingFold:
     def lag(self) -> int:
         return max(0, self.store.last_position() - self.position)
 
-    def process(self, records: list[Recorded]) -> None:
+    def process(self, records: list[Recorded], *, save_checkpoint: bool = True) -> None:
         """Fold `records` (in position order; those at or before the checkpoint are skipped),
-        bill every request they end, commit the bills together, then move the checkpoint."""
+        bill every request they end, commit the bills together, then move the checkpoint.
+
+        With `save_checkpoint` False only `position` moves; the caller saves it (the fold
+        worker, in its read-model transaction: one write transaction fewer per pass). A saved
+        checkpoint behind the bills is harmless: the bills it repeats are already there."""
         fresh = [r for r in records if r.position > self.position]
         if not fresh:
             return
@@ -82,7 +86,8 @@ class BillingFold:
                 elif result.error is not None:
                     raise result.error
         self.position = fresh[-1].position
-        self.checkpoints.set(self.name, self.position)
+        if save_checkpoint:
+            self.checkpoints.set(self.name, self.position)
 
     def _track(self, record: Recorded) -> None:
         rid = record.stream_id

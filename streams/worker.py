@@ -68,6 +68,7 @@ class FoldWorker:
         ]
         self.projection_position = 0
         self.billing = BillingFold(self.store, self.checkpoints, self.control)
+        self._billing_saved = self.billing.position
         self.sweeper = LeaseSweeper(self.store, ttl_s=lease_ttl_s)
         self.errors: dict[str, str] = {}
         self.read_position = 0  # the last position a pass read
@@ -129,7 +130,7 @@ class FoldWorker:
                 self.read_position = max(self.read_position, records[-1].position)
             for name, step in (
                 ("control", self._follow_control),
-                ("billing", self.billing.process),
+                ("billing", self._bill),
                 ("projections", self._project),
                 ("sweeper", self._follow_leases),
             ):
@@ -138,6 +139,12 @@ class FoldWorker:
                 except Exception as exc:
                     log.exception("fold %s failed", name)
                     errors[name] = f"{type(exc).__name__}: {exc}"
+            if "projections" in errors and "billing" not in errors:
+                try:
+                    self._save_billing_checkpoint()
+                except Exception as exc:
+                    log.exception("could not save the billing checkpoint")
+                    errors["billing"] = f"{type(exc).__name__}: {exc}"
             if len(records) < batch or errors:
                 break
             time.sleep(CATCH_UP_PAUSE_S)
@@ -155,8 +162,13 @@ class FoldWorker:
                 self.control.apply(record)
                 self.control_position = record.position
 
+    def _bill(self, records: list[Recorded]) -> None:
+        # Its checkpoint is saved by _project, in the read models' transaction.
+        self.billing.process(records, save_checkpoint=False)
+
     def _project(self, records: list[Recorded]) -> None:
-        """All read models in one transaction: rows and checkpoints commit together.
+        """All read models in one transaction: rows and checkpoints commit together, and the
+        billing checkpoint with them.
 
         The new rows are computed first, outside the write transaction: on SQLite that
         transaction holds the database's only write lock, which the edges' admissions wait for
@@ -173,7 +185,17 @@ class FoldWorker:
                 for runner, ready in zip(self.runners, prepared, strict=True):
                     if ready is not None and not runner.write(conn, ready):
                         runner.apply_recorded(conn, records)
+                billed = self.billing.position
+                self.checkpoints.set(self.billing.name, billed, conn)
+        self._billing_saved = billed
         self.projection_position = records[-1].position
+
+    def _save_billing_checkpoint(self) -> None:
+        """On its own, when the read models' transaction that carries it did not commit."""
+        if self.billing.position != self._billing_saved:
+            billed = self.billing.position
+            self.checkpoints.set(self.billing.name, billed)
+            self._billing_saved = billed
 
     def _follow_leases(self, records: list[Recorded]) -> None:
         for record in records:

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
+from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
 from ledger.schema import ledger_entries, request_log, upgrade, worker_status
 from ledger.store import NewEvent, SqlEventStore
@@ -88,6 +89,9 @@ def test_one_pass_bills_projects_and_reports(engine: sa.Engine) -> None:
     assert row["pid"] == os.getpid() and row["error"] is None and row["dead_letters"] == 0
     assert row["billing_lag"] == 0
     assert set(worker.sweeper.leases) == {live}
+    # The billing checkpoint went with the read models' transaction: a restarted worker
+    # resumes billing where this one stopped.
+    assert Checkpoints(engine).get("billing") == worker.billing.position == store.last_position()
 
     status = read_fold_status(engine, datetime.now(UTC))
     assert status.problems == () and status.warnings == ()
@@ -112,11 +116,14 @@ def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(engine:
         raise RuntimeError("projection table gone")
 
     worker._project = broken  # type: ignore[method-assign]
-    _request(store)
+    ended = _request(store)
     worker.run_pass()
     worker.write_status()  # a new problem is written at once, not at the next heartbeat
     status = read_fold_status(engine, datetime.now(UTC))
     assert any("projection table gone" in p for p in status.problems)
+    # Billing went on without the read models, and its checkpoint was saved on its own.
+    assert ended in {r.stream_id for r in store.read_all(0, 1000) if r.type == "UsageBilled"}
+    assert Checkpoints(engine).get("billing") == worker.billing.position > 0
 
 
 def test_no_report_yet_is_a_problem(engine: sa.Engine) -> None:

@@ -298,3 +298,25 @@ def test_the_real_read_models_fold_every_kind_of_request(
     for runner, digest in zip(runners, digests, strict=True):
         runner.rebuild()
         assert runner.table_digest() == digest
+
+
+def test_rows_are_stored_as_sqlalchemy_stores_them(db: tuple[sa.Engine, SqlEventStore]) -> None:
+    """On SQLite the runner writes on the driver alone; what it stores must be byte-for-byte
+    what SQLAlchemy stores (range queries compare SQLite's DATETIME text as text)."""
+    engine, store = db
+    store.append("req-a", None, [ttft("req-a", 7, minute=3)])
+    ProjectionRunner(engine, store, SPEC, stream_counts).run_to_end()
+    with engine.begin() as conn:
+        conn.execute(
+            stream_counts.insert(),
+            {"stream_id": "ref", "tenant_id": "acme", "events": 1, "ttft_ms_sum": 7,
+             "last_at": T0 + timedelta(minutes=3)},
+        )
+        stored = conn.execute(
+            sa.text(
+                "SELECT stream_id, CAST(events AS TEXT), CAST(last_at AS TEXT) "
+                "FROM test_stream_counts ORDER BY stream_id"
+            )
+        ).all()
+    assert [tuple(r[1:]) for r in stored] == [("1", stored[1][2])] * 2
+    assert [r[0] for r in stored] == ["ref", "req-a"]
