@@ -271,27 +271,35 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
     prof = d.get("profile")
     if prof:
         rows += ["", "### Where Tollgate's CPU goes (py-spy, 16 connections)", ""]
-        for mode, p in prof.items():
-            if "error" in p:
-                rows.append(f"- {mode}: py-spy failed: {p['error']}")
-                continue
-            rows.append(
-                f"{mode}: {p['samples']} samples; share of samples per thread: "
-                + ", ".join(f"{t} {v}%" for t, v in p.get("threads_pct", []))
-                + "."
-            )
-            rows.append("")
-            rows += ["| Tollgate function (inclusive) | % of samples |", "| --- | --- |"]
-            own = ("(api/", "(ledger/", "(streams/", "(domain/", "(engine_adapter/")
-            skip = ("serve (api/cli", "one_line_errors", "run (api/serve")
-            for f, pct in p.get("top_inclusive_pct", []):
-                if f.startswith(skip) or not any(o in f for o in own):
-                    continue
-                rows.append(f"| `{f}` | {pct} |")
-            rows += ["", "| function (self) | % of samples |", "| --- | --- |"]
-            for f, pct in p.get("top_self_pct", [])[:12]:
-                rows.append(f"| `{f}` | {pct} |")
-            rows.append("")
+        for mode, by_process in prof.items():
+            if "samples" in by_process or "error" in by_process:  # results of older runs
+                by_process = {"edge": by_process}
+            for process, p in by_process.items():
+                rows += _profile_rows(f"{mode}, {process}", p)
+    return rows
+
+
+def _profile_rows(title: str, p: dict[str, Any]) -> list[str]:
+    if "error" in p:
+        return [f"- {title}: py-spy failed: {p['error']}"]
+    rows = [
+        f"{title}: {p['samples']} samples; share of samples per thread: "
+        + ", ".join(f"{t} {v}%" for t, v in p.get("threads_pct", []))
+        + ".",
+        "",
+        "| Tollgate function (inclusive) | % of samples |",
+        "| --- | --- |",
+    ]
+    own = ("(api/", "(ledger/", "(streams/", "(domain/", "(engine_adapter/")
+    skip = ("serve (api/cli", "one_line_errors", "run (api/serve", "run_worker", "worker (api/cli")
+    for f, pct in p.get("top_inclusive_pct", []):
+        if f.startswith(skip) or not any(o in f for o in own):
+            continue
+        rows.append(f"| `{f}` | {pct} |")
+    rows += ["", "| function (self) | % of samples |", "| --- | --- |"]
+    for f, pct in p.get("top_self_pct", [])[:12]:
+        rows.append(f"| `{f}` | {pct} |")
+    rows.append("")
     return rows
 
 

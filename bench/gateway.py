@@ -730,33 +730,34 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def profile_tollgate(
     pid: int, url: str, auth: str, stream: bool, seconds: float, py_spy: str, out_dir: Path
 ) -> dict[str, Any]:
-    """py-spy record (raw collapsed stacks) while wrk loads Tollgate; top self and inclusive."""
-    raw = out_dir / f"tollgate-{'stream' if stream else 'json'}.txt"
-    spy = subprocess.Popen(
-        [
-            py_spy,
-            "record",
-            "--pid",
-            str(pid),
-            "--duration",
-            str(int(seconds)),
-            "--rate",
-            "100",
-            "--format",
-            "raw",
-            "--threads",
-            "--output",
-            str(raw),
-            "--nonblocking",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    """py-spy record (raw collapsed stacks) of the edge and of each child process (the fold
+    worker) while wrk loads Tollgate; top self and inclusive, per process."""
+    mode = "stream" if stream else "json"
+    pids = {"edge": pid, **{f"child-{c}": c for c in _descendants(pid)}}
+    spies = {}
+    for name, p in pids.items():
+        raw = out_dir / f"tollgate-{mode}-{name.split('-')[0]}.txt"
+        cmd = [
+            py_spy, "record", "--pid", str(p), "--duration", str(int(seconds)), "--rate", "100",
+            "--format", "raw", "--threads", "--output", str(raw), "--nonblocking",
+        ]
+        spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        spies[name] = (spy, raw)
     time.sleep(1.0)
     run_wrk(url, body_for(stream), auth, 16, seconds - 1.5)
-    _, err = spy.communicate(timeout=seconds + 60)
-    if not raw.exists():
-        return {"error": err.decode(errors="replace")[-500:]}
+    out: dict[str, Any] = {}
+    for name, (spy, raw) in spies.items():
+        _, err = spy.communicate(timeout=seconds + 60)
+        key = "worker" if name.startswith("child") else name
+        if not raw.exists():
+            out[key] = {"error": err.decode(errors="replace")[-500:]}
+        else:
+            out[key] = _collapse(raw)
+    return out
+
+
+def _collapse(raw: Path) -> dict[str, Any]:
+    """Top self and inclusive frames of a py-spy raw profile, in % of its samples."""
     self_c: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     threads: Counter[str] = Counter()
