@@ -3,6 +3,7 @@ PostgreSQL through SQLAlchemy Core) and an in-memory fake with the same contract
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -15,7 +16,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from domain.events import Event, Recorded, from_payload, to_payload
-from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, create_engine_from_url
+from ledger.engine import (
+    SQLITE_BUSY_TIMEOUT_MS,
+    WRITE,
+    create_engine_from_url,
+    open_sqlite_appender,
+)
 from ledger.errors import (
     BadDatabaseUrl,
     EventIdConflict,
@@ -388,7 +394,12 @@ def _sqlite_tail_sql(prefixes: int) -> str:
     return _SQLITE_TAIL.format(f" AND ({where})" if prefixes else "")
 
 
-def _sqlite_instant(at: datetime) -> str:
+def sqlite_instant(at: datetime) -> str:
+    """SQLAlchemy's DATETIME text for SQLite: UTC, "YYYY-MM-DD HH:MM:SS.ffffff"."""
+    if at.tzinfo is UTC:  # what _encode leaves: the offset is all that has to go
+        return at.isoformat(" ", "microseconds")[:26]
+    if at.tzinfo is None:
+        raise ValueError(f"naive datetime {at!r}: Tollgate stores timezone-aware UTC only")
     return at.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
@@ -400,34 +411,45 @@ def _from_sqlite_row(r: tuple[Any, ...]) -> _Stored:
     return _Stored(row, stream_version, position)
 
 
+def _recorded_from_sqlite_row(r: tuple[Any, ...]) -> Recorded:
+    """A row of _COLUMNS straight to the envelope the folds read (a tail decodes every row)."""
+    position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
+    return Recorded(
+        event_id=event_id,
+        stream_id=stream_id,
+        stream_version=stream_version,
+        tenant_id=tenant_id,
+        occurred_at=datetime.fromisoformat(at).replace(tzinfo=UTC),
+        event=from_payload(type_, version, orjson.loads(payload)),
+        position=position,
+    )
+
+
 def _sqlite_begin_immediate(cursor: Any, timeout_s: float) -> bool:
-    """Take SQLite's write lock, polling every ~0.5 ms while another connection (the fold
-    worker) holds it. SQLite's own busy handler sleeps 1, 2, 5, 10 ... ms between tries, so a
-    lock held for 3 ms cost an append up to 8 ms; appends are what admissions wait for.
+    """Take SQLite's write lock on a connection without a busy handler (open_sqlite_appender),
+    polling every 0.1-0.5 ms while another connection (the fold worker) holds it. SQLite's own
+    busy handler sleeps 1, 2, 5, 10 ... ms between tries, so a lock held for 3 ms cost an
+    append up to 8 ms; appends are what admissions wait for.
     With timeout_s 0 it tries once; False if the lock was taken (an error past a timeout)."""
     import sqlite3
 
-    cursor.execute("PRAGMA busy_timeout=0")
-    try:
-        deadline = 0.0
-        pause = 0.0001
-        while True:
-            try:
-                cursor.execute("BEGIN IMMEDIATE")
-                return True
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                if timeout_s <= 0:
-                    return False
-                now = time.monotonic()
-                deadline = deadline or now + timeout_s
-                if now > deadline:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 2, 0.0005)
-    finally:
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    deadline = 0.0
+    pause = 0.0001
+    while True:
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+            return True
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if timeout_s <= 0:
+                return False
+            now = time.monotonic()
+            deadline = deadline or now + timeout_s
+            if now > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.0005)
 
 
 def _sqlite_insert_rows(cursor: Any, to_write: list[_Stored]) -> int:
@@ -438,7 +460,7 @@ def _sqlite_insert_rows(cursor: Any, to_write: list[_Stored]) -> int:
         [
             (
                 first + i, s.row.event_id, s.row.stream_id, s.stream_version, s.row.tenant_id,
-                _sqlite_instant(s.row.occurred_at), s.row.type, s.row.version, s.row.payload,
+                sqlite_instant(s.row.occurred_at), s.row.type, s.row.version, s.row.payload,
             )
             for i, s in enumerate(to_write)
         ],
@@ -501,6 +523,7 @@ class SqlEventStore(EventStore):
         # Below this many rows a plain executemany beats COPY's set-up (bench/store_append.py).
         self._copy_min_rows = copy_min_rows
         self.before_commit: list[Callable[[sa.Connection, list[Recorded]], None]] = []
+        self._appenders = threading.local()  # SQLite: each thread's append connection
 
     @property
     def engine(self) -> sa.Engine:
@@ -661,12 +684,7 @@ class SqlEventStore(EventStore):
         import sqlite3
 
         try:
-            raw = self._engine.raw_connection()  # from the pool: the connect pragmas apply
-        except sa.exc.OperationalError as exc:
-            raise StoreUnavailable(f"event store unavailable: {_first_line(exc)}") from exc
-        try:
-            db = raw.driver_connection
-            assert db is not None
+            db = self._appender()
             cursor = db.cursor()
             try:
                 timeout_s = SQLITE_BUSY_TIMEOUT_MS / 1000 if wait else 0.0
@@ -701,9 +719,22 @@ class SqlEventStore(EventStore):
                 raise sa.exc.IntegrityError(_SQLITE_INSERT, None, exc) from exc
             raise _IdsNeedChecking() from None
         except sqlite3.OperationalError as exc:
+            self._drop_appender()  # the next append opens a fresh connection
             raise StoreUnavailable(f"event store unavailable: {exc}") from exc
-        finally:
-            raw.close()
+
+    def _appender(self) -> Any:
+        """This thread's append connection (see ledger.engine.open_sqlite_appender)."""
+        conn = getattr(self._appenders, "conn", None)
+        if conn is None:
+            conn = self._appenders.conn = open_sqlite_appender(self._engine)
+        return conn
+
+    def _drop_appender(self) -> None:
+        conn = getattr(self._appenders, "conn", None)
+        self._appenders.conn = None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def _copy(self, conn: sa.Connection, to_write: list[_Stored], first: int) -> None:
         import psycopg
@@ -780,7 +811,7 @@ class SqlEventStore(EventStore):
                 rows = cursor.execute(_sqlite_tail_sql(len(prefixes)), params).fetchall()
             finally:
                 cursor.close()
-        return [_from_sqlite_row(r).recorded() for r in rows]
+        return [_recorded_from_sqlite_row(r) for r in rows]
 
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
         with self._connect() as conn:
