@@ -353,12 +353,16 @@ def from_payload(event_type: str, version: int, payload: Mapping[str, Any]) -> E
         payload = upcast(event_type, version, payload)
         cls = EVENT_CLASSES[event_type]
     plan = _decoders(cls)
-    kwargs = {}
-    for name, value in payload.items():
-        if name in plan:
-            convert = plan[name]
-            kwargs[name] = value if convert is None or value is None else convert(value)
-    return cls(**kwargs)
+    converted = dict(payload)
+    for name, convert in _converters(cls, plan):
+        value = converted.get(name)
+        if value is not None:
+            converted[name] = convert(value)
+    try:
+        # A payload of the current version has exactly the class's fields (to_payload wrote it).
+        return cls(**converted)
+    except TypeError:  # a key the class does not have: keep the fields only
+        return cls(**{name: value for name, value in converted.items() if name in plan})
 
 
 def dumps(event: Event) -> str:
@@ -398,6 +402,19 @@ def _decoders(cls: type) -> dict[str, Callable[[Any], Any] | None]:
                 plan[f.name] = None
         _DECODERS[cls] = plan
     return plan
+
+
+_CONVERTERS: dict[type, tuple[tuple[str, Callable[[Any], Any]], ...]] = {}
+
+
+def _converters(
+    cls: type, plan: dict[str, Callable[[Any], Any] | None]
+) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+    """The fields of `cls` whose JSON form needs converting (instants, nested records)."""
+    found = _CONVERTERS.get(cls)
+    if found is None:
+        found = _CONVERTERS[cls] = tuple((n, fn) for n, fn in plan.items() if fn is not None)
+    return found
 
 
 def _progress(items: Any) -> tuple[LeaseProgress, ...]:
