@@ -263,15 +263,19 @@ class _DisconnectWatch:
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        # `receive` also answers http.disconnect once the response is complete; `stop()` runs
-        # right after the last send, before this task can resume.
+        # `receive` also answers http.disconnect once the response is complete (or the
+        # connection closed); `stop()` runs right after the last send, before this task can
+        # resume, so the watch then ends here on its own.
         if not self._stopped and self._owner is not None:
             self.fired = True
             self._owner.cancel()
 
     def stop(self) -> None:
+        # Not by cancelling the task: a cancelled task keeps its CancelledError, whose traceback
+        # holds the frames that hold the task, and that cycle (with uvicorn's request cycle in
+        # it) was left to the garbage collector on every request: ~22 objects per request,
+        # most of the young-generation collections (measured with gc.DEBUG_SAVEALL).
         self._stopped = True
-        self._task.cancel()
 
 
 async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
