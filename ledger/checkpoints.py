@@ -9,6 +9,14 @@ from sqlalchemy.engine import Engine
 
 from ledger.schema import projection_checkpoints as t
 
+# Built once: a statement built per call costs more to construct and cache-key than to run.
+_GET = sa.select(t.c.position).where(t.c.name == sa.bindparam("b_name"))
+_SET = (
+    t.update()
+    .where(t.c.name == sa.bindparam("b_name"))
+    .values(position=sa.bindparam("b_position"), updated_at=sa.bindparam("b_updated_at"))
+)
+
 
 class Checkpoints:
     def __init__(self, engine: Engine) -> None:
@@ -16,7 +24,7 @@ class Checkpoints:
 
     def get(self, name: str) -> int:
         with self.engine.connect() as conn:
-            value = conn.execute(sa.select(t.c.position).where(t.c.name == name)).scalar()
+            value = conn.execute(_GET, {"b_name": name}).scalar()
         return int(value or 0)
 
     def set(self, name: str, position: int, conn: sa.Connection | None = None) -> None:
@@ -27,7 +35,7 @@ class Checkpoints:
             return
         now = datetime.now(UTC)
         updated = conn.execute(
-            t.update().where(t.c.name == name).values(position=position, updated_at=now)
+            _SET, {"b_name": name, "b_position": position, "b_updated_at": now}
         ).rowcount
         if not updated:
             conn.execute(t.insert().values(name=name, position=position, updated_at=now))
