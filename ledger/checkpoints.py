@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ledger.schema import projection_checkpoints as t
+from ledger.store import sqlite_instant
 
 # Built once: a statement built per call costs more to construct and cache-key than to run.
 _GET = sa.select(t.c.position).where(t.c.name == sa.bindparam("b_name"))
@@ -34,6 +35,15 @@ class Checkpoints:
                 self.set(name, position, own)
             return
         now = datetime.now(UTC)
+        if conn.dialect.name == "sqlite" and conn.in_transaction():
+            # Inside the fold worker's write transaction, which holds SQLite's only write
+            # lock: the driver alone (SQLAlchemy's statement handling is most of the cost).
+            cursor = conn.connection.driver_connection.execute(  # type: ignore[union-attr]
+                "UPDATE projection_checkpoints SET position = ?, updated_at = ? WHERE name = ?",
+                (position, sqlite_instant(now), name),
+            )
+            if cursor.rowcount:
+                return
         updated = conn.execute(
             _SET, {"b_name": name, "b_position": position, "b_updated_at": now}
         ).rowcount

@@ -233,6 +233,14 @@ class ProjectionRunner:
                 yield conn
 
     def _checkpoint(self, conn: sa.Connection, lock: bool = False) -> int:
+        if lock and self._sqlite is not None:
+            # Under SQLite's write lock (the transaction holds it): the driver alone, it is
+            # read before every write of the worker.
+            row = conn.connection.driver_connection.execute(  # type: ignore[union-attr]
+                "SELECT position FROM projection_checkpoints WHERE name = ?", (self.name,)
+            ).fetchone()
+            if row is not None:
+                return int(row[0])
         params = {"b_name": self.name}
         if not lock:
             return int(conn.execute(_CHECKPOINT, params).scalar() or 0)
