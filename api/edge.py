@@ -183,6 +183,8 @@ class Edge:
 
     def resolve_model(self, requested: str) -> str | None:
         """A pinned version is served as is; a base name goes to its newest version."""
+        if requested in self.fleet.serves and self.control.has_price(requested, self.clock()):
+            return requested  # the common case, without listing every model on sale
         models = self.models()
         if requested in models:
             return requested
@@ -312,7 +314,7 @@ class Edge:
             raise
         self.in_flight[request_id] = flight
         self.metrics.in_flight.inc()
-        self.metrics.admitted.labels(caller.tier, model).inc()
+        self.metrics.admitted_of(caller.tier, model).inc()
 
         body = dict(req.upstream)
         body["priority"] = TIER_PRIORITY.get(caller.tier, 2)
@@ -437,7 +439,7 @@ class Edge:
 
     def _first_token(self, flight: InFlight) -> None:
         ttft_ms = flight.progress.ttft_ms
-        self.metrics.ttft.labels(flight.model).observe(ttft_ms / 1000)
+        self.metrics.ttft_of(flight.model).observe(ttft_ms / 1000)
         # Staged, not written: it goes with the terminal event or the next lease renewal (5 s),
         # which saves a commit per request without losing the instant it happened.
         self._stage(flight, (lifecycle.RecordFirstToken(request_id=flight.request_id,
@@ -458,7 +460,7 @@ class Edge:
                 finish_reason=p.finish_reason or "stop", ttft_ms=p.ttft_ms, tpot_us=p.tpot_us,
             )
             if p.tpot_us:
-                self.metrics.tpot.labels(flight.model).observe(p.tpot_us / 1e6)
+                self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
         elif how == "cancelled":
             command = lifecycle.CancelRequest(
                 request_id=rid, prompt_tokens=p.prompt_tokens,
@@ -478,7 +480,7 @@ class Edge:
             self.fleet.release(flight.choice)
             if self.in_flight.pop(rid, None) is not None:
                 self.metrics.in_flight.dec()
-            self.metrics.finished.labels(how).inc()
+            self.metrics.finished_of(how).inc()
 
     async def _record(self, flight: InFlight, *commands: Any) -> None:
         """Record and wait until it is committed (the admission)."""
@@ -531,7 +533,7 @@ class Edge:
     def _count_append(self, result: AppendResult) -> None:
         if result.ok:
             for r in result.records:
-                self.metrics.events.labels(r.type).inc()
+                self.metrics.events_of(r.type).inc()
         else:
             self.metrics.append_failures.inc()
             log.error("event append failed for %s: %s", result.stream_id, result.error)

@@ -14,6 +14,7 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -161,6 +162,11 @@ class Fleet:
 
     def models(self) -> list[str]:
         return sorted(self._by_model)
+
+    @property
+    def serves(self) -> Mapping[str, object]:
+        """The model versions with replicas, for membership tests (`model in fleet.serves`)."""
+        return self._by_model
 
     def replicas(self, model: str | None = None) -> list[ReplicaState]:
         if model is None:
