@@ -296,6 +296,7 @@ class Edge:
             occupancy_ppm=choice.occupancy_ppm,
         )
         began = False
+        committing: asyncio.Future[AppendResult] | None = None
         try:
             if idempotency_key is not None:  # 409 here, before anything is admitted
                 await self.idempotency.begin(
@@ -305,16 +306,22 @@ class Edge:
             # The admission is durable before the engine sees the request: a generation without
             # a recorded admission could never be billed. If it is not recorded, nothing was
             # admitted: the quota and the router's reservation are given back, no terminal event.
-            await self._record(flight, admit, route)
-        except BaseException:
-            self.quota.void(request_id)
-            self.fleet.release(choice)
+            committing = self._submit_admission(flight, admit, route)
+            self._check_admission(await asyncio.shield(committing))
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError) and await _committed(committing):
+                # The client left while its admission was being committed, and it committed:
+                # the request is admitted, so it ends here, cancelled (not by lease expiry 15 s
+                # later, with its quota held meanwhile).
+                self._track(flight, caller.tier)
+                self._finish(flight, "cancelled")
+            else:
+                self.quota.void(request_id)
+                self.fleet.release(choice)
             if began:  # the key is ours: free it (never another request's in-flight key)
                 await self.idempotency.abandon(caller.tenant_id, idempotency_key or "")
             raise
-        self.in_flight[request_id] = flight
-        self.metrics.in_flight.inc()
-        self.metrics.admitted_of(caller.tier, model).inc()
+        self._track(flight, caller.tier)
 
         body = dict(req.upstream)
         body["priority"] = TIER_PRIORITY.get(caller.tier, 2)
@@ -482,17 +489,24 @@ class Edge:
                 self.metrics.in_flight.dec()
             self.metrics.finished_of(how).inc()
 
-    async def _record(self, flight: InFlight, *commands: Any) -> None:
-        """Record and wait until it is committed (the admission)."""
+    def _submit_admission(self, flight: InFlight, *commands: Any) -> asyncio.Future[AppendResult]:
+        """Record the admission with this loop iteration's group; the future is its commit."""
         self._stage(flight, commands)
-        batch = self._take_pending(flight)
-        result = await self.commits.commit(batch)
+        return self.commits.commit(self._take_pending(flight))
+
+    def _check_admission(self, result: AppendResult) -> None:
         self._count_append(result)
         if not result.ok:
             raise ApiError(
                 503, "the event store could not record the admission; retry later",
                 type="server_error", code="store_unavailable",
             )
+
+    def _track(self, flight: InFlight, tier: str) -> None:
+        """An admitted request is in flight on this edge until `_finish`."""
+        self.in_flight[flight.request_id] = flight
+        self.metrics.in_flight.inc()
+        self.metrics.admitted_of(tier, flight.model).inc()
 
     def _record_nowait(self, flight: InFlight, *commands: Any) -> None:
         self._stage(flight, commands)
@@ -668,6 +682,18 @@ class _Pump:
         self._task.cancel()
         with contextlib.suppress(BaseException):
             await self._task
+
+
+async def _committed(admission: asyncio.Future[AppendResult] | None) -> bool:
+    """Whether an admission whose waiter was cancelled committed after all (its commit goes on:
+    it may already be in the store). Cancelled again meanwhile: unknown, and lease expiry ends
+    the request if it did commit."""
+    if admission is None:
+        return False
+    try:
+        return (await admission).ok
+    except BaseException:  # noqa: BLE001 - a failed or interrupted commit: not known committed
+        return False
 
 
 async def _close_quietly(chunks: Any) -> None:

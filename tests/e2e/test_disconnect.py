@@ -4,11 +4,13 @@ and bills exactly the tokens the engine sent — the simulator's record is the g
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, SLOW_MODEL, Server, auth, long_body, poll
+from tests.e2e.conftest import MODEL, SLOW_MODEL, Server, auth, long_body, poll, short_body
 
 pytestmark = pytest.mark.e2e
 
@@ -80,3 +82,38 @@ def test_disconnect_bills_exactly_what_the_engine_sent(
         lambda: replica.metric("vllm:num_requests_running") == 0,
         timeout=10,
     )
+
+
+def test_a_client_gone_while_its_admission_commits_is_cancelled_not_left_to_expire(
+    server: Server,
+) -> None:
+    """The admission's commit goes on when the client leaves during it. If it commits, the
+    request is admitted: the edge must end it at once (cancelled, quota refunded), not leave it
+    to the lease sweeper 15 s later. The commit is held back by holding SQLite's write lock."""
+    tenant = server.new_tenant("gone-while-admitted")
+    lock = sqlite3.connect(server.db_path, timeout=10, isolation_level=None)
+    try:
+        lock.execute("BEGIN IMMEDIATE")  # every append now waits for this connection
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=0.5) as client:
+            client.post(
+                f"{server.base}/v1/chat/completions", headers=auth(tenant.secret),
+                json=short_body(),
+            )
+        time.sleep(0.3)  # the edge has seen the disconnect while its commit waits
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+    def admitted() -> list[str]:
+        rows = server.query(
+            "SELECT stream_id FROM events WHERE type = 'RequestAdmitted' AND tenant_id = ?",
+            (tenant.name,),
+        )
+        return [r["stream_id"] for r in rows]
+
+    (request_id,) = poll("the admission to commit", admitted, timeout=10)
+    cancelled = server.wait_event(request_id, "RequestCancelled", timeout=5)
+    assert cancelled["reason"] == "client_disconnected"
+    types = server.event_types(request_id)
+    assert "LeaseExpired" not in types and types.count("QuotaRefunded") == 1, types
+    assert server.wait_billed(request_id)["completion_tokens"] == 0
