@@ -581,18 +581,31 @@ class QuotaView:
         return (self._window_requests, self._window_retries)
 
     def prune(self, now: datetime) -> int:
-        """Forget finished requests older than the tombstone TTL; returns how many. Called by the
-        sweeper with `expired`, so memory stays bounded by traffic × TTL."""
+        """Forget finished requests older than the tombstone TTL; returns how many. Called with
+        every lease renewal (5 s), so memory stays bounded by traffic × TTL.
+
+        Both maps keep insertion order, which is admission (first-seen) order, so the scan
+        stops at the first entry younger than the horizon: it reads what is old enough to go,
+        not the whole window. Scanning all of it held the edge's event loop for 25-45 ms every
+        5 s once the 10-minute window held ~70k requests (traced: the slowest responses of an
+        open-loop run all ended at those instants)."""
         horizon = now.timestamp() - self.policy.tombstone_ttl_s
-        stale = [
-            rid
-            for rid, r in self._requests.items()
-            if not r.in_flight
-            and (r.finished_s if r.finished_s is not None else r.admitted_s) < horizon
-        ]
+        stale = []
+        for rid, r in self._requests.items():
+            if r.admitted_s >= horizon:
+                break  # admitted later still: too young, and so is everything after it
+            if not r.in_flight and (
+                r.finished_s if r.finished_s is not None else r.admitted_s
+            ) < horizon:
+                stale.append(rid)
         for rid in stale:
             del self._requests[rid]
-        for rid in [rid for rid, seen in self._seen.items() if seen < horizon]:
+        seen_stale = []
+        for rid, seen in self._seen.items():
+            if seen >= horizon:
+                break
+            seen_stale.append(rid)
+        for rid in seen_stale:
             del self._seen[rid]
         return len(stale)
 

@@ -363,3 +363,33 @@ def test_lease_expired_event_releases_kv_and_prune_forgets_finished() -> None:
 
 def test_gib() -> None:
     assert GIB == 2**30
+
+
+def test_prune_forgets_exactly_what_a_full_scan_would() -> None:
+    """prune stops at the first request admitted after the horizon; what it forgets must still
+    be every finished request older than the tombstone TTL, and nothing else (a long-running
+    request admitted early is kept, and pruned once it has finished long enough ago)."""
+    view = quota(replace(LIMITS, rpm=10**6, tpm=10**9, kv_gib_seconds=10**6))
+    long_running = "r-long"
+    admitted(view.decide(ask(0, request_id=long_running)))
+    for i in range(1, 50):
+        admitted(view.decide(ask(i * 20, request_id=f"r{i}")))
+        if i % 7:  # most finish 5 s after admission; every seventh is still running
+            view.refund(f"r{i}", 10, b.at(i * 20 + 5))
+    ttl = view.policy.tombstone_ttl_s
+
+    def expected_at(t: float) -> set[str]:
+        return {
+            f"r{i}" for i in range(1, 50) if i % 7 and i * 20 + 5 < t - ttl
+        }
+
+    before = set(view._requests)
+    t = 30 * 20 + ttl  # the horizon falls mid-history
+    assert view.prune(b.at(t)) == len(expected_at(t))
+    assert before - set(view._requests) == expected_at(t)
+    assert long_running in view._requests and len(view.in_flight()) >= 1
+
+    view.refund(long_running, 10, b.at(t))  # finishes now: forgotten one TTL later
+    assert view.prune(b.at(t + 1)) == 0 and long_running in view._requests
+    view.prune(b.at(t + ttl + 1))
+    assert long_running not in view._requests
