@@ -19,7 +19,8 @@ one is, a stream sends each when it is.
 `--upstream sim` uses the simulated replica (engine_adapter.simulated) instead, for comparison.
 
 Run: .venv/bin/python -m bench.gateway [--quick] [--runs 3] [--duration 10] [--no-litellm]
-     [--profile]   (py-spy record of Tollgate under load; top functions into the JSON)
+     [--profile]   (py-spy record of the edge and its fold worker under load; top functions
+                    into the JSON)
 Needs: `apt-get install -y wrk`; LiteLLM in a separate venv (default /tmp/litellm-venv,
 `python3 -m venv /tmp/litellm-venv && /tmp/litellm-venv/bin/pip install 'litellm[proxy]' py-spy`).
 Writes bench/results/gateway.json.
