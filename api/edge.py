@@ -182,13 +182,11 @@ class Edge:
         return [m for m in self.fleet.models() if self.control.has_price(m, now)]
 
     def resolve_model(self, requested: str) -> str | None:
-        """A pinned version is served as is; a base name goes to its newest version."""
-        if requested in self.fleet.serves and self.control.has_price(requested, self.clock()):
-            return requested  # the common case, without listing every model on sale
-        models = self.models()
-        if requested in models:
-            return requested
-        versions = [m for m in models if base_model(m) == requested]
+        """A pinned version is served as is (if on sale); a base name goes to its newest
+        version on sale."""
+        if requested in self.fleet.serves:  # a version: no need to list every model on sale
+            return requested if self.control.has_price(requested, self.clock()) else None
+        versions = [m for m in self.models() if base_model(m) == requested]
         return max(versions) if versions else None
 
     async def chat(

@@ -15,6 +15,7 @@ import orjson
 import sqlalchemy as sa
 
 from domain.events import Recorded
+from ledger.checkpoints import read_position, save_position
 from ledger.engine import WRITE
 from ledger.errors import ProjectionError
 from ledger.schema import UTCDateTime, metadata, projection_checkpoints
@@ -51,20 +52,8 @@ class Prepared:
 
     after: int  # the checkpoint they were computed from
     last_position: int  # the checkpoint once written
-    touched: list[Key]
-    rows: dict[Key, Row | None]  # None: delete the row
+    rows: dict[Key, Row | None]  # every key the records touched; None: delete the row
 
-
-# Built once: a statement built per call costs more to construct and cache-key than to run.
-_CHECKPOINT = sa.select(projection_checkpoints.c.position).where(
-    projection_checkpoints.c.name == sa.bindparam("b_name")
-)
-_CHECKPOINT_FOR_UPDATE = _CHECKPOINT.with_for_update()
-_SAVE_CHECKPOINT = (
-    projection_checkpoints.update()
-    .where(projection_checkpoints.c.name == sa.bindparam("b_name"))
-    .values(position=sa.bindparam("b_position"), updated_at=sa.bindparam("b_updated_at"))
-)
 
 # Keys per IN (...) query: well under SQLite's bind-parameter cap even for 3-column keys.
 _KEYS_PER_QUERY = 500
@@ -184,7 +173,7 @@ class ProjectionRunner:
             if new is not None:
                 self._check_row(key, new, record)
             rows[key] = new
-        return Prepared(after, fresh[-1].position, touched, rows)
+        return Prepared(after, fresh[-1].position, rows)
 
     def write(self, conn: sa.Connection, prepared: Prepared) -> bool:
         """Inside the caller's write transaction: write what `prepare` computed, unless the
@@ -199,14 +188,13 @@ class ProjectionRunner:
         if self._sqlite is not None:
             # On SQLite this runs under the database's only write lock, which admissions wait
             # for: the driver alone, with SQLAlchemy's own conversions, is ~5x shorter.
-            self._sqlite.write(conn, self.name, prepared)
-            return
-        if prepared.touched:
-            self._delete(conn, prepared.touched)
+            self._sqlite.write(conn, prepared.rows)
+        elif prepared.rows:
+            self._delete(conn, list(prepared.rows))
             alive = [row for row in prepared.rows.values() if row is not None]
             if alive:
                 conn.execute(self._table.insert(), alive)
-        self._save_checkpoint(conn, prepared.last_position)
+        save_position(conn, self.name, prepared.last_position)
 
     def table_digest(self) -> str:
         """sha256 over every row in key order, in a canonical text form: equal digests mean
@@ -233,23 +221,11 @@ class ProjectionRunner:
                 yield conn
 
     def _checkpoint(self, conn: sa.Connection, lock: bool = False) -> int:
-        if lock and self._sqlite is not None:
-            # Under SQLite's write lock (the transaction holds it): the driver alone, it is
-            # read before every write of the worker.
-            row = conn.connection.driver_connection.execute(  # type: ignore[union-attr]
-                "SELECT position FROM projection_checkpoints WHERE name = ?", (self.name,)
-            ).fetchone()
-            if row is not None:
-                return int(row[0])
-        params = {"b_name": self.name}
-        if not lock:
-            return int(conn.execute(_CHECKPOINT, params).scalar() or 0)
-        query = _CHECKPOINT_FOR_UPDATE if self._pg else _CHECKPOINT
-        position = conn.execute(query, params).scalar()
-        if position is None:  # first run (or after a rebuild): create the row, then lock it
+        position = read_position(conn, self.name, for_update=lock)
+        if position is None and lock:  # first run (or after a rebuild): create it, then lock it
             self._ensure_checkpoint(conn)
-            position = conn.execute(query, params).scalar()
-        return int(position or 0)
+            position = read_position(conn, self.name, for_update=True)
+        return position or 0
 
     def _ensure_checkpoint(self, conn: sa.Connection) -> None:
         insert: Any
@@ -261,12 +237,6 @@ class ProjectionRunner:
             insert(projection_checkpoints)
             .values(name=self.name, position=0, updated_at=datetime.now(UTC))
             .on_conflict_do_nothing(index_elements=["name"])
-        )
-
-    def _save_checkpoint(self, conn: sa.Connection, position: int) -> None:
-        conn.execute(
-            _SAVE_CHECKPOINT,
-            {"b_name": self.name, "b_position": position, "b_updated_at": datetime.now(UTC)},
         )
 
     def _key_params(self, keys: Sequence[Key]) -> dict[str, list[Any]]:
@@ -301,17 +271,17 @@ class ProjectionRunner:
 
 
 class _SqliteRows:
-    """A projection's writes on SQLite's driver: `INSERT OR REPLACE` of the live rows and a
-    delete of the removed ones by primary key, then the checkpoint; values pass through the
-    columns' own bind processors, so what is stored is what SQLAlchemy would store."""
+    """A projection's rows written on SQLite's driver: `INSERT OR REPLACE` of the live rows and
+    a delete of the removed ones by primary key; values pass through the columns' own bind
+    processors, so what is stored is what SQLAlchemy would store."""
 
     def __init__(
         self, table: sa.Table, columns: Sequence[str], key_columns: Sequence[str],
         dialect: sa.Dialect,
     ) -> None:
-        self._key_columns = tuple(key_columns)
-        self._row_types = tuple((n, _processor(table.c[n], dialect)) for n in columns)
-        self._key_types = self._row_types[: len(key_columns)]
+        self._columns = tuple(columns)
+        self._convert = tuple(_processor(table.c[n], dialect) for n in columns)
+        self._convert_key = self._convert[: len(key_columns)]  # key columns come first
         names = ", ".join(f'"{n}"' for n in columns)
         marks = ", ".join("?" for _ in columns)
         self._upsert = f'INSERT OR REPLACE INTO "{table.name}" ({names}) VALUES ({marks})'
@@ -319,32 +289,25 @@ class _SqliteRows:
         self._delete = f'DELETE FROM "{table.name}" WHERE {where}'
 
     @staticmethod
-    def _values(row: Row, types: tuple[tuple[str, Any], ...]) -> tuple[Any, ...]:
+    def _values(values: Sequence[Any], convert: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(
-            row[n] if fn is None or row[n] is None else fn(row[n]) for n, fn in types
+            v if fn is None or v is None else fn(v)
+            for v, fn in zip(values, convert, strict=True)
         )
 
-    def write(self, conn: sa.Connection, name: str, prepared: Prepared) -> None:
-        live = [row for row in prepared.rows.values() if row is not None]
-        gone = [
-            dict(zip(self._key_columns, key, strict=True))
-            for key, row in prepared.rows.items()
-            if row is None
+    def write(self, conn: sa.Connection, rows: dict[Key, Row | None]) -> None:
+        gone = [self._values(key, self._convert_key) for key, row in rows.items() if row is None]
+        live = [
+            self._values([row[n] for n in self._columns], self._convert)
+            for row in rows.values()
+            if row is not None
         ]
-        checkpoint = _processor(projection_checkpoints.c.updated_at, conn.dialect)
-        now: Any = datetime.now(UTC)
         cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
             if gone:
-                cursor.executemany(
-                    self._delete, [self._values(k, self._key_types) for k in gone]
-                )
+                cursor.executemany(self._delete, gone)
             if live:
-                cursor.executemany(self._upsert, [self._values(r, self._row_types) for r in live])
-            cursor.execute(
-                "UPDATE projection_checkpoints SET position = ?, updated_at = ? WHERE name = ?",
-                (prepared.last_position, checkpoint(now) if checkpoint else now, name),
-            )
+                cursor.executemany(self._upsert, live)
         finally:
             cursor.close()
 

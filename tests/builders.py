@@ -251,6 +251,17 @@ def folded(events: Iterable[Event]) -> lc.RequestState:
     return lc.fold(stream(*events))
 
 
+def decided(*commands: lc.Command, at: datetime) -> list[Event]:
+    """The events `commands` decide one after the other from a new request, each decided on the
+    state the previous ones left (what an edge records for a request)."""
+    state, events = lc.RequestState(), []
+    for command in commands:
+        for event in lc.decide(state, command):
+            events.append(event)
+            state = lc.evolve_event(state, event, at)
+    return events
+
+
 # --- given / when / then ------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from streams.billing import BillingFold
+from tests import builders as b
 
 PRICED = "llama-3.1-8b-2026-05"
 UNPRICED = "llama-3.1-70b-2026-05"
@@ -48,19 +49,15 @@ def _control(store: SqlEventStore) -> ControlView:
 
 def _ended(store: SqlEventStore, model: str = PRICED, at: datetime = T0) -> str:
     rid = "req_" + uuid.uuid4().hex
-    state, new = lc.RequestState(), []
-    commands = [
+    events = b.decided(
         lc.AdmitRequest(
             rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
         lc.RouteRequest("replica-1", 0, request_id=rid),
         lc.CompleteRequest(100, 42, 16, "stop", 30, 20_000, request_id=rid),
-    ]
-    for command in commands:
-        for event in lc.decide(state, command):  # type: ignore[arg-type]
-            new.append(NewEvent(str(uuid.uuid4()), rid, "acme", at, event))
-            state = lc.evolve_event(state, event, at)
-    store.append(rid, 0, new)
+        at=at,
+    )
+    store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", at, e) for e in events])
     return rid
 
 

@@ -24,6 +24,7 @@ from ledger.engine import create_engine_from_url
 from ledger.schema import ledger_entries, request_log, upgrade, worker_status
 from ledger.store import NewEvent, SqlEventStore
 from streams.worker import FoldWorker, read_fold_status
+from tests import builders as b
 
 PRICED = "llama-3.1-8b-2026-05"
 UNPRICED = "llama-3.1-70b-2026-05"
@@ -50,8 +51,7 @@ def _price(store: SqlEventStore) -> None:
 def _request(store: SqlEventStore, model: str = PRICED, *, end: bool = True) -> str:
     rid = "req_" + uuid.uuid4().hex
     at = datetime.now(UTC)
-    state, new = lc.RequestState(), []
-    commands: list[object] = [
+    commands: list[lc.Command] = [
         lc.AdmitRequest(
             rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
@@ -59,11 +59,8 @@ def _request(store: SqlEventStore, model: str = PRICED, *, end: bool = True) -> 
     ]
     if end:
         commands.append(lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid))
-    for command in commands:
-        for event in lc.decide(state, command):  # type: ignore[arg-type]
-            new.append(NewEvent(str(uuid.uuid4()), rid, "acme", at, event))
-            state = lc.evolve_event(state, event, at)
-    store.append(rid, 0, new)
+    events = b.decided(*commands, at=at)
+    store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", at, e) for e in events])
     return rid
 
 
