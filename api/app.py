@@ -222,6 +222,8 @@ class TollgateApp:
                 (k.lower().encode(), v.encode()) for k, v in outcome.headers.items()
             ] + _SSE_HEADERS
             await send({"type": "http.response.start", "status": 200, "headers": headers})
+            if outcome.first:
+                await send({"type": "http.response.body", "body": outcome.first, "more_body": True})
             async for frame in frames:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
             frames = None

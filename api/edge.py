@@ -10,7 +10,6 @@ admission decision: the quota view is local and the fleet view is the last scrap
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -28,11 +27,12 @@ from api.commits import LoopCommits
 from api.errors import ApiError, error_frame
 from api.idempotency_service import AsyncIdempotency, replay_frames
 from api.metrics import Metrics
-from api.relay import DONE, Progress, collect_completion, relay_stream
+from api.relay import DONE, Collector, Progress, relay_stream
 from domain import admission, lifecycle
 from domain.control import ControlView
 from domain.cost import base_model, profile_for, tpot_estimate_us
 from domain.events import LeaseProgress, LeasesRenewed, RequestRejected
+from engine_adapter.exchange import ChatExchange
 from engine_adapter.fleet import Choice, Fleet, UnknownModel
 from engine_adapter.simulated import count_prompt_tokens
 from engine_adapter.vllm_http import (
@@ -69,6 +69,7 @@ class JsonOutcome:
 class StreamOutcome:
     headers: dict[str, str]
     frames: AsyncIterator[bytes]
+    first: bytes = b""  # sent before `frames`
 
 
 @dataclass(slots=True)
@@ -324,37 +325,38 @@ class Edge:
         body = dict(req.upstream)
         body["priority"] = TIER_PRIORITY.get(caller.tier, 2)
         body["max_tokens"] = estimate.reserved_output_tokens
-        upstream = choice.replica.stream_chat(
-            body, request_id=request_id, cache_salt=caller.cache_salt,
-            on_abort_usage=flight.progress.absorb_usage,
-        )
-        chunks: Any = upstream
+        exchange: ChatExchange | None = None
         try:
+            exchange = await choice.replica.open_chat(
+                body, request_id=request_id, cache_salt=caller.cache_salt
+            )
             if req.stream:
                 # Wait for the first chunk (it comes with the first token) so that anything that
                 # fails before it still gets a real HTTP status.
-                chunks = _Primed(upstream)
-                await chunks.prime()
-                return StreamOutcome(headers, self._stream(flight, req, chunks, caller))
-            completion = await collect_completion(
-                upstream, flight.progress, lambda: self._first_token(flight)
-            )
+                await exchange.prime()
+                frames = self._stream(flight, req, exchange, caller)
+                # Its first frame is taken here: from then on, closing the generator (a client
+                # that leaves before reading anything) runs its cancellation path.
+                return StreamOutcome(headers, frames, await anext(frames))
+            collector = Collector(flight.progress, lambda: self._first_token(flight))
+            await exchange.run(collector.feed)
+            completion = collector.completion()
         except asyncio.CancelledError:
-            # Close (abort) first: it reads what the engine already sent, which is billed.
-            await _close_quietly(chunks)
+            # Abort first: it reads what the engine already sent, which is billed.
+            await _abort(exchange, flight.progress)
             self._finish(flight, "cancelled")
             raise
         except (ReplicaHTTPError, ReplicaUnavailable, ReplicaStreamBroken) as exc:
             if isinstance(exc, ReplicaStreamBroken) and exc.last_usage:
                 flight.progress.absorb_usage(exc.last_usage)
             self._finish(flight, "failed", error=str(exc))
-            await _close_quietly(chunks)
+            await _abort(exchange, flight.progress)
             if idempotency_key is not None:
                 await self.idempotency.abandon(caller.tenant_id, idempotency_key)
             raise _replica_error(exc, headers, self.rng) from None
         except BaseException as exc:
             self._finish(flight, "failed", error=f"edge error: {type(exc).__name__}")
-            await _close_quietly(chunks)
+            await _abort(exchange, flight.progress)
             raise
         if flight.progress.error is not None:
             self._finish(flight, "failed", error=str(flight.progress.error.get("message")))
@@ -373,17 +375,15 @@ class Edge:
         return JsonOutcome(200, payload, headers)
 
     async def _stream(
-        self, flight: InFlight, req: ChatRequest, chunks: _Primed, caller: Caller
+        self, flight: InFlight, req: ChatRequest, exchange: ChatExchange, caller: Caller
     ) -> AsyncIterator[bytes]:
         transcript: list[bytes] | None = [] if flight.idempotency_key else None
-        # The engine is read by a task of its own: a client disconnect cancels this generator's
-        # task (and Starlette's anyio scope then cancels every later await in it), so it must
-        # never land inside the engine read, where it would drop what the engine already sent.
-        pump = _Pump(chunks)
+        # The engine is read in the exchange's own callbacks, not in this generator's task: a
+        # client disconnect that cancels this task can never drop what the engine already sent.
         client_gone = False
         try:
             async for frame in relay_stream(
-                pump, flight.progress, include_usage=req.include_usage,
+                exchange, flight.progress, include_usage=req.include_usage,
                 continuous_usage=req.continuous_usage,
                 on_first_token=lambda: self._first_token(flight),
             ):
@@ -415,22 +415,24 @@ class Edge:
             # abort, the count and the terminal event run in their own task: awaits here would
             # be cancelled again before they ran.
             client_gone = True
-            self._background(self._cancel_stream(flight, pump, caller))
+            self._background(self._cancel_stream(flight, exchange, caller))
             raise
         finally:
             if not client_gone:
-                await pump.aclose()
+                await _abort(exchange, flight.progress)
                 if flight.idempotency_key and flight.state.status != "completed":
                     await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
 
-    async def _cancel_stream(self, flight: InFlight, pump: _Pump, caller: Caller) -> None:
-        """Abort the engine request and bill what it sent: everything the pump received before
-        the upstream connection is closed (which is vLLM's abort signal)."""
+    async def _cancel_stream(
+        self, flight: InFlight, exchange: ChatExchange, caller: Caller
+    ) -> None:
+        """Abort the engine request and bill what it sent: everything received before the
+        upstream connection is closed (vLLM's abort signal) and what the abort drains."""
         try:
-            await pump.aclose()
+            await _abort(exchange, flight.progress)
         finally:
-            if pump.last_usage is not None:
-                flight.progress.absorb_usage(pump.last_usage)
+            if exchange.last_usage is not None:
+                flight.progress.absorb_usage(exchange.last_usage)
             self._finish(flight, "cancelled")
             if flight.idempotency_key:
                 await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
@@ -591,97 +593,6 @@ class Edge:
         self._submit_lazy(AppendBatch(stream, None, (new,)))
 
 
-class _Primed:
-    """The engine's chunk iterator, whose first chunk can be awaited ahead of iteration."""
-
-    def __init__(self, stream: AsyncIterator[dict[str, Any]]) -> None:
-        self._stream = stream
-        self._first: dict[str, Any] | None = None
-
-    async def prime(self) -> None:
-        self._first = await self._stream.__anext__()
-
-    def __aiter__(self) -> _Primed:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await self._stream.__anext__()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()  # type: ignore[attr-defined]
-
-
-_DRAIN_ROUNDS = 50
-
-
-class _End:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException | None) -> None:
-        self.exc = exc
-
-
-class _Pump:
-    """Reads the engine stream in its own task into a queue, remembering the last cumulative
-    usage it received; iterating it yields the chunks (and re-raises the engine's error)."""
-
-    def __init__(self, chunks: _Primed) -> None:
-        self._chunks = chunks
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.last_usage: dict[str, Any] | None = None
-        self.received = 0
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        try:
-            async for chunk in self._chunks:
-                usage = chunk.get("usage")
-                if usage is not None:
-                    self.last_usage = usage
-                self.received += 1
-                self._queue.put_nowait(chunk)
-        except asyncio.CancelledError:
-            self._queue.put_nowait(_End(None))
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader
-            self._queue.put_nowait(_End(exc))
-        else:
-            self._queue.put_nowait(_End(None))
-        finally:
-            await _close_quietly(self._chunks)
-
-    def __aiter__(self) -> _Pump:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        item = await self._queue.get()
-        if isinstance(item, _End):
-            self._queue.put_nowait(item)  # stays ended
-            if item.exc is not None:
-                raise item.exc
-            raise StopAsyncIteration
-        return item
-
-    async def aclose(self) -> None:
-        """Stop reading and close the engine stream. What already arrived is taken first: the
-        loop is turned while the pump still finds data (bounded, since the engine generates
-        until the connection closes)."""
-        for _ in range(_DRAIN_ROUNDS):
-            if self._task.done():
-                break
-            before = self.received
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            if self.received == before:
-                break
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
-
-
 async def _committed(admission: asyncio.Future[AppendResult] | None) -> bool:
     """Whether an admission whose waiter was cancelled committed after all (its commit goes on:
     it may already be in the store). Cancelled again meanwhile: unknown, and lease expiry ends
@@ -694,13 +605,17 @@ async def _committed(admission: asyncio.Future[AppendResult] | None) -> bool:
         return False
 
 
-async def _close_quietly(chunks: Any) -> None:
-    """Closing the engine stream is how vLLM is told to abort; it must never mask the error
-    that brought us here."""
+async def _abort(exchange: ChatExchange | None, progress: Progress) -> None:
+    """Stop the engine's generation (no-op once it ended) and count what it sent: the abort is
+    how vLLM is told to stop, and it must never mask the error that brought us here."""
+    if exchange is None:
+        return
     try:
-        await chunks.aclose()
+        await exchange.abort()
     except BaseException as exc:  # noqa: BLE001
-        log.debug("closing the engine stream raised %r", exc)
+        log.debug("aborting the engine request raised %r", exc)
+    if exchange.last_usage is not None:
+        progress.absorb_usage(exchange.last_usage)
 
 
 def _replica_error(exc: Exception, headers: dict[str, str], rng: random.Random) -> ApiError:

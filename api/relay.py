@@ -89,63 +89,75 @@ async def relay_stream(
         yield b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-async def collect_completion(
-    chunks: AsyncIterator[dict[str, Any]], progress: Progress, on_first_token: Any
-) -> dict[str, Any]:
-    """Assemble a non-streaming chat.completion from the upstream stream."""
-    parts: list[str] = []
-    tool_calls: dict[int, dict[str, Any]] = {}
-    head: dict[str, Any] = {}
-    async for chunk in chunks:
+class Collector:
+    """Assembles a non-streaming chat.completion. `feed` is the exchange's sink: it runs as each
+    chunk arrives (no task wakes up per chunk); `completion()` builds the answer at the end."""
+
+    __slots__ = ("progress", "_on_first_token", "_parts", "_tool_calls", "_head")
+
+    def __init__(self, progress: Progress, on_first_token: Any) -> None:
+        self.progress = progress
+        self._on_first_token = on_first_token
+        self._parts: list[str] = []
+        self._tool_calls: dict[int, dict[str, Any]] = {}
+        self._head: dict[str, Any] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        progress = self.progress
+        if progress.error is not None:
+            return  # the engine failed: the rest is not part of an answer
         if "error" in chunk:
             progress.error = chunk["error"]
-            break
+            return
         usage = chunk.get("usage")
         if usage is not None:
             progress.absorb_usage(usage)
         choices = chunk.get("choices")
         if not choices:
-            continue
-        if not head:
-            head = chunk
+            return
+        if not self._head:
+            self._head = chunk
         now = time.perf_counter_ns()
         if not progress.first_token_ns:
             progress.first_token_ns = now
-            on_first_token()
+            self._on_first_token()
         progress.last_token_ns = now
         choice = choices[0]
         delta = choice.get("delta") or {}
         text = delta.get("content")
         if text:
-            parts.append(text)
+            self._parts.append(text)
         for call in delta.get("tool_calls") or ():
-            _merge_tool_call(tool_calls, call)
+            _merge_tool_call(self._tool_calls, call)
         if choice.get("finish_reason"):
             progress.finish_reason = choice["finish_reason"]
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
-    if tool_calls:
-        message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
-    prompt, completion = progress.prompt_tokens, progress.completion_tokens
-    return {
-        "id": head.get("id", ""),
-        "object": "chat.completion",
-        "created": head.get("created", int(time.time())),
-        "model": head.get("model", ""),
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": progress.finish_reason,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": progress.cached_tokens},
-        },
-    }
+
+    def completion(self) -> dict[str, Any]:
+        progress, head, tool_calls = self.progress, self._head, self._tool_calls
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._parts)}
+        if tool_calls:
+            message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+        prompt, completion = progress.prompt_tokens, progress.completion_tokens
+        return {
+            "id": head.get("id", ""),
+            "object": "chat.completion",
+            "created": head.get("created", int(time.time())),
+            "model": head.get("model", ""),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": progress.finish_reason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": progress.cached_tokens},
+            },
+        }
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:

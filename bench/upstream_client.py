@@ -1,4 +1,6 @@
-"""Client CPU per streamed chat request: aiohttp (VLLMReplica) vs httpx.AsyncClient.
+"""Client CPU per streamed chat request: Tollgate's own HTTP/1.1 client (VLLMReplica, chunks handed
+to a sink as they arrive) vs aiohttp's ClientResponse.content vs httpx.AsyncClient; the same SSE
+splitting and orjson parsing in all three.
 
 The simulated replica runs in its own process so that only the client's CPU is counted.
 Run: .venv/bin/python -m bench.upstream_client [--requests 400 --concurrency 16 --tokens 32]
@@ -15,6 +17,7 @@ import time
 
 import httpx
 import orjson
+import uvloop
 
 from engine_adapter.vllm_http import VLLMReplica, make_session
 
@@ -35,19 +38,72 @@ def _body(tokens: int) -> dict:
     }
 
 
+def _payload(tokens: int) -> bytes:
+    return orjson.dumps(
+        {
+            **_body(tokens),
+            "model": MODEL,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "cache_salt": "b",
+        }
+    )
+
+
+class _Sse:
+    """The SSE splitting and parsing every client here does (as VLLMReplica does it)."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> int:
+        frames = (self.buf + data).split(b"\n\n")
+        self.buf = frames.pop()
+        parsed = 0
+        for f in frames:
+            if f.startswith(b"data: {"):
+                orjson.loads(f[6:])
+                parsed += 1
+        return parsed
+
+
+async def _tollgate_run(url: str, n: int, conc: int, tokens: int) -> int:
+    chunks = 0
+    replica = VLLMReplica("b", url, MODEL)
+    sem = asyncio.Semaphore(conc)
+
+    def count(_: dict) -> None:
+        nonlocal chunks
+        chunks += 1
+
+    async def one(i: int) -> None:
+        async with sem:
+            exchange = await replica.open_chat(_body(tokens), request_id=f"t{i}", cache_salt="b")
+            await exchange.run(count)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    replica.close()
+    return chunks
+
+
 async def _aiohttp_run(url: str, n: int, conc: int, tokens: int) -> int:
     chunks = 0
     async with make_session() as session:
-        replica = VLLMReplica("b", url, MODEL, session)
         sem = asyncio.Semaphore(conc)
 
         async def one(i: int) -> None:
             nonlocal chunks
-            async with sem:
-                async for _ in replica.stream_chat(
-                    _body(tokens), request_id=f"a{i}", cache_salt="b"
-                ):
-                    chunks += 1
+            async with (
+                sem,
+                session.post(
+                    f"{url}/v1/chat/completions",
+                    data=_payload(tokens),
+                    headers={"Content-Type": "application/json", "X-Request-Id": f"a{i}"},
+                ) as resp,
+            ):
+                sse = _Sse()
+                while data := await resp.content.readany():
+                    chunks += sse.feed(data)
 
         await asyncio.gather(*(one(i) for i in range(n)))
     return chunks
@@ -61,32 +117,18 @@ async def _httpx_run(url: str, n: int, conc: int, tokens: int) -> int:
 
         async def one(i: int) -> None:
             nonlocal chunks
-            body = {
-                **_body(tokens),
-                "model": MODEL,
-                "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                "cache_salt": "b",
-            }
             async with (
                 sem,
                 client.stream(
                     "POST",
                     f"{url}/v1/chat/completions",
-                    content=orjson.dumps(body),
+                    content=_payload(tokens),
                     headers={"Content-Type": "application/json", "X-Request-Id": f"h{i}"},
                 ) as resp,
             ):
-                buf = b""
+                sse = _Sse()
                 async for data in resp.aiter_bytes():
-                    frames = (buf + data).split(b"\n\n")
-                    buf = frames.pop()
-                    for f in frames:
-                        if f == b"data: [DONE]":
-                            return
-                        if f.startswith(b"data: "):
-                            orjson.loads(f[6:])
-                            chunks += 1
+                    chunks += sse.feed(data)
 
         await asyncio.gather(*(one(i) for i in range(n)))
     return chunks
@@ -109,7 +151,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # as `tollgate serve` runs
     port = _free_port()
     proc = subprocess.Popen(
         [
@@ -133,8 +177,10 @@ def main() -> None:
         assert proc.stdout is not None
         proc.stdout.readline()  # "simulated vLLM ... on http://..."
         url = f"http://127.0.0.1:{port}"
-        _measure("aiohttp", _aiohttp_run, url, a.requests, a.concurrency, a.tokens)
-        _measure("httpx", _httpx_run, url, a.requests, a.concurrency, a.tokens)
+        for _ in range(a.rounds):  # interleaved: the machine's noise hits all three alike
+            _measure("tollgate", _tollgate_run, url, a.requests, a.concurrency, a.tokens)
+            _measure("aiohttp", _aiohttp_run, url, a.requests, a.concurrency, a.tokens)
+            _measure("httpx", _httpx_run, url, a.requests, a.concurrency, a.tokens)
     finally:
         proc.terminate()
         proc.wait()

@@ -147,7 +147,7 @@ class Fleet:
     ) -> VLLMReplica:
         if replica_id in self._by_id:
             raise ValueError(f"replica {replica_id!r} already registered")
-        replica = VLLMReplica(replica_id, url, model, self._session)
+        replica = VLLMReplica(replica_id, url, model)
         state = ReplicaState(replica, reserved_only=reserved_only)
         self._by_id[replica_id] = state
         self._by_model.setdefault(model, []).append(state)
@@ -155,6 +155,7 @@ class Fleet:
 
     def remove(self, replica_id: str) -> None:
         state = self._by_id.pop(replica_id)
+        state.replica.close()
         states = self._by_model[state.replica.model]
         states.remove(state)
         if not states:
@@ -194,6 +195,8 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for state in self._by_id.values():
+            state.replica.close()
 
     async def _run(self) -> None:
         while True:

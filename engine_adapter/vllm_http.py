@@ -1,6 +1,8 @@
-"""Thin aiohttp client for one `vllm serve` replica (or the simulator): streamed chat, /metrics.
+"""Client of one `vllm serve` replica (or the simulator): streamed chat, /metrics, /health.
 
-aiohttp rather than httpx by measurement: see bench/upstream_client.py and engine_adapter/README.md.
+Chats go over `http1.Http1Pool` (a protocol-level HTTP/1.1 client: one wake-up per generation
+instead of one per chunk); /metrics and /health over aiohttp. Both chosen by measurement, see
+bench/upstream_client.py and engine_adapter/README.md.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from engine_adapter.exchange import ChatExchange
+from engine_adapter.http1 import Connection, Http1Pool
+
 _STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
-_JSON_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
 
 class ReplicaError(Exception):
@@ -54,8 +58,9 @@ class ReplicaStreamBroken(ReplicaError):
 def make_session(
     *, limit: int = 0, limit_per_host: int = 0, keepalive_timeout_s: float = 30.0
 ) -> aiohttp.ClientSession:
-    """The one shared session for a fleet. 0 means unbounded: the fleet's own admission is the
-    limit, and a connector cap would turn into a hidden queue."""
+    """The fleet's session for /metrics and /health (chats go over `Http1Pool`). 0 means
+    unbounded: the fleet's own admission is the limit, and a connector cap would turn into a
+    hidden queue."""
     connector = aiohttp.TCPConnector(
         limit=limit,
         limit_per_host=limit_per_host,
@@ -69,17 +74,157 @@ def make_session(
     )
 
 
+class _HttpExchange(ChatExchange):
+    """One streamed chat request on one kept-alive connection: the connection's listener."""
+
+    __slots__ = ("replica_id", "_pool", "_request", "_conn", "_buf", "_status", "_error_body",
+                 "_done", "_last_read", "_read_timeout_s", "_timer", "_resend")  # fmt: skip
+
+    def __init__(
+        self, replica_id: str, pool: Http1Pool, request: bytes, read_timeout_s: float
+    ) -> None:
+        super().__init__()
+        self.replica_id = replica_id
+        self._pool = pool
+        self._request = request
+        self._conn: Connection | None = None
+        self._buf = b""
+        self._status = 0
+        self._error_body: list[bytes] | None = None
+        self._done = False  # `data: [DONE]` seen
+        self._resend: asyncio.Task[None] | None = None
+        self._read_timeout_s = read_timeout_s
+        loop = asyncio.get_running_loop()
+        self._last_read = loop.time()
+        # One timer per request, moved only when it fires: re-arming it on every read would
+        # cost more than the read.
+        self._timer: asyncio.TimerHandle | None = loop.call_at(
+            self._last_read + read_timeout_s, self._check_silence
+        )
+
+    def send_on(self, conn: Connection) -> None:
+        self._conn = conn
+        conn.send(self._request, self)
+
+    # --- Listener ----------------------------------------------------------------------------
+
+    def on_status(self, status: int) -> None:
+        self._status = status
+        if status != 200:
+            self._error_body = []
+
+    def on_body(self, data: bytes) -> None:
+        self._last_read = asyncio.get_running_loop().time()
+        if self._error_body is not None:
+            self._error_body.append(data)
+            return
+        buf = self._buf
+        frames = (buf + data).split(b"\n\n") if buf else data.split(b"\n\n")
+        self._buf = frames.pop()
+        delivered = False
+        for frame in frames:
+            if not frame.startswith(b"data: "):
+                continue  # SSE comment (": keep-alive") or blank
+            if frame == b"data: [DONE]":
+                self._done = True
+                continue
+            try:
+                chunk = orjson.loads(frame[6:])
+            except orjson.JSONDecodeError as exc:
+                self._finish(ReplicaStreamBroken(self.last_usage, f"bad chunk: {exc}"))
+                self._stop_now()
+                return
+            self._deliver(chunk)
+            delivered = True
+        if delivered:
+            self._wake()
+
+    def on_complete(self) -> None:
+        if self._error_body is not None:
+            raw = b"".join(self._error_body)
+            try:
+                err = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                err = {"error": {"message": raw[:500].decode(errors="replace")}}
+            self._finish(ReplicaHTTPError(self._status, err if isinstance(err, dict) else {}))
+        elif self._done:
+            self._finish(None)
+        else:
+            self._finish(ReplicaStreamBroken(self.last_usage, "stream ended without [DONE]"))
+
+    def on_lost(self, reason: str, answered: bool) -> None:
+        if answered:
+            self._finish(ReplicaStreamBroken(self.last_usage, reason))
+            return
+        conn = self._conn
+        if conn is not None and conn.requests > 1 and self._resend is None and not self._aborted:
+            # A kept-alive connection the server closed as we sent on it (its idle timeout):
+            # the request never reached a handler, or one whose client was already gone. Once
+            # more, on a new connection.
+            self._resend = asyncio.get_running_loop().create_task(self._send_again())
+            return
+        self._finish(ReplicaUnavailable(f"{self.replica_id}: lost before answering: {reason}"))
+
+    async def _send_again(self) -> None:
+        try:
+            conn = await self._pool.connect()
+        except (TimeoutError, OSError) as e:
+            self._finish(ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}"))
+            return
+        if self._ended or self._aborted:
+            conn.close()
+            return
+        self.send_on(conn)
+
+    # --- ChatExchange ------------------------------------------------------------------------
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super()._finish(error)
+
+    def _check_silence(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = self._last_read + self._read_timeout_s
+        if loop.time() < due:
+            self._timer = loop.call_at(due, self._check_silence)
+            return
+        self._timer = None
+        self._finish(ReplicaStreamBroken(self.last_usage, "read timeout"))
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        if self._conn is not None:
+            self._conn.forget(self)
+
+    async def _stop(self, drain_s: float) -> None:
+        # Our FIN tells the server the client left (vLLM aborts the request); what it had
+        # already written still arrives and moves last_usage, until it closes or drain_s ends.
+        if self._conn is None:
+            return
+        self._conn.half_close()
+        if not self._ended:
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(drain_s):
+                        while not self._ended:
+                            await self._wait()
+            finally:
+                self._stop_now()
+                self._finish(ReplicaStreamBroken(self.last_usage, "aborted"))
+
+
 class VLLMReplica:
     """One replica behind an OpenAI-compatible vLLM 0.33 HTTP server."""
 
-    __slots__ = ("replica_id", "url", "model", "_session", "_chat_url", "_timeout")
+    __slots__ = ("replica_id", "url", "model", "_pool", "_read_timeout_s")
 
     def __init__(
         self,
         replica_id: str,
         url: str,
         model: str,
-        session: aiohttp.ClientSession,
         *,
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 120.0,
@@ -87,16 +232,49 @@ class VLLMReplica:
         self.replica_id = replica_id
         self.url = url.rstrip("/")
         self.model = model
-        self._session = session
-        self._chat_url = self.url + "/v1/chat/completions"
-        # No total timeout: a long generation is legitimate. sock_read bounds the silence between
-        # two chunks (a queued request is silent until its first token).
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-        )
+        self._pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s)
+        # No total timeout: a long generation is legitimate. read_timeout_s bounds the silence
+        # between two chunks (a queued request is silent until its first token).
+        self._read_timeout_s = read_timeout_s
 
     def __repr__(self) -> str:
         return f"VLLMReplica({self.replica_id!r}, {self.url!r}, {self.model!r})"
+
+    @property
+    def idle_connections(self) -> int:
+        return self._pool.idle_connections
+
+    def close(self) -> None:
+        """Close the kept-alive connections (requests in flight keep theirs)."""
+        self._pool.close()
+
+    async def open_chat(
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+    ) -> ChatExchange:
+        """POST the chat request, streamed, and return its exchange (chunks up to `[DONE]`).
+
+        Always streams with continuous usage, whatever the client asked, so that a cancelled
+        request still has an engine-reported count. The tenant's `cache_salt` replaces any
+        client value. `exchange.abort()` half-closes the connection (the server sees the
+        disconnect and stops), reads for a moment what the engine had already sent — so a
+        cancelled request is billed every token the engine produced, not only those read — and
+        drops the connection. Raises ReplicaUnavailable when the replica can not be reached;
+        a status other than 200 ends the exchange with ReplicaHTTPError.
+        """
+        payload = dict(body)
+        payload["model"] = self.model
+        payload["stream"] = True
+        payload["stream_options"] = _STREAM_OPTIONS
+        payload["cache_salt"] = cache_salt
+        headers = _CHAT_HEADERS + b"X-Request-Id: " + _header_value(request_id) + b"\r\n"
+        request = self._pool.request(b"POST", _CHAT_PATH, headers, orjson.dumps(payload))
+        try:
+            conn = await self._pool.acquire()
+        except (TimeoutError, OSError) as e:
+            raise ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}") from e
+        exchange = _HttpExchange(self.replica_id, self._pool, request, self._read_timeout_s)
+        exchange.send_on(conn)
+        return exchange
 
     async def stream_chat(
         self,
@@ -107,109 +285,29 @@ class VLLMReplica:
         on_abort_usage: Callable[[dict[str, Any]], None] | None = None,
         drain_s: float = 1.0,
     ) -> AsyncIterator[dict[str, Any]]:
-        """POST the chat request streamed and yield every parsed chunk up to `[DONE]`.
-
-        Always streams with continuous usage, whatever the client asked, so that a cancelled
-        request still has an engine-reported count. The tenant's `cache_salt` replaces any
-        client value. Closing the generator early aborts the request in vLLM: it half-closes the
-        connection (the server sees the disconnect and stops), reads for at most `drain_s` what
-        the engine had already sent, hands the last usage found to `on_abort_usage` — so a
-        cancelled request is billed every token the engine produced, not only those read — and
-        then drops the connection.
-        """
-        payload = dict(body)
-        payload["model"] = self.model
-        payload["stream"] = True
-        payload["stream_options"] = _STREAM_OPTIONS
-        payload["cache_salt"] = cache_salt
-        headers = {**_JSON_HEADERS, "X-Request-Id": request_id}
+        """`open_chat` as an async generator of chunks. Closing it early aborts the request;
+        `on_abort_usage` then gets the engine's last cumulative usage."""
+        exchange = await self.open_chat(body, request_id=request_id, cache_salt=cache_salt)
         try:
-            resp = await self._session.post(
-                self._chat_url, data=orjson.dumps(payload), headers=headers, timeout=self._timeout
-            )
-        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as e:
-            raise ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}") from e
-        done = early = False
-        last_usage: dict[str, Any] | None = None
-        buf = b""
-        try:
-            if resp.status != 200:
-                raw = await resp.read()
-                try:
-                    err = orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    err = {"error": {"message": raw[:500].decode(errors="replace")}}
-                raise ReplicaHTTPError(resp.status, err if isinstance(err, dict) else {})
-            content = resp.content
-            try:
-                while True:
-                    data = await content.readany()
-                    if not data:
-                        break
-                    frames = (buf + data).split(b"\n\n") if buf else data.split(b"\n\n")
-                    buf = frames.pop()
-                    for frame in frames:
-                        if not frame.startswith(b"data: "):
-                            continue  # SSE comment (": keep-alive") or blank
-                        if frame == b"data: [DONE]":
-                            done = True
-                            return
-                        chunk = orjson.loads(frame[6:])
-                        usage = chunk.get("usage")
-                        if usage is not None:
-                            last_usage = usage
-                        yield chunk
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as e:
-                raise ReplicaStreamBroken(last_usage, f"{type(e).__name__}: {e}") from e
-            except TimeoutError as e:
-                raise ReplicaStreamBroken(last_usage, "read timeout") from e
-            except (GeneratorExit, asyncio.CancelledError):
-                early = True  # the consumer stopped: abort, but count what the engine sent
-                raise
-            raise ReplicaStreamBroken(last_usage, "connection closed")
+            async for chunk in exchange:
+                yield chunk
         finally:
-            if early and on_abort_usage is not None and not resp.content.at_eof():
-                usage = await _drain_after_half_close(resp, buf, drain_s)
-                if usage is not None:
-                    on_abort_usage(usage)
-            if done and not resp.content.at_eof():
-                # The chunked-encoding terminator follows [DONE]; reading it lets the connection
-                # go back to the pool instead of being closed.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(resp.content.read(), 0.5)
-            if resp.content.at_eof():
-                resp.release()
-            else:
-                # Not finished cleanly (aclose, cancellation, error): drop the connection. vLLM
-                # sees the disconnect and aborts the request at once.
-                resp.close()
+            if not exchange.ended:
+                await exchange.abort(drain_s)
+                if on_abort_usage is not None and exchange.last_usage is not None:
+                    on_abort_usage(exchange.last_usage)
 
 
-async def _drain_after_half_close(
-    resp: aiohttp.ClientResponse, buf: bytes, drain_s: float
-) -> dict[str, Any] | None:
-    """Send our FIN (the server reads EOF, takes it as the client leaving and aborts), then read
-    what the engine had already written until the server closes or `drain_s` runs out. Returns
-    the last cumulative usage in it."""
-    connection = resp.connection
-    transport = connection.transport if connection is not None else None
-    if transport is None or not transport.can_write_eof():
-        return None
-    last: dict[str, Any] | None = None
-    try:
-        transport.write_eof()
-        async with asyncio.timeout(drain_s):
-            while data := await resp.content.readany():
-                frames = (buf + data).split(b"\n\n")
-                buf = frames.pop()
-                for frame in frames:
-                    if frame.startswith(b"data: {"):
-                        usage = orjson.loads(frame[6:]).get("usage")
-                        if usage is not None:
-                            last = usage
-    except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
-        pass  # whatever was read before the cut still counts
-    return last
+_CHAT_PATH = b"/v1/chat/completions"
+_CHAT_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+
+
+def _header_value(value: str) -> bytes:
+    """A header value as bytes; a CR or LF in it would split the request."""
+    raw = value.encode("latin-1", "replace")
+    if b"\r" in raw or b"\n" in raw:
+        raise ValueError("header value with a line break")
+    return raw
 
 
 # --- /metrics ------------------------------------------------------------------------------------

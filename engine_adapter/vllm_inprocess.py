@@ -1,4 +1,4 @@
-"""In-process engine: the `VLLMReplica.stream_chat` contract around `vllm.AsyncLLM` (vLLM 0.33).
+"""In-process engine: the `VLLMReplica.open_chat` contract around `vllm.AsyncLLM` (vLLM 0.33).
 
 UNTESTED HERE: it needs a GPU and the `vllm` extra, neither of which the test machines have. vllm
 is imported only in the constructor, so importing this module costs nothing. Chunks are built in
@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+from engine_adapter.exchange import ChatExchange, IteratorExchange
 
 
 class VLLMInProcess:
@@ -34,18 +36,16 @@ class VLLMInProcess:
     def shutdown(self) -> None:
         self._engine.shutdown()
 
-    async def stream_chat(
-        self,
-        body: dict[str, Any],
-        *,
-        request_id: str,
-        cache_salt: str,
-        on_abort_usage: Any = None,
-        drain_s: float = 0.0,
+    async def open_chat(
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+    ) -> ChatExchange:
+        # In process, cancelling the reading task aborts the engine request directly (the
+        # generator's finally below), and every yielded chunk was delivered: nothing to drain.
+        return IteratorExchange(self._generate(body, request_id, cache_salt))
+
+    async def _generate(
+        self, body: dict[str, Any], request_id: str, cache_salt: str
     ) -> AsyncIterator[dict[str, Any]]:
-        # In process, closing the generator aborts the engine request directly (AsyncLLM
-        # catches GeneratorExit/CancelledError and aborts), and every yielded chunk was seen:
-        # there is nothing in flight to drain, so on_abort_usage and drain_s are not needed.
         prompt_ids = self._tokenizer.apply_chat_template(
             body["messages"], add_generation_prompt=True, tokenize=True
         )

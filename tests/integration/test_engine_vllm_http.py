@@ -33,7 +33,11 @@ def run(
         handle = await start_simulated_replica(SimConfig(model=MODEL, **{**FAST, **cfg}))
         try:
             async with make_session() as session:
-                await fn(handle, VLLMReplica("r1", handle.url, MODEL, session), session)
+                replica = VLLMReplica("r1", handle.url, MODEL)
+                try:
+                    await fn(handle, replica, session)
+                finally:
+                    replica.close()
         finally:
             await handle.stop()
 
@@ -190,7 +194,7 @@ def test_tpot_grows_with_batch_size() -> None:
 
 def test_errors_before_the_stream_and_broken_streams() -> None:
     async def t(h: SimulatedReplicaHandle, replica: VLLMReplica, s: aiohttp.ClientSession) -> None:
-        wrong = VLLMReplica("r2", h.url, "no-such-model", s)
+        wrong = VLLMReplica("r2", h.url, "no-such-model")
         with pytest.raises(ReplicaHTTPError) as e:
             await collect(wrong, chat(), "x")
         assert e.value.status == 404 and e.value.body["error"]["type"] == "NotFoundError"
@@ -199,7 +203,7 @@ def test_errors_before_the_stream_and_broken_streams() -> None:
             await collect(replica, chat(max_tokens=0), "x")
         assert e.value.status == 400 and e.value.body["error"]["param"] == "max_tokens"
 
-        dead = VLLMReplica("r3", "http://127.0.0.1:9", MODEL, s)
+        dead = VLLMReplica("r3", "http://127.0.0.1:9", MODEL)
         with pytest.raises(ReplicaUnavailable):
             await collect(dead, chat(), "x")
 
@@ -226,9 +230,7 @@ def test_connection_is_reused_after_done() -> None:
     async def t(h: SimulatedReplicaHandle, replica: VLLMReplica, s: aiohttp.ClientSession) -> None:
         for i in range(5):
             await collect(replica, chat(max_tokens=2), f"k{i}")
-        connector = s.connector
-        assert connector is not None
-        assert sum(len(v) for v in connector._conns.values()) == 1  # one kept-alive connection
+        assert replica.idle_connections == 1  # one kept-alive connection, reused
 
     run(t)
 
