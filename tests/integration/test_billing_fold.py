@@ -16,7 +16,7 @@ from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
-from streams.billing import BillingFold
+from streams.billing import BILLING_NAMESPACE, BillingFold, billed_event_id
 from tests import builders as b
 
 PRICED = "llama-3.1-8b-2026-05"
@@ -124,3 +124,39 @@ def test_an_unpriced_request_is_dead_lettered_and_the_others_still_billed(
     assert _bills(store, unpriced) == [] and "no_price" in fold.dead_letters[unpriced]
     assert len(_bills(store, priced)) == 1
     assert fold.lag() == 1  # only its own UsageBilled is behind the checkpoint
+
+
+def test_bill_ids_are_deterministic_and_sort_by_the_end_of_the_request() -> None:
+    """Same request and terminal instant, same id (a redelivered terminal re-appends the same
+    bill); a later end sorts later, so bills land at the right edge of the event_id index."""
+    rid = "req_" + uuid.uuid4().hex
+    first = billed_event_id(rid, T0)
+    assert billed_event_id(rid, T0) == first
+    assert billed_event_id("req_" + uuid.uuid4().hex, T0) != first
+    later = [billed_event_id("req_" + uuid.uuid4().hex, T0 + timedelta(milliseconds=ms))
+             for ms in (1, 2, 1000, 3_600_000)]
+    assert [first, *later] == sorted([first, *later])
+    parsed = uuid.UUID(first)
+    assert (parsed.version, parsed.variant) == (8, uuid.RFC_4122)
+    assert first[:13].replace("-", "") == f"{int(T0.timestamp() * 1000):012x}"
+
+
+def test_a_bill_under_the_former_uuid5_id_is_not_billed_again(store: SqlEventStore) -> None:
+    """Bills appended before ids were time-ordered carry uuid5(request) ids: a terminal
+    redelivered after the change (checkpoint behind the bill) meets the stream's version check
+    and the stored bill, not a second bill."""
+    control = _control(store)
+    rid = _ended(store)
+    state = lc.fold(store.read_stream(rid))
+    price = control.price(state.model, state.admitted_at)  # type: ignore[arg-type]
+    old_id = str(uuid.uuid5(BILLING_NAMESPACE, f"{rid}/UsageBilled"))
+    bill = lc.decide(state, lc.BillUsage(request_id=rid, price=price))
+    store.append(rid, state.version, [NewEvent(old_id, rid, "acme", T0, e) for e in bill])
+    fold = BillingFold(store, Checkpoints(store.engine), control)
+    fold.position = 0
+    fold.process(store.read_all(0, 10_000))  # the bill follows the terminal in the records
+    again = BillingFold(store, Checkpoints(store.engine), control)
+    again.position = 0
+    records = store.read_all(0, 10_000)
+    again.process([r for r in records if r.type != "UsageBilled"])  # the terminal alone
+    assert [r.event_id for r in _bills(store, rid)] == [old_id]
