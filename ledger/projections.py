@@ -4,6 +4,7 @@ committing the rows and the checkpoint in one transaction."""
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ledger.checkpoints import read_position, save_position
 from ledger.engine import WRITE
 from ledger.errors import ProjectionError
 from ledger.schema import UTCDateTime, metadata, projection_checkpoints
-from ledger.store import EventStore, sqlite_instant
+from ledger.store import EventStore, sqlite_instant, sqlite_utc
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -103,6 +104,11 @@ class ProjectionRunner:
         self._select_rows = sa.select(*(table.c[name] for name in spec.columns)).where(where)
         self._delete_rows = table.delete().where(where)
         self._single_key = len(self._key_cols) == 1
+        # A row's key tuple (itemgetter returns a bare value for one column).
+        get_key = operator.itemgetter(*spec.key_columns)
+        self._row_key: Callable[[Row], Key] = (
+            (lambda row: (get_key(row),)) if self._single_key else get_key
+        )
         self._sqlite = _SqliteRows(table, spec.columns, spec.key_columns, engine.dialect) if (
             engine.dialect.name == "sqlite"
         ) else None
@@ -161,7 +167,8 @@ class ProjectionRunner:
         fresh = [r for r in records if r.position > after]
         if not fresh:
             return None
-        if any(b.position <= a.position for a, b in zip(fresh, fresh[1:], strict=False)):
+        positions = [r.position for r in fresh]
+        if any(map(operator.ge, positions, positions[1:])):
             raise ProjectionError(f"{self.name}: records must come in increasing position order")
         spec = self._spec
         keyed = [(k, r) for r in fresh if (k := spec.key(r)) is not None]
@@ -243,6 +250,9 @@ class ProjectionRunner:
         return {"keys": [k[0] for k in keys] if self._single_key else list(keys)}
 
     def _load(self, conn: sa.Connection, keys: list[Key]) -> Iterable[tuple[Key, Row]]:
+        if self._sqlite is not None:
+            yield from self._sqlite.load(conn, keys)
+            return
         names = self._spec.columns
         width = len(self._key_cols)
         for start in range(0, len(keys), _KEYS_PER_QUERY):
@@ -263,7 +273,7 @@ class ProjectionRunner:
                 f"{self.name}: event {record.event_id} produced columns {sorted(row)}, "
                 f"expected {list(self._spec.columns)}"
             )
-        moved = tuple(row[name] for name in self._spec.key_columns)
+        moved = self._row_key(row)
         if moved != key:
             raise ProjectionError(
                 f"{self.name}: event {record.event_id} moved row {key!r} to key {moved!r}"
@@ -271,34 +281,72 @@ class ProjectionRunner:
 
 
 class _SqliteRows:
-    """A projection's rows written on SQLite's driver: `INSERT OR REPLACE` of the live rows and
-    a delete of the removed ones by primary key; values pass through the columns' own bind
-    processors, so what is stored is what SQLAlchemy would store."""
+    """A projection's rows read and written on SQLite's driver: a `SELECT` by primary key,
+    `INSERT OR REPLACE` of the live rows and a delete of the removed ones by primary key; values
+    pass through the columns' own bind and result processors, so what is stored and read back
+    is what SQLAlchemy would store and read (tests/integration/test_projection_runner.py)."""
 
     def __init__(
         self, table: sa.Table, columns: Sequence[str], key_columns: Sequence[str],
         dialect: sa.Dialect,
     ) -> None:
         self._columns = tuple(columns)
-        self._convert = tuple(_processor(table.c[n], dialect) for n in columns)
-        self._convert_key = self._convert[: len(key_columns)]  # key columns come first
+        self._width = len(key_columns)
+        convert = [_processor(table.c[n], dialect) for n in columns]
+        # Only the columns that have a conversion are touched per row (most have none).
+        self._convert = tuple((i, fn) for i, fn in enumerate(convert) if fn is not None)
+        self._convert_key = tuple((i, fn) for i, fn in self._convert if i < self._width)
+        parse = [_result_processor(table.c[n], dialect) for n in columns]
+        self._parse = tuple((i, fn) for i, fn in enumerate(parse) if fn is not None)
         names = ", ".join(f'"{n}"' for n in columns)
         marks = ", ".join("?" for _ in columns)
         self._upsert = f'INSERT OR REPLACE INTO "{table.name}" ({names}) VALUES ({marks})'
         where = " AND ".join(f'"{n}" = ?' for n in key_columns)
         self._delete = f'DELETE FROM "{table.name}" WHERE {where}'
+        keys = ", ".join(f'"{n}"' for n in key_columns)
+        one = "(" + ", ".join("?" for _ in key_columns) + ")"
+        self._select = (
+            f'SELECT {names} FROM "{table.name}" WHERE '
+            + (f"{keys} IN ({{}})" if self._width == 1 else f"({keys}) IN (VALUES {{}})")
+        )
+        self._one_key = one if self._width > 1 else "?"
 
     @staticmethod
-    def _values(values: Sequence[Any], convert: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(
-            v if fn is None or v is None else fn(v)
-            for v, fn in zip(values, convert, strict=True)
-        )
+    def _values(values: Sequence[Any], convert: tuple[tuple[int, Any], ...]) -> list[Any]:
+        out = list(values)
+        for i, fn in convert:
+            v = out[i]
+            if v is not None:
+                out[i] = fn(v)
+        return out
+
+    def load(self, conn: sa.Connection, keys: list[Key]) -> Iterator[tuple[Key, Row]]:
+        """The stored rows of `keys` (those that exist), in the caller's connection."""
+        names = self._columns
+        width = self._width
+        parse = self._parse
+        db = conn.connection.driver_connection
+        for start in range(0, len(keys), _KEYS_PER_QUERY):
+            chunk = keys[start : start + _KEYS_PER_QUERY]
+            params: list[Any] = []
+            for key in chunk:
+                params += self._values(key, self._convert_key) if self._convert_key else key
+            sql = self._select.format(", ".join(self._one_key for _ in chunk))
+            for r in db.execute(sql, params).fetchall():  # type: ignore[union-attr]
+                if parse:
+                    r = list(r)
+                    for i, fn in parse:
+                        v = r[i]
+                        if v is not None:
+                            r[i] = fn(v)
+                yield tuple(r[:width]), dict(zip(names, r, strict=True))
 
     def write(self, conn: sa.Connection, rows: dict[Key, Row | None]) -> None:
         gone = [self._values(key, self._convert_key) for key, row in rows.items() if row is None]
+        columns = self._columns
+        convert = self._convert
         live = [
-            self._values([row[n] for n in self._columns], self._convert)
+            self._values([row[n] for n in columns], convert)
             for row in rows.values()
             if row is not None
         ]
@@ -319,6 +367,23 @@ def _processor(column: sa.Column[Any], dialect: sa.Dialect) -> Callable[[Any], A
     if isinstance(column.type, UTCDateTime) and dialect.name == "sqlite":
         return sqlite_instant
     return column.type.dialect_impl(dialect).bind_processor(dialect)
+
+
+def _result_processor(column: sa.Column[Any], dialect: sa.Dialect) -> Callable[[Any], Any] | None:
+    """The column type's conversion of what the driver returns, as SQLAlchemy applies it (for
+    UTCDateTime on SQLite: DATETIME text to an aware UTC datetime, done by the store's faster
+    equivalent; tests/integration/test_projection_runner.py compares the two)."""
+    general = column.type.dialect_impl(dialect).result_processor(dialect, None)
+    if isinstance(column.type, UTCDateTime) and dialect.name == "sqlite" and general is not None:
+
+        def utc(value: Any) -> Any:
+            try:
+                return sqlite_utc(value)
+            except (TypeError, ValueError):  # not the text the runner writes: SQLAlchemy's way
+                return general(value)
+
+        return utc
+    return general  # type: ignore[no-any-return]
 
 
 def _canonical(value: Any) -> Any:

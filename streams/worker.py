@@ -177,7 +177,9 @@ class FoldWorker:
         the lock."""
         if not records:
             return
-        with self.engine.connect() as conn:
+        # One read transaction: the runners read their checkpoints and rows in one snapshot
+        # (and, on SQLite, through the driver).
+        with self.engine.connect() as conn, conn.begin():
             prepared = [runner.prepare(conn, records) for runner in self.runners]
         with self.engine.connect() as conn:
             conn.execution_options(**{WRITE: True})

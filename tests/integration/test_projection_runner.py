@@ -320,3 +320,46 @@ def test_rows_are_stored_as_sqlalchemy_stores_them(db: tuple[sa.Engine, SqlEvent
         ).all()
     assert [tuple(r[1:]) for r in stored] == [("1", stored[1][2])] * 2
     assert [r[0] for r in stored] == ["ref", "req-a"]
+
+
+def test_rows_are_read_back_as_sqlalchemy_reads_them(db: tuple[sa.Engine, SqlEventStore]) -> None:
+    """On SQLite the runner loads rows on the driver alone; they must equal SQLAlchemy's reading
+    of the same rows, types and time zones included (the real read models: text, integer and
+    instant columns, NULLs, a key with an instant in it)."""
+    from dataclasses import replace as dc_replace
+
+    from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+    from tests import builders as b
+
+    engine, store = db
+    t0 = datetime(2026, 11, 1, 0, 59, 59, 999_999, tzinfo=UTC)
+    streams = {
+        "req-done": b.happy_path(),
+        "req-refused": [b.rejected(reason="tokens")],
+        "req-left": [b.admitted(), b.estimated(), b.routed(), b.cancelled(), b.refunded()],
+    }
+    for i, (rid, events) in enumerate(streams.items()):
+        store.append(rid, 0, [
+            NewEvent(str(uuid.uuid4()), rid, b.TENANT, t0 + timedelta(hours=i, seconds=j),
+                     dc_replace(e, request_id=rid))  # type: ignore[type-var]
+            for j, e in enumerate(events)
+        ])
+    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+        runner = ProjectionRunner(engine, store, spec)
+        runner.run_to_end()
+        table = schema.metadata.tables[spec.name]
+        with engine.connect() as conn:
+            expected = {
+                tuple(r[: len(spec.key_columns)]): dict(zip(spec.columns, r, strict=True))
+                for r in conn.execute(sa.select(*(table.c[n] for n in spec.columns)))
+            }
+            assert expected, spec.name
+            missing = ("no-such-key", *next(iter(expected))[1:])
+            keys = [*expected, missing]
+            loaded = dict(runner._load(conn, keys))
+        assert loaded == expected, spec.name
+        for key, row in loaded.items():
+            for name, value in row.items():
+                assert type(value) is type(expected[key][name]), (spec.name, name)
+                if isinstance(value, datetime):
+                    assert value.tzinfo is UTC, (spec.name, name)
