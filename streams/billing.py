@@ -1,9 +1,9 @@
 """The billing fold: every terminal event becomes exactly one UsageBilled, priced at admission.
 
-At-least-once in, exactly-once in effect: the UsageBilled event id is derived from the request id,
-so a redelivered terminal event (or a crash between the append and the checkpoint) re-appends the
-same event, which the store answers as already there. The request stream's fold also refuses a
-second bill.
+At-least-once in, exactly-once in effect: the UsageBilled event id is derived from the request id
+and its terminal event's instant, so a redelivered terminal event (or a crash between the append
+and the checkpoint) re-appends the same event, which the store answers as already there. The
+request stream's fold also refuses a second bill.
 
 It bills in batches: the request states come from the same records it is handed (a request's
 events are in the log before its terminal event), so a bill costs no read; all the bills of a
