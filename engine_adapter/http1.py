@@ -141,7 +141,8 @@ class Connection(asyncio.Protocol):
 class Http1Pool:
     """Keep-alive connections to one origin (`http://host:port/prefix` or https)."""
 
-    __slots__ = ("host", "port", "prefix", "authority", "connect_timeout_s", "_ssl", "_idle")
+    __slots__ = ("host", "port", "prefix", "authority", "connect_timeout_s", "_ssl", "_idle",
+                 "_closed")  # fmt: skip
 
     def __init__(self, url: str, *, connect_timeout_s: float = 2.0) -> None:
         parts = urlsplit(url)
@@ -155,6 +156,7 @@ class Http1Pool:
         self.connect_timeout_s = connect_timeout_s
         self._ssl = ssl.create_default_context() if secure else None
         self._idle: list[Connection] = []
+        self._closed = False
 
     def request(self, method: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:
         """The whole request; `headers` are complete `Name: value\\r\\n` lines."""
@@ -184,6 +186,9 @@ class Http1Pool:
         return conn
 
     def release(self, conn: Connection) -> None:
+        if self._closed:  # the replica was removed or the fleet stopped meanwhile
+            conn.close()
+            return
         now = time.monotonic()
         conn.idle_since = now
         idle = self._idle
@@ -200,6 +205,8 @@ class Http1Pool:
         return len(self._idle)
 
     def close(self) -> None:
+        """Close the idle connections; those in use close when their request ends."""
+        self._closed = True
         while self._idle:
             self._idle.pop().close()
 

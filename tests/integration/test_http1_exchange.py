@@ -104,6 +104,11 @@ def test_frames_and_chunk_sizes_split_at_every_byte_are_reassembled() -> None:
             got = await collect(replica, rid)
             assert [c["choices"][0]["delta"]["content"] for c in got] == ["a", "b\n\nc", "é"]
         assert seen["connections"] == 1  # kept alive across both
+        # A request still running when the replica is closed does not come back to the pool.
+        running = await replica.open_chat({}, request_id="c", cache_salt="s")
+        replica.close()
+        await running.run(lambda _: None)
+        assert replica.idle_connections == 0
 
     run(handler, test)
 
