@@ -14,6 +14,7 @@ received, including what `abort` drains after telling the engine to stop.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 from collections import deque
@@ -24,9 +25,10 @@ Chunk = dict[str, Any]
 Sink = Callable[[Chunk], None]
 
 
-class ChatExchange:
+class ChatExchange(abc.ABC):
     """Base of the HTTP and in-process exchanges. Subclasses implement `_stop` (tell the engine to
-    stop, read what it had already sent for at most `drain_s`)."""
+    stop, read what it had already sent for at most `drain_s`) and `_stop_now` (drop it at once,
+    without draining)."""
 
     __slots__ = ("last_usage", "_chunks", "_sink", "_waiter", "_ended", "_error", "_aborted")
 
@@ -71,11 +73,13 @@ class ChatExchange:
         self._error = error
         self._wake()
 
+    @abc.abstractmethod
     def _stop_now(self) -> None:
-        """Drop the generation at once, without draining (subclasses)."""
+        """Drop the generation at once, without draining."""
 
+    @abc.abstractmethod
     async def _stop(self, drain_s: float) -> None:
-        raise NotImplementedError
+        """Tell the engine to stop; read what it had already sent for at most `drain_s`."""
 
     # --- the gateway side --------------------------------------------------------------------
 
