@@ -347,16 +347,14 @@ class Edge:
             self._finish(flight, "cancelled")
             raise
         except (ReplicaHTTPError, ReplicaUnavailable, ReplicaStreamBroken) as exc:
-            if isinstance(exc, ReplicaStreamBroken) and exc.last_usage:
-                flight.progress.absorb_usage(exc.last_usage)
+            await _abort(exchange, flight.progress)  # counts what the engine reported
             self._finish(flight, "failed", error=str(exc))
-            await _abort(exchange, flight.progress)
             if idempotency_key is not None:
                 await self.idempotency.abandon(caller.tenant_id, idempotency_key)
             raise _replica_error(exc, headers, self.rng) from None
         except BaseException as exc:
-            self._finish(flight, "failed", error=f"edge error: {type(exc).__name__}")
             await _abort(exchange, flight.progress)
+            self._finish(flight, "failed", error=f"edge error: {type(exc).__name__}")
             raise
         if flight.progress.error is not None:
             self._finish(flight, "failed", error=str(flight.progress.error.get("message")))
@@ -405,8 +403,7 @@ class Edge:
         except (ReplicaStreamBroken, ReplicaUnavailable, ReplicaHTTPError) as exc:
             # After the first token the status is sent: the failure is an error object in the
             # stream, then [DONE], never a silently truncated answer.
-            if isinstance(exc, ReplicaStreamBroken) and exc.last_usage:
-                flight.progress.absorb_usage(exc.last_usage)
+            await _abort(exchange, flight.progress)  # counts what the engine reported
             self._finish(flight, "failed", error=str(exc))
             yield error_frame("the model replica failed mid-stream", code="replica_failed")
             yield DONE
@@ -428,14 +425,10 @@ class Edge:
     ) -> None:
         """Abort the engine request and bill what it sent: everything received before the
         upstream connection is closed (vLLM's abort signal) and what the abort drains."""
-        try:
-            await _abort(exchange, flight.progress)
-        finally:
-            if exchange.last_usage is not None:
-                flight.progress.absorb_usage(exchange.last_usage)
-            self._finish(flight, "cancelled")
-            if flight.idempotency_key:
-                await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+        await _abort(exchange, flight.progress)  # never raises
+        self._finish(flight, "cancelled")
+        if flight.idempotency_key:
+            await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -133,9 +133,6 @@ class ChatExchange(abc.ABC):
         self._chunks.clear()
         await self._stop(drain_s)
 
-    async def aclose(self) -> None:
-        await self.abort()
-
 
 class IteratorExchange(ChatExchange):
     """An exchange fed by an engine's async iterator of chunks, read in a task of its own

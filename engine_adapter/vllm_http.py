@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,20 +282,15 @@ class VLLMReplica:
         *,
         request_id: str,
         cache_salt: str,
-        on_abort_usage: Callable[[dict[str, Any]], None] | None = None,
         drain_s: float = 1.0,
     ) -> AsyncIterator[dict[str, Any]]:
-        """`open_chat` as an async generator of chunks. Closing it early aborts the request;
-        `on_abort_usage` then gets the engine's last cumulative usage."""
+        """`open_chat` as an async generator of chunks. Closing it early aborts the request."""
         exchange = await self.open_chat(body, request_id=request_id, cache_salt=cache_salt)
         try:
             async for chunk in exchange:
                 yield chunk
         finally:
-            if not exchange.ended:
-                await exchange.abort(drain_s)
-                if on_abort_usage is not None and exchange.last_usage is not None:
-                    on_abort_usage(exchange.last_usage)
+            await exchange.abort(drain_s)  # a no-op once it ended
 
 
 _CHAT_PATH = b"/v1/chat/completions"
