@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Annotated, Any
 
 import orjson
@@ -13,30 +14,62 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from api.auth import Caller
 from api.backoffice import (
     ENTRY_COLUMNS,
     FORMATS,
     GROUP_BY,
+    GROUP_COLUMNS,
     INVOICE_COLUMNS,
     USAGE_COLUMNS,
     choice,
+    groups,
     parse_range,
     timeline_json,
     to_csv,
 )
+from api.batch_routes import add_batch_routes
 from api.chat_request import too_large
-from api.edge import Caller, JsonOutcome, new_request_id, utcnow
+from api.edge import JsonOutcome
 from api.errors import ApiError, error_body
+from api.openapi import install as install_openapi
+from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission, source_of
 from api.runtime import Runtime
+from domain.hierarchy import RUN_ID
+from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
+from ledger.ids import new_request_id, utcnow
 
 CUSTOMER = frozenset({"customer", "admin"})
 ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})
 
 
+def authenticate(
+    runtime: Runtime, limits: RefusalLimits, authorization: str | None, scopes: frozenset[str],
+    client: Any,
+) -> Caller:
+    """The key's caller; a client address that keeps failing is refused before its key is
+    looked at, and each failure counts against it."""
+    source = source_of(client)
+    try:
+        limits.check_source(source)
+    except ApiError:
+        runtime.metrics.rejected.labels("auth_failures", "none").inc()
+        raise
+    try:
+        return runtime.edge.authenticate(authorization, scopes)
+    except ApiError as exc:
+        if exc.status == 401:
+            limits.failed_authentication(source)
+        raise
+
+
 async def customer(request: Request) -> Caller:
     request.state.request_id = new_request_id()
-    runtime: Runtime = request.app.state.runtime
-    return runtime.edge.authenticate(request.headers.get("authorization"), CUSTOMER)
+    state = request.app.state
+    return authenticate(
+        state.runtime, state.limits, request.headers.get("authorization"), CUSTOMER,
+        request.scope.get("client"),
+    )
 
 
 CustomerDep = Annotated[Caller, Depends(customer)]
@@ -44,8 +77,11 @@ CustomerDep = Annotated[Caller, Depends(customer)]
 
 async def any_key(request: Request) -> Caller:
     request.state.request_id = new_request_id()
-    runtime: Runtime = request.app.state.runtime
-    return runtime.edge.authenticate(request.headers.get("authorization"), ALL_SCOPES)
+    state = request.app.state
+    return authenticate(
+        state.runtime, state.limits, request.headers.get("authorization"), ALL_SCOPES,
+        request.scope.get("client"),
+    )
 
 
 AnyKeyDep = Annotated[Caller, Depends(any_key)]
@@ -58,6 +94,11 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
 def create_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="Tollgate", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.runtime = runtime
+    # A key may be refused as often a minute as its plan lets it make requests.
+    app.state.limits = RefusalLimits(
+        refusals_per_minute=lambda tenant_id: runtime.control.limits(tenant_id, "*").rpm,
+        auth_failures_per_minute=runtime.settings.auth_failures_per_minute,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -74,8 +115,12 @@ def create_app(runtime: Runtime) -> FastAPI:
         )
 
     @app.get("/v1/models")
-    async def list_models(caller: CustomerDep) -> Response:
-        return json_response(200, {"object": "list", "data": runtime.fleet_models()})
+    async def list_models(request: Request, caller: CustomerDep) -> Response:
+        return json_response(
+            200,
+            {"object": "list", "data": runtime.fleet_models()},
+            {"X-Request-Id": request.state.request_id},
+        )
 
     @app.get("/v1/billing/usage")
     async def billing_usage(request: Request, caller: AnyKeyDep) -> Response:
@@ -86,7 +131,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         group_by = choice(q.get("group_by"), GROUP_BY, "hour", "group_by")
         fmt = choice(q.get("format"), FORMATS, "json", "format")
         rows = await asyncio.to_thread(bo.usage, tenant, start, end, q.get("model"), group_by)
-        columns = USAGE_COLUMNS + (("key_id",) if group_by == "key" else ())
+        extra = GROUP_COLUMNS.get(group_by)
+        columns = USAGE_COLUMNS + ((extra,) if extra else ())
         return render_rows(rows, fmt, columns, request.state.request_id)
 
     @app.get("/v1/billing/ledger")
@@ -108,10 +154,24 @@ def create_app(runtime: Runtime) -> FastAPI:
         bo = runtime.backoffice
         bo.billing_tenant(caller.scope, caller.tenant_id, tenant)
         fmt = choice(q.get("format"), FORMATS, "json", "format")
-        invoice = await asyncio.to_thread(bo.invoice, tenant, q.get("period"), utcnow())
+        period = q.get("period")
+        if period is not None and not PERIOD.fullmatch(period):
+            raise ApiError(400, "'period' must be YYYY-MM", param="period", code="invalid_value")
+        invoice = await asyncio.to_thread(bo.invoice, tenant, period, utcnow())
         if fmt == "csv":
             return render_rows(invoice["lines"], fmt, INVOICE_COLUMNS, request.state.request_id)
         return json_response(200, invoice, {"X-Request-Id": request.state.request_id})
+
+    @app.get("/v1/billing/goodput")
+    async def billing_goodput(request: Request, caller: AnyKeyDep) -> Response:
+        q = request.query_params
+        bo = runtime.backoffice
+        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
+        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
+        group_by = groups(q.get("group_by"), GOODPUT_GROUPS, ("tier",), "group_by")
+        fmt = choice(q.get("format"), FORMATS, "json", "format")
+        rows = await asyncio.to_thread(bo.goodput, tenant, start, end, group_by)
+        return render_rows(rows, fmt, group_by + GOODPUT_COLUMNS, request.state.request_id)
 
     @app.get("/v1/billing/reconciliation")
     async def billing_reconciliation(request: Request, caller: AnyKeyDep) -> Response:
@@ -137,13 +197,39 @@ def create_app(runtime: Runtime) -> FastAPI:
             200, timeline_json(timeline), {"X-Request-Id": request.state.request_id}
         )
 
+    @app.post("/v1/runs")
+    async def runs_start(request: Request, caller: CustomerDep) -> Response:
+        raw = await request.body()
+        run = await asyncio.to_thread(runtime.runs.start, caller, raw)
+        return json_response(200, run, {"X-Request-Id": request.state.request_id})
+
+    @app.get("/v1/runs/{run_id}")
+    async def runs_show(request: Request, run_id: str, caller: CustomerDep) -> Response:
+        run = runtime.runs.show(caller, run_id)
+        return json_response(200, run, {"X-Request-Id": request.state.request_id})
+
+    @app.post("/v1/runs/{run_id}/end")
+    async def runs_end(request: Request, run_id: str, caller: CustomerDep) -> Response:
+        run = await asyncio.to_thread(runtime.runs.end, caller, run_id)
+        return json_response(200, run, {"X-Request-Id": request.state.request_id})
+
+    @app.get("/v1/fleet")
+    async def fleet(caller: AnyKeyDep) -> Response:
+        if caller.scope != "admin":
+            raise ApiError(403, "the fleet view is for admin keys", type="permission_error",
+                           code="insufficient_scope")
+        if runtime.scaling is None:
+            raise ApiError(503, "the fleet is starting", type="server_error", code="starting")
+        return json_response(200, runtime.scaling.view())
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return json_response(200, {"status": "ok"})
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        problems, warnings = runtime.readiness()
+        # Off the event loop: once a second it reads the pipeline's state from the database.
+        problems, warnings = await asyncio.to_thread(runtime.readiness)
         status = 503 if problems else 200
         return json_response(
             status,
@@ -159,10 +245,13 @@ def create_app(runtime: Runtime) -> FastAPI:
         runtime.refresh_gauges()
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_batch_routes(app, runtime.batches, customer, json_response)
+
     from api.web import add_web_routes  # the /ui pages (issue 4)
 
     add_web_routes(app, runtime)
-    return TollgateApp(runtime, app)
+    install_openapi(app, lambda: runtime.edge.models())
+    return TollgateApp(runtime, app, app.state.limits)
 
 
 class TollgateApp:
@@ -171,9 +260,10 @@ class TollgateApp:
     than the whole of admission (measured with py-spy, bench/gateway.py). Every other route goes
     through the FastAPI app."""
 
-    def __init__(self, runtime: Runtime, api: FastAPI) -> None:
+    def __init__(self, runtime: Runtime, api: FastAPI, limits: RefusalLimits) -> None:
         self.runtime = runtime
         self.api = api
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
@@ -189,18 +279,37 @@ class TollgateApp:
         runtime = self.runtime
         watch: _DisconnectWatch | None = None
         frames: Any = None
+        dropped: Any = None
+        caller: Caller | None = None
+        limits = self.limits
         try:
             if scope["method"] != "POST":
                 raise ApiError(
                     405, "use POST for /v1/chat/completions", code="method_not_allowed",
                     headers={"Allow": "POST"},
                 )
-            caller = runtime.edge.authenticate(_header(headers, b"authorization"), CUSTOMER)
+            batch_item = _header(headers, b"x-tollgate-batch-item") or ""
+            if batch_item:  # the batch runner, for the key that created the batch
+                caller = runtime.edge.auth.on_behalf(
+                    _header(headers, b"authorization"), runtime.settings.batch_token,
+                    _header(headers, b"x-tollgate-on-behalf-of") or "",
+                )
+            else:
+                caller = authenticate(
+                    runtime, limits, _header(headers, b"authorization"), CUSTOMER,
+                    scope.get("client"),
+                )
+            idempotency_key = idempotency_key_of(_header(headers, b"idempotency-key"))
             raw = await read_body(
                 receive, headers.get(b"content-length"), runtime.settings.max_body_bytes
             )
             if raw is None:
                 return  # the client left while sending the body: nothing was admitted
+            wait_s = limits.over_budget(caller.key_id, caller.tenant_id)
+            if wait_s and refused_before_admission(raw, runtime.edge.resolve_model):
+                caller = None  # answered without being counted again, or recorded
+                runtime.metrics.rejected.labels("refusals", "any").inc()
+                raise limits.throttled(wait_s)
             # From here a client disconnect cancels this task: the edge records the
             # cancellation and aborts the engine request (closing its stream).
             watch = _DisconnectWatch(receive)
@@ -208,8 +317,10 @@ class TollgateApp:
                 caller,
                 raw,
                 request_id=request_id,
-                idempotency_key=_header(headers, b"idempotency-key"),
+                idempotency_key=idempotency_key,
                 retry_count=_int_header(_header(headers, b"x-stainless-retry-count")),
+                run_id=run_id_of(_header(headers, b"x-tollgate-run-id")),
+                batch_item=batch_item[:200],
             )
             if isinstance(outcome, JsonOutcome):
                 response = Response(
@@ -218,6 +329,7 @@ class TollgateApp:
                 await response(scope, receive, send)
                 return
             frames = outcome.frames
+            dropped = outcome.dropped
             headers = [
                 (k.lower().encode(), v.encode()) for k, v in outcome.headers.items()
             ] + _SSE_HEADERS
@@ -229,10 +341,18 @@ class TollgateApp:
             frames = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if watch is None or not watch.fired:
+            if dropped is not None and dropped():
+                # A slow reader the edge cancelled, which then read nothing more: its connection
+                # is aborted, since closing it would wait for the client to read the buffer.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                _abort_connection(send)
+            elif watch is None or not watch.fired:
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the client left
+            else:
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the client left
         except ApiError as exc:
+            if caller is not None and exc.status in REFUSED_STATUSES:
+                limits.refused(caller.key_id, caller.tenant_id)
             headers = {"X-Request-Id": request_id, **exc.headers}
             await json_response(exc.status, exc.body(), headers)(scope, receive, send)
         except Exception:
@@ -247,6 +367,14 @@ class TollgateApp:
             if frames is not None:  # left mid-stream: the edge cancels and bills what was sent
                 with contextlib.suppress(BaseException):
                     await frames.aclose()
+
+
+def _abort_connection(send: Send) -> None:
+    """Drop the client's TCP connection at once. uvicorn's `send` is a method of the request
+    cycle, which holds the transport; another server's is left to close it its own way."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is not None and hasattr(transport, "abort"):
+        transport.abort()
 
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -300,6 +428,39 @@ async def read_body(receive: Receive, declared: bytes | None, limit: int) -> byt
             return b"".join(chunks)
 
 
+# Stripe's bound; the key is stored with the response and in the admission event.
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+def idempotency_key_of(value: str | None) -> str | None:
+    """The Idempotency-Key header, refused if it is empty, longer than 255 characters or not
+    printable ASCII (it is stored, and echoed in replays' logs)."""
+    if value is None:
+        return None
+    if not 1 <= len(value) <= MAX_IDEMPOTENCY_KEY_CHARS or not (
+        value.isascii() and value.isprintable()
+    ):
+        raise ApiError(
+            400,
+            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters",
+            param="Idempotency-Key", code="invalid_value",
+        )
+    return value
+
+
+def run_id_of(value: str | None) -> str | None:
+    """The X-Tollgate-Run-Id header: the agent run a call belongs to (1-128 characters of
+    letters, digits and . _ : -, starting with a letter or digit), or a 400 naming it."""
+    if value is None:
+        return None
+    if not RUN_ID.match(value):
+        raise ApiError(
+            400, f"X-Tollgate-Run-Id must match {RUN_ID.pattern}", param="X-Tollgate-Run-Id",
+            code="invalid_value",
+        )
+    return value
+
+
 def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
     value = headers.get(name)
     return None if value is None else value.decode("latin-1")
@@ -314,15 +475,18 @@ def render_rows(
     return json_response(200, {"data": rows}, headers)
 
 
+# Only ASCII digits: int() also takes " 7", "+7", "7_000" and other scripts' digits, which the
+# published schema (an integer) does not.
+INTEGER = re.compile(r"-?[0-9]{1,18}")
+PERIOD = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")
+
+
 def _int_param(value: str | None, default: int, name: str) -> int:
     if value is None:
         return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ApiError(
-            400, f"'{name}' must be an integer", param=name, code="invalid_value"
-        ) from None
+    if not INTEGER.fullmatch(value):
+        raise ApiError(400, f"'{name}' must be an integer", param=name, code="invalid_value")
+    return int(value)
 
 
 def _int_header(value: str | None) -> int:

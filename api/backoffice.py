@@ -7,23 +7,24 @@ from __future__ import annotations
 import csv
 import io
 import re
+from collections import defaultdict
 from dataclasses import asdict, is_dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import orjson
 import sqlalchemy as sa
 
 from api.errors import ApiError
 from domain.control import ControlView
-from domain.events import LeasesRenewed, from_payload, parse_instant
+from domain.events import Recorded
+from domain.hierarchy import month_start
+from domain.leases import edge_stream
 from domain.replay import Timeline, replay
 from ledger.finance import FinanceQueries, month_bounds
-from ledger.schema import events
 from ledger.store import EventStore
 
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
-GROUP_BY = ("hour", "day", "model", "key")
+GROUP_BY = ("hour", "day", "model", "key", "workspace", "project", "run")
 FORMATS = ("json", "csv")
 MAX_RANGE = timedelta(days=366)
 DEFAULT_RANGE = timedelta(days=30)
@@ -37,7 +38,13 @@ def parse_range(
     start_text: str | None, end_text: str | None, now: datetime
 ) -> tuple[datetime, datetime]:
     end = _instant(end_text, "to") if end_text else now
-    start = _instant(start_text, "from") if start_text else end - DEFAULT_RANGE
+    if start_text:
+        start = _instant(start_text, "from")
+    elif end - datetime.min.replace(tzinfo=UTC) < DEFAULT_RANGE:  # end - DEFAULT_RANGE overflows
+        raise ApiError(400, "'to' is too early for the default 30-day range: give 'from' too",
+                       param="to", code="invalid_range")
+    else:
+        start = end - DEFAULT_RANGE
     if start >= end:
         raise ApiError(400, "'from' must be before 'to'", param="from", code="invalid_range")
     if end - start > MAX_RANGE:
@@ -51,12 +58,28 @@ def parse_range(
 def _instant(text: str, param: str) -> datetime:
     try:
         parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace(" ", "+"))
-    except ValueError:
+        # Year 1 with a positive offset (or 9999 with a negative one) is out of range in UTC.
+        return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
         raise ApiError(
             400, f"'{param}' must be an ISO 8601 instant, e.g. 2026-11-01T00:00:00Z",
             param=param, code="invalid_value",
         ) from None
-    return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def groups(value: str | None, allowed: tuple[str, ...], default: tuple[str, ...],
+           param: str) -> tuple[str, ...]:
+    """A comma-separated subset of `allowed`, in the order given (default when absent)."""
+    if value is None:
+        return default
+    parts = value.split(",")
+    chosen = tuple(dict.fromkeys(parts))
+    if any(v not in allowed for v in parts):
+        raise ApiError(
+            400, f"'{param}' must be a comma-separated subset of {', '.join(allowed)}",
+            param=param, code="invalid_value",
+        )
+    return chosen
 
 
 def choice(value: str | None, allowed: tuple[str, ...], default: str, param: str) -> str:
@@ -111,6 +134,53 @@ class Backoffice:
                            code="invalid_value")
         return self.finance.entries(tenant, start, end, model, limit, after)
 
+    def flex(self, tenant: str | None, start: datetime, end: datetime) -> list[dict[str, Any]]:
+        return self.finance.flex(tenant, start, end)
+
+    def goodput(self, tenant: str | None, start: datetime, end: datetime,
+                group_by: tuple[str, ...]) -> list[dict[str, Any]]:
+        return self.finance.goodput(tenant, start, end, group_by, self.control.slo)
+
+    def spend_tree(self, tenant: str, now: datetime) -> dict[str, Any]:
+        """A tenant's hierarchy as rows (depth, level, name, this month's spend, its monthly and
+        daily budgets), organization first, each workspace with its projects and keys under it:
+        the finance page's tree. The month is the organization's (its time zone)."""
+        self._known_tenant(tenant)
+        tree = self.control.hierarchy
+        zone_name = tree.time_zone_name(tenant)
+        start = month_start(now, zone_name)
+        spent: dict[tuple[str, str], int] = defaultdict(int)
+        for workspace, project, key, amount in self.finance.spend_by_level(tenant, start):
+            spent[("org", tenant)] += amount
+            if workspace:
+                spent[("workspace", workspace)] += amount
+            if project:
+                spent[("project", project)] += amount
+            spent[("key", key)] += amount
+
+        def row(depth: int, kind: str, level_id: str, name: str) -> dict[str, Any]:
+            budgets = tree.budgets(tenant, kind, level_id)
+            return {"depth": depth, "level": kind, "name": name,
+                    "spent_micros": spent.get((kind, level_id), 0),
+                    "month_budget_micros": budgets.get("month"),
+                    "day_budget_micros": budgets.get("day")}  # fmt: skip
+
+        keys_of: dict[str | None, list[str]] = defaultdict(list)
+        for key in self.control.keys(tenant):
+            if key.scope == "customer" and not key.revoked:
+                keys_of[tree.project_of_key(tenant, key.key_id)].append(key.key_id)
+        rows = [row(0, "org", tenant, tenant)]
+        projects = tree.projects(tenant)
+        for workspace in tree.workspaces(tenant):
+            rows.append(row(1, "workspace", workspace.level_id, workspace.name))
+            for project, parent in projects:
+                if parent == workspace.level_id:
+                    rows.append(row(2, "project", project.level_id, project.name))
+                    rows += [row(3, "key", k, k) for k in keys_of.get(project.level_id, ())]
+        rows += [row(1, "key", k, k) for k in keys_of.get(None, ())]
+        return {"tenant": tenant, "time_zone": zone_name, "month_start": _iso(start),
+                "levels": rows}  # fmt: skip
+
     def invoice(self, tenant: str, period: str | None, now: datetime) -> dict[str, Any]:
         self._known_tenant(tenant)
         period = period or now.strftime("%Y-%m")
@@ -121,7 +191,7 @@ class Backoffice:
         return self.finance.invoice(tenant, period)
 
     def reconciliation(self, start: datetime, end: datetime) -> dict[str, Any]:
-        return self.finance.reconciliation(start, end)
+        return self.finance.reconciliation(self.store, start, end)
 
     # --- support -------------------------------------------------------------------------------
 
@@ -144,35 +214,13 @@ class Backoffice:
         renewals = self._renewals(records)
         return replay(request_id, records, self.control, now, renewals)
 
-    def _renewals(self, records: list[Any]) -> tuple[Any, ...]:
+    def _renewals(self, records: list[Recorded]) -> tuple[Recorded, ...]:
+        """The renewals the request's edge appended while the request was open."""
         edge_id = getattr(records[0].event, "edge_id", None)
         if not edge_id:
             return ()
         lo, hi = records[0].position, records[-1].position
-        e = events
-        query = (
-            sa.select(e.c.position, e.c.occurred_at, e.c.payload)
-            .where(e.c.stream_id == f"edge-{edge_id}", e.c.position > lo, e.c.position < hi)
-            .order_by(e.c.position)
-        )
-        out = []
-        with self.engine.connect() as conn:
-            for position, occurred_at, payload in conn.execute(query):
-                event = from_payload("LeasesRenewed", 1, orjson.loads(payload))
-                assert isinstance(event, LeasesRenewed)
-                out.append(_Renewal(position, occurred_at, event))
-        return tuple(out)
-
-
-class _Renewal:
-    """The slice of a Recorded the replay reads for lease renewals."""
-
-    __slots__ = ("position", "occurred_at", "event")
-
-    def __init__(self, position: int, occurred_at: datetime, event: LeasesRenewed) -> None:
-        self.position = position
-        self.occurred_at = occurred_at
-        self.event = event
+        return tuple(self.store.read_stream_window(edge_stream(edge_id), lo, hi))
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -187,6 +235,13 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "key_id": state.key_id or None,
         "model": state.model or None,
         "tier": state.tier or None,
+        "downgraded_from": state.downgraded_from,
+        # Its place in the tenant's hierarchy and its agent run (None: the organization's key,
+        # no run); a refusal by a level names it, and its state then, in `rejection`.
+        "workspace": state.workspace_id,
+        "project": state.project_id,
+        "run": state.run_id,
+        "budget_reserved_micros": state.reserved_micros or None,
         "plan_at_admission": t.plan_at_admission,
         "limits_at_admission": t.limits_at_admission,
         "replica_id": t.replica_id,
@@ -236,10 +291,13 @@ def to_csv(rows: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -
 
 USAGE_COLUMNS = ("tenant", "model", "period_start", "requests", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "amount_micros")
+# The column a usage row grouped by one of these adds (finance reads them from the ledger).
+GROUP_COLUMNS = {"key": "key_id", "workspace": "workspace_id", "project": "project_id",
+                 "run": "run_id"}  # fmt: skip
 ENTRY_COLUMNS = ("request_id", "tenant", "key_id", "model", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                  "cached_micros_per_mtok", "amount_micros", "terminal_reason", "admitted_at",
-                 "finished_at", "billed_at")
+                 "finished_at", "billed_at", "workspace_id", "project_id", "run_id")
 INVOICE_COLUMNS = ("model", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                    "cached_micros_per_mtok", "requests", "uncached_prompt_tokens",
                    "cached_tokens", "completion_tokens", "amount_micros")
@@ -248,6 +306,3 @@ INVOICE_COLUMNS = ("model", "prompt_micros_per_mtok", "completion_micros_per_mto
 def _iso(when: datetime) -> str:
     return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
-
-def instant(text: str) -> datetime:
-    return parse_instant(text)

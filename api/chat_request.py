@@ -1,12 +1,18 @@
 """Parse and validate an OpenAI chat-completions body by hand.
 
-A pydantic model costs more CPU per request than the whole admission path; these checks are the
-ones whose failure must be a 400 naming the field. Only allow-listed fields reach the engine, so a
-client cannot set the engine-side `priority`, `cache_salt` or `request_id` of its own accord.
+A pydantic model costs more CPU per request than the whole admission path, so the checks are
+written out: every field OpenAI (or vLLM, for its extra sampling fields) validates is refused here
+with a 400 naming the field, before admission, so that nothing the engine would reject is admitted,
+routed and billed first. Only allow-listed fields reach the engine: a client cannot set the
+engine-side `priority`, `cache_salt` or `request_id` of its own accord.
+
+Error messages name the field and the rule, never the value: a value can be megabytes long, and the
+message is echoed to the client and stored (truncated) in the refusal event.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +21,45 @@ import orjson
 from api.errors import ApiError, bad_request
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+# The model name reaches the refusal event, the 404 message and the read models, whose model
+# columns are 200 characters wide (ledger/schema.py; PostgreSQL enforces it). That holds any
+# Hugging Face `org/name` (96 + 1 + 96).
+MAX_MODEL_CHARS = 200
+# Container levels (objects and arrays) below the body object. The engine adapter serialises the
+# forwarded body with orjson, which fails at 255 levels although orjson.loads accepts 1,024; 64
+# holds any real tool or response schema (OpenAI's strict schemas stop at 10 levels).
+MAX_NESTING = 64
+MAX_STOP_SEQUENCES = 4
+MAX_TOOLS = 128
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+# Content part types by role: OpenAI's, plus the audio and video URLs vLLM takes from users.
+_PARTS_BY_ROLE: dict[str, frozenset[str]] = {
+    "system": frozenset({"text"}),
+    "developer": frozenset({"text"}),
+    "user": frozenset({"text", "image_url", "input_audio", "file", "audio_url", "video_url"}),
+    "assistant": frozenset({"text", "refusal"}),
+    "tool": frozenset({"text"}),
+    "function": frozenset(),
+}
+# Roles whose `content` may not be null (the assistant's may, with tool calls; a function result's
+# may, by the deprecated schema).
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+_MESSAGE_KEYS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call", "audio"}
+)
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
+REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
+IMAGE_DETAILS = frozenset({"auto", "low", "high"})
+AUDIO_FORMATS = frozenset({"wav", "mp3"})
+# OpenAI's `service_tier` values Tollgate serves: "auto" and "default" are the interactive class,
+# "flex" the preemptible, discounted one (domain/types.py ServiceTier).
+SERVICE_TIERS = {"auto": "default", "default": "default", "flex": "flex"}
 
 # Fields forwarded to the engine as the client sent them (after the checks below).
 FORWARDED = frozenset(
@@ -61,69 +106,73 @@ class ChatRequest:
     max_tokens: int | None  # what the client asked (max_completion_tokens wins over max_tokens)
     upstream: dict[str, Any]  # the allow-listed body we forward
     body_sha256: str = ""
+    service_tier: str = "default"  # the class asked for: "default" (interactive) | "flex"
+    batch_item: str = ""  # "<batch id>/<custom_id>" when the batch runner sends it
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest:
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
+    except orjson.JSONDecodeError:
+        # orjson's message quotes the text around the error: never echo the body.
+        raise bad_request("request body is not valid JSON") from None
+    if type(body) is not dict:
         raise bad_request("request body must be a JSON object")
 
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string", "model")
+    if type(model) is not str or not model:
+        raise _missing_or_type(model, "model", "a non-empty string")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _too_long("model", MAX_MODEL_CHARS)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", "messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = message.get("role")
-        if role not in ROLES:
-            raise bad_request(
-                f"messages[{i}].role must be one of {sorted(ROLES)}", f"messages[{i}].role"
-            )
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise bad_request(
-                f"messages[{i}].content must be a string or an array", f"messages[{i}].content"
-            )
+    if type(messages) is not list or not messages:
+        raise _missing_or_type(messages, "messages", "a non-empty array")
+    _check_messages(messages)
 
-    stream = body.get("stream", False)
+    stream = body.get("stream")
     if stream is None:
         stream = False
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", "stream")
+    elif type(stream) is not bool:
+        raise _type("stream", "a boolean")
     include_usage = continuous = False
     options = body.get("stream_options")
     if options is not None:
+        if type(options) is not dict:
+            raise _type("stream_options", "an object")
         if not stream:
             raise bad_request(
                 "stream_options can only be defined when stream=true", "stream_options"
             )
-        if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = bool(options.get("include_usage"))
-        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+        continuous = include_usage and _flag(
+            options, "continuous_usage_stats", "stream_options.continuous_usage_stats"
+        )
+
+    service_tier = body.get("service_tier")
+    if service_tier is None:
+        service_tier = "default"
+    elif type(service_tier) is not str or service_tier not in SERVICE_TIERS:
+        raise bad_request(
+            "'service_tier' must be one of auto, default, flex", "service_tier"
+        )
+    else:
+        service_tier = SERVICE_TIERS[service_tier]
 
     max_tokens = _positive_int(body, "max_completion_tokens")
+    legacy_max_tokens = _positive_int(body, "max_tokens")  # checked even when it loses
     if max_tokens is None:
-        max_tokens = _positive_int(body, "max_tokens")
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise bad_request("only n=1 is supported", "n")
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not low <= value <= high
-        ):
-            raise bad_request(f"'{name}' must be a number in [{low}, {high}]", name)
+        max_tokens = legacy_max_tokens
+    # Only the fields present are looked at: an ordinary request has four or five.
+    for name, value in body.items():
+        check = _CHECKS.get(name)
+        if check is not None and value is not None:
+            check(value, body)
 
     upstream = {k: v for k, v in body.items() if k in FORWARDED}
+    # No value nests deeper than the body has opening brackets (those inside strings only add):
+    # an ordinary body has too few for the walk to be needed.
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:
+        _check_nesting(upstream)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -132,17 +181,436 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         continuous_usage=continuous,
         max_tokens=max_tokens,
         upstream=upstream,
+        service_tier=service_tier,
     )
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+# --- messages ------------------------------------------------------------------------------------
+
+
+class _Bad(Exception):
+    """A rule broken inside an array item, named relative to it (".type", "" for the item): the
+    loop that knows the item's index names the full field, so the ordinary path formats no
+    strings."""
+
+    def __init__(self, where: str, rule: str, code: str = "invalid_value") -> None:
+        self.where, self.rule, self.code = where, rule, code
+
+    def at(self, prefix: str) -> ApiError:
+        param = prefix + self.where
+        return bad_request(f"'{param}' {self.rule}", param, code=self.code)
+
+
+def _check_messages(messages: list[Any]) -> None:
+    for i, message in enumerate(messages):
+        try:
+            _check_message(message)
+        except _Bad as bad:
+            raise bad.at(f"messages[{i}]") from None
+
+
+def _check_message(message: Any) -> None:
+    if type(message) is not dict:
+        raise _Bad("", "must be an object", "invalid_type")
+    role = message.get("role")
+    if not _one_of(role, ROLES):
+        if role is None:
+            raise _Bad(".role", "is required", "missing_required_parameter")
+        raise _Bad(".role", f"must be one of {', '.join(sorted(ROLES))}")
+    content = message.get("content")
+    if type(content) is str:
+        pass
+    elif type(content) is list:
+        allowed = _PARTS_BY_ROLE[role]
+        if not allowed:
+            raise _Bad(".content", "must be a string", "invalid_type")
+        for j, part in enumerate(content):
+            try:
+                _check_part(part, allowed, role)
+            except _Bad as bad:
+                raise _Bad(f".content[{j}]{bad.where}", bad.rule, bad.code) from None
+    elif content is None:
+        if role in _CONTENT_REQUIRED:
+            raise _Bad(".content", "is required", "missing_required_parameter")
+        if (
+            role == "assistant"
+            and not message.get("tool_calls")
+            and message.get("function_call") is None
+        ):
+            raise _Bad(
+                ".content", "is required unless tool_calls is given", "missing_required_parameter"
+            )
+    else:
+        raise _Bad(".content", "must be a string or an array of content parts", "invalid_type")
+    # Role and content are all an ordinary message has.
+    if len(message) > 2 or content is None or role == "tool":
+        _check_message_extras(message, role)
+
+
+def _check_part(part: Any, allowed: frozenset[str], role: str) -> None:
+    if type(part) is not dict:
+        raise _Bad("", "must be an object", "invalid_type")
+    kind = part.get("type")
+    if not _one_of(kind, allowed):
+        raise _Bad(".type", f"must be one of {', '.join(sorted(allowed))} in a {role} message")
+    if kind == "text" or kind == "refusal":
+        _need(part, kind, str, "a string")
+    elif kind == "input_audio":
+        audio = _need(part, "input_audio", dict, "an object")
+        _need(audio, "data", str, "a string", ".input_audio")
+        if not _one_of(audio.get("format"), AUDIO_FORMATS):
+            raise _Bad(".input_audio.format", "must be wav or mp3")
+    elif kind == "file":
+        file = _need(part, "file", dict, "an object")
+        for key in ("file_data", "file_id", "filename"):
+            if file.get(key) is not None and type(file[key]) is not str:
+                raise _Bad(f".file.{key}", "must be a string", "invalid_type")
+    else:  # image_url, audio_url, video_url: {"type": T, T: {"url": ..., ...}}
+        target = _need(part, kind, dict, "an object")
+        _need(target, "url", str, "a string", "." + kind)
+        detail = target.get("detail")
+        if kind == "image_url" and detail is not None and not _one_of(detail, IMAGE_DETAILS):
+            raise _Bad(".image_url.detail", "must be auto, low or high")
+
+
+def _check_message_extras(message: dict[str, Any], role: str) -> None:
+    for key in ("name", "tool_call_id", "refusal"):
+        value = message.get(key)
+        if value is not None and type(value) is not str:
+            raise _Bad("." + key, "must be a string", "invalid_type")
+    if role == "tool" and message.get("tool_call_id") is None:
+        raise _Bad(".tool_call_id", "is required", "missing_required_parameter")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if role != "assistant":
+        raise _Bad(".tool_calls", "is only allowed in assistant messages")
+    if type(calls) is not list:
+        raise _Bad(".tool_calls", "must be an array", "invalid_type")
+    for j, call in enumerate(calls):
+        try:
+            if type(call) is not dict:
+                raise _Bad("", "must be an object", "invalid_type")
+            _need(call, "id", str, "a string")
+            if call.get("type", "function") != "function":
+                raise _Bad(".type", "must be function")
+            function = _need(call, "function", dict, "an object")
+            _need(function, "name", str, "a string", ".function")
+            _need(function, "arguments", str, "a string", ".function")
+        except _Bad as bad:
+            raise _Bad(f".tool_calls[{j}]{bad.where}", bad.rule, bad.code) from None
+
+
+def _need(obj: dict[str, Any], key: str, kind: type, expected: str, where: str = "") -> Any:
+    value = obj.get(key)
+    if type(value) is not kind:
+        if value is None:
+            raise _Bad(f"{where}.{key}", "is required", "missing_required_parameter")
+        raise _Bad(f"{where}.{key}", f"must be {expected}", "invalid_type")
+    return value
+
+
+# --- the other fields, each checked only when present and not null ------------------------------
+
+
+def _number(name: str, low: float, high: float, *, low_open: bool = False) -> Any:
+    rule = f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def check(value: Any, body: dict[str, Any]) -> None:
+        if type(value) is not int and type(value) is not float:
+            raise _type(name, "a number")
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise bad_request(f"'{name}' {rule}", name)
+
+    return check
+
+
+def _integer(name: str, low: int, high: int) -> Any:
+    rule = f"an integer >= {low}" if high == INT64_MAX else f"an integer in [{low}, {high}]"
+
+    def check(value: Any, body: dict[str, Any]) -> None:
+        if type(value) is not int:
+            raise _type(name, "an integer")
+        if not low <= value <= high:
+            raise bad_request(f"'{name}' must be {rule}", name)
+
+    return check
+
+
+def _boolean(name: str) -> Any:
+    def check(value: Any, body: dict[str, Any]) -> None:
+        if type(value) is not bool:
+            raise _type(name, "a boolean")
+
+    return check
+
+
+def _string(name: str) -> Any:
+    def check(value: Any, body: dict[str, Any]) -> None:
+        if type(value) is not str:
+            raise _type(name, "a string")
+
+    return check
+
+
+_n_range = _integer("n", 1, MAX_N)
+_top_logprobs_range = _integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def _check_n(value: Any, body: dict[str, Any]) -> None:
+    _n_range(value, body)
+    if value != 1:
+        raise bad_request("only n=1 is supported", "n", code="unsupported_value")
+
+
+def _check_top_logprobs(value: Any, body: dict[str, Any]) -> None:
+    _top_logprobs_range(value, body)
+    if body.get("logprobs") is not True:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+
+
+def _check_stop(value: Any, body: dict[str, Any]) -> None:
+    if type(value) is str:
+        return
+    if type(value) is not list:
+        raise _type("stop", "a string or an array of strings")
+    if not 1 <= len(value) <= MAX_STOP_SEQUENCES:
+        raise bad_request(f"'stop' takes 1 to {MAX_STOP_SEQUENCES} sequences", "stop")
+    for j, item in enumerate(value):
+        if type(item) is not str:
+            raise _type(f"stop[{j}]", "a string")
+
+
+def _check_stop_token_ids(value: Any, body: dict[str, Any]) -> None:
+    if type(value) is not list:
+        raise _type("stop_token_ids", "an array of integers")
+    for j, item in enumerate(value):
+        if type(item) is not int or not 0 <= item <= INT64_MAX:
+            raise _type(f"stop_token_ids[{j}]", "a non-negative integer")
+
+
+def _check_logit_bias(value: Any, body: dict[str, Any]) -> None:
+    if type(value) is not dict:
+        raise _type("logit_bias", "an object mapping token ids to numbers")
+    for token, bias in value.items():
+        if not token.isascii() or not token.isdigit():
+            raise bad_request("'logit_bias' keys must be token ids (integers)", "logit_bias")
+        if type(bias) is not int and type(bias) is not float:
+            raise _type("logit_bias", "an object mapping token ids to numbers")
+        if not -100 <= bias <= 100:
+            raise bad_request("'logit_bias' values must be in [-100, 100]", "logit_bias")
+
+
+def _check_response_format(value: Any, body: dict[str, Any]) -> None:
+    if type(value) is not dict:
+        raise _type("response_format", "an object")
+    try:
+        if not _one_of(value.get("type"), RESPONSE_FORMATS):
+            raise _Bad(".type", f"must be one of {', '.join(sorted(RESPONSE_FORMATS))}")
+        if value["type"] == "json_schema":
+            spec = _need(value, "json_schema", dict, "an object")
+            _check_named_schema(spec, "schema", ".json_schema")
+    except _Bad as bad:
+        raise bad.at("response_format") from None
+
+
+def _check_tools(value: Any, body: dict[str, Any]) -> None:
+    if type(value) is not list:
+        raise _type("tools", "an array")
+    if len(value) > MAX_TOOLS:
+        raise bad_request(f"'tools' takes at most {MAX_TOOLS} functions", "tools")
+    for j, tool in enumerate(value):
+        try:
+            if type(tool) is not dict:
+                raise _Bad("", "must be an object", "invalid_type")
+            if tool.get("type") != "function":
+                raise _Bad(".type", "must be function")
+            function = _need(tool, "function", dict, "an object")
+            _check_named_schema(function, "parameters", ".function")
+        except _Bad as bad:
+            raise bad.at(f"tools[{j}]") from None
+
+
+def _check_named_schema(spec: dict[str, Any], schema_key: str, where: str) -> None:
+    """A function of `tools` or a response's json_schema: a name, a JSON schema under
+    `schema_key`, an optional description and strict flag."""
+    name = spec.get("name")
+    if type(name) is not str or not FUNCTION_NAME.match(name):
+        raise _Bad(f"{where}.name", "must be 1-64 letters, digits, _ or -")
+    _optional(spec, "description", str, "a string", where)
+    _optional(spec, schema_key, dict, "an object", where)
+    _optional(spec, "strict", bool, "a boolean", where)
+
+
+def _check_tool_choice(value: Any, body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if type(value) is str:
+        if value not in TOOL_CHOICES:
+            raise bad_request(
+                "'tool_choice' must be none, auto, required or a named function", "tool_choice"
+            )
+        if value != "none" and not tools:
+            raise bad_request("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+        return
+    if type(value) is not dict:
+        raise _type("tool_choice", "a string or an object")
+    function = value.get("function")
+    if value.get("type") != "function" or type(function) is not dict:
+        raise bad_request(
+            "'tool_choice' must be none, auto, required or "
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    name = function.get("name")
+    if type(name) is not str:
+        raise _missing_or_type(name, "tool_choice.function.name", "a string")
+    if type(tools) is not list or not any(
+        type(t) is dict and type(t.get("function")) is dict and t["function"].get("name") == name
+        for t in tools
+    ):
+        raise bad_request(
+            "'tool_choice.function.name' is not a function in 'tools'",
+            "tool_choice.function.name",
+        )
+
+
+def _check_reasoning_effort(value: Any, body: dict[str, Any]) -> None:
+    if not _one_of(value, REASONING_EFFORTS):
+        raise bad_request(
+            f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
+            "reasoning_effort",
+        )
+
+
+def _check_chat_template_kwargs(value: Any, body: dict[str, Any]) -> None:
+    if type(value) is not dict:
+        raise _type("chat_template_kwargs", "an object")
+
+
+def _optional(obj: dict[str, Any], key: str, kind: type, expected: str, where: str) -> None:
+    value = obj.get(key)
+    if value is not None and type(value) is not kind:
+        raise _Bad(f"{where}.{key}", f"must be {expected}", "invalid_type")
+
+
+_CHECKS: dict[str, Any] = {
+    "temperature": _number("temperature", 0, 2),
+    # vLLM refuses top_p = 0 (OpenAI takes it): refused here rather than after admission.
+    "top_p": _number("top_p", 0, 1, low_open=True),
+    "presence_penalty": _number("presence_penalty", -2, 2),
+    "frequency_penalty": _number("frequency_penalty", -2, 2),
+    "min_p": _number("min_p", 0, 1),
+    "repetition_penalty": _number("repetition_penalty", 0, 2, low_open=True),
+    "seed": _integer("seed", INT64_MIN, INT64_MAX),
+    # vLLM 0.33: 0 or -1 disables top-k, else at least 1.
+    "top_k": _integer("top_k", -1, INT64_MAX),
+    "min_tokens": _integer("min_tokens", 0, INT64_MAX),
+    "sim_fail_after_tokens": _integer("sim_fail_after_tokens", 0, INT64_MAX),
+    "sim_drop_after_tokens": _integer("sim_drop_after_tokens", 0, INT64_MAX),
+    "n": _check_n,
+    "logprobs": _boolean("logprobs"),
+    "top_logprobs": _check_top_logprobs,
+    "parallel_tool_calls": _boolean("parallel_tool_calls"),
+    "ignore_eos": _boolean("ignore_eos"),
+    "include_stop_str_in_output": _boolean("include_stop_str_in_output"),
+    "skip_special_tokens": _boolean("skip_special_tokens"),
+    "user": _string("user"),
+    "stop": _check_stop,
+    "stop_token_ids": _check_stop_token_ids,
+    "logit_bias": _check_logit_bias,
+    "response_format": _check_response_format,
+    "tools": _check_tools,
+    "tool_choice": _check_tool_choice,
+    "reasoning_effort": _check_reasoning_effort,
+    "chat_template_kwargs": _check_chat_template_kwargs,
+}
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _check_nesting(upstream: dict[str, Any]) -> None:
+    """Refuse a forwarded field nested more than MAX_NESTING containers below the body, naming
+    it (a message's field by its index)."""
+    for name, value in upstream.items():
+        kind = type(value)
+        if kind is not dict and kind is not list:
+            continue
+        if name == "messages":
+            for i, message in enumerate(value):
+                # body > messages > message > its fields: MAX_NESTING - 2 levels left for them.
+                for key, field in message.items():
+                    kind = type(field)
+                    if (kind is dict or kind is list) and _too_deep(field, MAX_NESTING - 2):
+                        raise _too_nested(f"messages[{i}].{key}")
+        elif _too_deep(value, MAX_NESTING):
+            raise _too_nested(name)
+
+
+def _too_nested(param: str) -> ApiError:
+    return bad_request(
+        f"'{param}' is nested more than {MAX_NESTING} levels deep",
+        param,
+        code="nesting_too_deep",
+    )
+
+
+def _too_deep(container: Any, levels: int) -> bool:
+    """Whether a dict or list has more than `levels` levels of containers (itself one)."""
+    if levels <= 0:
+        return True
+    below = levels - 1
+    for item in container.values() if type(container) is dict else container:
+        kind = type(item)
+        if (kind is dict or kind is list) and _too_deep(item, below):
+            return True
+    return False
+
+
+def _one_of(value: Any, allowed: frozenset[str]) -> bool:
+    # The type test first: a list or an object is unhashable, and `in` would raise.
+    return type(value) is str and value in allowed
+
+
+def _flag(options: dict[str, Any], key: str, param: str) -> bool:
+    value = options.get(key)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise _type(param, "a boolean")
+    return value
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_request(f"'{name}' must be a positive integer", name)
+    if type(value) is not int:
+        raise _type(name, "a positive integer")
+    if not 1 <= value <= INT64_MAX:
+        raise bad_request(f"'{name}' must be a positive 64-bit integer", name)
     return value
 
 
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+def _type(param: str, expected: str) -> ApiError:
+    return bad_request(f"'{param}' must be {expected}", param, code="invalid_type")
+
+
+def _missing(param: str) -> ApiError:
+    return bad_request(
+        f"missing required parameter '{param}'", param, code="missing_required_parameter"
+    )
+
+
+def _missing_or_type(value: Any, param: str, expected: str) -> ApiError:
+    return _missing(param) if value is None else _type(param, expected)
+
+
+def _too_long(param: str, limit: int) -> ApiError:
+    return bad_request(
+        f"'{param}' is longer than {limit} characters", param, code="string_above_max_length"
+    )

@@ -7,11 +7,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from domain.capacity import FLEX_CEILING_PPM
+from domain.leases import LEASE_RENEW_S, LEASE_TTL_S
+from engine_adapter.exchange import MAX_BUFFERED_CHUNKS
+
 DEFAULT_MODELS = ("llama-3.1-8b-2026-05", "llama-3.1-70b-2026-05")
 
 
 def data_dir() -> Path:
     return Path(os.environ.get("TOLLGATE_DATA_DIR", "data")).resolve()
+
+
+def default_predictor_dir() -> Path:
+    """Where `tollgate predictor train` writes model files and `tollgate serve` loads the
+    newest from."""
+    return data_dir() / "predictor"
 
 
 def default_database_url() -> str:
@@ -30,13 +40,56 @@ class ServeSettings:
     database_url: str = field(default_factory=default_database_url)
     simulated_replicas: int = 2  # per model, when no --replica is given
     replicas: tuple[str, ...] = ()  # URLs of real `vllm serve` replicas ("URL" or "MODEL=URL")
+    tokenizers: tuple[str, ...] = ()  # "MODEL=DIR": a model's tokenizer, for the estimator
     models: tuple[str, ...] = DEFAULT_MODELS
     sim_speed: float = 1.0  # >1 makes the simulated engines faster
     sim_seed: int = 7
+    sim_gpu_blocks: int = 8_192  # KV blocks of 16 tokens per simulated replica
+    sim_max_num_seqs: int = 256  # vLLM's usual default: KV, not sequence slots, binds
+    # The simulated replicas schedule as `vllm serve --scheduling-policy priority` (the tier's
+    # and the flex class's `priority` field is honoured), as real ones should be started.
+    sim_scheduling_policy: str = "priority"
+    # Flex work is admitted only into a replica below this KV occupancy (below every tier's).
+    flex_ceiling_ppm: int = FLEX_CEILING_PPM
+    # Completion windows offered beside OpenAI's "24h" (e.g. "30s" for tests and demos).
+    batch_windows: tuple[str, ...] = ()
+    # Batch items the runner keeps in flight at once, at most (it backs off when flex is
+    # refused or preempted).
+    batch_concurrency: int = 8
+    # How the batch runner proves itself to the edge: TOLLGATE_BATCH_TOKEN, else drawn at start
+    # and handed to the fold worker in its environment; never stored.
+    batch_token: str = field(default_factory=lambda: os.environ.get("TOLLGATE_BATCH_TOKEN", ""))
     max_body_bytes: int = 4 * 1024 * 1024
-    lease_renew_s: float = 5.0
-    lease_ttl_s: float = 15.0
+    # Failed authentications one client address may make per minute before every authentication
+    # from it is refused for a while (0: no limit). A person with a wrong key makes a few; a
+    # client that polls with a key not yet known to the edge (≤ 0.2 s) makes a handful.
+    auth_failures_per_minute: int = 100
+    lease_renew_s: float = LEASE_RENEW_S
+    # A streaming client that reads nothing for this long with its buffer full is cancelled at
+    # the engine and billed what the engine produced (0: never); its buffer, in chunks. A client
+    # that pauses reads again well within 10 s; one gone silent no longer holds KV for minutes.
+    slow_reader_s: float = 10.0
+    stream_buffer_chunks: int = MAX_BUFFERED_CHUNKS
+    # The kernel's send buffer of each client connection (0: the kernel's autotuning, up to
+    # net.ipv4.tcp_wmem's maximum): what a slow reader can leave unread before the edge's own
+    # buffer fills.
+    client_send_buffer_bytes: int = 0
+    lease_ttl_s: float = LEASE_TTL_S
+    # /readyz calls the pipeline stale when a part of it (the relay, a consumer group, a
+    # worker) is behind and has not moved for this long, or a worker's heartbeat is this old.
+    pipeline_stale_s: float = field(
+        default_factory=lambda: float(os.environ.get("TOLLGATE_PIPELINE_STALE_S", "10"))
+    )
     scrape_interval_s: float = 0.25
     tpot_target_us: int = 40_000
     seed_demo: bool = True
+    metrics_max_tenants: int = 50  # tenants named in metric labels; the rest are "other"
+    autoscale: bool = False  # add and remove simulated replicas by the autoscaling signal
+    cold_start_s: float = 60.0  # how long a new replica takes before it serves (the lead)
+    scale_down_after_s: float = 120.0
     fold_worker: bool = True  # run the folds in a child process (else: `tollgate worker`)
+    # Output-length predictions: a model file, or a directory whose newest model file is used
+    # (and a newer one picked up within `predictor_reload_s`). None: default_predictor_dir().
+    predictor_path: str | None = None
+    predictor_enabled: bool = True
+    predictor_reload_s: float = 30.0

@@ -6,23 +6,31 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from api.config import default_database_url
 from domain import control as c
+from domain import hierarchy as h
+from domain.cost import ModelProfile, profile_from_hf_config
 from domain.errors import DomainError
 from domain.events import Event
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from ledger.commands import CommandHandler
+from ledger.control import ControlLog
 from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
 from ledger.schema import upgrade as schema_upgrade
-from ledger.store import NewEvent, SqlEventStore, WrongExpectedVersion
+from ledger.store import SqlEventStore
 
+# How far ahead a new SLO takes effect by default (see ControlService.set_slo).
+SLO_LEAD = timedelta(seconds=5)
 PROJECTIONS = {spec.name: spec for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)}
 
 
@@ -72,10 +80,7 @@ def open_backoffice(database_url: str | None) -> Iterator[Any]:
     engine = create_engine_from_url(url)
     try:
         store = SqlEventStore(engine)
-        view = c.ControlView()
-        for record in store.read_streams_with_prefix(c.CONTROL_PREFIXES):
-            view.apply(record)
-        yield Backoffice(engine, store, view)
+        yield Backoffice(engine, store, ControlLog(store).view)
     finally:
         engine.dispose()
 
@@ -83,9 +88,9 @@ def open_backoffice(database_url: str | None) -> Iterator[Any]:
 class ControlService:
     def __init__(self, store: SqlEventStore) -> None:
         self.store = store
-        self.view = c.ControlView()
-        for record in store.read_streams_with_prefix(c.CONTROL_PREFIXES):
-            self.view.apply(record)
+        self.log = ControlLog(store)
+        self.view = self.log.view
+        self.commands = CommandHandler(store)
 
     @classmethod
     @contextmanager
@@ -98,25 +103,22 @@ class ControlService:
         finally:
             engine.dispose()
 
-    def execute(self, stream_id: str, command: Any, now: datetime | None = None) -> list[Event]:
-        """One command, one append: all of its events or none."""
-        events = c.decide_control(self.view, command)
-        if not events:
-            return []
-        at = now or datetime.now(UTC)
+    def execute(
+        self, stream_id: str, command: c.ControlCommand, now: datetime | None = None
+    ) -> list[Event]:
+        """One command, one append: all of its events or none, decided on the control plane as
+        folded and appended at the version folded (a concurrent change makes it decide again)."""
         tenant_id = getattr(command, "tenant_id", None) or getattr(command, "name", "") or ""
-        new = [NewEvent(str(uuid.uuid4()), stream_id, tenant_id, at, e) for e in events]
-        expected = self.store.stream_version(stream_id)
-        try:
-            recorded = self.store.append(stream_id, expected, new)
-        except WrongExpectedVersion:
-            raise DomainError(
-                "concurrent_change",
-                f"{stream_id} changed while this command ran; run it again",
-            ) from None
-        for record in recorded:
+        handled = self.commands.handle(
+            stream_id,
+            lambda view: c.decide_control(view, command),
+            self.log.loader(stream_id),
+            tenant_id=tenant_id,
+            at=now,
+        )
+        for record in handled.records:
             self.view.apply(record)
-        return list(events)
+        return list(handled.events)
 
     def create_tenant(self, name: str, plan: str) -> None:
         command = c.RegisterTenant(name=name, plan=plan, cache_salt=secrets.token_hex(16))
@@ -128,11 +130,14 @@ class ControlService:
     def list_tenants(self) -> list[c.Tenant]:
         return self.view.tenants()
 
-    def issue_key(self, tenant: str, scope: str) -> tuple[str, str]:
+    def issue_key(
+        self, tenant: str, scope: str, project: str | None = None
+    ) -> tuple[str, str]:
         secret = new_secret()
         key_id = "key_" + secrets.token_hex(8)
         command = c.IssueApiKey(
-            tenant_id=tenant, key_id=key_id, key_hash=hash_secret(secret), scope=scope
+            tenant_id=tenant, key_id=key_id, key_hash=hash_secret(secret), scope=scope,
+            project_id=project,
         )
         self.execute(c.tenant_stream(tenant), command)
         return key_id, secret
@@ -162,3 +167,131 @@ class ControlService:
         )
         self.execute(c.price_stream(model), command, now)
         return effective_at
+
+    def set_flex_discount(
+        self, model: str, discount_ppm: int, effective_at: datetime | None = None
+    ) -> datetime:
+        """The flex class's discount on `model`'s price, from `effective_at` (default now)."""
+        now = datetime.now(UTC)
+        effective_at = effective_at or now
+        command = c.SetFlexDiscount(
+            model=model, discount_ppm=discount_ppm, effective_at=effective_at, now=now
+        )
+        self.execute(c.price_stream(model), command, now)
+        return effective_at
+
+    def register_model(
+        self, model: str, shape: dict[str, Any], effective_at: datetime | None = None
+    ) -> tuple[ModelProfile, datetime]:
+        """Record a model profile (`shape`: the RegisterModelProfile fields, from
+        `profile_shape`); returns the profile now in force for it and when it takes effect."""
+        now = datetime.now(UTC)
+        command = c.RegisterModelProfile(model=model, effective_at=effective_at, now=now, **shape)
+        self.execute(c.model_stream(model), command, now)
+        return self.view.model_profile(model, effective_at or now), effective_at or now
+
+
+    def set_slo(
+        self, tier: str, ttft_ms: int, tpot_us: int, effective_at: datetime | None = None
+    ) -> datetime:
+        """A tier's objective from `effective_at` on. The default is a few seconds ahead, so
+        that every edge's control-plane follower (200 ms) has it before it takes effect and
+        the edges' live counters judge each request by the same objective as the replay."""
+        now = datetime.now(UTC)
+        effective_at = effective_at or now + SLO_LEAD
+        command = c.SetSlo(tier, ttft_ms, tpot_us, effective_at, now)
+        self.execute(c.slo_stream(tier), command, now)
+        return effective_at
+
+    # --- the hierarchy, budgets and runs ------------------------------------------------------
+
+    def create_workspace(self, tenant: str, name: str) -> None:
+        self.execute(c.tenant_stream(tenant), h.CreateWorkspace(tenant, name))
+
+    def create_project(self, tenant: str, name: str, workspace: str) -> None:
+        self.execute(c.tenant_stream(tenant), h.CreateProject(tenant, name, workspace))
+
+    def move_project(self, tenant: str, project: str, workspace: str) -> bool:
+        command = h.MoveProject(tenant, project, workspace)
+        return bool(self.execute(c.tenant_stream(tenant), command))
+
+    def assign_key(self, tenant: str, key_id: str, project: str) -> bool:
+        return bool(self.execute(c.tenant_stream(tenant), h.AssignKey(tenant, key_id, project)))
+
+    def set_level_limits(
+        self, tenant: str, level: str, level_id: str, model: str, **limits: int | None
+    ) -> None:
+        command = h.SetLevelLimits(tenant, level, level_id, model, **limits)
+        self.execute(c.tenant_stream(tenant), command)
+
+    def set_budget(
+        self, tenant: str, level: str, level_id: str, period: str, amount_micros: int | None
+    ) -> bool:
+        command = h.SetBudget(tenant, level, level_id, period, amount_micros)
+        return bool(self.execute(c.tenant_stream(tenant), command))
+
+    def set_time_zone(self, tenant: str, zone: str) -> bool:
+        return bool(self.execute(c.tenant_stream(tenant), h.SetTimeZone(tenant, zone)))
+
+    def set_run_policy(self, tenant: str, project: str, limits: h.RunLimits) -> None:
+        self.execute(c.tenant_stream(tenant), h.SetRunPolicy(tenant, project, limits))
+
+    def start_run(
+        self, tenant: str, run_id: str, project: str | None, limits: h.RunLimits
+    ) -> h.Run:
+        self.execute(h.run_stream(tenant, run_id), h.StartRun(tenant, run_id, project, limits))
+        run = self.view.hierarchy.run(tenant, run_id)
+        assert run is not None
+        return run
+
+    def end_run(self, tenant: str, run_id: str) -> h.Run:
+        self.execute(h.run_stream(tenant, run_id), h.EndRun(tenant, run_id))
+        run = self.view.hierarchy.run(tenant, run_id)
+        assert run is not None
+        return run
+
+    def allow_fallback(self, tenant: str, from_model: str, to_model: str) -> bool:
+        command = c.AllowFallback(tenant, from_model, to_model)
+        return bool(self.execute(c.tenant_stream(tenant), command))
+
+    def revoke_fallback(self, tenant: str, from_model: str, to_model: str) -> bool:
+        command = c.RevokeFallback(tenant, from_model, to_model)
+        return bool(self.execute(c.tenant_stream(tenant), command))
+
+
+def profile_shape(
+    model: str, hf_config: str | None, **flags: int | None
+) -> dict[str, Any]:
+    """The RegisterModelProfile fields from a config.json (a file or its directory) and/or flags;
+    a flag overrides the file. `kv_lora_rank` makes it MLA. Missing dimensions are a one-line
+    error naming them."""
+    shape: dict[str, Any] = {}
+    if hf_config is not None:
+        path = Path(hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            raise DomainError("bad_hf_config", f"cannot read {path}: {exc}") from None
+        profile = profile_from_hf_config(model, config)
+        shape = {
+            name: getattr(profile, name)
+            for name in ("layers", "kv_heads", "head_dim", "dtype_bytes", "kv_lora_rank",
+                         "rope_dim", "attention")
+        }  # fmt: skip
+        if isinstance(config.get("max_position_embeddings"), int):
+            shape["max_model_len"] = profile.max_model_len
+    shape.update({name: value for name, value in flags.items() if value is not None})
+    if flags.get("kv_lora_rank"):
+        shape["attention"] = "mla"
+    mla = shape.get("attention") == "mla"
+    needed = ("layers", "dtype_bytes") + (("kv_lora_rank",) if mla else ("kv_heads", "head_dim"))
+    missing = [name for name in needed if not shape.get(name)]
+    if missing:
+        flags_missing = ", ".join("--" + n.replace("_", "-").replace("kv-lora-rank", "mla-rank")
+                                  for n in missing)  # fmt: skip
+        raise DomainError(
+            "incomplete_profile",
+            f"model profile for {model} lacks {flags_missing} (or give --hf-config)",
+        )
+    return shape

@@ -1,10 +1,12 @@
-"""The customer path: authenticate, admit (quota, then capacity), route, relay, and end every
-admitted request with exactly one terminal event and its refund.
+"""The customer path, as an application service over ports: parse, resolve the model, admit
+(quota, then capacity), record the admission, relay the generation, and end every admitted
+request with exactly one terminal event and its refund.
 
-This is the application service the routes call; the rules it applies live in `domain`
-(lifecycle, admission, capacity), the facts it records go through the group-commit writer, and the
-engine is reached through `engine_adapter`. Nothing here waits on anything remote before the
-admission decision: the quota view is local and the fleet view is the last scrape.
+The rules it applies are `domain`'s (admission, capacity, lifecycle, backoff); the facts go
+through the `Recorder`; the engine, the fleet, the token count, the clock and the ids are ports
+(`api/ports.py`), so the whole path runs in a unit test with fakes. Nothing here waits on
+anything remote before the admission decision: the quota view is local and the fleet view is the
+last scrape.
 """
 
 from __future__ import annotations
@@ -12,50 +14,47 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import orjson
 
+from api import http
+from api.auth import Authenticator, Caller
 from api.chat_request import ChatRequest, parse_chat_request
-from api.commits import LoopCommits
 from api.errors import ApiError, error_frame
-from api.idempotency_service import AsyncIdempotency, replay_frames
+from api.idempotency_service import replay_frames
 from api.metrics import Metrics
-from api.relay import DONE, Collector, Progress, relay_stream
-from domain import admission, lifecycle
+from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
+from api.recorder import Flight, Recorder
+from domain import admission, goodput, hierarchy, lifecycle
+from domain.admission import DEFAULT_POLICY, AdmissionPolicy
+from domain.backoff import engine_priority
+from domain.budgets import PathView
 from domain.control import ControlView
-from domain.cost import base_model, profile_for, tpot_estimate_us
-from domain.events import LeaseProgress, LeasesRenewed, RequestRejected
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.fleet import Choice, Fleet, UnknownModel
-from engine_adapter.simulated import count_prompt_tokens
-from engine_adapter.vllm_http import (
-    ReplicaHTTPError,
-    ReplicaStreamBroken,
-    ReplicaUnavailable,
-)
-from ledger.store import AppendBatch, AppendResult, NewEvent
-from ledger.writer import GroupCommitWriter
+from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
+from domain.events import RunBudgetExhausted
+from domain.hierarchy import Run
+from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
+from domain.quota import QuotaView
+from domain.types import CancelReason
+from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
+from engine_adapter.fleet import Choice, Refusal, UnknownModel
+from engine_adapter.usage import DONE, Collector, Progress, relay_stream
+from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken, ReplicaUnavailable
+from ledger.commands import CommandHandler
+from ledger.ids import Clock, IdSource, new_event_id, utcnow
+from ledger.store import AppendResult
+
+__all__ = ["Caller", "Edge", "JsonOutcome", "StreamOutcome"]
 
 log = logging.getLogger("tollgate.edge")
 
-# vLLM's `priority`: lower is served first; the edge sets it from the tier, never the client.
-TIER_PRIORITY = {"enterprise": 0, "standard": 1, "free": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    key_id: str
-    tenant_id: str
-    scope: str
-    tier: str
-    cache_salt: str
+_REPLICA_ERRORS = (ReplicaHTTPError, ReplicaUnavailable, ReplicaStreamBroken)
 
 
 @dataclass(slots=True)
@@ -70,55 +69,9 @@ class StreamOutcome:
     headers: dict[str, str]
     frames: AsyncIterator[bytes]
     first: bytes = b""  # sent before `frames`
-
-
-@dataclass(slots=True)
-class InFlight:
-    """One admitted request on this edge: what the lease renewal reports and the end refunds."""
-
-    request_id: str
-    tenant_id: str
-    model: str
-    state: lifecycle.RequestState
-    progress: Progress
-    choice: Any
-    finished: bool = False
-    idempotency_key: str | None = None
-    # Decided but not yet submitted (the first-token event rides with the next append).
-    pending: list[NewEvent] = field(default_factory=list)
-    pending_from: int = 0  # the stream version the pending events follow
-
-
-# Event and request ids need uniqueness, not secrecy: a PRNG seeded from the OS avoids a system
-# call per id (uuid4 was ~4 % of the edge's CPU). They are UUID version 7 (RFC 9562): 48 bits of
-# Unix milliseconds, then 74 random bits, so ids made later sort later. The events table's
-# unique indexes (event_id; stream_id, stream_version) and the read models keyed by request id
-# then grow at their right edge: with random ids every commit touched a random leaf page of each
-# index, and on a database of a million events commits slowed enough to matter (measured with
-# bench/gateway.py after 60k requests).
-_ids = random.Random(int.from_bytes(os.urandom(16), "big"))
-_V7_VERSION = 0x7 << 76
-_V7_VARIANT = 0x2 << 62
-
-
-def _v7_hex() -> str:
-    ms = time.time_ns() // 1_000_000
-    rand = _ids.getrandbits(74)
-    value = (ms << 80) | _V7_VERSION | ((rand >> 62) << 64) | _V7_VARIANT | (rand & ((1 << 62) - 1))
-    return f"{value:032x}"
-
-
-def new_id() -> str:
-    h = _v7_hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def new_request_id() -> str:
-    return "req_" + _v7_hex()
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+    # Whether the edge dropped the client (a slow reader that did not read its error either):
+    # the task writing to it is cancelled then, and that is not an error.
+    dropped: Callable[[], bool] = lambda: False
 
 
 class Edge:
@@ -126,55 +79,52 @@ class Edge:
         self,
         *,
         control: ControlView,
-        quota: admission.QuotaView,
+        quota: QuotaView,
         fleet: Fleet,
-        writer: GroupCommitWriter,
-        idempotency: AsyncIdempotency,
+        events: EventSink,
+        idempotency: Idempotency,
         metrics: Metrics,
+        tokens: Callable[[str], TokenEstimator],
         edge_id: str,
         tpot_target_us: int = 40_000,
         rng: random.Random | None = None,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Clock = utcnow,
+        new_id: IdSource = new_event_id,
+        commands: CommandHandler | None = None,
+        policy: AdmissionPolicy = DEFAULT_POLICY,
+        predictor: OutputPredictor | None = None,
+        slow_reader_s: float = 10.0,
+        stream_buffer_chunks: int = MAX_BUFFERED_CHUNKS,
+        paths: PathView | None = None,
     ) -> None:
         self.control = control
         self.quota = quota
         self.fleet = fleet
-        self.commits = LoopCommits(writer)
         self.idempotency = idempotency
         self.metrics = metrics
+        self.tokens = tokens
         self.edge_id = edge_id
         self.tpot_target_us = tpot_target_us
         self.rng = rng or random.Random()
         self.clock = clock
-        self.in_flight: dict[str, InFlight] = {}
+        self.policy = policy
+        self.predictor = predictor
+        self.slow_reader_s = slow_reader_s  # 0: slow readers are never cancelled
+        self.stream_buffer_chunks = stream_buffer_chunks
+        # Every level below the organization, and the runs (domain.budgets).
+        self.paths = paths or PathView(backoff=policy.backoff)
+        self.auth = Authenticator(control)
+        self.recorder = Recorder(events, metrics, clock=clock, new_id=new_id, commands=commands)
+        self.in_flight: dict[str, Flight] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-
-    # --- auth --------------------------------------------------------------------------------
+        # Slow readers cancelled at the engine, whose client is dropped if it still reads
+        # nothing by the deadline (monotonic).
+        self._stalled: dict[str, tuple[Flight, float]] = {}
 
     def authenticate(self, authorization: str | None, scopes: frozenset[str]) -> Caller:
-        if not authorization or not authorization.startswith("Bearer "):
-            raise ApiError(
-                401, "missing bearer token in the Authorization header",
-                type="authentication_error", code="invalid_api_key",
-            )
-        secret = authorization[7:].strip()
-        # Keys are looked up by their SHA-256: the table is keyed by digest, so the comparison a
-        # timing attack could probe is a dict lookup on a hash the attacker cannot steer.
-        key = self.control.key_by_hash(hashlib.sha256(secret.encode()).hexdigest())
-        if key is None or key.revoked:
-            raise ApiError(
-                401, "invalid or revoked API key", type="authentication_error",
-                code="invalid_api_key",
-            )
-        if key.scope not in scopes:
-            raise ApiError(
-                403, f"a {key.scope} key may not call this endpoint",
-                type="permission_error", code="insufficient_scope",
-            )
-        tenant = self.control.tenant(key.tenant_id)
-        return Caller(key.key_id, key.tenant_id, key.scope, tenant.plan, tenant.cache_salt)
+        return self.auth.authenticate(authorization, scopes)
 
-    # --- completions ---------------------------------------------------------------------------
+    # --- the models on sale --------------------------------------------------------------------
 
     def models(self) -> list[str]:
         """Model versions on sale: served by the fleet and priced now. An unpriced model could
@@ -190,6 +140,8 @@ class Edge:
         versions = [m for m in self.models() if base_model(m) == requested]
         return max(versions) if versions else None
 
+    # --- completions ---------------------------------------------------------------------------
+
     async def chat(
         self,
         caller: Caller,
@@ -198,13 +150,19 @@ class Edge:
         request_id: str,
         idempotency_key: str | None,
         retry_count: int,
+        run_id: str | None = None,
+        batch_item: str = "",
     ) -> JsonOutcome | StreamOutcome:
+        """One chat completion. `batch_item` ("<batch id>/<custom_id>"): the batch runner sends
+        it, and it runs in the flex class whatever the body asks."""
         headers = {"X-Request-Id": request_id}
         try:
             req = parse_chat_request(raw)
         except ApiError as exc:
             self._reject(request_id, caller, "", "invalid", 0, exc.message, retry_count > 0)
             raise
+        if batch_item:
+            req.service_tier, req.batch_item = "flex", batch_item
         model = self.resolve_model(req.model)
         if model is None:
             self._reject(request_id, caller, req.model, "invalid", 0, "unknown model", False)
@@ -212,7 +170,6 @@ class Edge:
                 404, f"The model `{req.model}` does not exist or you do not have access to it.",
                 param="model", code="model_not_found",
             )
-
         if idempotency_key is not None:
             req.body_sha256 = hashlib.sha256(raw).hexdigest()
             stored = await self.idempotency.lookup(
@@ -226,154 +183,381 @@ class Edge:
         is_retry = retry_count > 0 or self.idempotency.seen_recently(
             caller.tenant_id, idempotency_key
         )
-
-        now = self.clock()
-        limits = self.control.limits(caller.tenant_id, model)
-        profile = profile_for(model)
-        measured = self.fleet.tpot_p95(model)
-        tpot_us = tpot_estimate_us(
-            measured.p95_us if measured else None,
-            measured.age_s if measured else None,
-            self.tpot_target_us,
+        flight, admit = self._admit(
+            caller, req, model, request_id, idempotency_key, is_retry, headers, run_id
         )
-        decision = self.quota.decide(
-            admission.ReserveQuota(
+        await self._record_admission(flight, caller, req, admit)
+        body = dict(req.upstream)
+        body["priority"] = engine_priority(caller.tier, req.service_tier)
+        body["max_tokens"] = flight.state.output_cap_tokens
+        if req.stream:
+            return await self._open_stream(flight, caller, req, body, headers)
+        return await self._complete(flight, caller, body, headers)
+
+    def _admit(
+        self, caller: Caller, req: ChatRequest, model: str, request_id: str,
+        idempotency_key: str | None, is_retry: bool, headers: dict[str, str],
+        run_id: str | None = None,
+    ) -> tuple[Flight, tuple[lifecycle.Command, ...]]:
+        """Quota, then capacity: an admitted request's flight and the commands that record its
+        admission, or the refusal raised as the client will see it (and recorded).
+
+        When no replica of the model can take the request and the tenant consented to another
+        model (`tollgate fallbacks allow`), that one is tried, under its own quota; without
+        consent no other model is ever served."""
+        bucket = _system_prompt_bucket(caller, req)
+        run = self._run(caller, run_id)
+        decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
+        headers.update(http.rate_limit_headers(decision.rate_limits))
+        if isinstance(decision, admission.Rejected):
+            self._reject(
+                request_id, caller, model, decision.reason, decision.retry_after_s,
+                decision.detail, is_retry,
+            )
+            if decision.reason == "run_budget" and run is not None:
+                self._run_exhausted(run, decision.dimension or "", request_id)
+            raise http.refusal(decision, headers)
+        flex = req.service_tier == "flex"
+        choice = self._route(model, caller.tier, decision.estimate, req.service_tier, request_id)
+        served, downgraded_from, reason = model, None, ""
+        if flex and not isinstance(choice, Choice):
+            # Flex takes idle capacity or nothing: no other model, and the refusal is OpenAI's
+            # flex 429 (not billed), recorded as a capacity refusal like any other.
+            self._void(request_id)
+            reason = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
+            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
+            self.metrics.flex_of(model, caller.tier, "refused").inc()
+            self._reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
+            raise http.flex_unavailable(model, reason, retry_after, headers)
+        if not isinstance(choice, Choice):
+            reason = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
+            self._void(request_id)
+            for alternative in self._fallbacks(caller.tenant_id, model):
+                self.quota.withdraw(request_id)
+                self.paths.withdraw(request_id)
+                other, other_shape = self._reserve(
+                    caller, req, alternative, request_id, is_retry, bucket, run
+                )
+                if isinstance(other, admission.Rejected):
+                    continue  # its own quota is spent: the next consented model, or a 503
+                choice = self._route(
+                    alternative, caller.tier, other.estimate, "default", request_id
+                )
+                if isinstance(choice, Choice):
+                    served, downgraded_from, decision = alternative, model, other
+                    shape = other_shape
+                    headers.update(http.rate_limit_headers(other.rate_limits))
+                    headers["X-Tollgate-Downgraded-From"] = model
+                    self.metrics.downgraded.labels(model, served).inc()
+                    break
+                self._void(request_id)
+        if not isinstance(choice, Choice):
+            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
+            self._reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
+            raise http.no_capacity(model, caller.tier, reason, retry_after, headers)
+        flight = Flight(
+            request_id, caller.tenant_id, served, caller.tier, Progress(), choice,
+            idempotency_key=idempotency_key, shape=shape, service_tier=req.service_tier,
+        )
+        if flex:
+            self.metrics.flex_of(served, caller.tier, "admitted").inc()
+        if choice.preempt:
+            # Their KV is this request's: abort them now, without waiting for the aborts (the
+            # engine serves this one first meanwhile: it has the lower `priority`).
+            self.preempt(choice.preempt, request_id)
+            self.metrics.preemptions_of(served, caller.tier).inc()
+        if decision.starts_run and run is not None and run.implicit:
+            self._start_run(run)
+        return flight, (
+            lifecycle.AdmitRequest(
+                request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
+                model=served, tier=caller.tier, edge_id=self.edge_id,  # type: ignore[arg-type]
+                estimate=decision.estimate, idempotency_key=idempotency_key,
+                is_retry=is_retry, stream=req.stream, downgraded_from=downgraded_from,
+                downgrade_reason=reason if downgraded_from else "",
+                message_count=len(req.messages),
+                system_prompt_bucket=bucket,
+                service_tier=req.service_tier,  # type: ignore[arg-type]
+                reserved=decision.reserved,
+                batch_item=req.batch_item,
+            ),
+            lifecycle.RouteRequest(
+                request_id=request_id, replica_id=choice.replica_id,
+                occupancy_ppm=choice.occupancy_ppm,
+            ),
+        )
+
+    def _reserve(
+        self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
+        system_prompt_bucket: int, run: Run | None = None,
+    ) -> tuple[admission.Admitted | admission.Rejected, RequestShape | None]:
+        """The quota decision for serving `req` with `model` (charged to the view if admitted),
+        and what the output predictor was asked about it."""
+        measured = self.fleet.tpot_p95(model)
+        limits = self.control.limits(caller.tenant_id, model)
+        prompt_tokens = self.tokens(model).prompt_tokens(req.messages, req.upstream.get("tools"))
+        now = self.clock()
+        shape = predicted = None
+        if self.predictor is not None:
+            shape = RequestShape(
+                caller.tenant_id, caller.key_id, model, prompt_tokens,
+                admission.output_cap(req.max_tokens, limits), len(req.messages),
+                system_prompt_bucket, now,
+            )
+            answer = self.predictor.predict(shape)
+            if isinstance(answer, Prediction):
+                predicted = answer
+            self.metrics.count_prediction(caller.tenant_id, None if predicted else str(answer))
+        cmd = admission.ReserveQuota(
                 request_id=request_id,
                 tenant_id=caller.tenant_id,
                 key_id=caller.key_id,
                 model=model,
                 tier=caller.tier,
                 edge_id=self.edge_id,
-                prompt_tokens=count_prompt_tokens(req.messages),
+                prompt_tokens=prompt_tokens,
                 max_tokens=req.max_tokens,
-                kv_bytes_per_token=profile.kv_bytes_per_token,
-                tpot_us=tpot_us,
+                min_tokens=req.upstream.get("min_tokens"),
+                kv_bytes_per_token=self.control.model_profile(model).kv_bytes_per_token,
+                tpot_us=tpot_estimate_us(
+                    measured.p95_us if measured else None,
+                    measured.age_s if measured else None,
+                    self.tpot_target_us,
+                ),
                 now=now,
                 jitter=self.rng.random(),
                 is_retry=is_retry,
-            ),
-            limits,
+                predicted_output_tokens=predicted.output_tokens if predicted else None,
+                predictor_version=predicted.model_version if predicted else "",
         )
-        headers.update(decision.headers())
-        if isinstance(decision, admission.Rejected):
-            self._reject(
-                request_id, caller, model, decision.reason, decision.retry_after_s,
-                decision.detail, is_retry,
-            )
-            raise ApiError(
-                decision.http_status, decision.detail, type=_error_type(decision.reason),
-                param=decision.param, code=_error_code(decision.reason), headers=headers,
+        # A tenant with nothing set below its plan, and a call outside a run, is decided by
+        # the organization's limits alone (and pays nothing for the hierarchy).
+        path = self.control.hierarchy.policy(caller.tenant_id, caller.key_id, model, now, run)
+        if path is None:
+            return admission.decide(self.quota, cmd, limits, policy=self.policy), shape
+        decision = admission.decide_on_path(
+            self.quota, self.paths, cmd, limits, path, self.control.price(model, now),
+            policy=self.policy,
+        )
+        return decision, shape
+
+    # --- runs ----------------------------------------------------------------------------------
+
+    def _run(self, caller: Caller, run_id: str | None) -> Run | None:
+        """The run a call names: as recorded (POST /v1/runs), as this edge started it, or new,
+        started by this call under its project's run policy. Runs are looked up in the
+        caller's own tenant only."""
+        if run_id is None:
+            return None
+        tree = self.control.hierarchy
+        tenant = caller.tenant_id
+        run = tree.run(tenant, run_id)  # (in force: `Hierarchy.run` applies the policy)
+        if run is not None:
+            return run
+        run = self.paths.started_run(tenant, run_id)
+        if run is not None:
+            return tree.in_force(run)
+        project = tree.project_of_key(tenant, caller.key_id)
+        return Run(tenant, run_id, project, tree.run_policy(tenant, project), self.clock(),
+                   implicit=True)  # fmt: skip
+
+    def _start_run(self, run: Run) -> None:
+        """Record the RunStarted of a run its first call started (at version 0: if another
+        edge started it first, that one stands and this append is refused, which is counted)."""
+        (event,) = hierarchy.decide(
+            self.control.hierarchy,
+            hierarchy.StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
+        )
+        self.recorder.fact(hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id,
+                           event, 0, run.started_at)  # fmt: skip
+
+    def _run_exhausted(self, run: Run, dimension: str, request_id: str) -> None:
+        if self.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
+            event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
+            self.recorder.fact(
+                hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
             )
 
-        estimate = decision.estimate
-        choice = self.fleet.choose(
-            model, caller.tier, estimate.prompt_tokens + estimate.reserved_output_tokens, self.rng
-        )
-        if not isinstance(choice, Choice):
-            self.quota.void(request_id)
-            retry_after = 5 + self.rng.randrange(0, 6)
-            detail = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
-            self._reject(request_id, caller, model, "capacity", retry_after, detail, is_retry)
-            headers["Retry-After"] = str(retry_after)
-            raise ApiError(
-                503, f"no capacity for {model} at the {caller.tier} tier ({detail}); "
-                "retry after the Retry-After delay",
-                type="capacity", code="server_overloaded", headers=headers,
-            )
+    def _void(self, request_id: str) -> None:
+        self.quota.void(request_id)
+        self.paths.void(request_id)
 
-        flight = InFlight(
-            request_id, caller.tenant_id, model, lifecycle.RequestState(), Progress(), choice,
-            idempotency_key=idempotency_key,
+    def _route(
+        self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str
+    ) -> Choice | Refusal | UnknownModel:
+        tokens = estimate.prompt_tokens + estimate.reserved_output_tokens
+        return self.fleet.choose(
+            model, tier, tokens, self.rng, service_tier=service_tier, request_id=request_id
         )
-        admit = lifecycle.AdmitRequest(
-            request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
-            model=model, tier=caller.tier, edge_id=self.edge_id, estimate=estimate,
-            idempotency_key=idempotency_key, is_retry=is_retry, stream=req.stream,
-        )
-        route = lifecycle.RouteRequest(
-            request_id=request_id, replica_id=choice.replica_id,
-            occupancy_ppm=choice.occupancy_ppm,
-        )
+
+    def _fallbacks(self, tenant_id: str, model: str) -> list[str]:
+        """The model versions on sale the tenant consented to instead of `model`, in order."""
+        found = (self.resolve_model(m) for m in self.control.fallbacks(tenant_id, model))
+        return [m for m in found if m is not None and m != model]
+
+    async def _record_admission(
+        self, flight: Flight, caller: Caller, req: ChatRequest,
+        commands: tuple[lifecycle.Command, ...],
+    ) -> None:
+        """Make the admission durable before the engine sees the request: a generation without
+        a recorded admission could never be billed. If it is not recorded, nothing was admitted:
+        the quota and the router's reservation are given back, and there is no terminal event."""
+        key = flight.idempotency_key
         began = False
         committing: asyncio.Future[AppendResult] | None = None
         try:
-            if idempotency_key is not None:  # 409 here, before anything is admitted
+            if key is not None:  # 409 here, before anything is admitted
                 await self.idempotency.begin(
-                    caller.tenant_id, idempotency_key, request_id, req.body_sha256
+                    caller.tenant_id, key, flight.request_id, req.body_sha256
                 )
                 began = True
-            # The admission is durable before the engine sees the request: a generation without
-            # a recorded admission could never be billed. If it is not recorded, nothing was
-            # admitted: the quota and the router's reservation are given back, no terminal event.
-            committing = self._submit_admission(flight, admit, route)
-            self._check_admission(await asyncio.shield(committing))
+            committing = self.recorder.commit(flight, *commands)
+            if not self.recorder.count(await asyncio.shield(committing)):
+                raise ApiError(
+                    503, "the event store could not record the admission; retry later",
+                    type="server_error", code="store_unavailable",
+                )
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError) and await _committed(committing):
                 # The client left while its admission was being committed, and it committed:
                 # the request is admitted, so it ends here, cancelled (not by lease expiry 15 s
                 # later, with its quota held meanwhile).
-                self._track(flight, caller.tier)
-                self._finish(flight, "cancelled")
+                self._track(flight)
+                self._end(flight, _cancelled(flight.progress))
             else:
-                self.quota.void(request_id)
-                self.fleet.release(choice)
+                self._void(flight.request_id)
+                self.fleet.release(flight.choice)
             if began:  # the key is ours: free it (never another request's in-flight key)
-                await self.idempotency.abandon(caller.tenant_id, idempotency_key or "")
+                await self.idempotency.abandon(caller.tenant_id, key or "")
             raise
-        self._track(flight, caller.tier)
+        self._track(flight)
 
-        body = dict(req.upstream)
-        body["priority"] = TIER_PRIORITY.get(caller.tier, 2)
-        body["max_tokens"] = estimate.reserved_output_tokens
+    async def _complete(
+        self, flight: Flight, caller: Caller, body: dict[str, Any], headers: dict[str, str]
+    ) -> JsonOutcome:
+        key = flight.idempotency_key
         exchange: ChatExchange | None = None
         try:
-            exchange = await choice.replica.open_chat(
-                body, request_id=request_id, cache_salt=caller.cache_salt
-            )
-            if req.stream:
-                # Wait for the first chunk (it comes with the first token) so that anything that
-                # fails before it still gets a real HTTP status.
-                await exchange.prime()
-                frames = self._stream(flight, req, exchange, caller)
-                # Its first frame is taken here: from then on, closing the generator (a client
-                # that leaves before reading anything) runs its cancellation path.
-                return StreamOutcome(headers, frames, await anext(frames))
+            exchange = await self._open(flight, caller, body)
             collector = Collector(flight.progress, lambda: self._first_token(flight))
             await exchange.run(collector.feed)
             completion = collector.completion()
-        except asyncio.CancelledError:
-            # Abort first: it reads what the engine already sent, which is billed.
-            await _abort(exchange, flight.progress)
-            self._finish(flight, "cancelled")
-            raise
-        except (ReplicaHTTPError, ReplicaUnavailable, ReplicaStreamBroken) as exc:
-            await _abort(exchange, flight.progress)  # counts what the engine reported
-            self._finish(flight, "failed", error=str(exc))
-            if idempotency_key is not None:
-                await self.idempotency.abandon(caller.tenant_id, idempotency_key)
-            raise _replica_error(exc, headers, self.rng) from None
         except BaseException as exc:
-            await _abort(exchange, flight.progress)
-            self._finish(flight, "failed", error=f"edge error: {type(exc).__name__}")
+            await self._fail(flight, caller, exchange, exc)
+            if flight.preempted_for is not None and isinstance(exc, _PREEMPTED_ERRORS):
+                raise self._preempted_error(headers) from None
+            if isinstance(exc, _REPLICA_ERRORS):
+                raise self._replica_error(exc, headers) from None
             raise
-        if flight.progress.error is not None:
-            self._finish(flight, "failed", error=str(flight.progress.error.get("message")))
-            if idempotency_key is not None:
-                await self.idempotency.abandon(caller.tenant_id, idempotency_key)
+        error = flight.progress.error
+        if error is not None:
+            self._end(flight, _failed(flight.progress, _engine_error(error)))
+            if key is not None:
+                await self.idempotency.abandon(caller.tenant_id, key)
             raise ApiError(
                 502, "the model replica failed while generating", type="server_error",
                 code="replica_failed", headers=headers,
             )
-        self._finish(flight, "completed")
+        self._end(flight, _completed(flight.progress))
+        completion["service_tier"] = flight.service_tier
         payload = orjson.dumps(completion)
-        if idempotency_key is not None:
-            await self.idempotency.complete(
-                caller.tenant_id, idempotency_key, 200, payload, "application/json", headers
-            )
+        if key is not None:
+            # Shielded: the request is completed and billed, so its replay must be kept even if
+            # the client leaves now (a record left in flight would answer every retry 409 for
+            # 24 h; the batch runner, killed at this instant, met exactly that).
+            await asyncio.shield(self.idempotency.complete(
+                caller.tenant_id, key, 200, payload, "application/json", headers
+            ))
         return JsonOutcome(200, payload, headers)
 
+    async def _open_stream(
+        self, flight: Flight, caller: Caller, req: ChatRequest, body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> StreamOutcome:
+        exchange: ChatExchange | None = None
+        try:
+            exchange = await self._open(flight, caller, body)
+            # Wait for the first chunk (it comes with the first token) so that anything that
+            # fails before it still gets a real HTTP status.
+            await exchange.prime()
+        except BaseException as exc:
+            await self._fail(flight, caller, exchange, exc)
+            if flight.preempted_for is not None and isinstance(exc, _PREEMPTED_ERRORS):
+                raise self._preempted_error(headers) from None
+            if isinstance(exc, _REPLICA_ERRORS):
+                raise self._replica_error(exc, headers) from None
+            raise
+        exchange.max_buffered = self.stream_buffer_chunks
+        flight.owner = asyncio.current_task()
+        frames = self._stream(flight, req, exchange, caller)
+        # Its first frame is taken here: from then on, closing the generator (a client that
+        # leaves before reading anything) runs its cancellation path.
+        return StreamOutcome(headers, frames, await anext(frames), lambda: flight.dropped)
+
+    async def _open(self, flight: Flight, caller: Caller, body: dict[str, Any]) -> ChatExchange:
+        """Open the engine request, where a preemption can reach it. A flex request preempted
+        while it was being opened is aborted at once (it raises `Preempted`)."""
+        exchange = await flight.choice.replica.open_chat(
+            body, request_id=flight.request_id, cache_salt=caller.cache_salt
+        )
+        flight.exchange = exchange
+        if flight.preempted_for is not None:
+            await _abort(exchange, flight.progress)
+            raise Preempted(flight.preempted_for)
+        return exchange
+
+    def _preempted_error(self, headers: dict[str, str]) -> ApiError:
+        return http.preempted(self.policy.backoff.retry_after_s(self.rng.random()), headers)
+
+    def preempt(self, request_ids: tuple[str, ...], for_request_id: str) -> None:
+        """Abort these flex requests at their engine, for `for_request_id`: each ends with
+        RequestPreempted and the engine's counts (refunded in full, billed nothing); its client
+        gets `resource_unavailable`/`preempted` (in the stream, or as a 429 before it). A request
+        that already ended, or is not flex, is left alone."""
+        for request_id in request_ids:
+            flight = self.in_flight.get(request_id)
+            if flight is None or flight.finished or flight.service_tier != "flex":
+                continue
+            if flight.preempted_for is not None:
+                continue
+            exchange = flight.exchange
+            if exchange is not None and exchange.ended:
+                continue  # it finished: its own path completes it
+            flight.preempted_for = for_request_id
+            self.metrics.flex_of(flight.model, flight.tier, "preempted").inc()
+            if exchange is not None:  # else `_open` aborts it as soon as it is opened
+                self._background(self._preempt(flight, exchange))
+
+    async def _preempt(self, flight: Flight, exchange: ChatExchange) -> None:
+        await _abort(exchange, flight.progress)  # the engine's count of what it had done
+        self._end(flight, _preempted(flight))
+
+    async def _fail(
+        self, flight: Flight, caller: Caller, exchange: ChatExchange | None, exc: BaseException
+    ) -> None:
+        """End a request whose generation broke before it could answer: abort first (it reads
+        what the engine already sent, which is billed), then the terminal event, then free its
+        Idempotency-Key (nothing to replay: the client's retry must be able to run)."""
+        await _abort(exchange, flight.progress)
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        if cancelled:
+            self._end(flight, _cancelled(flight.progress))
+        elif isinstance(exc, _REPLICA_ERRORS):
+            self._end(flight, _failed(flight.progress, _failure(exc)))
+        elif isinstance(exc, Preempted):
+            self._end(flight, _preempted(flight))
+        else:
+            self._end(flight, _failed(flight.progress, f"edge error: {type(exc).__name__}"))
+        key = flight.idempotency_key
+        if key is not None:
+            abandon = self.idempotency.abandon(caller.tenant_id, key)
+            if cancelled:  # this task is being cancelled: an await here could be cut short
+                self._background(abandon)
+            else:
+                await abandon
+
     async def _stream(
-        self, flight: InFlight, req: ChatRequest, exchange: ChatExchange, caller: Caller
+        self, flight: Flight, req: ChatRequest, exchange: ChatExchange, caller: Caller
     ) -> AsyncIterator[bytes]:
         transcript: list[bytes] | None = [] if flight.idempotency_key else None
         # The engine is read in the exchange's own callbacks, not in this generator's task: a
@@ -384,14 +568,18 @@ class Edge:
                 exchange, flight.progress, include_usage=req.include_usage,
                 continuous_usage=req.continuous_usage,
                 on_first_token=lambda: self._first_token(flight),
+                service_tier=flight.service_tier,
             ):
                 if transcript is not None:
                     transcript.append(frame)
                 yield frame
-            if flight.progress.error is not None:
-                self._finish(flight, "failed", error=str(flight.progress.error.get("message")))
+                if flight.cancel_reason is not None:
+                    self._reading(flight)
+            error = flight.progress.error
+            if error is not None:
+                self._end(flight, _failed(flight.progress, _engine_error(error)))
             else:
-                self._finish(flight, "completed")
+                self._end(flight, _completed(flight.progress))
                 if transcript is not None:
                     transcript.append(DONE)
                     await self.idempotency.complete(
@@ -400,12 +588,31 @@ class Edge:
                         {"X-Request-Id": flight.request_id},
                     )
             yield DONE
-        except (ReplicaStreamBroken, ReplicaUnavailable, ReplicaHTTPError) as exc:
+        except _PREEMPTED_ERRORS as exc:
+            if flight.preempted_for is None and not isinstance(exc, _REPLICA_ERRORS):
+                client_gone = True  # an in-process engine's task cancelled: as below
+                self._background(self._cancel_stream(flight, exchange, caller))
+                raise
             # After the first token the status is sent: the failure is an error object in the
             # stream, then [DONE], never a silently truncated answer.
             await _abort(exchange, flight.progress)  # counts what the engine reported
-            self._finish(flight, "failed", error=str(exc))
-            yield error_frame("the model replica failed mid-stream", code="replica_failed")
+            if flight.preempted_for is not None:
+                self._end(flight, _preempted(flight))
+                yield error_frame(
+                    http.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
+                )
+            elif flight.cancel_reason == "slow_reader":  # the edge stopped it: say so
+                self._end(flight, _cancelled(flight.progress, "slow_reader"))
+                yield error_frame(
+                    f"the stream was cancelled: the client read nothing for "
+                    f"{self.slow_reader_s:g} s while its buffer was full; billed the "
+                    f"{flight.progress.completion_tokens} completion tokens the engine produced",
+                    code="slow_reader",
+                )
+                self._reading(flight)
+            else:
+                self._end(flight, _failed(flight.progress, _failure(exc)))
+                yield error_frame("the model replica failed mid-stream", code="replica_failed")
             yield DONE
         except BaseException:
             # Client gone (CancelledError from Starlette, or GeneratorExit): cancel at once. The
@@ -415,175 +622,285 @@ class Edge:
             self._background(self._cancel_stream(flight, exchange, caller))
             raise
         finally:
+            self._stalled.pop(flight.request_id, None)
             if not client_gone:
                 await _abort(exchange, flight.progress)
                 if flight.idempotency_key and flight.state.status != "completed":
                     await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
 
     async def _cancel_stream(
-        self, flight: InFlight, exchange: ChatExchange, caller: Caller
+        self, flight: Flight, exchange: ChatExchange, caller: Caller
     ) -> None:
         """Abort the engine request and bill what it sent: everything received before the
         upstream connection is closed (vLLM's abort signal) and what the abort drains."""
         await _abort(exchange, flight.progress)  # never raises
-        self._finish(flight, "cancelled")
+        self._end(flight, _cancelled(flight.progress, flight.cancel_reason))
         if flight.idempotency_key:
             await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+
+    # --- slow readers --------------------------------------------------------------------------
+
+    def check_slow_readers(self, now: float) -> None:
+        """Cancel at the engine every stream whose client has read nothing for `slow_reader_s`
+        with its buffer full (Seed 004: slow clients must not pin resources): the engine stops,
+        its KV is freed, and the request is billed what the engine produced. The client gets an
+        error object and [DONE] when it reads again; if it still reads nothing `slow_reader_s`
+        later, its connection is dropped. `now` from time.monotonic(); called every 0.5 s
+        (api/runtime.py), so a slow reader is cancelled within `slow_reader_s` + 0.5 s of its
+        buffer filling."""
+        limit = self.slow_reader_s
+        if limit <= 0:
+            return
+        for flight in list(self.in_flight.values()):
+            exchange = flight.exchange
+            if (
+                exchange is None
+                or flight.cancel_reason is not None
+                or flight.preempted_for is not None
+                or exchange.stalled_s(now) < limit
+            ):
+                continue
+            flight.cancel_reason = "slow_reader"
+            self.metrics.slow_readers.inc()
+            self._stalled[flight.request_id] = (flight, now + limit)
+            self._background(self._cancel_slow_reader(flight, exchange))
+        for request_id, (flight, deadline) in list(self._stalled.items()):
+            if now < deadline:
+                continue
+            del self._stalled[request_id]
+            owner = flight.owner
+            if owner is not None and not owner.done():
+                flight.dropped = True
+                self.metrics.slow_readers_dropped.inc()
+                owner.cancel()
+
+    def _reading(self, flight: Flight) -> None:
+        """A cancelled slow reader took a frame: it is not dropped before another timeout."""
+        if flight.request_id in self._stalled:
+            self._stalled[flight.request_id] = (flight, time.monotonic() + self.slow_reader_s)
+
+    async def _cancel_slow_reader(self, flight: Flight, exchange: ChatExchange) -> None:
+        await _abort(exchange, flight.progress)  # never raises; drains the engine's count
+        self._end(flight, _cancelled(flight.progress, "slow_reader"))
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _replica_error(self, exc: BaseException, headers: dict[str, str]) -> ApiError:
+        if isinstance(exc, ReplicaHTTPError) and 400 <= exc.status < 500 and exc.status != 429:
+            err = exc.body.get("error", {}) if isinstance(exc.body, dict) else {}
+            err = err if isinstance(err, dict) else {}
+            return ApiError(
+                exc.status, str(err.get("message") or exc), param=err.get("param"),
+                code="engine_rejected", headers=headers,
+            )
+        retry_after = self.policy.backoff.retry_after_s(self.rng.random())
+        return http.replica_unavailable(retry_after, headers)
+
     # --- lifecycle bookkeeping -----------------------------------------------------------------
 
-    def _first_token(self, flight: InFlight) -> None:
+    def _first_token(self, flight: Flight) -> None:
         ttft_ms = flight.progress.ttft_ms
         self.metrics.ttft_of(flight.model).observe(ttft_ms / 1000)
-        # Staged, not written: it goes with the terminal event or the next lease renewal (5 s),
+        # Staged, not written: it goes with the terminal event or the next lease renewal (0.5 s),
         # which saves a commit per request without losing the instant it happened.
-        self._stage(flight, (lifecycle.RecordFirstToken(request_id=flight.request_id,
-                                                        ttft_ms=ttft_ms),))
+        self.recorder.stage(flight, lifecycle.RecordFirstToken(ttft_ms=ttft_ms))
 
-    def _finish(self, flight: InFlight, how: str, *, error: str = "") -> None:
+    def _track(self, flight: Flight) -> None:
+        """An admitted request is in flight on this edge until `_end`."""
+        self.in_flight[flight.request_id] = flight
+        self.metrics.in_flight.inc()
+        self.metrics.admitted_of(flight.tier, flight.model).inc()
+
+    def _end(self, flight: Flight, command: _Terminal) -> None:
         """The one place a request ends on this edge: terminal event, refund, release."""
         if flight.finished:
             return
+        if flight.preempted_for is not None and not isinstance(command, lifecycle.PreemptRequest):
+            # Whatever path noticed the abort first (the stream breaking, the preemption's own
+            # task), a preempted request ends preempted, with the engine's counts.
+            command = _preempted(flight)
         flight.finished = True
         p = flight.progress
-        rid = flight.request_id
-        command: Any
-        if how == "completed":
-            command = lifecycle.CompleteRequest(
-                request_id=rid, prompt_tokens=p.prompt_tokens,
-                completion_tokens=p.completion_tokens, cached_tokens=p.cached_tokens,
-                finish_reason=p.finish_reason or "stop", ttft_ms=p.ttft_ms, tpot_us=p.tpot_us,
-            )
-            if p.tpot_us:
-                self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
-        elif how == "cancelled":
-            command = lifecycle.CancelRequest(
-                request_id=rid, prompt_tokens=p.prompt_tokens,
-                completion_tokens=p.completion_tokens, cached_tokens=p.cached_tokens,
-                reason="client_disconnected", engine_reported=p.engine_reported,
-            )
-        else:
-            command = lifecycle.FailRequest(
-                request_id=rid, prompt_tokens=p.prompt_tokens,
-                completion_tokens=p.completion_tokens, cached_tokens=p.cached_tokens,
-                error=error[:500],
-            )
+        if isinstance(command, lifecycle.CompleteRequest) and p.tpot_us:
+            self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
         try:
-            self._record_nowait(flight, command)
+            self.recorder.record(flight, command)
         finally:
-            self.quota.refund(rid, p.prompt_tokens + p.completion_tokens, self.clock())
+            if (
+                flight.shape is not None
+                and self.predictor is not None
+                and isinstance(command, lifecycle.CompleteRequest)
+            ):
+                # Only a completed request's count is its natural length: a cancelled or failed
+                # one stopped short, and would teach the history and the coverage to expect less.
+                state = flight.state
+                reserved = state.reserved_output_tokens if state.predictor_version else None
+                self.predictor.observe(flight.shape, reserved, p.completion_tokens)
+            # Preempted: our decision, so the tenant's quota gets all of the reservation back.
+            preempted = isinstance(command, lifecycle.PreemptRequest)
+            used = 0 if preempted else p.prompt_tokens + p.completion_tokens
+            now = self.clock()
+            self.quota.refund(flight.request_id, used, now)
+            if self.paths.knows(flight.request_id):
+                self._true_up(flight, used, now, preempted)
             self.fleet.release(flight.choice)
-            if self.in_flight.pop(rid, None) is not None:
+            if self.in_flight.pop(flight.request_id, None) is not None:
                 self.metrics.in_flight.dec()
-            self.metrics.finished_of(how).inc()
-
-    def _submit_admission(self, flight: InFlight, *commands: Any) -> asyncio.Future[AppendResult]:
-        """Record the admission with this loop iteration's group; the future is its commit."""
-        self._stage(flight, commands)
-        return self.commits.commit(self._take_pending(flight))
-
-    def _check_admission(self, result: AppendResult) -> None:
-        self._count_append(result)
-        if not result.ok:
-            raise ApiError(
-                503, "the event store could not record the admission; retry later",
-                type="server_error", code="store_unavailable",
+            status = _TERMINAL_LABEL[type(command)]
+            self.metrics.finished_of(status).inc()
+            admitted_at = flight.state.admitted_at or self.clock()
+            self._count_outcome(
+                flight.tenant_id, flight.tier, flight.model, status, admitted_at, command
             )
 
-    def _track(self, flight: InFlight, tier: str) -> None:
-        """An admitted request is in flight on this edge until `_finish`."""
-        self.in_flight[flight.request_id] = flight
-        self.metrics.in_flight.inc()
-        self.metrics.admitted_of(tier, flight.model).inc()
+    def _true_up(self, flight: Flight, used: int, now: datetime, preempted: bool) -> None:
+        """Every level's reservation becomes what the bill will say: the same engine counts at
+        the price in force at admission for its service tier (`domain.lifecycle`'s bill; a
+        preempted request bills nothing), so the bill changes nothing."""
+        p = flight.progress
+        state = flight.state
+        admitted_at = state.admitted_at or now
+        price = self.control.price(flight.model, admitted_at, state.service_tier)
+        amount = 0 if preempted else amount_micros(
+            price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
+        )  # fmt: skip
+        self.paths.finish(flight.request_id, used, amount, p.tool_calls, now)
 
-    def _record_nowait(self, flight: InFlight, *commands: Any) -> None:
-        self._stage(flight, commands)
-        self._submit_lazy(self._take_pending(flight))
-
-    def _submit_lazy(self, batch: AppendBatch) -> None:
-        """Record without waiting: the batch may share the next admission's commit."""
-        self.commits.later(batch).add_done_callback(self._check_append)
-
-    def _stage(self, flight: InFlight, commands: tuple[Any, ...]) -> None:
-        """Run commands through the lifecycle rules and keep their events for the next append.
-        That append carries the stream version the edge expects, so anyone else writing to this
-        request's stream is caught by the store."""
-        if not flight.pending:
-            flight.pending_from = flight.state.version
-        at = self.clock()
-        for command in commands:
-            for event in lifecycle.decide(flight.state, command):
-                flight.pending.append(
-                    NewEvent(new_id(), flight.request_id, flight.tenant_id, at, event)
-                )
-                flight.state = lifecycle.evolve_event(flight.state, event, at)
-
-    def _take_pending(self, flight: InFlight) -> AppendBatch:
-        batch = AppendBatch(flight.request_id, flight.pending_from, tuple(flight.pending))
-        flight.pending = []
-        return batch
-
-    def _check_append(self, future: Any) -> None:
-        try:
-            result = future.result()
-        except Exception as exc:  # the writer itself failed: counted and logged, loudly
-            self.metrics.append_failures.inc()
-            log.error("event append failed: %r", exc)
-            return
-        self._count_append(result)
-
-    def _count_append(self, result: AppendResult) -> None:
-        if result.ok:
-            for r in result.records:
-                self.metrics.events_of(r.type).inc()
-        else:
-            self.metrics.append_failures.inc()
-            log.error("event append failed for %s: %s", result.stream_id, result.error)
+    def _count_outcome(
+        self, tenant_id: str, tier: str, model: str, status: str, admitted_at: datetime,
+        command: _Terminal | None = None, reject_reason: str | None = None,
+    ) -> None:
+        """The live goodput counters: the same classification as `tollgate ledger goodput`,
+        against the objective in force at the request's admission."""
+        done = command if isinstance(command, lifecycle.CompleteRequest) else None
+        found = goodput.outcome(
+            status,
+            self.control.slo(tier, admitted_at),
+            ttft_ms=done.ttft_ms if done else None,
+            tpot_us=done.tpot_us if done else None,
+            reject_reason=reject_reason,
+        )
+        if found is not None:
+            self.metrics.count_outcome(tenant_id, tier, model, found)
 
     def _reject(
         self, request_id: str, caller: Caller, model: str, reason: str, retry_after_s: int,
         detail: str, is_retry: bool,
     ) -> None:
-        """A refusal is a fact too: recorded, counted, never silent."""
         self.metrics.rejected.labels(reason, caller.tier).inc()
-        event = RequestRejected(
-            request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
-            model=model, tier=caller.tier, reason=reason, retry_after_s=retry_after_s,
-            detail=detail[:300], is_retry=is_retry,
+        now = self.clock()
+        self._count_outcome(
+            caller.tenant_id, caller.tier, model, "rejected", now, reject_reason=reason
         )
-        new = NewEvent(new_id(), request_id, caller.tenant_id, self.clock(), event)
-        self._submit_lazy(AppendBatch(request_id, 0, (new,)))
+        self.recorder.reject(
+            lifecycle.RejectRequest(
+                request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
+                model=model, tier=caller.tier, reason=reason,  # type: ignore[arg-type]
+                retry_after_s=retry_after_s, detail=detail[:300], is_retry=is_retry,
+            ),
+            caller.tenant_id,
+            now,
+        )
 
     # --- leases --------------------------------------------------------------------------------
 
     def renew_leases(self) -> None:
-        """One LeasesRenewed per edge, carrying each in-flight request's engine counts (and the
-        quota view forgets what has aged out of its windows)."""
+        """One LeasesRenewed for this edge, carrying each in-flight request's engine counts (and
+        the quota view forgets what has aged out of its windows)."""
         self.quota.prune(self.clock())
-        live = [f for f in list(self.in_flight.values()) if not f.finished]
-        for flight in live:
-            if flight.pending:
-                self._submit_lazy(self._take_pending(flight))
-        if not live:
-            return
-        progress = tuple(
-            LeaseProgress(
-                request_id=f.request_id, tenant_id=f.tenant_id,
-                prompt_tokens=f.progress.prompt_tokens,
-                completion_tokens=f.progress.completion_tokens,
-                cached_tokens=f.progress.cached_tokens,
-            )
-            for f in live
+        self.paths.prune(self.clock())
+        self.recorder.renew(self.edge_id, list(self.in_flight.values()))
+
+
+def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
+    """The system prompt as a number the predictor may learn from: a hash keyed by the tenant,
+    modulo 64, so it says nothing of the text and one tenant's bucket 7 is unrelated to
+    another's. -1 when the chat has no system (or developer) message first."""
+    first = req.messages[0] if req.messages else None
+    if not isinstance(first, dict) or first.get("role") not in ("system", "developer"):
+        return -1
+    digest = hashlib.blake2b(
+        orjson.dumps(first.get("content")), digest_size=8,
+        key=caller.tenant_id.encode()[:64],
+    ).digest()
+    return int.from_bytes(digest) % SYSTEM_PROMPT_BUCKETS
+
+
+_Terminal = (
+    lifecycle.CompleteRequest
+    | lifecycle.CancelRequest
+    | lifecycle.FailRequest
+    | lifecycle.PreemptRequest
+)
+_TERMINAL_LABEL: dict[type, str] = {
+    lifecycle.CompleteRequest: "completed",
+    lifecycle.CancelRequest: "cancelled",
+    lifecycle.FailRequest: "failed",
+    lifecycle.PreemptRequest: "preempted",
+}
+
+
+class Preempted(Exception):
+    """A flex request was preempted before its engine request was opened."""
+
+
+# What a flex request's path sees when its preemption aborts the engine request (an in-process
+# engine's exchange ends with ConnectionAbortedError).
+_PREEMPTED_ERRORS = (*_REPLICA_ERRORS, Preempted, ConnectionAbortedError)
+
+
+def _preempted(flight: Flight) -> lifecycle.PreemptRequest:
+    p = flight.progress
+    return lifecycle.PreemptRequest(
+        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
+        cached_tokens=p.cached_tokens, replica_id=flight.choice.replica_id,
+        preempted_for=flight.preempted_for or "",
+    )
+
+
+def _completed(p: Progress) -> lifecycle.CompleteRequest:
+    return lifecycle.CompleteRequest(
+        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
+        cached_tokens=p.cached_tokens, finish_reason=p.finish_reason or "stop",
+        ttft_ms=p.ttft_ms, tpot_us=p.tpot_us, tool_calls=p.tool_calls,
+    )
+
+
+def _cancelled(p: Progress, reason: CancelReason | None = None) -> lifecycle.CancelRequest:
+    return lifecycle.CancelRequest(
+        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
+        cached_tokens=p.cached_tokens, reason=reason or "client_disconnected",
+        engine_reported=p.engine_reported, tool_calls=p.tool_calls,
+    )
+
+
+def _failure(exc: BaseException) -> str:
+    """What a failed request's event says of a replica failure: its kind, status and codes,
+    never the engine's message (an engine's validation error may quote the prompt, and prompts
+    are never stored)."""
+    if isinstance(exc, ReplicaHTTPError):
+        err = exc.body.get("error") if isinstance(exc.body, dict) else None
+        return f"replica answered {exc.status}" + (
+            f" ({_engine_error(err)})" if isinstance(err, dict) else ""
         )
-        stream = f"edge-{self.edge_id}"
-        event = LeasesRenewed(edge_id=self.edge_id, progress=progress)
-        new = NewEvent(new_id(), stream, "", self.clock(), event)
-        self._submit_lazy(AppendBatch(stream, None, (new,)))
+    if isinstance(exc, ReplicaStreamBroken):
+        return f"stream broken before [DONE]: {exc.reason}"  # our own words
+    return str(exc) if isinstance(exc, ReplicaUnavailable) else type(exc).__name__
+
+
+def _engine_error(error: dict[str, Any]) -> str:
+    fields = (f"{k}={error.get(k)}" for k in ("type", "code", "param") if error.get(k))
+    return "engine error " + (" ".join(fields) or "(no code)")
+
+
+def _failed(p: Progress, error: str) -> lifecycle.FailRequest:
+    return lifecycle.FailRequest(
+        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
+        cached_tokens=p.cached_tokens, error=error[:500], tool_calls=p.tool_calls,
+    )
 
 
 async def _committed(admission: asyncio.Future[AppendResult] | None) -> bool:
@@ -609,29 +926,3 @@ async def _abort(exchange: ChatExchange | None, progress: Progress) -> None:
         log.debug("aborting the engine request raised %r", exc)
     if exchange.last_usage is not None:
         progress.absorb_usage(exchange.last_usage)
-
-
-def _replica_error(exc: Exception, headers: dict[str, str], rng: random.Random) -> ApiError:
-    if isinstance(exc, ReplicaHTTPError) and 400 <= exc.status < 500 and exc.status != 429:
-        err = exc.body.get("error", {}) if isinstance(exc.body, dict) else {}
-        err = err if isinstance(err, dict) else {}
-        return ApiError(
-            exc.status, str(err.get("message") or exc), param=err.get("param"),
-            code="engine_rejected", headers=headers,
-        )
-    return ApiError(
-        503, "the model replica is unavailable; retry later", type="capacity",
-        code="replica_unavailable",
-        headers={**headers, "Retry-After": str(5 + rng.randrange(0, 6))},
-    )
-
-
-def _error_type(reason: str) -> str:
-    return {"invalid": "invalid_request_error", "retry_budget": "capacity"}.get(reason, reason)
-
-
-def _error_code(reason: str) -> str:
-    return {
-        "invalid": "invalid_value",
-        "retry_budget": "retry_budget_exhausted",
-    }.get(reason, "rate_limit_exceeded")

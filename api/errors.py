@@ -6,6 +6,10 @@ from typing import Any
 
 import orjson
 
+# Error messages are echoed to the client and copied into refusal events; some quote a value the
+# client sent (an unknown model, a tenant name). Bounded here, once, whatever the caller built.
+MAX_MESSAGE_CHARS = 1_024
+
 
 class ApiError(Exception):
     """An error answered to the client: status, OpenAI `type`, the field at fault and headers."""
@@ -20,6 +24,8 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[: MAX_MESSAGE_CHARS - 1] + "…"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,5 +47,8 @@ def error_frame(message: str, type: str = "server_error", code: str | None = Non
     return b"data: " + orjson.dumps(error_body(message, type, None, code)) + b"\n\n"
 
 
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value" if param else None)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 naming the field at fault; `code` as OpenAI's (invalid_type, invalid_value, ...)."""
+    if code is None and param is not None:
+        code = "invalid_value"
+    return ApiError(400, message, param=param, code=code)

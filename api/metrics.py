@@ -6,6 +6,8 @@ from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from domain.goodput import Attainment
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
 
@@ -30,8 +32,12 @@ class Children(Generic[M]):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, *, max_tenant_labels: int = 50) -> None:
         self.registry = r = CollectorRegistry()
+        # Tenant is a label only for the first `max_tenant_labels` tenants seen: the others are
+        # counted as "other", so a platform with many tenants cannot explode the series count.
+        self.max_tenant_labels = max_tenant_labels
+        self._tenant_labels: set[str] = set()
         self.ttft = Histogram(
             "tollgate_ttft_seconds", "Time to first token seen by the edge.", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r,
@@ -53,7 +59,38 @@ class Metrics:
         self.finished = Counter(
             "tollgate_requests_finished", "Terminal events by kind.", ["terminal"], registry=r
         )
+        self.downgraded = Counter(
+            "tollgate_requests_downgraded",
+            "Requests served by another model than the one asked for, with the tenant's consent.",
+            ["requested", "served"],
+            registry=r,
+        )
+        self.desired_replicas = Gauge(
+            "tollgate_desired_replicas",
+            "Replicas each model version should have one cold start from now (the autoscaling "
+            "signal: KV demand forecast, waiting and reserved terms, with hysteresis).",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_replicas = Gauge(
+            "tollgate_fleet_replicas",
+            "Replicas serving each model version now, or starting.",
+            ["model"],
+            registry=r,
+        )
         self.in_flight = Gauge("tollgate_in_flight", "Requests in flight on this edge.", registry=r)
+        self.slow_readers = Counter(
+            "tollgate_slow_readers_cancelled",
+            "Streams cancelled at the engine because the client read nothing for the slow-reader "
+            "timeout with its buffer full.",
+            registry=r,
+        )
+        self.slow_readers_dropped = Counter(
+            "tollgate_slow_readers_dropped",
+            "Connections dropped because a cancelled slow reader still read nothing a slow-reader "
+            "timeout later.",
+            registry=r,
+        )
         self.kv_occupancy = Gauge(
             "tollgate_replica_kv_occupancy", "Last scraped KV-cache occupancy (0..1).",
             ["replica", "model"], registry=r,
@@ -65,6 +102,64 @@ class Metrics:
         self.events = Counter(
             "tollgate_events_appended", "Events committed to the event store.", ["type"], registry=r
         )
+        self.attained = Counter(
+            "tollgate_requests_attained",
+            "Requests that completed within their tier's TTFT and TPOT objectives.",
+            ["tenant", "tier", "model"],
+            registry=r,
+        )
+        self.not_attained = Counter(
+            "tollgate_requests_not_attained",
+            "Requests that did not attain their objective, by outcome (missed_ttft, missed_tpot, "
+            "cancelled, failed, lease_expired, refused_capacity, shed, refused_quota, invalid).",
+            ["tenant", "tier", "model", "outcome"],
+            registry=r,
+        )
+        self.attainment_ratio = Gauge(
+            "tollgate_slo_attainment_ratio",
+            "Attained / served (admitted requests) on this edge since it started, per tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.goodput_ratio = Gauge(
+            "tollgate_goodput_ratio",
+            "Attained / offered (every request but invalid ones) on this edge since it started.",
+            ["tier"],
+            registry=r,
+        )
+        # The flex class (service_tier "flex" and batch items), per model and tenant tier.
+        self.flex = Counter(
+            "tollgate_flex_requests",
+            "Flex-class requests by what became of them at the router: admitted, refused (no "
+            "idle capacity: 429 resource_unavailable) or preempted (aborted for interactive "
+            "work).",
+            ["model", "tier", "outcome"],
+            registry=r,
+        )
+        self.flex_of = Children(self.flex)
+        self.preemptions = Counter(
+            "tollgate_preemptions",
+            "Interactive requests admitted by preempting flex work on their replica.",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.preemptions_of = Children(self.preemptions)
+        self.batches_open = Gauge(
+            "tollgate_batches_open", "Batches not yet ended (validating to finalizing).",
+            registry=r,
+        )
+        self.batch_items_pending = Gauge(
+            "tollgate_batch_queue_depth", "Batch items without an outcome, over open batches.",
+            registry=r,
+        )
+        self.batch_age = Gauge(
+            "tollgate_batch_queue_age_seconds",
+            "Age of the oldest open batch that still has items to run (0: none).",
+            registry=r,
+        )
+        self.attained_of = Children(self.attained)
+        self.not_attained_of = Children(self.not_attained)
+        self.outcomes: dict[str, dict[str, int]] = {}  # tier -> outcome -> count, for the ratios
         # The request path's labelled metrics, through the cache above.
         self.ttft_of = Children(self.ttft)
         self.tpot_of = Children(self.tpot)
@@ -74,11 +169,73 @@ class Metrics:
         self.append_failures = Counter(
             "tollgate_event_append_failures", "Event appends that failed.", registry=r
         )
+        self.append_conflicts = Counter(
+            "tollgate_event_append_conflicts",
+            "Appends that lost to another writer of the stream (the lease sweeper) and were "
+            "decided again on the stored stream.",
+            registry=r,
+        )
         self.billing_dead_letters = Gauge(
             "tollgate_billing_dead_letters", "Ended requests the billing fold could not bill.",
             registry=r,
         )
+        self.output_predicted = Counter(
+            "tollgate_output_predicted",
+            "Admissions whose output reservation was an output-length prediction.",
+            ["tenant"],
+            registry=r,
+        )
+        self.output_prediction_fallbacks = Counter(
+            "tollgate_output_prediction_fallbacks",
+            "Admissions that reserved their whole output cap although a predictor is configured, "
+            "by reason (no_model, unknown_tenant, little_history, low_coverage).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.output_prediction_coverage = Gauge(
+            "tollgate_output_prediction_coverage_ratio",
+            "Realised coverage per tenant: the share of its recent predicted requests whose "
+            "output stayed within the reservation (the target is the model's quantile).",
+            ["tenant"],
+            registry=r,
+        )
+        self.output_predicted_of = Children(self.output_predicted)
+        self.output_prediction_fallbacks_of = Children(self.output_prediction_fallbacks)
         self.billing_lag = Gauge(
             "tollgate_billing_lag_events", "Committed events the billing fold has not applied yet.",
             registry=r,
         )
+
+    def tenant_label(self, tenant_id: str) -> str:
+        labels = self._tenant_labels
+        if tenant_id in labels:
+            return tenant_id
+        if len(labels) < self.max_tenant_labels:
+            labels.add(tenant_id)
+            return tenant_id
+        return "other"
+
+    def count_outcome(self, tenant_id: str, tier: str, model: str, outcome: str) -> None:
+        tenant = self.tenant_label(tenant_id)
+        if outcome == "attained":
+            self.attained_of(tenant, tier, model).inc()
+        else:
+            self.not_attained_of(tenant, tier, model, outcome).inc()
+        per_tier = self.outcomes.setdefault(tier, {})
+        per_tier[outcome] = per_tier.get(outcome, 0) + 1
+
+    def count_prediction(self, tenant_id: str, skipped: str | None) -> None:
+        tenant = self.tenant_label(tenant_id)
+        if skipped is None:
+            self.output_predicted_of(tenant).inc()
+        else:
+            self.output_prediction_fallbacks_of(tenant, skipped).inc()
+
+    def refresh_ratios(self) -> None:
+        """Set the ratio gauges from the outcome counts (at scrape time, not per request)."""
+        for tier, counts in self.outcomes.items():
+            a = Attainment(counts)
+            if a.attainment_ppm is not None:
+                self.attainment_ratio.labels(tier).set(a.attainment_ppm / 1e6)
+            if a.goodput_ppm is not None:
+                self.goodput_ratio.labels(tier).set(a.goodput_ppm / 1e6)

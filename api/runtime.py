@@ -1,7 +1,7 @@
 """The composition root of one Tollgate edge process: it builds the store, writer, views, fleet
-and edge, follows the control plane, and starts (and supervises) the fold worker process that
-runs billing, the read models and the lease sweeper (streams/worker.py). Nothing is built at
-import time."""
+and edge, follows the control plane, and has the fold worker process that runs billing, the read
+models and the lease sweeper (streams/worker.py) started and supervised
+(streams/supervisor.py). Nothing is built at import time."""
 
 from __future__ import annotations
 
@@ -9,57 +9,56 @@ import asyncio
 import logging
 import os
 import random
-import signal
+import secrets
 import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from api.backoffice import Backoffice
-from api.config import ServeSettings
+from api.batch_service import BatchService
+from api.config import ServeSettings, data_dir, default_predictor_dir
 from api.edge import Edge
 from api.idempotency_service import AsyncIdempotency
 from api.metrics import Metrics
-from domain import admission
-from domain.control import CONTROL_PREFIXES, ControlView
+from api.runs_service import RunService
+from api.scaling import Actuator, ScalingLoop
+from api.sessions import Sessions, load_secret
+from domain.autoscale import ScalePolicy
+from domain.capacity import FlexPolicy
+from domain.quota import QuotaView
+from engine_adapter.discovery import ServedModel, discover
+from engine_adapter.estimators import WordTokenEstimator
 from engine_adapter.fleet import Fleet
+from ledger.batches import BatchStore
+from ledger.budgets import catch_up
+from ledger.commands import CommandHandler
+from ledger.commits import LoopCommits
+from ledger.control import ControlLog
 from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore
 from ledger.writer import GroupCommitWriter
+from predictor.runtime import LoadedPredictor
+from streams.status import read_status
+from streams.supervisor import FoldWorkerSupervisor
 from streams.worker import FoldStatus, read_fold_status
 
 log = logging.getLogger("tollgate")
 
 # The control-plane follower's period: a new key, limit or price is in force within this.
 CONTROL_POLL_S = 0.2
-# A fold worker that died is started again after this pause.
-WORKER_RESTART_S = 1.0
-
-
-def follow_control(store: SqlEventStore, control: ControlView, position: int) -> int:
-    """Apply the control-plane records after `position` to `control`; returns the position
-    scanned to.
-
-    That is the log's end as read before the scan, not the last control record: requests'
-    events far outnumber control ones, and each poll would otherwise scan again every event
-    since the last key or price change (7 % of the edge's CPU ten seconds after start, and
-    growing). Positions commit in order (the store's append lock), so every event up to the end
-    read first is visible to the scan that follows."""
-    end = store.last_position()
-    while records := store.read_all(position, 1000, stream_prefixes=CONTROL_PREFIXES):
-        for record in records:
-            control.apply(record)
-        position = records[-1].position
-    return max(position, end)
+# How often streams are checked for a client that stopped reading: the slow-reader bound is the
+# timeout plus this.
+SLOW_READER_CHECK_S = 0.5
 
 
 def new_edge_id() -> str:
@@ -74,6 +73,7 @@ class Runtime:
     edge_id: str = field(default_factory=new_edge_id)
 
     def __post_init__(self) -> None:
+        self.metrics.max_tenant_labels = self.settings.metrics_max_tenants
         upgrade(self.settings.database_url)
         # The fold worker checkpoints SQLite's WAL (it commits every pass); the edge does so
         # itself only if the WAL passes ~40 MB (no worker running), never at the default ~4 MB.
@@ -81,46 +81,94 @@ class Runtime:
             self.settings.database_url, wal_autocheckpoint=10 * DEFAULT_WAL_AUTOCHECKPOINT
         )
         self.store = SqlEventStore(self.engine)
-        # The edge's event loop forms the groups (api/commits.py) and commits them itself when
+        # The edge's event loop forms the groups (ledger/commits.py) and commits them itself when
         # that costs no waiting; this thread commits the rest, with no artificial delay.
         self.writer = GroupCommitWriter(self.store, max_delay_ms=0)
-        self.control = ControlView()
-        # Position first, then the streams: a control event committed in between is read twice
-        # (the view ignores a repeat), never missed.
-        self.control_position = self.store.last_position()
-        for record in self.store.read_streams_with_prefix(CONTROL_PREFIXES):
-            self.control.apply(record)
-        self.quota = admission.QuotaView(limits_for=self.control.limits)
+        self.control_log = ControlLog(self.store)
+        self.control = self.control_log.view
+        self.quota = QuotaView(limits_for=self.control.limits)
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
         self.backoffice = Backoffice(self.engine, self.store, self.control)
+        # The web pages' sessions (api/sessions.py): signed with a secret every edge shares.
+        self.sessions = Sessions(load_secret(data_dir()))
+        self.batches = BatchService(
+            BatchStore(self.engine), self.store, CommandHandler(self.store),
+            windows=self.settings.batch_windows,
+        )
+        if not self.settings.batch_token:
+            self.settings.batch_token = secrets.token_urlsafe(32)
+        # Batch items still to run, per model version: deferred demand for the autoscaler.
+        self.deferred_items: dict[str, int] = {}
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.edge: Edge = None  # type: ignore[assignment]  # set in start(): needs the fleet
-        self.worker: subprocess.Popen[bytes] | None = None
-        self._worker_started = 0.0
+        self.runs: RunService = None  # type: ignore[assignment]  # set in start(), with the edge
+        self.fold_worker: FoldWorkerSupervisor | None = None
+        self.commits: LoopCommits | None = None
+        self.scaling: ScalingLoop | None = None
         self._stop = threading.Event()
         self._follower: threading.Thread | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.control_error: str | None = None
         self._fold_status: tuple[float, FoldStatus] | None = None
+        self._pipeline_stale: tuple[str, ...] = ()
+        # Per model version: the engine's name for it, its context and its prompt estimator.
+        self.served: dict[str, ServedModel] = {}
+        self.predictor: LoadedPredictor | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    async def start(self, replicas: list[tuple[str, str, str]]) -> None:
-        """`replicas`: (replica_id, model, url) of the engines to route to."""
+    async def start(
+        self,
+        replicas: list[tuple[str, str, str]],
+        *,
+        simulated: bool = False,
+        tokenizers: dict[str, str] | None = None,
+        actuator: Actuator | None = None,
+    ) -> None:
+        """`replicas`: (replica_id, model, url) of the engines to route to; `tokenizers`: model
+        -> directory of its tokenizer, where the replica's own `root` is not readable here;
+        `actuator`: what adds and removes replicas by the autoscaling signal (else the signal
+        is only shown). A served model without a profile refuses the start (DomainError, one
+        line)."""
+        profiles = {model: self.control.model_profile(model) for _, model, _ in replicas}
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
-        self.fleet = Fleet(self.session, scrape_interval_s=self.settings.scrape_interval_s)
+        self.fleet = Fleet(
+            self.session,
+            scrape_interval_s=self.settings.scrape_interval_s,
+            flex=FlexPolicy(ceiling_ppm=self.settings.flex_ceiling_ppm),
+        )
         for replica_id, model, url in replicas:
             self.fleet.add(replica_id, url, model)
+        self.served = await discover(
+            self.session, [state.replica for state in self.fleet.replicas()],
+            simulated=simulated, tokenizers=tokenizers,
+            default_max_model_len={m: p.max_model_len for m, p in profiles.items()},
+        )  # fmt: skip
         await self.fleet.start()
+        self.commits = LoopCommits(self.writer)
+        # Each model's own tokenizer and template where discovery found them; the simulator's
+        # word count otherwise (exact for simulated replicas, rough in front of a real one).
+        words = WordTokenEstimator()
+        estimators = {m: s.estimator for m, s in self.served.items() if s.estimator is not None}
+        if self.settings.predictor_enabled:
+            self.predictor = self._load_predictor()
         self.edge = Edge(
-            control=self.control, quota=self.quota, fleet=self.fleet, writer=self.writer,
-            idempotency=self.idempotency, metrics=self.metrics, edge_id=self.edge_id,
-            tpot_target_us=self.settings.tpot_target_us, rng=random.Random(),
+            control=self.control, quota=self.quota, fleet=self.fleet, events=self.commits,
+            idempotency=self.idempotency, metrics=self.metrics,
+            tokens=lambda model: estimators.get(model, words),
+            edge_id=self.edge_id, tpot_target_us=self.settings.tpot_target_us,
+            rng=random.Random(), commands=CommandHandler(self.store),
+            slow_reader_s=self.settings.slow_reader_s,
+            stream_buffer_chunks=self.settings.stream_buffer_chunks,
+            predictor=self.predictor,
         )
+        # Budgets and runs count what was spent before this process started.
+        catch_up(self.store, self.edge.paths, datetime.now(UTC))
+        self.runs = RunService(self.control_log, CommandHandler(self.store), self.edge.paths)
         self._follower = threading.Thread(
             target=self._follow_control, name="tollgate-control", daemon=True
         )
@@ -129,10 +177,26 @@ class Runtime:
         self._tasks = [
             loop.create_task(self._every(self.settings.lease_renew_s, self.edge.renew_leases)),
             loop.create_task(self._every(600, self._purge_idempotency)),
+            loop.create_task(self._every(SLOW_READER_CHECK_S, self._check_slow_readers)),
+            loop.create_task(self._every(2.0, self._batch_gauges)),
         ]
+        policy = ScalePolicy(
+            cold_start_s=self.settings.cold_start_s,
+            scale_down_after_s=self.settings.scale_down_after_s,
+        )
+        if self.predictor is not None:
+            self._tasks.append(
+                loop.create_task(self._every(self.settings.predictor_reload_s, self._reload))
+            )
+        self.scaling = ScalingLoop(
+            self.fleet, self.metrics, policy=policy, actuator=actuator,
+            deferred_items=lambda model: self.deferred_items.get(model, 0),
+        )
+        self._tasks.append(loop.create_task(self._every(policy.step_s, self.scaling.step)))
         if self.settings.fold_worker:
-            self._start_worker()
-            self._tasks.append(loop.create_task(self._every(0.5, self._supervise_worker)))
+            self.fold_worker = FoldWorkerSupervisor(self._worker_command(), env=self._worker_env())
+            self.fold_worker.start()
+            self._tasks.append(loop.create_task(self._every(0.5, self.fold_worker.check)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -141,14 +205,15 @@ class Runtime:
             await self.fleet.stop()
         if self.session is not None:
             await self.session.close()
-        if self.edge is not None:
-            self.edge.commits.hand_over()  # what still waits on the loop goes to the writer
+        if self.commits is not None:
+            self.commits.hand_over()  # what still waits on the loop goes to the writer
         self.writer.close()
         self._stop.set()
         if self._follower is not None:
             self._follower.join(timeout=5)
         # The worker folds what the writer flushed last, then exits.
-        await asyncio.to_thread(self._stop_worker)
+        if self.fold_worker is not None:
+            await asyncio.to_thread(self.fold_worker.stop)
         self.engine.dispose()
 
     async def _every(self, seconds: float, fn: Any) -> None:
@@ -161,6 +226,37 @@ class Runtime:
             except Exception:
                 log.exception("periodic task %s failed", getattr(fn, "__name__", fn))
 
+    def _check_slow_readers(self) -> None:
+        self.edge.check_slow_readers(time.monotonic())
+
+    def _predictor_path(self) -> Path:
+        configured = self.settings.predictor_path
+        return Path(configured) if configured else default_predictor_dir()
+
+    def _load_predictor(self) -> LoadedPredictor:
+        """The output predictor, its history warmed from the log (a model file that cannot be
+        read refuses the start: serving without the model asked for would go unnoticed)."""
+        predictor = LoadedPredictor.from_path(self._predictor_path())
+        fed = predictor.warm(self.store)
+        log.info("output predictor: model %s, history of %d requests", predictor.version, fed)
+        return predictor
+
+    def _reload(self) -> None:
+        assert self.predictor is not None
+        if self.predictor.reload(self._predictor_path()):
+            log.info("output predictor: now model %s", self.predictor.version)
+    async def _batch_gauges(self) -> None:
+        queue = await asyncio.to_thread(self.batches.queue)
+        self.metrics.batches_open.set(queue.open_batches)
+        self.metrics.batch_items_pending.set(queue.pending_items)
+        self.metrics.batch_age.set(queue.oldest_age_s)
+        deferred: dict[str, int] = {}
+        for requested, items in queue.pending_by_model.items():
+            model = self.edge.resolve_model(requested)
+            if model is not None:
+                deferred[model] = deferred.get(model, 0) + items
+        self.deferred_items = deferred
+
     async def _purge_idempotency(self) -> None:
         await self.idempotency.purge_expired()
 
@@ -171,9 +267,7 @@ class Runtime:
         edge writes is in force here within CONTROL_POLL_S."""
         while not self._stop.wait(CONTROL_POLL_S):
             try:
-                self.control_position = follow_control(
-                    self.store, self.control, self.control_position
-                )
+                self.control_log.follow()
                 self.control_error = None
             except Exception as exc:
                 log.exception("control-plane follower failed")
@@ -181,45 +275,35 @@ class Runtime:
 
     # --- the fold worker -----------------------------------------------------------------------
 
-    def _start_worker(self) -> None:
-        cmd = [
+    def _worker_command(self) -> list[str]:
+        # `tollgate worker`, told this process's pid so that it stops when the edge is gone.
+        return [
             sys.executable, "-m", "api.cli", "worker",
             "--database-url", self.settings.database_url,
             "--lease-ttl", str(self.settings.lease_ttl_s),
             "--parent-pid", str(os.getpid()),
         ]
-        self.worker = subprocess.Popen(cmd)
-        self._worker_started = time.monotonic()
-        log.info("fold worker started (pid %d)", self.worker.pid)
 
-    def _supervise_worker(self) -> None:
-        if self.worker is None or self._stop.is_set():
-            return
-        code = self.worker.poll()
-        if code is None:
-            return
-        if time.monotonic() - self._worker_started < WORKER_RESTART_S:
-            return  # a worker that dies at once is not restarted in a tight loop
-        log.error("fold worker exited with %s; starting it again", code)
-        self._start_worker()
-
-    def _stop_worker(self) -> None:
-        if self.worker is None:
-            return
-        self.worker.send_signal(signal.SIGTERM)
-        try:
-            self.worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            log.error("fold worker did not stop in 30 s; killing it")
-            self.worker.kill()
-            self.worker.wait()
-        self.worker = None
+    def _worker_env(self) -> dict[str, str]:
+        # The batch runner inside the worker sends items to this edge as flex requests.
+        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return {
+            **os.environ,
+            "TOLLGATE_EDGE_URL": f"http://{host}:{self.settings.port}",
+            "TOLLGATE_BATCH_TOKEN": self.settings.batch_token,
+            "TOLLGATE_BATCH_CONCURRENCY": str(self.settings.batch_concurrency),
+        }
 
     def fold_status(self) -> FoldStatus:
         """The folds' last report (worker_status), read at most once a second."""
         now = time.monotonic()
         if self._fold_status is None or now - self._fold_status[0] > 1.0:
-            self._fold_status = (now, read_fold_status(self.engine, datetime.now(UTC)))
+            at = datetime.now(UTC)
+            stale_s = self.settings.pipeline_stale_s
+            self._fold_status = (now, read_fold_status(self.engine, at, stale_s=stale_s))
+            # The heartbeats are FoldStatus's; the rest of the pipeline's staleness from here.
+            status = read_status(self.engine, at, stale_s=stale_s, heartbeats=False)
+            self._pipeline_stale = status.stale
         return self._fold_status[1]
 
     # --- views for the routes ------------------------------------------------------------------
@@ -234,7 +318,7 @@ class Runtime:
     def readiness(self) -> tuple[list[str], list[str]]:
         """(problems that make this edge unready, warnings that do not)."""
         folds = self.fold_status()
-        problems = list(folds.problems)
+        problems = [*folds.problems, *(f"pipeline: {p}" for p in self._pipeline_stale)]
         warnings = list(folds.warnings)
         if self.control_error:
             problems.append(f"control plane: {self.control_error}")
@@ -243,6 +327,11 @@ class Runtime:
         return problems, warnings
 
     def refresh_gauges(self) -> None:
+        self.metrics.refresh_ratios()
+        if self.predictor is not None:
+            for tenant, (covered, _, _) in self.predictor.coverage().items():
+                label = self.metrics.tenant_label(tenant)
+                self.metrics.output_prediction_coverage.labels(label).set(covered)
         folds = self.fold_status()
         self.metrics.billing_lag.set(folds.billing_lag)
         self.metrics.billing_dead_letters.set(folds.dead_letters)

@@ -3,12 +3,15 @@ starts a simulated fleet (or uses real replicas), prints the keys and a curl lin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
 import logging
 import os
+import socket
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from api.app import create_app
 from api.config import DEFAULT_MODELS, ServeSettings, data_dir
 from api.control_service import ControlService
 from api.runtime import Runtime
+from engine_adapter.fleet import Fleet
 
 log = logging.getLogger("tollgate.serve")
 
@@ -77,25 +81,90 @@ def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
                 service.set_price(model, *prices)
 
 
+async def start_simulated_replica_of(settings: ServeSettings, model: str, index: int) -> Any:
+    from engine_adapter.simulator.engine import SimConfig
+    from engine_adapter.simulator.server import start_simulated_replica
+
+    m_index = list(settings.models).index(model) if model in settings.models else 0
+    config = SimConfig(
+        model=model,
+        seed=settings.sim_seed + 100 * m_index + index,
+        speed=settings.sim_speed,
+        # a request never longer than the whole cache (vLLM refuses to start otherwise)
+        max_model_len=min(32_768, settings.sim_gpu_blocks * 16),
+        num_gpu_blocks=settings.sim_gpu_blocks,
+        max_num_seqs=settings.sim_max_num_seqs,
+        scheduling_policy=settings.sim_scheduling_policy,
+    )
+    return await start_simulated_replica(config)
+
+
 async def start_simulated_fleet(
     settings: ServeSettings,
 ) -> tuple[list[Any], list[tuple[str, str, str]]]:
-    from engine_adapter.simulated import SimConfig, start_simulated_replica
-
     handles, replicas = [], []
-    for m_index, model in enumerate(settings.models):
+    for model in settings.models:
         for i in range(settings.simulated_replicas):
-            config = SimConfig(
-                model=model,
-                seed=settings.sim_seed + 100 * m_index + i,
-                speed=settings.sim_speed,
-                max_model_len=32_768,
-                num_gpu_blocks=8_192,
-            )
-            handle = await start_simulated_replica(config)
+            handle = await start_simulated_replica_of(settings, model, i)
             handles.append(handle)
             replicas.append((f"sim-{model}-{i}", model, handle.url))
     return handles, replicas
+
+
+def parse_model_flags(flags: tuple[str, ...], option: str) -> list[tuple[str, str]]:
+    """MODEL=VALUE flags, in order."""
+    out = []
+    for flag in flags:
+        model, sep, value = flag.partition("=")
+        if not sep or not model or not value:
+            raise ValueError(f"{option} {flag!r}: give MODEL=VALUE")
+        out.append((model, value))
+    return out
+
+
+class SimulatedActuator:
+    """`tollgate serve --autoscale`: simulated replicas added by the autoscaling signal, each
+    serving only after the configured cold start (a real replica loads its weights meanwhile),
+    and stopped once the fleet has drained and removed them."""
+
+    def __init__(
+        self, settings: ServeSettings, fleet: Callable[[], Fleet], handles: dict[str, Any]
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.handles = handles  # replica id -> simulated replica handle
+        self._starting: dict[str, int] = {}
+        self._next = dict.fromkeys(settings.models, settings.simulated_replicas)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def starting(self, model: str) -> int:
+        return self._starting.get(model, 0)
+
+    async def add(self, model: str) -> None:
+        self._starting[model] = self.starting(model) + 1
+        task = asyncio.get_running_loop().create_task(self._start(model))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start(self, model: str) -> None:
+        try:
+            await asyncio.sleep(self.settings.cold_start_s)
+            index = self._next.get(model, 0)
+            self._next[model] = index + 1
+            handle = await start_simulated_replica_of(self.settings, model, index)
+            replica_id = f"sim-{model}-{index}"
+            self.handles[replica_id] = handle
+            self.fleet().add(replica_id, handle.url, model)
+            await self.fleet().refresh(check_health_too=True)
+            log.info("replica %s of %s serving after its cold start", replica_id, model)
+        finally:
+            self._starting[model] -= 1
+
+    async def remove(self, replica_id: str) -> None:
+        handle = self.handles.pop(replica_id, None)
+        if handle is not None:
+            await handle.stop()
+            log.info("replica %s stopped", replica_id)
 
 
 def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
@@ -137,7 +206,29 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
     else:
         handles, replicas = await start_simulated_fleet(settings)
     runtime = Runtime(settings)
-    await runtime.start(replicas)
+    actuator = None
+    if settings.autoscale:
+        if settings.replicas:
+            raise ValueError("--autoscale adds simulated replicas: it needs no --replica")
+        by_id = {r[0]: h for r, h in zip(replicas, handles, strict=True)}
+        fleet = lambda: runtime.fleet  # noqa: E731 - the fleet exists once the runtime started
+        actuator = SimulatedActuator(settings, fleet, by_id)  # type: ignore[arg-type]
+        handles = []  # the actuator owns them now (it stops those it removes)
+    try:
+        await runtime.start(
+            replicas, simulated=not settings.replicas,
+            tokenizers=dict(parse_model_flags(settings.tokenizers, "--tokenizer")),
+            actuator=actuator,
+        )  # fmt: skip
+    except BaseException:
+        # Refused (a model without a profile, a replica serving another model): nothing runs.
+        await runtime.stop()
+        if actuator is not None:
+            handles = list(actuator.handles.values())
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                await handle.stop()
+        raise
     app = create_app(runtime)
     config = uvicorn.Config(
         app,
@@ -163,12 +254,31 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
     base = f"http://{settings.host}:{settings.port}"
     _print_banner(base, settings, keys, replicas)
     try:
-        await server.serve()
+        await server.serve(sockets=_listening(settings))
     finally:
         await runtime.stop()
+        if actuator is not None:
+            handles = list(actuator.handles.values())
         for handle in handles:
             with contextlib.suppress(Exception):
                 await handle.stop()
+
+
+def _listening(settings: ServeSettings) -> list[socket.socket] | None:
+    """The listening socket, bound here when client connections get a fixed kernel send buffer
+    (Linux gives accepted sockets the listener's; a fixed size also turns off the kernel's
+    autotuning, which on loopback grows to megabytes). None: uvicorn binds its own."""
+    size = settings.client_send_buffer_bytes
+    if size <= 0:
+        return None
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return [sock]
 
 
 def _print_banner(

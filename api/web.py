@@ -4,22 +4,21 @@ support/admin read any request, a customer only its own (another tenant's id ans
 like an unknown one); finance/admin read every tenant's billing, a customer only its own.
 
 Browser authentication: `POST /ui/login` (form field `key`) sets an HttpOnly, SameSite=Strict
-cookie scoped to /ui holding the key. Pages read the key from that cookie or from an
-`Authorization: Bearer` header; `?key=...` on any /ui page is accepted once: it sets the cookie
-and redirects to the same URL without it. A missing or bad key renders the login page (401).
+cookie scoped to /ui holding a signed, expiring session (api/sessions.py: the key's id, an
+expiry, an HMAC), never the key itself. Pages take that session or an `Authorization: Bearer`
+header. A key in a URL (`?key=`) is refused (400), never used: it would sit in the browser's
+history and in every log on the way. A missing, expired or bad session renders the login page
+(401); a revoked key ends its sessions.
 
-All text reaches the HTML through Jinja2 with autoescape on; charts are computed here as plain
-numbers and drawn by the templates.
+All text reaches the HTML through Jinja2 with autoescape on; charts are laid out as plain numbers
+in `api/charts.py` and drawn by the templates.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import urllib.parse
-from collections import defaultdict
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from api.auth import Caller
 from api.backoffice import (
     ENTRY_COLUMNS,
     INVOICE_COLUMNS,
@@ -35,40 +35,29 @@ from api.backoffice import (
     timeline_json,
     to_csv,
 )
-from api.edge import Caller, new_request_id, utcnow
+from api.charts import STACKS, goodput_chart, money, time_chart, totals_chart
 from api.errors import ApiError
 from api.runtime import Runtime
+from api.sessions import SESSION_TTL_S
+from domain.events import LeaseExpired, QuotaRefunded, UsageBilled
+from ledger.ids import new_request_id, utcnow
 
-COOKIE = "tollgate_key"
+COOKIE = "tollgate_session"
+OLD_COOKIE = "tollgate_key"  # the raw key, as pages before sessions kept it: cleared on sight
 COOKIE_PATH = "/ui"
-COOKIE_MAX_AGE = 8 * 3600
+COOKIE_MAX_AGE = SESSION_TTL_S
 ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})
 MAX_LOGIN_BODY = 8192
 MAX_TABLE_ROWS = 500
-MAX_HOUR_BUCKETS = 96  # beyond this the bar chart groups by day
-MIN_BUCKETS = 24  # a short span is drawn as the day that ends with it
-MAX_BAR_WIDTH = 44.0
-STACKS = ("tenant", "model", "kind")
-# Okabe-Ito, readable by colour-blind readers; cycles past eight series.
-PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#999999")
-KIND_COLOURS = {"prompt (uncached)": "#0072B2", "cached": "#56B4E9", "completion": "#E69F00"}
 # Which timeline rows an anomaly points at, so the table can flag them.
 ANOMALY_EVENTS = {
-    "lease_expired": "LeaseExpired",
-    "refund_mismatch": "QuotaRefunded",
-    "bill_mismatch": "UsageBilled",
-    "not_refunded": "QuotaRefunded",
+    "lease_expired": LeaseExpired.EVENT_TYPE,
+    "refund_mismatch": QuotaRefunded.EVENT_TYPE,
+    "bill_mismatch": UsageBilled.EVENT_TYPE,
+    "not_refunded": QuotaRefunded.EVENT_TYPE,
 }
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-
-
-def _money(micros: int | None) -> str:
-    if micros is None:
-        return "—"
-    sign = "-" if micros < 0 else ""
-    whole, frac = divmod(abs(int(micros)), 1_000_000)
-    return f"{sign}{whole}.{frac:06d}"
 
 
 def _num(value: Any) -> str:
@@ -93,183 +82,11 @@ def make_environment() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["money"] = _money
+    env.filters["money"] = money
     env.filters["num"] = _num
     env.filters["short_time"] = _short_time
     env.globals["zip"] = zip
     return env
-
-
-# --- charts ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Bar:
-    x: float
-    y: float
-    w: float
-    h: float
-    colour: str
-    title: str
-
-
-@dataclass
-class Tick:
-    pos: float
-    label: str
-
-
-@dataclass
-class Chart:
-    """An SVG chart already laid out: the template only draws what is here."""
-
-    width: int
-    height: int
-    plot: tuple[float, float, float, float]  # left, top, right, bottom
-    bars: list[Bar] = field(default_factory=list)
-    y_ticks: list[Tick] = field(default_factory=list)
-    y2_ticks: list[Tick] = field(default_factory=list)
-    x_ticks: list[Tick] = field(default_factory=list)
-    line: str = ""  # polyline points
-    dots: list[tuple[float, float, str]] = field(default_factory=list)
-    legend: list[tuple[str, str]] = field(default_factory=list)
-    y_label: str = ""
-    y2_label: str = ""
-    empty: bool = False
-
-
-def _nice_max(value: float) -> float:
-    if value <= 0:
-        return 1.0
-    exp = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 2.5, 5, 10):
-        if value <= step * exp:
-            return step * exp
-    return 10 * exp
-
-
-def _compact(value: float) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.3g}{unit}"
-    return f"{value:.3g}" if value != int(value) else str(int(value))
-
-
-def _floor_hour(iso: str) -> datetime:
-    when = datetime.fromisoformat(iso.replace("Z", "+00:00"))
-    return when.replace(minute=0, second=0, microsecond=0)
-
-
-def _series_key(row: dict[str, Any], stack: str) -> list[tuple[str, int]]:
-    if stack == "kind":
-        cached = int(row["cached_tokens"])
-        return [("prompt (uncached)", int(row["prompt_tokens"]) - cached), ("cached", cached),
-                ("completion", int(row["completion_tokens"]))]
-    label = row["tenant"] if stack == "tenant" else row["model"]
-    return [(label, int(row["prompt_tokens"]) + int(row["completion_tokens"]))]
-
-
-def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
-    """Stacked bars of tokens per hour (or per day when the span is long), stacked by tenant,
-    model or token kind, with the billed amount as a line on the right axis."""
-    width, height = 1160, 340
-    left, top, right, bottom = 78.0, 18.0, width - 86.0, height - 46.0
-    chart = Chart(width, height, (left, top, right, bottom), y_label="tokens",
-                  y2_label="amount")
-    if not rows:
-        chart.empty = True
-        return chart, "hour"
-    hours = [_floor_hour(r["period_start"]) for r in rows]
-    first, last = min(hours), max(hours)
-    span_hours = int((last - first).total_seconds() // 3600) + 1
-    unit = "hour" if span_hours <= MAX_HOUR_BUCKETS else "day"
-    step = timedelta(hours=1) if unit == "hour" else timedelta(days=1)
-    if unit == "day":
-        first = first.replace(hour=0)
-        last = last.replace(hour=0)
-    first = min(first, last - (MIN_BUCKETS - 1) * step)
-    buckets: list[datetime] = []
-    cursor = first
-    while cursor <= last:
-        buckets.append(cursor)
-        cursor += step
-    index = {b: i for i, b in enumerate(buckets)}
-    values: dict[str, list[int]] = defaultdict(lambda: [0] * len(buckets))
-    amounts = [0] * len(buckets)
-    for row, hour in zip(rows, hours, strict=True):
-        i = index[hour if unit == "hour" else hour.replace(hour=0)]
-        for name, tokens in _series_key(row, stack):
-            values[name][i] += tokens
-        amounts[i] += int(row["amount_micros"])
-    names = list(KIND_COLOURS) if stack == "kind" else sorted(values)
-    colours = {
-        name: KIND_COLOURS.get(name) or PALETTE[n % len(PALETTE)] for n, name in enumerate(names)
-    }
-    chart.legend = [(name, colours[name]) for name in names]
-    totals = [sum(values[name][i] for name in names) for i in range(len(buckets))]
-    y_max = _nice_max(max(totals))
-    a_max = _nice_max(max(amounts) / 1e6)
-    plot_w, plot_h = right - left, bottom - top
-    slot = plot_w / len(buckets)
-    bar_w = min(MAX_BAR_WIDTH, max(1.0, slot * 0.72))
-    label = "%Y-%m-%d %H:00" if unit == "hour" else "%Y-%m-%d"
-    for i, when in enumerate(buckets):
-        x = left + i * slot + (slot - bar_w) / 2
-        base = bottom
-        for name in names:
-            v = values[name][i]
-            if v <= 0:
-                continue
-            h = v / y_max * plot_h
-            base -= h
-            chart.bars.append(Bar(round(x, 2), round(base, 2), round(bar_w, 2), round(h, 2),
-                                  colours[name],
-                                  f"{when.strftime(label)} · {name}: {v:,} tokens"))
-    points = []
-    for i, amount in enumerate(amounts):
-        cx = left + i * slot + slot / 2
-        cy = bottom - (amount / 1e6) / a_max * plot_h
-        points.append(f"{cx:.2f},{cy:.2f}")
-        chart.dots.append((round(cx, 2), round(cy, 2),
-                           f"{buckets[i].strftime(label)} · amount {_money(amount)}"))
-    chart.line = " ".join(points)
-    decimals = max(2, min(6, math.ceil(-math.log10(a_max)) + 2))
-    for k in range(5):
-        frac = k / 4
-        y = bottom - frac * plot_h
-        chart.y_ticks.append(Tick(round(y, 2), _compact(y_max * frac)))
-        chart.y2_ticks.append(Tick(round(y, 2), f"{a_max * frac:.{decimals}f}"))
-    stride = max(1, math.ceil(len(buckets) / 10))
-    tick_format = "%m-%d %H:00" if unit == "hour" else "%m-%d"
-    for i in range(0, len(buckets), stride):
-        chart.x_ticks.append(Tick(round(left + i * slot + slot / 2, 2),
-                                  buckets[i].strftime(tick_format)))
-    return chart, unit
-
-
-def totals_chart(summary: list[dict[str, Any]]) -> Chart:
-    """Horizontal bars: billed amount per tenant and model over the range."""
-    row_h, width = 26, 1160
-    left, right = 330.0, width - 150.0
-    height = int(30 + row_h * max(1, len(summary)))
-    chart = Chart(width, height, (left, 10.0, right, height - 20.0))
-    if not summary:
-        chart.empty = True
-        return chart
-    a_max = max(int(r["amount_micros"]) for r in summary) or 1
-    tenants = sorted({r["tenant"] for r in summary})
-    colours = {t: PALETTE[n % len(PALETTE)] for n, t in enumerate(tenants)}
-    for i, r in enumerate(summary):
-        y = 10 + i * row_h
-        w = max(1.0, (right - left) * int(r["amount_micros"]) / a_max)
-        chart.bars.append(Bar(left, y + 4, round(w, 2), row_h - 8, colours[r["tenant"]],
-                              f"{r['tenant']} · {r['model']}: {_money(r['amount_micros'])} "
-                              f"({r['prompt_tokens'] + r['completion_tokens']:,} tokens, "
-                              f"{r['requests']:,} requests)"))
-        chart.y_ticks.append(Tick(y + row_h / 2, f"{r['tenant']} · {r['model']}"))
-        chart.x_ticks.append(Tick(y + row_h / 2, _money(r["amount_micros"])))
-    chart.legend = [(t, colours[t]) for t in tenants]
-    return chart
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -306,16 +123,19 @@ def _without_key(request: Request) -> str:
     return path + ("?" + urllib.parse.urlencode(query) if query else "")
 
 
-def _set_cookie(response: Response, request: Request, secret: str) -> None:
+def _set_cookie(response: Response, request: Request, session: str) -> None:
     response.set_cookie(
-        COOKIE, secret, max_age=COOKIE_MAX_AGE, path=COOKIE_PATH, httponly=True,
+        COOKIE, session, max_age=COOKIE_MAX_AGE, path=COOKIE_PATH, httponly=True,
         samesite="strict", secure=request.url.scheme == "https",
     )
+    if OLD_COOKIE in request.cookies:
+        response.delete_cookie(OLD_COOKIE, path=COOKIE_PATH)
 
 
 def _clear_cookie(response: Response, request: Request) -> None:
-    response.delete_cookie(COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict",
-                           secure=request.url.scheme == "https")
+    for name in (COOKIE, OLD_COOKIE):
+        response.delete_cookie(name, path=COOKIE_PATH, httponly=True, samesite="strict",
+                               secure=request.url.scheme == "https")
 
 
 SECURITY_HEADERS = {
@@ -358,30 +178,32 @@ class WebViews:
         return self.runtime.edge.authenticate(f"Bearer {secret}", ALL_SCOPES)
 
     def session(self, request: Request) -> Caller | Response:
-        """The caller, or the response to send instead (a redirect that stores a `?key=` in the
-        cookie, or the login page)."""
+        """The caller (from the Authorization header or the session cookie), or the login page
+        to send instead."""
         request.state.request_id = new_request_id()
-        url_key = request.query_params.get("key")
-        if url_key is not None:
-            try:
-                self._authenticate(url_key.strip())
-            except ApiError as exc:
-                return self.login_page(request, exc.message, 401)
-            response = RedirectResponse(_without_key(request), 303, headers=SECURITY_HEADERS)
-            _set_cookie(response, request, url_key.strip())
-            return response
+        if "key" in request.query_params:
+            return self.login_page(
+                request, "An API key is never accepted in a URL: sign in with the form (and "
+                "revoke that key if the URL was shared or logged).", 400,
+            )
         header = request.headers.get("authorization")
         cookie = request.cookies.get(COOKIE)
-        if header:
-            authorization = header
-        elif cookie:
-            authorization = f"Bearer {cookie}"
-        else:
-            return self.login_page(request, "Sign in with an API key to continue.", 401)
         try:
-            return self.runtime.edge.authenticate(authorization, ALL_SCOPES)
+            if header:
+                return self.runtime.edge.authenticate(header, ALL_SCOPES)
+            if cookie:
+                key_id = self.runtime.sessions.key_id_of(cookie)
+                if key_id is None:
+                    return self.login_page(
+                        request, "Your session has expired: sign in again.", 401, clear=True
+                    )
+                return self.runtime.edge.auth.by_key_id(key_id, ALL_SCOPES)
         except ApiError as exc:
             return self.login_page(request, exc.message, 401, clear=bool(cookie and not header))
+        return self.login_page(
+            request, "Sign in with an API key to continue.", 401,
+            clear=OLD_COOKIE in request.cookies,
+        )
 
     # -- pages
 
@@ -408,7 +230,7 @@ class WebViews:
         if next_url == "/ui/":
             next_url = _home(caller)
         response = RedirectResponse(next_url, 303, headers=SECURITY_HEADERS)
-        _set_cookie(response, request, secret)
+        _set_cookie(response, request, self.runtime.sessions.issue(caller.key_id))
         return response
 
     async def logout(self, request: Request) -> Response:
@@ -465,6 +287,7 @@ class WebViews:
             "total": total_of([]), "chart": None, "totals": None, "unit": "hour",
             "invoice": None, "invoices": [], "period": q.get("period") or now.strftime("%Y-%m"),
             "tenants": [], "models": [], "links": {}, "stack": "tenant", "truncated": 0,
+            "goodput": None, "goodput_tiers": [], "flex": [], "tree": None,
         }
         try:
             tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
@@ -485,11 +308,18 @@ class WebViews:
             context["total"] = total_of(rows)
             context["chart"], context["unit"] = time_chart(rows, stack)
             context["totals"] = totals_chart(context["summary"])
+            goodput = await asyncio.to_thread(bo.goodput, tenant, start, end, ("tier", "hour"))
+            context["goodput"] = goodput_chart(goodput)
+            context["goodput_tiers"] = await asyncio.to_thread(
+                bo.goodput, tenant, start, end, ("tier",)
+            )
+            context["flex"] = await asyncio.to_thread(bo.flex, tenant, start, end)
             context["links"] = self._links(tenant, start, end, q.get("model"), context["period"])
             if tenant is not None:
                 context["invoice"] = await asyncio.to_thread(
                     bo.invoice, tenant, context["period"], now
                 )
+                context["tree"] = await asyncio.to_thread(bo.spend_tree, tenant, now)
             else:
                 for name in context["tenants"]:
                     inv = await asyncio.to_thread(bo.invoice, name, context["period"], now)

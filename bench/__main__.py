@@ -27,6 +27,12 @@ RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "BENCHMARKS.md"
 
 
+# The last commit before the architecture rework (issue 11), served beside this checkout.
+ARCHITECTURE_AB = [
+    "--baseline-commit", "4279919", "--no-litellm", "--no-open-loop", "--connections", "16",
+    "--output", "bench/results/architecture_ab.json",
+]
+
 # name, module, normal args, quick args, result JSON (None: the script prints only)
 BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
     (
@@ -38,10 +44,37 @@ BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
     ),
     ("fold_throughput", "bench.fold_throughput", [], [], "fold_throughput.json"),
     ("admission_latency", "bench.admission_latency", [], [], "admission_latency.json"),
+    ("path_admission", "bench.path_admission", [], [], "path_admission.json"),
     ("upstream_client", "bench.upstream_client", [], ["--requests", "100"], "upstream_client.json"),
     ("upstream_metrics", "bench.upstream_metrics", [], [], "upstream_metrics.json"),
     ("finance_scale", "bench.finance_scale", [], ["--quick"], "finance_scale.json"),
     ("gateway", "bench.gateway", ["--runs", "3", "--profile"], ["--quick"], "gateway.json"),
+    ("estimator", "bench.estimator", [], ["--repeat", "50"], "estimator.json"),
+    (
+        "vllm_overhead",
+        "bench.vllm_overhead",
+        [],
+        ["--rounds", "1", "--requests", "32"],
+        "vllm_overhead.json",
+    ),
+    ("fleet_ops", "bench.fleet_ops", [], ["--quick"], "fleet_ops.json"),
+    (
+        "pipeline",
+        "bench.pipeline",
+        [],
+        ["--requests", "2000", "--runs", "1", "--duration", "10", "--sustained-runs", "1"],
+        "pipeline.json",
+    ),
+    (
+        # The architecture rework (edge over ports, one command handler) against the commit
+        # before it: CPU per request of the same gateway path, paired within each run.
+        "architecture_ab",
+        "bench.gateway",
+        [*ARCHITECTURE_AB, "--runs", "5"],
+        [*ARCHITECTURE_AB, "--quick"],
+        "architecture_ab.json",
+    ),
+    ("output_prediction", "bench.output_prediction", [], ["--quick"], "output_prediction.json"),
 ]
 
 
@@ -122,6 +155,42 @@ def render_admission(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def _le(value: Any, target: Any) -> bool | None:
+    return value <= target if value is not None and target is not None else None
+
+
+def render_path_admission(d: dict[str, Any]) -> list[str]:
+    t = d.get("target_p99_us")
+    p99 = d.get("path_p99_us_median")
+    return [
+        "| figure (median of runs) | four-level path, budgets on | single level | target | "
+        "verdict |",
+        "| --- | --- | --- | --- | --- |",
+        f"| admission decision p50 | {_fmt(d.get('path_p50_us_median'))} µs | "
+        f"{_fmt(d.get('single_p50_us_median'))} µs | | |",
+        f"| admission decision p99 | {_fmt(p99)} µs | {_fmt(d.get('single_p99_us_median'))} µs "
+        f"| ≤ {t} µs | {_verdict(p99 <= t if p99 is not None and t is not None else None)} |",
+        f"| admission decision p99.9 | {_fmt(d.get('path_p999_us_median'))} µs | "
+        f"{_fmt(d.get('single_p999_us_median'))} µs | | |",
+        f"| CPU time per decision p50 | {_fmt(d.get('path_cpu_p50_us_median'))} µs | "
+        f"{_fmt(d.get('single_cpu_p50_us_median'))} µs | | |",
+        f"| CPU time per decision p99 | {_fmt(d.get('path_cpu_p99_us_median'))} µs | "
+        f"{_fmt(d.get('single_cpu_p99_us_median'))} µs | ≤ {t} µs | "
+        f"{_verdict(_le(d.get('path_cpu_p99_us_median'), t))} |",
+        "",
+        "The wall-clock rows include the time the process was preempted (a decision that "
+        "straddles a preemption takes milliseconds); the CPU-time rows are this thread's CPU "
+        "time per decision (`time.thread_time_ns`), what an idle core would take.",
+        "",
+        f"{d.get('runs')} runs of {_fmt(d.get('decisions_per_run'))} decisions; organization → "
+        "workspace → project → key with a project rate limit, a budget at every level and one "
+        f"call in ten in a run; the path policy is built per decision, as the edge does. Path "
+        f"p99 per run: {d.get('path_p99_us_runs')}; 1-minute load average before and after: "
+        f"{d.get('load_avg_1m')} (the tail is the scheduler's as much as the decision's when "
+        "the machine is shared).",
+    ]
+
+
 def render_fold(d: dict[str, Any]) -> list[str]:
     t = d.get("target_events_per_s")
     rows = ["| fold (median of runs) | events/s | target | verdict |", "| --- | --- | --- | --- |"]
@@ -140,6 +209,111 @@ def render_fold(d: dict[str, Any]) -> list[str]:
         f"{d.get('runs')} runs over {_fmt(d.get('streams'))} streams "
         f"({_fmt(d.get('events'))} events).",
     ]
+    return rows
+
+
+def render_pipeline(d: dict[str, Any]) -> list[str]:
+    t = d.get("target_events_per_s")
+    command = (d.get("command") or "").strip()
+    rows = [f"Recorded with `{command}` (defaults: the figures below state them).", ""] if (
+        command
+    ) else []
+    rows += ["| stage (median of runs) | events/s | runs | target | verdict |",
+             "| --- | --- | --- | --- | --- |"]
+    for key, label in (
+        ("relay_events_per_s", "outbox relay alone: store → topic (idempotent producer, acks=all)"),
+        ("worker_events_per_s", "one Kafka worker alone: topic → bills + read models + offsets"),
+    ):
+        v = d.get(f"{key}_median")
+        runs = ", ".join(_fmt(x) for x in d.get(f"{key}_runs") or [])
+        rows.append(
+            f"| {label} | {_fmt(v)} | {runs} | ≥ {_fmt(t)} | "
+            f"{_verdict(v >= t if v is not None and t is not None else None)} |"
+        )
+    sus = d.get("sustained") or {}
+    per_run = sus.get("per_run") or []
+    if sus:
+        v, lag99, tl = sus.get("events_per_s_median"), sus.get("lag_p99_s_median"), sus.get(
+            "target_lag_p99_s"
+        )
+        rows += [
+            f"| **whole pipeline at once**: store commit → ledger row ({sus.get('workers')} "
+            f"workers + relay as processes) | {_fmt(v)} | "
+            f"{', '.join(_fmt(round(r['events_per_s'])) for r in per_run)} | ≥ {_fmt(t)} | "
+            f"{_verdict(v >= t if v is not None and t is not None else None)} |",
+            "",
+            "| billing lag, terminal event → ledger row (median of runs) | s | runs | target | "
+            "verdict |",
+            "| --- | --- | --- | --- | --- |",
+            f"| p50 | {_fmt(sus.get('lag_p50_s_median'), 3)} | "
+            f"{', '.join(_fmt(r['lag_p50_s'], 3) for r in per_run)} | | |",
+            f"| p99 | {_fmt(lag99, 3)} | {', '.join(_fmt(r['lag_p99_s'], 3) for r in per_run)} "
+            f"| ≤ {tl} | {_verdict(_le(lag99, tl))} |",
+            "",
+            "| run | offered events/s | requests | offering s | drain after s | lag max s | "
+            "CPU s (appender, relay, workers) | load 1 min before → after |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for i, r in enumerate(per_run, start=1):
+            rows.append(
+                f"| {i} | {_fmt(r['offered_events_per_s'])} | {_fmt(r['requests'])} | "
+                f"{r['offered_s']} | {r['drain_s']} | {_fmt(r['lag_max_s'], 3)} | "
+                f"{', '.join(f'{k} {v}' for k, v in r['cpu_s'].items())} | "
+                f"{r['load_1m_before']} → {r['load_1m_after']} |"
+            )
+    for other in d.get("sustained_other_loads") or []:
+        runs_ = other.get("per_run") or []
+        lag99, tl = other.get("lag_p99_s_median"), other.get("target_lag_p99_s")
+        rows += [
+            "",
+            f"The same at {_fmt(round(other.get('offered_events_per_s') or 0))} lifecycle events/s "
+            "offered "
+            f"({other.get('runs')} runs of {_fmt(other.get('duration_s'), 0)} s):",
+            "",
+            "| figure (median of runs) | value | runs | target | verdict |",
+            "| --- | --- | --- | --- | --- |",
+            f"| offered events/s | | {', '.join(_fmt(r['offered_events_per_s']) for r in runs_)}"
+            " | | |",
+            f"| sustained events/s | {_fmt(other.get('events_per_s_median'))} | "
+            f"{', '.join(_fmt(round(r['events_per_s'])) for r in runs_)} | | |",
+            f"| drain after the last append, s | | {', '.join(str(r['drain_s']) for r in runs_)}"
+            " | | |",
+            f"| billing lag p50, s | {_fmt(other.get('lag_p50_s_median'), 3)} | "
+            f"{', '.join(_fmt(r['lag_p50_s'], 3) for r in runs_)} | | |",
+            f"| billing lag p99, s | {_fmt(lag99, 3)} | "
+            f"{', '.join(_fmt(r['lag_p99_s'], 3) for r in runs_)} | ≤ {tl} | "
+            f"{_verdict(_le(lag99, tl))} |",
+            "| CPU s per run: appender, relay, workers | | "
+            + "; ".join(", ".join(str(v) for v in r["cpu_s"].values()) for r in runs_)
+            + " | | |",
+        ]
+    rows += [
+        "",
+        f"Stages apart: {d.get('runs')} runs, each a fresh PostgreSQL schema and topic (8 "
+        f"partitions) holding {_fmt(d.get('requests'))} completed requests "
+        f"({_fmt(d.get('events'))} events).",
+    ]
+    if sus:
+        rows += [
+            "",
+            f"Whole pipeline: {sus.get('runs')} runs, each a fresh schema and topic; `tollgate "
+            f"relay` and {sus.get('workers')} × `tollgate worker` as processes while the bench "
+            f"appends completed requests (3 lifecycle events each, in group commits of what is "
+            f"due every 20 ms) at {_fmt(round(sus.get('offered_events_per_s') or 0))} lifecycle "
+            "events/s "
+            f"for {_fmt(sus.get('duration_s'), 0)} s; each request's bill makes a second trip "
+            "through relay and worker (4 events per request on the topic). Events/s = lifecycle "
+            "events appended ÷ (first append → last ledger row); lag = the ledger row's "
+            "`recorded_at` (database clock at the insert, just before the worker's commit; "
+            "migration 0014) − the terminal event's `occurred_at`. Offered events/s below the "
+            "stated rate means the appender itself could not commit that fast.",
+            "",
+            f"Machine load: `{d.get('uptime_before')}` before, `{d.get('uptime_after')}` after "
+            "(2 cores, shared with a running test suite).",
+        ]
+    note = d.get("bottleneck")
+    if note:
+        rows += ["", f"Bottleneck: {note}"]
     return rows
 
 
@@ -217,7 +391,15 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     for key, v in (d.get("verdicts") or {}).items():
-        if key.startswith("cpu_ratio"):
+        if key.startswith("ab_cpu"):
+            per_run = ", ".join(f"{r:.3f}" for r in v["tollgate_over_baseline_per_run"])
+            rows.append(
+                f"| CPU/request against the baseline, {key.removeprefix('ab_cpu_')} | "
+                f"{_fmt(v['tollgate_ms'], 3)} ms | baseline {_fmt(v['baseline_ms'], 3)} ms "
+                f"(paired ratio {v['tollgate_over_baseline']}; per run {per_run}) "
+                f"| ≤ {v['target'].removeprefix('<= ')} | {_verdict(v['met'])} |"
+            )
+        elif key.startswith("cpu_ratio"):
             rows.append(
                 f"| CPU/request, {key.removeprefix('cpu_ratio_')} | {_fmt(v['tollgate_ms'], 3)} ms "
                 f"| LiteLLM {_fmt(v['litellm_ms'], 3)} ms (ratio {v['litellm_over_tollgate']}×) "
@@ -303,6 +485,43 @@ def _profile_rows(title: str, p: dict[str, Any]) -> list[str]:
     return rows
 
 
+def render_fleet_ops(d: dict[str, Any]) -> list[str]:
+    rows: list[str] = []
+    mix = d.get("goodput_mix")
+    if mix:
+        rows += [
+            f"Goodput by tier under the `{mix['profile']}` load profile ({mix['rate']} req/s for "
+            f"{_fmt(mix['seconds'], 0)} s, default simulated fleet, SLO TTFT ≤ 1 s, TPOT ≤ 50 ms):",
+            "",
+            "| tier | offered | served | attained | goodput | attainment | not attained | "
+            "live counters = replay |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for tier, t in sorted(mix["tiers"].items()):
+            rows.append(
+                f"| {tier} | {t['offered']} | {t['served']} | {t['attained']} | "
+                f"{_fmt(t['goodput_pct'], 1)} % | {_fmt(t['attainment_pct'], 1)} % | "
+                f"{', '.join(f'{k} {v}' for k, v in t['outcomes'].items()) or '—'} | "
+                f"{'yes' if t['live_equals_replay'] else '**no**'} |"
+            )
+        rows.append("")
+    ramp = d.get("ramp")
+    if ramp:
+        lead, target = ramp.get("lead_s"), ramp.get("target_lead_s")
+        rows += [
+            "The autoscaling signal's lead under a ramp (2 simulated replicas of 32k KV tokens, "
+            f"arrivals from 1 req/s growing by {ramp['slope_requests_per_s2']} req/s every "
+            f"second, cold start {_fmt(ramp['cold_start_s'], 0)} s):",
+            "",
+            "| figure | value | target | verdict |",
+            "| --- | --- | --- | --- |",
+            f"| first ask for a third replica | {_fmt(ramp.get('first_ask_s'), 1)} s | | |",
+            f"| a replica crosses 0.85 | {_fmt(ramp.get('crossing_085_s'), 1)} s | | |",
+            f"| lead | {_fmt(lead, 1)} s | ≥ {_fmt(target, 0)} s | {_verdict(ramp.get('met'))} |",
+        ]
+    return rows
+
+
 def render_generic(d: Any) -> list[str]:
     flat: list[tuple[str, Any]] = []
 
@@ -325,11 +544,172 @@ def render_generic(d: Any) -> list[str]:
     return rows
 
 
+def render_vllm_overhead(d: dict[str, Any]) -> list[str]:
+    rows = [
+        f"Engine: {d.get('engine')}; {d.get('rounds')} rounds × {d.get('requests_per_round')} "
+        f"streamed requests per path, {d.get('concurrency')} at a time, "
+        f"{d.get('output_tokens')} output tokens each, the paths interleaved round by round; "
+        f"load average {d.get('load_average_1m')} on the shared machine at the end.",
+        "",
+        "| path | TTFT p50 ms | TTFT p99 ms | output tokens/s | errors | CPU s: engine | "
+        "gateway | client |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in ("direct", "direct_continuous_usage", "tollgate"):
+        p = d.get(name)
+        if p is None:
+            continue
+        cpu = p.get("cpu_s") or {}
+        rows.append(
+            f"| {name} | {_fmt(p.get('ttft_p50_ms'), 1)} | {_fmt(p.get('ttft_p99_ms'), 1)} | "
+            f"{_fmt(p.get('tokens_per_s'), 1)} | {p.get('errors', 0)} | "
+            f"{_fmt(cpu.get('engine'))} | {_fmt(cpu.get('gateway'))} | {_fmt(cpu.get('client'))} |"
+        )
+    rows += [
+        "",
+        f"Added by Tollgate: TTFT p50 {_fmt(d.get('added_ttft_p50_ms'), 1)} ms, p99 "
+        f"{_fmt(d.get('added_ttft_p99_ms'), 1)} ms; tokens/s through Tollgate ÷ direct = "
+        f"{_fmt(d.get('tokens_per_s_ratio'), 3)}. `direct_continuous_usage` is the direct path "
+        "with what Tollgate always asks of the engine (usage on every chunk, so a cancelled "
+        "stream still has an engine count): the engine's share of the difference. Engine, "
+        "gateway and client share the machine's cores, so the CPU columns say where they went.",
+    ]
+    return rows
+
+
+def render_estimator(d: dict[str, Any]) -> list[str]:
+    rows = [
+        f"Per admission, on the tiny test model's tokenizer and chat template ({d.get('chats')} "
+        f"chats; {d.get('note')}):",
+        "",
+        "| estimator | µs per call (median over chats) |",
+        "| --- | --- |",
+        f"| real, uncached (template render + encode) | {_fmt(d.get('uncached_us_median'), 1)} "
+        f"(max {_fmt(d.get('uncached_us_max'), 1)}) |",
+        f"| real, from the content cache | {_fmt(d.get('cached_us_median'), 1)} |",
+        f"| simulator's word splitter | {_fmt(d.get('splitter_us_median'), 1)} |",
+        "",
+        "The splitter's error against the real count on the same chats: "
+        f"{_fmt(d.get('splitter_error_pct_min'), 1)} % to "
+        f"{_fmt(d.get('splitter_error_pct_max'), 1)} %.",
+        "",
+        "| chat | real tokens | splitter | error % | uncached µs | cached µs |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in d.get("rows") or ():
+        rows.append(
+            f"| {r['chat']} | {r['prompt_tokens']} | {r['splitter_tokens']} | "
+            f"{r['splitter_error_pct']} | {r['uncached_us']} | {r['cached_us']} |"
+        )
+    return rows
+
+
+def render_output_prediction(d: dict[str, Any]) -> list[str]:
+    t = d.get("targets") or {}
+    q = d.get("quantile") or 0.95
+    rows = [
+        f"Traffic: `{d.get('generator')}` seed {d.get('generation_seed')}, "
+        f"{_fmt(d.get('requests_sent'))} requests at {d.get('rate_per_s')}/s through "
+        f"`tollgate serve` with three simulated replicas at {d.get('sim_speed')}× speed "
+        f"({_fmt(d.get('logged_requests'))} admitted and logged; the rest met a full fleet). "
+        f"Model: p{round(q * 100):g}, training seeds {d.get('train_seeds')} "
+        f"(fitting {d.get('training_seconds')} s), judged on the "
+        f"{_fmt(d.get('held_out_requests'))} held-out requests replayed through admission at "
+        f"real time (×{d.get('sim_speed')}). Medians over the seeds. A refusal is *false* when "
+        "the oracle (reserving exactly what was produced) admitted it; over-admission is the "
+        "deepest a tokens/min bucket charged actual use at admission went below zero, ÷ limit.",
+        "",
+        "Tokens/min binding: each tenant's limit = X × its own offered tokens/min, no KV cap:",
+        "",
+        "| X | policy | admitted | reserved/actual | coverage | tokens/min 429 (false) | "
+        "KV·s 429 (false) | peak over-admission |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    by_x = d.get("by_tpm_per_offered") or {}
+    for x, s in by_x.items():
+        for policy in ("max_tokens", "predicted", "oracle"):
+            p = s.get(policy) or {}
+            cov = p.get("coverage")
+            over = p.get("peak_over_admission")
+            rows.append(
+                f"| {x} | {policy} | {_fmt(p.get('admitted'), 0)} | "
+                f"{_fmt(p.get('reserved_per_actual'))} | "
+                f"{'–' if cov is None else _fmt(cov, 3)} | {_fmt(p.get('refused_tokens'), 0)} "
+                f"({_fmt(p.get('false_refused_tokens'), 0)}) | {_fmt(p.get('refused_kv'), 0)} "
+                f"({_fmt(p.get('false_refused_kv'), 0)}) | "
+                f"{'–' if over is None else _fmt(over * 100, 1) + ' %'} |"
+            )
+    kv = d.get("kv_cap") or {}
+    rows += [
+        "",
+        f"KV·s binding: a {d.get('kv_gib_seconds')} GiB·s concurrent KV cap per tenant (the "
+        "free plan's), no tokens/min limit:",
+        "",
+        "| policy | admitted | reserved/actual | KV·s 429 (false) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for policy in ("max_tokens", "predicted", "oracle"):
+        p = kv.get(policy) or {}
+        rows.append(
+            f"| {policy} | {_fmt(p.get('admitted'), 0)} | {_fmt(p.get('reserved_per_actual'))} "
+            f"| {_fmt(p.get('refused_kv'), 0)} ({_fmt(p.get('false_refused_kv'), 0)}) |"
+        )
+    rows += ["", "| target | figure | verdict |", "| --- | --- | --- |"]
+    for x, s in by_x.items():
+        cap, model = s.get("max_tokens") or {}, s.get("predicted") or {}
+        ratio, cap_ratio = model.get("reserved_per_actual"), cap.get("reserved_per_actual")
+        cov, red = model.get("coverage"), s.get("false_token_429_reduction")
+        over = max(model.get("peak_over_admission") or 0, cap.get("peak_over_admission") or 0)
+        points = None if cov is None else abs(cov - q) * 100
+        rows += [
+            f"| X={x}: reserved/actual ≤ {t.get('reserved_per_actual_max')} (max_tokens ≥ "
+            f"{t.get('reserved_per_actual_with_max_tokens_min')}) | {_fmt(ratio)} "
+            f"({_fmt(cap_ratio)}) | "
+            f"{_verdict(None if ratio is None else ratio <= t['reserved_per_actual_max'])} |",
+            f"| X={x}: coverage within {t.get('coverage_within_points')} points of {q} | "
+            f"{'–' if cov is None else _fmt(cov, 3)} | "
+            f"{_verdict(None if points is None else points <= t['coverage_within_points'])} |",
+            f"| X={x}: false tokens/min 429s reduced ≥ {t.get('false_token_429_reduction_min')}× "
+            f"| {_fmt(red)}× | "
+            f"{_verdict(None if red is None else red >= t['false_token_429_reduction_min'])} |",
+            f"| X={x}: peak over-admission ≤ {_fmt(t.get('peak_over_admission_max', 0) * 100, 0)}"
+            f" % | {_fmt(over * 100, 1)} % | "
+            f"{_verdict(over <= t.get('peak_over_admission_max', 0))} |",
+        ]
+    inf = d.get("inference") or {}
+    p99 = inf.get("p99_us_median")
+    rows += [
+        f"| inference p99 ≤ {t.get('inference_p99_us_max')} µs | {_fmt(p99)} µs (p50 "
+        f"{_fmt(inf.get('p50_us_median'))}; {inf.get('runs')} runs × "
+        f"{_fmt(inf.get('calls_per_run'))} calls, p99 per run {inf.get('p99_us_runs')}) | "
+        f"{_verdict(None if p99 is None else p99 <= t['inference_p99_us_max'])} |",
+        "",
+        "reserved/actual per tenant (predicted policy):",
+        "",
+    ]
+    for x, s in by_x.items():
+        model = s.get("predicted") or {}
+        per = model.get("by_tenant") or {}
+        fallbacks = model.get("fallbacks") or {}
+        rows.append(
+            f"- X={x}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in per.items())
+            + (f"; reserved the cap instead (first seed): {fallbacks}" if fallbacks else "")
+        )
+    return rows
+
+
 RENDERERS = {
+    "estimator": render_estimator,
+    "vllm_overhead": render_vllm_overhead,
     "admission_latency": render_admission,
+    "path_admission": render_path_admission,
     "fold_throughput": render_fold,
     "store_append": render_store,
     "gateway": render_gateway,
+    "architecture_ab": render_gateway,
+    "fleet_ops": render_fleet_ops,
+    "output_prediction": render_output_prediction,
+    "pipeline": render_pipeline,
 }
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from domain import lifecycle as lc  # noqa: E402
-from domain.admission import QuotaView  # noqa: E402
 from domain.control import PLAN_LIMITS  # noqa: E402
 from domain.events import (  # noqa: E402
     Event,
@@ -33,6 +32,7 @@ from domain.events import (  # noqa: E402
     RequestRouted,
     UsageBilled,
 )
+from domain.quota import QuotaView  # noqa: E402
 
 STREAMS = 20_000
 RUNS = 7

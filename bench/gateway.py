@@ -16,7 +16,7 @@ pre-rendered; each chunk is its own write, `--gap-ms` apart (default 1 ms: chunk
 one as they do from a real engine, instead of being coalesced into one read). Both modes follow
 one token schedule: token i is ready at start + (i + 1) gaps; the JSON answer goes when the last
 one is, a stream sends each when it is.
-`--upstream sim` uses the simulated replica (engine_adapter.simulated) instead, for comparison.
+`--upstream sim` uses the simulated replica (engine_adapter.simulator) instead, for comparison.
 
 Run: .venv/bin/python -m bench.gateway [--quick] [--runs 3] [--duration 10] [--no-litellm]
      [--profile]   (py-spy record of the edge and its fold worker under load; top functions
@@ -51,7 +51,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gateway.json"
 LUA = ROOT / "bench" / "lua" / "post.lua"
-VENV_BIN = Path(sys.executable).parent
 MODEL = "llama-3.1-8b-2026-05"
 OUTPUT_TOKENS = 16
 PROMPT = "Say hello to the benchmark, please."
@@ -60,6 +59,8 @@ LITELLM_KEY = "sk-litellm-bench-master"
 # Targets printed beside the figures (from the issue).
 TARGET_CPU_RATIO = 10  # Tollgate CPU/request <= LiteLLM's / 10
 TARGET_P99_ADDED_MS = 5.0  # at 200 req/s open loop
+# A restructuring must not cost more than this of the CPU per request (issue 11), A/B in one run.
+AB_MAX_RATIO = 1.05
 ISSUE_LITELLM_CPU_MS = {"json": 21.0, "stream": 50.0}
 CALIBRATION_CPU_MS = {
     "bare aiohttp pass-through": {"json": 0.36, "stream": 0.49},
@@ -415,6 +416,7 @@ class Proc:
         cmd: list[str],
         env: dict[str, str] | None = None,
         log_dir: Path | None = None,
+        cwd: Path = ROOT,
     ) -> None:
         self.name = name
         log = open(  # noqa: SIM115  (the child owns it until the end of the run)
@@ -422,7 +424,7 @@ class Proc:
         )
         self.log_path = log.name
         self.p = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
 
     @property
@@ -463,7 +465,7 @@ def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
         cmd = [
             sys.executable,
             "-m",
-            "engine_adapter.simulated",
+            "engine_adapter.simulator",
             "--port",
             str(port),
             "--model",
@@ -491,14 +493,21 @@ def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
     return proc, url
 
 
-def start_tollgate(upstream: str, data_dir: Path, log_dir: Path) -> tuple[Proc, str, str]:
+def start_tollgate(
+    upstream: str, data_dir: Path, log_dir: Path, tree: Path = ROOT, name: str = "tollgate"
+) -> tuple[Proc, str, str]:
+    """`tollgate serve` of the checkout `tree` (its own .venv: for an A/B, another commit)."""
     port = free_port()
     env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
     env.pop("TOLLGATE_DATABASE_URL", None)
+    # Another tree must import its own code: `python -m bench` puts this checkout on PYTHONPATH,
+    # and the fold worker child (`python -m ...`) imports from its working directory.
+    env.pop("PYTHONPATH", None)
+    bin_dir = tree / ".venv" / "bin"
     proc = Proc(
-        "tollgate",
+        name,
         [
-            str(VENV_BIN / "tollgate"),
+            str(bin_dir / "tollgate"),
             "serve",
             "--replica",
             f"{MODEL}={upstream}",
@@ -509,13 +518,14 @@ def start_tollgate(upstream: str, data_dir: Path, log_dir: Path) -> tuple[Proc, 
         ],
         env,
         log_dir,
+        cwd=tree,
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readyz", 90, proc.p)
     key = json.loads((data_dir / "demo-keys.json").read_text())["demo-enterprise"]
     subprocess.run(
         [
-            str(VENV_BIN / "tollgate"),
+            str(bin_dir / "tollgate"),
             "limits",
             "set",
             "--tenant",
@@ -531,7 +541,7 @@ def start_tollgate(upstream: str, data_dir: Path, log_dir: Path) -> tuple[Proc, 
         ],
         env=env,
         check=True,
-        cwd=ROOT,
+        cwd=tree,
         capture_output=True,
     )
     time.sleep(1.5)  # the control-plane follower picks the new limits up within 0.5 s
@@ -585,6 +595,31 @@ def start_litellm(venv: Path, upstream: str, log_dir: Path) -> tuple[Proc, str, 
     return proc, url, LITELLM_KEY
 
 
+def _commit(tree: Path) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or "?"
+
+
+def baseline_checkout(commit: str) -> Path:
+    """A detached checkout of `commit` with its own .venv, built once and kept for re-runs."""
+    tree = Path(tempfile.gettempdir()) / f"tollgate-baseline-{commit}"
+    if not (tree / ".venv" / "bin" / "tollgate").exists():
+        if not tree.exists():
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit],
+                check=True,
+            )
+        subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
+        subprocess.run(
+            # [dev]: before the load generator left api/, a plain install's CLI needed httpx.
+            [str(tree / ".venv" / "bin" / "pip"), "install", "--quiet", "-e", f"{tree}[dev]"],
+            check=True,
+        )
+    return tree
+
+
 def litellm_version(venv: Path) -> str:
     out = subprocess.run(
         [
@@ -628,10 +663,18 @@ def run_wrk(
         url + "/v1/chat/completions",
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
+    summary: dict[str, Any] | None = None
+    statuses: dict[str, int] = {}
     for line in out.stdout.splitlines():
         if line.startswith("BENCH_JSON "):
-            return dict(json.loads(line[len("BENCH_JSON ") :]))
-    raise RuntimeError(f"wrk gave no summary: {out.stdout}\n{out.stderr}")
+            summary = dict(json.loads(line[len("BENCH_JSON ") :]))
+        elif line.startswith("BENCH_STATUS "):
+            _, status, n = line.split()
+            statuses[status] = statuses.get(status, 0) + int(n)
+    if summary is None:
+        raise RuntimeError(f"wrk gave no summary: {out.stdout}\n{out.stderr}")
+    summary["non_2xx"] = statuses
+    return summary
 
 
 def closed_loop_once(
@@ -662,6 +705,7 @@ def closed_loop_once(
         "requests": w["requests"],
         "errors": w["errors"],
         "error_total": errors,
+        "non_2xx": w.get("non_2xx", {}),
         "rps": round(w["requests"] / (w["duration_us"] / 1e6), 1),
         "p50_ms": w["latency_us"]["p50"] / 1000,
         "p99_ms": w["latency_us"]["p99"] / 1000,
@@ -847,6 +891,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-open-loop", action="store_true")
     ap.add_argument("--closed-targets", default="", help="subset, e.g. tollgate (default all)")
     ap.add_argument("--output", default=str(RESULTS))
+    ap.add_argument(
+        "--baseline",
+        default="",
+        help="another checkout (with its own .venv) served beside this one as target "
+        "'baseline', interleaved, for an A/B of Tollgate's CPU per request",
+    )
+    ap.add_argument(
+        "--baseline-commit",
+        default="",
+        help="like --baseline, on a checkout of this commit built under the temp dir",
+    )
     args = ap.parse_args(argv)
 
     if args.cmd == "upstream":
@@ -866,6 +921,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res))
         return
 
+    if args.baseline_commit and not args.baseline:
+        args.baseline = str(baseline_checkout(args.baseline_commit))
     if args.quick:
         args.runs, args.duration, args.warmup, args.open_duration = 1, 4, 1, 8
     if shutil.which("wrk") is None:
@@ -900,6 +957,14 @@ def main(argv: list[str] | None = None) -> None:
         tg, tg_url, tg_key = start_tollgate(up_url, work / "data", work)
         procs.append(tg)
         targets = {"direct": (up_url, "", upstream.pid), "tollgate": (tg_url, tg_key, tg.pid)}
+        if args.baseline:
+            tree = Path(args.baseline).resolve()
+            base, base_url, base_key = start_tollgate(
+                up_url, work / "data-baseline", work, tree, "baseline"
+            )
+            procs.append(base)
+            targets["baseline"] = (base_url, base_key, base.pid)
+            result["baseline"] = {"tree": str(tree), "commit": _commit(tree)}
         if use_litellm:
             ll, ll_url, ll_key = start_litellm(venv, up_url, work)
             procs.append(ll)
@@ -938,7 +1003,8 @@ def main(argv: list[str] | None = None) -> None:
                             f"run {run + 1}/{args.runs} {name:8s} {mode:6s} c={c:<3d} "
                             f"{r['rps']:8.1f} req/s p50 {r['p50_ms']:7.2f} ms p99 "
                             f"{r['p99_ms']:7.2f} ms cpu {r['cpu_ms_per_req'] or nan:6.3f} ms/req "
-                            f"(upstream {r['upstream_cpu_ms_per_req']:.3f}) err {r['error_total']}",
+                            f"(upstream {r['upstream_cpu_ms_per_req']:.3f}) err {r['error_total']} "
+                            f"{r['non_2xx'] or ''}",
                             flush=True,
                         )
         for (name, mode, c), runs in raw_runs.items():
@@ -1026,6 +1092,32 @@ def main(argv: list[str] | None = None) -> None:
                         "target": f">= {TARGET_CPU_RATIO}",
                         # None: LiteLLM finished no request in that cell, nothing to compare
                         "met": bool(ll / t >= TARGET_CPU_RATIO) if t and ll == ll else None,
+                    }
+        if "baseline" in closed and "tollgate" in closed:
+            for mode in modes:
+                for c in conns:
+                    t = closed["tollgate"][mode][str(c)]["cpu_ms_per_req"]
+                    base_ms = closed["baseline"][mode][str(c)]["cpu_ms_per_req"]
+                    # Each run's cells are back to back, so the ratio within a run shares its
+                    # noise; the median of those ratios is the A/B figure (the ratio of the
+                    # two medians mixes runs measured minutes apart on a noisy machine).
+                    paired = [
+                        a["cpu_ms_per_req"] / b["cpu_ms_per_req"]
+                        for a, b in zip(
+                            raw_runs[("tollgate", mode, c)],
+                            raw_runs[("baseline", mode, c)],
+                            strict=True,
+                        )
+                        if a["cpu_ms_per_req"] and b["cpu_ms_per_req"]
+                    ]
+                    ratio = med(paired) if paired else None
+                    verdicts[f"ab_cpu_{mode}_c{c}"] = {
+                        "tollgate_ms": t,
+                        "baseline_ms": base_ms,
+                        "tollgate_over_baseline_per_run": [round(r, 3) for r in paired],
+                        "tollgate_over_baseline": round(ratio, 3) if ratio else None,
+                        "target": f"<= {AB_MAX_RATIO}",
+                        "met": bool(ratio <= AB_MAX_RATIO) if ratio else None,
                     }
         for mode, per_rate in open_res.items():
             for rate_s, o in per_rate.items():

@@ -159,7 +159,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "engine_adapter.simulated",
+            "engine_adapter.simulator",
             "--port",
             str(port),
             "--model",

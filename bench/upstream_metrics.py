@@ -11,7 +11,8 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapter.simulated import SimConfig, start_simulated_replica
+from engine_adapter.simulator.engine import SimConfig
+from engine_adapter.simulator.server import start_simulated_replica
 from engine_adapter.vllm_http import parse_metrics
 
 

@@ -25,6 +25,31 @@ TIER_CEILINGS_PPM: Final[dict[str, int]] = {
     "enterprise": ENTERPRISE_CEILING_PPM,
 }
 
+# Flex work (`service_tier: "flex"`) is admitted only into KV that interactive traffic is not
+# using: strictly below every tier's ceiling, so a flex request never takes the room a free
+# request would still be admitted into, and what it holds is given back by preemption.
+FLEX_CEILING_PPM: Final = 500_000
+
+
+@dataclass(frozen=True, slots=True)
+class FlexPolicy:
+    """Where flex work may run. `backfill_reserved`: it may enter replicas kept for reserved
+    (enterprise) traffic while they are below the flex ceiling, because an enterprise request
+    that needs the room preempts it (`preemption_plan`)."""
+
+    ceiling_ppm: int = FLEX_CEILING_PPM
+    backfill_reserved: bool = True
+
+    def __post_init__(self) -> None:
+        lowest = min(TIER_CEILINGS_PPM.values())
+        if not 0 < self.ceiling_ppm < lowest:
+            raise ValueError(
+                f"the flex ceiling must be within (0, {lowest}) ppm, below every tier's ceiling"
+            )
+
+
+DEFAULT_FLEX: Final = FlexPolicy()
+
 T = TypeVar("T")
 Sample = Callable[[Sequence[T], int], Sequence[T]]
 
@@ -35,7 +60,10 @@ class ReplicaLoad:
 
     replica_id: str
     occupancy_ppm: int  # effective occupancy: scraped + optimistic in-flight
-    reserved_only: bool = False  # only enterprise traffic may enter
+    reserved_only: bool = False  # only enterprise traffic (and flex backfill) may enter
+    # Flex requests this router runs there, newest last: (request id, estimated KV tokens as ppm
+    # of the replica's capacity). What preemption could free for an interactive request.
+    flex: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +104,63 @@ def admits(tier: str, load: ReplicaLoad) -> bool:
     if load.reserved_only and tier != "enterprise":
         return False
     return load.occupancy_ppm < tier_ceiling_ppm(tier)
+
+
+def place_flex(
+    candidates: Sequence[ReplicaLoad], sample: Sample[ReplicaLoad], flex: FlexPolicy = DEFAULT_FLEX
+) -> Placement | CapacityRefusal:
+    """Choose a replica for a flex request: the p2c winner, if it is below the flex ceiling.
+
+    Judged on the winner alone, as free is: flex is the first work to be refused, and a refusal
+    costs it nothing (it is not billed, and a batch item is simply tried later)."""
+    ceiling = flex.ceiling_ppm
+    if not candidates:
+        return CapacityRefusal(detail="no_replica", ceiling_ppm=ceiling)
+    eligible = [c for c in candidates if flex.backfill_reserved or not c.reserved_only]
+    if not eligible:
+        return CapacityRefusal(detail="reserved_only", ceiling_ppm=ceiling)
+    pick = p2c_pick(eligible, sample)
+    assert pick is not None
+    if pick.occupancy_ppm < ceiling:
+        return Placement(pick.replica_id, pick.occupancy_ppm)
+    best = min(c.occupancy_ppm for c in eligible)
+    return CapacityRefusal(detail="over_ceiling", ceiling_ppm=ceiling, best_occupancy_ppm=best)
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """Abort `victims` (flex request ids) on `replica_id`, then place the interactive request
+    there: its occupancy without them is `occupancy_ppm`."""
+
+    replica_id: str
+    victims: tuple[str, ...]
+    occupancy_ppm: int
+
+
+def preemption_plan(tier: str, candidates: Sequence[ReplicaLoad]) -> Preemption | None:
+    """For an interactive request of `tier` that `place` refused for capacity: the replica where
+    aborting the fewest flex requests brings the occupancy under the tier's ceiling, or None.
+
+    Victims are taken newest first (vLLM's own choice under `--scheduling-policy priority`: the
+    largest (priority, arrival)), which loses the least generated work. Replicas the tier may not
+    enter are never considered, so preemption never lets a tier in where it has no right to be.
+    """
+    ceiling = tier_ceiling_ppm(tier)
+    best: Preemption | None = None
+    for load in candidates:
+        if not load.flex or (load.reserved_only and tier != "enterprise"):
+            continue
+        occupancy, victims = load.occupancy_ppm, []
+        for request_id, ppm in reversed(load.flex):
+            if occupancy < ceiling:
+                break
+            victims.append(request_id)
+            occupancy -= ppm
+        if occupancy >= ceiling:
+            continue  # even without all its flex work this replica has no room
+        if best is None or len(victims) < len(best.victims):
+            best = Preemption(load.replica_id, tuple(victims), max(0, occupancy))
+    return best
 
 
 def p2c_pick(candidates: Sequence[ReplicaLoad], sample: Sample[ReplicaLoad]) -> ReplicaLoad | None:

@@ -13,19 +13,27 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar
 
-from domain.cost import Price, base_model
+from domain import hierarchy
+from domain.cost import PROFILES, ModelProfile, Price, base_model, check_profile
 from domain.errors import DomainError
 from domain.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     Event,
+    FallbackAllowed,
+    FallbackRevoked,
+    FlexDiscountSet,
     LimitsSet,
+    ModelProfileRegistered,
     PlanChanged,
     PriceSet,
     Recorded,
     ReplicaRegistered,
+    SloSet,
     TenantRegistered,
 )
+from domain.goodput import DEFAULT_SLOS, Slo
+from domain.hierarchy import HIERARCHY_EVENTS, Hierarchy, HierarchyCommand
 from domain.lifecycle import TIERS
 
 __all__ = [
@@ -41,11 +49,19 @@ __all__ = [
     "IssueApiKey",
     "RevokeApiKey",
     "SetPrice",
+    "SetFlexDiscount",
+    "DEFAULT_FLEX_DISCOUNT_PPM",
     "RegisterReplica",
+    "RegisterModelProfile",
     "ControlCommand",
     "decide_control",
     "tenant_stream",
     "price_stream",
+    "model_stream",
+    "slo_stream",
+    "SetSlo",
+    "AllowFallback",
+    "RevokeFallback",
     "FLEET_STREAM",
 ]
 
@@ -96,8 +112,8 @@ TENANT_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KEY_HASH: Final = re.compile(r"^[0-9a-f]{64}$")
 FLEET_STREAM: Final = "fleet"
 # Every control-plane stream starts with one of these (tenants with their keys and limits, prices,
-# the fleet): what a control-plane follower reads.
-CONTROL_PREFIXES: Final = ("tenant-", "prices-", FLEET_STREAM)
+# the fleet, model profiles, SLOs): what a control-plane follower reads.
+CONTROL_PREFIXES: Final = ("tenant-", "prices-", "slo-", FLEET_STREAM, "models-", "run-")
 
 
 def tenant_stream(tenant_id: str) -> str:
@@ -106,6 +122,14 @@ def tenant_stream(tenant_id: str) -> str:
 
 def price_stream(model: str) -> str:
     return f"prices-{model}"
+
+
+def model_stream(model: str) -> str:
+    return f"models-{model}"
+
+
+def slo_stream(tier: str) -> str:
+    return f"slo-{tier}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +171,17 @@ class ControlView:
         self._keys: dict[str, ApiKey] = {}
         self._key_ids_by_hash: dict[str, str] = {}
         self._prices: dict[str, list[tuple[datetime, int, Price]]] = {}
+        self._flex_discounts: dict[str, list[tuple[datetime, int, int]]] = {}
         self._replicas: dict[str, ReplicaRegistered] = {}
+        self._profiles: dict[str, list[tuple[datetime, int, ModelProfile]]] = {}
+        self._slos: dict[str, list[tuple[datetime, int, Slo]]] = {}
+        # (tenant, requested model) -> models consented to, in the order consent was given
+        self._fallbacks: dict[tuple[str, str], list[str]] = {}
         self._current: dict[tuple[str, str], Limits] = {}
+        # Workspaces, projects, the keys' places, level limits, budgets and runs.
+        self.hierarchy = Hierarchy()
         self._seen: set[str] = set()
+        self._versions: dict[str, int] = {}
         self._seq = 0
         self.position = 0
 
@@ -216,15 +248,46 @@ class ControlView:
                 # re-price requests that already ran (and may already be billed).
                 effective = max(event.effective_at, at)
                 _insort(self._prices.setdefault(event.model, []), (effective, seq, price))
+            case FlexDiscountSet():
+                effective = max(event.effective_at, at)  # never before it was recorded
+                discounts = self._flex_discounts.setdefault(event.model, [])
+                _insort(discounts, (effective, seq, event.discount_ppm))
             case ReplicaRegistered():
                 self._replicas[event.replica_id] = event
+            case ModelProfileRegistered():
+                profile = _profile_of(event)
+                # Like a price, never in force before it was recorded.
+                effective = max(event.effective_at, at)
+                _insort(self._profiles.setdefault(event.model, []), (effective, seq, profile))
+            case SloSet():
+                slo = Slo(event.ttft_ms, event.tpot_us)
+                effective = max(event.effective_at, at)
+                _insort(self._slos.setdefault(event.tier, []), (effective, seq, slo))
+            case FallbackAllowed():
+                allowed = self._fallbacks.setdefault((event.tenant_id, event.from_model), [])
+                if event.to_model not in allowed:
+                    allowed.append(event.to_model)
+            case FallbackRevoked():
+                allowed = self._fallbacks.get((event.tenant_id, event.from_model), [])
+                if event.to_model in allowed:
+                    allowed.remove(event.to_model)
+            case _ if isinstance(event, HIERARCHY_EVENTS):
+                self.hierarchy.apply(event, at)
             case _:
                 return
         self._seen.add(recorded.event_id)
         self._current.clear()
         self.position = max(self.position, recorded.position)
+        stream = recorded.stream_id
+        if recorded.stream_version > self._versions.get(stream, 0):
+            self._versions[stream] = recorded.stream_version
 
     # --- questions ----------------------------------------------------------------------------
+
+    def stream_version(self, stream_id: str) -> int:
+        """The version of a control stream as folded here (0: nothing of it seen): what a
+        command decided on this view must append at."""
+        return self._versions.get(stream_id, 0)
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         return self._tenants.get(tenant_id)
@@ -284,15 +347,25 @@ class ControlView:
             self._current[(tenant_id, model)] = resolved
         return resolved
 
-    def price(self, model: str, at: datetime) -> Price:
-        """The price in force for a model (exact version first, else its base name) at `at`."""
+    def price(self, model: str, at: datetime, service_tier: str = "default") -> Price:
+        """The price in force for a model (exact version first, else its base name) at `at`;
+        for the flex class, that price less the flex discount in force at `at`."""
         for name in (model, base_model(model)):
-            history = self._prices.get(name)
-            if history:
-                index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
-                if index:
-                    return history[index - 1][2]
+            found = _in_force(self._prices.get(name), at)
+            if found is not None:
+                if service_tier == "flex":
+                    return flex_price(found, self.flex_discount_ppm(model, at))
+                return found
         raise DomainError("no_price", f"no price for {model!r} in force at {at}", field="model")
+
+    def flex_discount_ppm(self, model: str, at: datetime) -> int:
+        """The flex discount in force for a model at `at` (exact version first, else its base
+        name), in ppm of its price; OpenAI's 50 % where none was ever set."""
+        for name in (model, base_model(model)):
+            found = _in_force(self._flex_discounts.get(name), at)
+            if found is not None:
+                return found
+        return DEFAULT_FLEX_DISCOUNT_PPM
 
     def has_price(self, model: str, at: datetime) -> bool:
         try:
@@ -300,6 +373,51 @@ class ControlView:
         except DomainError:
             return False
         return True
+
+    def model_profile(self, model: str, at: datetime | None = None) -> ModelProfile:
+        """The KV profile in force for a model version (now, or at `at`): a registered profile of
+        the exact version, else of its base name, else the built-in default. None of them is a
+        DomainError that says what to register."""
+        for name in (model, base_model(model)):
+            history = self._profiles.get(name)
+            if history:
+                if at is None:
+                    return history[-1][2]
+                index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
+                if index:
+                    return history[index - 1][2]
+        default = PROFILES.get(model) or PROFILES.get(base_model(model))
+        if default is not None:
+            return default
+        raise DomainError(
+            "no_model_profile",
+            f"no model profile for {model!r} (its KV-cache size per token is unknown): register "
+            f"one with `tollgate models register --model {model} --hf-config PATH/config.json` "
+            "or --layers/--kv-heads/--head-dim/--dtype-bytes",
+            field="model",
+        )
+
+    def model_profiles(self, model: str) -> list[tuple[datetime, ModelProfile]]:
+        """Every registered profile of a model name or version, by effective instant."""
+        return [(at, profile) for at, _, profile in self._profiles.get(model, ())]
+
+    def slo(self, tier: str, at: datetime) -> Slo:
+        """The objective of a tier in force at `at` (seed 000's interactive default before any
+        was set)."""
+        history = self._slos.get(tier)
+        if history:
+            index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
+            if index:
+                return history[index - 1][2]
+        return DEFAULT_SLOS.get(tier, DEFAULT_SLOS["standard"])
+
+    def fallbacks(self, tenant_id: str, model: str) -> tuple[str, ...]:
+        """The models a tenant consented to be served instead of `model` (a version, or its
+        base name), in the order it consented."""
+        base = base_model(model)
+        exact = self._fallbacks.get((tenant_id, model), [])
+        wider = self._fallbacks.get((tenant_id, base), []) if base != model else []
+        return tuple(dict.fromkeys([*exact, *wider]))
 
     def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
         return [r for r in self._replicas.values() if model is None or r.model == model]
@@ -312,6 +430,47 @@ class ControlView:
 
 
 _T = TypeVar("_T")
+
+
+def _profile_of(event: ModelProfileRegistered) -> ModelProfile:
+    # The view keeps a profile's own max_model_len default when the event leaves it to the
+    # replica: the replica's /v1/models, when it reports one, is what limits a request.
+    return ModelProfile(
+        event.model,
+        layers=event.layers,
+        kv_heads=event.kv_heads,
+        head_dim=event.head_dim,
+        dtype_bytes=event.dtype_bytes,
+        attention="mla" if event.attention == "mla" else "gqa",
+        kv_lora_rank=event.kv_lora_rank,
+        rope_dim=event.rope_dim,
+        **({} if event.max_model_len is None else {"max_model_len": event.max_model_len}),
+    )
+
+
+def _in_force(history: list[tuple[datetime, int, _T]] | None, at: datetime) -> _T | None:
+    if not history:
+        return None
+    index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
+    return history[index - 1][2] if index else None
+
+
+# The flex class's discount where a model has no FlexDiscountSet: OpenAI's flex and Batch price.
+DEFAULT_FLEX_DISCOUNT_PPM: Final = 500_000
+
+
+def flex_price(price: Price, discount_ppm: int) -> Price:
+    """`price` less `discount_ppm` of it, each rate rounded half up to a whole micro-unit."""
+
+    def off(micros: int) -> int:
+        return (micros * (1_000_000 - discount_ppm) + 500_000) // 1_000_000
+
+    return Price(
+        price.model,
+        off(price.prompt_micros_per_mtok),
+        off(price.completion_micros_per_mtok),
+        off(price.cached_micros_per_mtok),
+    )
 
 
 def _insort(history: list[tuple[datetime, int, _T]], entry: tuple[datetime, int, _T]) -> None:
@@ -353,6 +512,7 @@ class IssueApiKey:
     key_id: str
     key_hash: str  # sha256 hex of the secret, computed outside the domain
     scope: str = "customer"
+    project_id: str | None = None  # None: the key belongs to the organization directly
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,11 +532,61 @@ class SetPrice:
 
 
 @dataclass(frozen=True, slots=True)
+class SetFlexDiscount:
+    """The flex class's discount on a model's price, in ppm of it (500,000 = half price)."""
+
+    model: str
+    discount_ppm: int
+    effective_at: datetime
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class RegisterReplica:
     replica_id: str
     model: str
     url: str
     reserved_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterModelProfile:
+    """The KV shape of a model name or version, in force from `effective_at`."""
+
+    model: str
+    layers: int
+    dtype_bytes: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    attention: str = "gqa"
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    max_model_len: int | None = None
+    effective_at: datetime | None = None  # None: now
+    now: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetSlo:
+    tier: str
+    ttft_ms: int
+    tpot_us: int
+    effective_at: datetime
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AllowFallback:
+    tenant_id: str
+    from_model: str
+    to_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeFallback:
+    tenant_id: str
+    from_model: str
+    to_model: str
 
 
 ControlCommand = (
@@ -386,7 +596,13 @@ ControlCommand = (
     | IssueApiKey
     | RevokeApiKey
     | SetPrice
+    | SetFlexDiscount
     | RegisterReplica
+    | RegisterModelProfile
+    | SetSlo
+    | AllowFallback
+    | RevokeFallback
+    | HierarchyCommand
 )
 
 
@@ -448,9 +664,21 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 raise DomainError("duplicate_key", f"key {command.key_id} exists", field="key_id")
             if command.key_hash in view._key_ids_by_hash:
                 raise DomainError("duplicate_key_hash", "this key hash is in use", field="key_hash")
-            return (
-                ApiKeyIssued(command.tenant_id, command.key_id, command.key_hash, command.scope),
+            issued = ApiKeyIssued(
+                command.tenant_id, command.key_id, command.key_hash, command.scope
             )
+            if command.project_id is None:
+                return (issued,)
+            if command.scope != "customer":
+                raise DomainError(
+                    "bad_scope", "only a customer key belongs to a project", field="project"
+                )
+            assigned = hierarchy.decide(
+                view.hierarchy,
+                hierarchy.AssignKey(command.tenant_id, command.key_id, command.project_id),
+                key_tenant=command.tenant_id,
+            )
+            return (issued, *assigned)
         case RevokeApiKey():
             key = view.key(command.key_id)
             if key is None or key.tenant_id != command.tenant_id:
@@ -483,9 +711,24 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                     command.effective_at,
                 ),
             )
+        case SetFlexDiscount():
+            if not command.model:
+                raise DomainError("bad_model", "model is empty", field="model")
+            if not 0 <= command.discount_ppm <= 1_000_000:
+                raise DomainError(
+                    "bad_discount", "the flex discount is within [0, 100] %", field="discount_ppm"
+                )
+            if command.effective_at < command.now:
+                raise DomainError(
+                    "price_backdated",
+                    "a price cannot take effect before it is set",
+                    field="effective_at",
+                )
+            return (FlexDiscountSet(command.model, command.discount_ppm, command.effective_at),)
         case RegisterReplica():
             if not command.replica_id or not command.model or not command.url:
                 raise DomainError("bad_replica", "replica_id, model and url are required")
+            view.model_profile(command.model)  # a replica nobody could admit traffic for
             known = view._replicas.get(command.replica_id)
             if known is not None:
                 if (known.model, known.url, known.reserved_only) == (
@@ -500,7 +743,74 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                     command.replica_id, command.model, command.url, command.reserved_only
                 ),
             )
+        case RegisterModelProfile():
+            return (_decide_model_profile(command),)
+        case SetSlo():
+            if command.tier not in TIERS:
+                raise DomainError("bad_tier", f"tier {command.tier!r} is not one of {TIERS}",
+                                  field="tier")
+            if command.ttft_ms <= 0 or command.tpot_us <= 0:
+                raise DomainError("bad_slo", "SLO targets must be positive", field="ttft_ms")
+            if command.effective_at < command.now:
+                raise DomainError(
+                    "slo_backdated", "an SLO cannot take effect before it is set",
+                    field="effective_at",
+                )
+            return (SloSet(command.tier, command.ttft_ms, command.tpot_us, command.effective_at),)
+        case AllowFallback():
+            view._tenant_or_error(command.tenant_id)
+            if not command.from_model or not command.to_model:
+                raise DomainError("bad_model", "both models are required", field="from_model")
+            if base_model(command.from_model) == base_model(command.to_model):
+                raise DomainError(
+                    "same_model", "a fallback is to another model", field="to_model"
+                )
+            given = view._fallbacks.get((command.tenant_id, command.from_model), [])
+            if command.to_model in given:
+                return ()
+            return (FallbackAllowed(command.tenant_id, command.from_model, command.to_model),)
+        case RevokeFallback():
+            view._tenant_or_error(command.tenant_id)
+            if command.to_model not in view._fallbacks.get(
+                (command.tenant_id, command.from_model), []
+            ):
+                return ()
+            return (FallbackRevoked(command.tenant_id, command.from_model, command.to_model),)
+    if isinstance(command, hierarchy.HIERARCHY_COMMANDS):
+        view._tenant_or_error(command.tenant_id)
+        key_id = getattr(command, "key_id", None) or (
+            getattr(command, "level_id", None) if getattr(command, "level", "") == "key" else None
+        )
+        key = view.key(key_id) if key_id else None
+        return hierarchy.decide(
+            view.hierarchy, command, key_tenant=key.tenant_id if key is not None else None
+        )
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegistered:
+    if not command.model or command.model.strip() != command.model or command.model == "*":
+        raise DomainError("bad_model", f"model {command.model!r}", field="model")
+    if command.now is None:
+        raise DomainError("no_instant", "RegisterModelProfile needs `now`", field="now")
+    effective_at = command.effective_at or command.now
+    if effective_at < command.now:
+        raise DomainError(
+            "profile_backdated",
+            "a model profile cannot take effect before it is registered",
+            field="effective_at",
+        )
+    if command.max_model_len is not None and command.max_model_len <= 0:
+        raise DomainError("bad_profile", "max_model_len must be positive", field="max_model_len")
+    if command.attention not in ("gqa", "mla"):
+        raise DomainError("bad_profile", f"attention {command.attention!r} is not gqa or mla")
+    event = ModelProfileRegistered(
+        command.model, command.attention, command.layers, command.kv_heads, command.head_dim,
+        command.dtype_bytes, command.kv_lora_rank, command.rope_dim, command.max_model_len,
+        effective_at,
+    )  # fmt: skip
+    check_profile(_profile_of(event))
+    return event
 
 
 def _check_plan(plan: str) -> None:

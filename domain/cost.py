@@ -6,8 +6,9 @@ microseconds and micro-units of currency, never floats.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from domain.errors import DomainError
 
@@ -48,6 +49,8 @@ class ModelProfile:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+# Built-in defaults: a registered profile (`tollgate models register`, ControlView.model_profile)
+# wins over these for the same model.
 PROFILES: dict[str, ModelProfile] = {
     p.name: p
     for p in (
@@ -84,11 +87,79 @@ def base_model(model: str) -> str:
 
 
 def profile_for(model: str) -> ModelProfile:
-    """The profile of a model name or pinned version; unknown models are a domain error."""
+    """The built-in profile of a model name or pinned version; unknown models are a domain
+    error. The gateway asks `ControlView.model_profile`, which also knows registered ones."""
     found = PROFILES.get(model) or PROFILES.get(base_model(model))
     if found is None:
         raise DomainError("unknown_model", f"no model profile for {model!r}", field="model")
     return found
+
+
+def check_profile(profile: ModelProfile) -> None:
+    """A profile the KV model can use: every dimension it multiplies is positive."""
+    if profile.attention not in ("gqa", "mla"):
+        raise DomainError("bad_profile", f"attention {profile.attention!r} is not gqa or mla")
+    needed = ("layers", "dtype_bytes") + (
+        ("kv_lora_rank",) if profile.attention == "mla" else ("kv_heads", "head_dim")
+    )
+    for name in needed:
+        if getattr(profile, name) <= 0:
+            raise DomainError("bad_profile", f"{name} must be a positive integer", field=name)
+    if min(profile.kv_lora_rank, profile.rope_dim) < 0:
+        raise DomainError("bad_profile", "kv_lora_rank and rope_dim must be non-negative")
+    if profile.max_model_len <= 0:
+        raise DomainError("bad_profile", "max_model_len must be positive", field="max_model_len")
+
+
+# torch dtype names in a Hugging Face config.json -> bytes per element of the KV cache (which has
+# the model's dtype unless the engine is told otherwise, e.g. vLLM's --kv-cache-dtype).
+HF_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+}  # fmt: skip
+
+
+def profile_from_hf_config(name: str, config: Mapping[str, Any]) -> ModelProfile:
+    """A profile from a Hugging Face `config.json` (already parsed): dense / GQA from
+    num_hidden_layers, num_key_value_heads and head_dim (or hidden_size / num_attention_heads);
+    MLA when it has kv_lora_rank (DeepSeek-style, with qk_rope_head_dim). Multimodal configs
+    nest the language model under `text_config`. A missing field is a DomainError naming it."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        config = {**config, **text}
+
+    def need(*keys: str) -> int:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        raise DomainError(
+            "bad_hf_config", f"config.json has no integer {' or '.join(keys)}", field=keys[0]
+        )
+
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if dtype not in HF_DTYPE_BYTES:
+        raise DomainError("bad_hf_config", f"unknown dtype {dtype!r} in config.json", field="dtype")
+    layers = need("num_hidden_layers", "n_layer", "num_layers")
+    max_len = config.get("max_position_embeddings")
+    max_model_len = max_len if isinstance(max_len, int) and max_len > 0 else 131_072
+    if config.get("kv_lora_rank"):
+        profile = ModelProfile(
+            name, layers=layers, kv_heads=need("num_attention_heads"),
+            head_dim=need("qk_nope_head_dim", "v_head_dim"), dtype_bytes=HF_DTYPE_BYTES[dtype],
+            attention="mla", kv_lora_rank=need("kv_lora_rank"), rope_dim=need("qk_rope_head_dim"),
+            max_model_len=max_model_len,
+        )  # fmt: skip
+    else:
+        heads = need("num_attention_heads", "n_head")
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or need("hidden_size", "n_embd") // heads
+        profile = ModelProfile(
+            name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+            dtype_bytes=HF_DTYPE_BYTES[dtype], max_model_len=max_model_len,
+        )  # fmt: skip
+    check_profile(profile)
+    return profile
 
 
 def est_kv_byte_seconds(
@@ -122,12 +193,24 @@ def tpot_estimate_us(
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """What admission reserves for a request. Never billed: billing uses engine counts."""
+    """What admission reserves for a request. Never billed: billing uses engine counts.
+
+    `reserved_output_tokens` is what tokens/min and KV·s were charged for the output; it is the
+    output cap unless an output-length prediction narrowed it. `output_cap_tokens` is what the
+    request may produce (the engine's max_tokens): a prediction never shortens an answer.
+    0 means "equal to the reservation" (an estimate made without a prediction)."""
 
     prompt_tokens: int
     reserved_output_tokens: int
     kv_byte_seconds: int
     tpot_us: int
+    output_cap_tokens: int = 0
+    predictor_version: str = ""  # the model that predicted the reservation; "" for none
+
+    @property
+    def max_output_tokens(self) -> int:
+        """The engine request's max_tokens."""
+        return self.output_cap_tokens or self.reserved_output_tokens
 
     @property
     def reserved_tokens(self) -> int:

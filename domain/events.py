@@ -39,17 +39,31 @@ class RequestAdmitted(Event):
     idempotency_key: str | None = None
     is_retry: bool = False
     stream: bool = False
+    # The service class it was admitted into: "default" (interactive) | "flex" (preemptible,
+    # flex-priced). Absent in events recorded before flex existed, which were all interactive.
+    service_tier: str = "default"
+    # The batch item it runs, "<batch id>/<custom_id>" (empty for a direct API request).
+    batch_item: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class RequestEstimated(Event):
+    """v2 added the output cap apart from the reservation (an output-length prediction may
+    reserve less than the request may produce), the predictor's model version, and the request's
+    shape as admission saw it (what `tollgate predictor train` learns from; never its text)."""
+
     EVENT_TYPE: ClassVar[str] = "RequestEstimated"
+    EVENT_VERSION: ClassVar[int] = 2
     request_id: str
     prompt_tokens: int  # estimated by the edge; never billed
     reserved_output_tokens: int
     reserved_tokens: int  # prompt + reserved output: what tokens/min was charged
     kv_byte_seconds: int  # estimated KV occupancy integral reserved against the KV·s cap
     tpot_us: int  # the TPOT the estimate used (after the measured-TPOT clamp)
+    output_cap_tokens: int = 0  # min(max_tokens, max_output): the engine's max_tokens
+    predictor_version: str = ""  # the output predictor's model version; "" when none was used
+    message_count: int = 0
+    system_prompt_bucket: int = -1  # a per-tenant keyed hash of the system prompt, mod 64; -1 none
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +108,8 @@ class LeaseProgress:
 
 @dataclass(frozen=True, slots=True)
 class LeasesRenewed(Event):
-    """One per edge every 5 s; stream_id = "edge-<edge_id>"."""
+    """One per edge every 0.5 s (domain.leases.LEASE_RENEW_S) while it serves anything;
+    stream_id = "edge-<edge_id>"."""
 
     EVENT_TYPE: ClassVar[str] = "LeasesRenewed"
     edge_id: str
@@ -120,7 +135,7 @@ class RequestCancelled(Event):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    reason: str  # client_disconnected | timeout
+    reason: str  # client_disconnected | timeout | slow_reader
     engine_reported: bool  # False when counts are the edge's own (engine never reported)
 
 
@@ -142,6 +157,21 @@ class LeaseExpired(Event):
     completion_tokens: int
     cached_tokens: int
     last_renewed_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPreempted(Event):
+    """A flex request the router aborted at the engine to make room for an interactive one: our
+    decision, so it is refunded in full and billed nothing. The counts are what the engine
+    reported it had done (the preemption waste finance sees)."""
+
+    EVENT_TYPE: ClassVar[str] = "RequestPreempted"
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    replica_id: str
+    preempted_for: str  # the interactive request given its room
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,17 +199,27 @@ class UsageBilled(Event):
     completion_micros_per_mtok: int
     cached_micros_per_mtok: int
     amount_micros: int
-    terminal: str  # completed | cancelled | failed | lease_expired
+    terminal: str  # completed | cancelled | failed | lease_expired | preempted
     admitted_at: datetime
     finished_at: datetime  # the terminal event's instant; usage is bucketed by its hour
+    service_tier: str = "default"  # the prices above are this class's (flex: discounted)
+    # The request's place in its tenant's hierarchy and its agent run, from its BudgetReserved
+    # (None: a key of the organization, no run). Defaults, like service_tier, so that every bill
+    # recorded before they existed reads as the organization's.
+    workspace_id: str | None = None
+    project_id: str | None = None
+    run_id: str | None = None
 
 
+# A request stream ends with exactly one of these (DESIGN §3); every reader names them from here.
 TERMINAL_EVENTS: tuple[type[Event], ...] = (
     RequestCompleted,
     RequestCancelled,
     RequestFailed,
     LeaseExpired,
+    RequestPreempted,
 )
+TERMINAL_TYPES: frozenset[str] = frozenset(cls.EVENT_TYPE for cls in TERMINAL_EVENTS)
 
 # --- control plane ------------------------------------------------------------------------------
 # Tenant streams are "tenant-<tenant_id>"; keys and limits live in their tenant's stream so one
@@ -256,6 +296,312 @@ class PriceSet(Event):
     effective_at: datetime
 
 
+@dataclass(frozen=True, slots=True)
+class FlexDiscountSet(Event):
+    """Stream "prices-<model>": the flex class's discount on the model's price in force, in parts
+    per million of it, from `effective_at` (never before it was recorded, like a price)."""
+
+    EVENT_TYPE: ClassVar[str] = "FlexDiscountSet"
+    model: str
+    discount_ppm: int
+    effective_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfileRegistered(Event):
+    """Stream "models-<model>": the KV shape of a model name or pinned version, in force from
+    `effective_at` (a later registration supersedes it from its own instant; history is kept).
+    `max_model_len` None: the replica's own /v1/models (or the built-in default) decides."""
+
+    EVENT_TYPE: ClassVar[str] = "ModelProfileRegistered"
+    model: str
+    attention: str  # "gqa" (dense / grouped-query) | "mla"
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    kv_lora_rank: int
+    rope_dim: int
+    max_model_len: int | None
+    effective_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SloSet(Event):
+    """Stream "slo-<tier>". A tier's objective from `effective_at` on (never before it was
+    recorded, like prices, so a change cannot re-judge requests that already ran)."""
+
+    EVENT_TYPE: ClassVar[str] = "SloSet"
+    tier: str
+    ttft_ms: int
+    tpot_us: int
+    effective_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackAllowed(Event):
+    """A tenant's consent to be served `to_model` when `from_model` has no capacity (its own
+    stream, like its keys and limits). Without it no other model is ever served."""
+
+    EVENT_TYPE: ClassVar[str] = "FallbackAllowed"
+    tenant_id: str
+    from_model: str
+    to_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackRevoked(Event):
+    EVENT_TYPE: ClassVar[str] = "FallbackRevoked"
+    tenant_id: str
+    from_model: str
+    to_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDowngraded(Event):
+    """Recorded with the admission of a request served by another model than the one asked
+    for, with the tenant's consent, because the requested one had no capacity."""
+
+    EVENT_TYPE: ClassVar[str] = "RequestDowngraded"
+    request_id: str
+    requested_model: str
+    served_model: str
+    reason: str  # why the requested model could not take it (the router's refusal)
+
+
+# --- the hierarchy under a tenant, its budgets and agent runs (tenant stream) ----------------
+# Organization (the tenant) -> workspace -> project -> API key (domain/hierarchy.py). Every level
+# lives in its tenant's stream, so one optimistic-concurrency check covers the whole tree.
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceCreated(Event):
+    EVENT_TYPE: ClassVar[str] = "WorkspaceCreated"
+    tenant_id: str
+    workspace_id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectCreated(Event):
+    EVENT_TYPE: ClassVar[str] = "ProjectCreated"
+    tenant_id: str
+    project_id: str
+    name: str
+    workspace_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectMoved(Event):
+    EVENT_TYPE: ClassVar[str] = "ProjectMoved"
+    tenant_id: str
+    project_id: str
+    workspace_id: str  # the workspace it belongs to from now on
+
+
+@dataclass(frozen=True, slots=True)
+class KeyAssigned(Event):
+    """An API key's project (recorded with its ApiKeyIssued, or later to move it). A key with
+    none belongs to the organization directly."""
+
+    EVENT_TYPE: ClassVar[str] = "KeyAssigned"
+    tenant_id: str
+    key_id: str
+    project_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LevelLimitsSet(Event):
+    """Limits at a level below the organization (the organization's are `LimitsSet`). None
+    leaves the earlier value; a level with no value for a limit is bounded by its ancestors."""
+
+    EVENT_TYPE: ClassVar[str] = "LevelLimitsSet"
+    tenant_id: str
+    level: str  # workspace | project | key
+    level_id: str
+    model: str  # a model name or version, or "*"
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetSet(Event):
+    """A spend budget per calendar period at one level; `amount_micros` None removes it."""
+
+    EVENT_TYPE: ClassVar[str] = "BudgetSet"
+    tenant_id: str
+    level: str  # org | workspace | project | key
+    level_id: str
+    period: str  # day | month
+    amount_micros: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TimeZoneSet(Event):
+    """The organization's time zone (an IANA name): where its budget days and months begin."""
+
+    EVENT_TYPE: ClassVar[str] = "TimeZoneSet"
+    tenant_id: str
+    time_zone: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunPolicySet(Event):
+    """The run budget a project's runs get unless their creator gave one. None: unbounded."""
+
+    EVENT_TYPE: ClassVar[str] = "RunPolicySet"
+    tenant_id: str
+    project_id: str
+    max_calls: int | None = None
+    max_tool_calls: int | None = None
+    max_wall_ms: int | None = None
+    max_cost_micros: int | None = None
+    max_in_flight: int | None = None
+
+
+# --- agent runs (stream "run-<tenant_id>-<run_id>") --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunStarted(Event):
+    EVENT_TYPE: ClassVar[str] = "RunStarted"
+    tenant_id: str
+    run_id: str
+    project_id: str | None
+    max_calls: int | None = None
+    max_tool_calls: int | None = None
+    max_wall_ms: int | None = None
+    max_cost_micros: int | None = None
+    max_in_flight: int | None = None
+    implicit: bool = False  # started by its first call's X-Tollgate-Run-Id, not POST /v1/runs
+
+
+@dataclass(frozen=True, slots=True)
+class RunBudgetExhausted(Event):
+    """The first refusal of a run's call for one dimension (calls, tool_calls, wall_clock,
+    cost, in_flight, ended)."""
+
+    EVENT_TYPE: ClassVar[str] = "RunBudgetExhausted"
+    tenant_id: str
+    run_id: str
+    dimension: str
+    refused_request_id: str  # the call refused (not a request-stream event)
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnded(Event):
+    EVENT_TYPE: ClassVar[str] = "RunEnded"
+    tenant_id: str
+    run_id: str
+
+
+# --- a request's place in the hierarchy (request stream, with its admission) ------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReserved(Event):
+    """Recorded with the admission of a request whose path is governed below or beside the
+    organization's limits (a workspace, project, key limit, any budget, a run). It carries
+    what was reserved at every level of the path, so any fold can take the same reservation:
+    `reserved_micros` is the request's maximum cost (prompt + reserved output at the price in
+    force, never the cached rate), charged to the budget periods named here."""
+
+    EVENT_TYPE: ClassVar[str] = "BudgetReserved"
+    request_id: str
+    tenant_id: str
+    key_id: str
+    workspace_id: str | None
+    project_id: str | None
+    run_id: str | None
+    model: str
+    day: str  # the budget day of the admission in the organization's time zone, "2026-12-02"
+    month: str  # "2026-12"
+    reserved_micros: int
+    reserved_tokens: int
+    kv_byte_seconds: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallsReturned(Event):
+    """Recorded with the terminal event of a run's call: the tool calls the engine returned."""
+
+    EVENT_TYPE: ClassVar[str] = "ToolCallsReturned"
+    request_id: str
+    run_id: str
+    tool_calls: int
+
+
+# --- batches (stream_id = "batch-<batch id>", domain/batch.py) ----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCreated(Event):
+    EVENT_TYPE: ClassVar[str] = "BatchCreated"
+    batch_id: str
+    tenant_id: str
+    key_id: str
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    total: int  # requests in the input file
+    expires_at: datetime
+    metadata_json: str = "{}"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStarted(Event):
+    EVENT_TYPE: ClassVar[str] = "BatchStarted"
+    batch_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItemFinished(Event):
+    """One item's one outcome: `completed` (in the output file, billed once at the flex price)
+    or `failed` (the endpoint refused its body: in the error file, never billed)."""
+
+    EVENT_TYPE: ClassVar[str] = "BatchItemFinished"
+    batch_id: str
+    custom_id: str
+    request_id: str  # the request that served it (support replays it by this id)
+    outcome: str  # completed | failed
+    status_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCancelRequested(Event):
+    EVENT_TYPE: ClassVar[str] = "BatchCancelRequested"
+    batch_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFinalizing(Event):
+    EVENT_TYPE: ClassVar[str] = "BatchFinalizing"
+    batch_id: str
+    outcome: str  # completed | expired
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEnded(Event):
+    EVENT_TYPE: ClassVar[str] = "BatchEnded"
+    batch_id: str
+    outcome: str  # completed | expired | cancelled
+    output_file_id: str | None
+    error_file_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFailed(Event):
+    EVENT_TYPE: ClassVar[str] = "BatchFailed"
+    batch_id: str
+    code: str
+    message: str
+
+
+
+
 # --- envelope and wire form ---------------------------------------------------------------------
 
 EVENT_CLASSES: dict[str, type[Event]] = {
@@ -271,6 +617,7 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         RequestCancelled,
         RequestFailed,
         LeaseExpired,
+        RequestPreempted,
         QuotaRefunded,
         UsageBilled,
         TenantRegistered,
@@ -280,6 +627,32 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         ApiKeyRevoked,
         ReplicaRegistered,
         PriceSet,
+        FlexDiscountSet,
+        ModelProfileRegistered,
+        SloSet,
+        FallbackAllowed,
+        FallbackRevoked,
+        RequestDowngraded,
+        WorkspaceCreated,
+        ProjectCreated,
+        ProjectMoved,
+        KeyAssigned,
+        LevelLimitsSet,
+        BudgetSet,
+        TimeZoneSet,
+        RunPolicySet,
+        RunStarted,
+        RunBudgetExhausted,
+        RunEnded,
+        BudgetReserved,
+        ToolCallsReturned,
+        BatchCreated,
+        BatchStarted,
+        BatchItemFinished,
+        BatchCancelRequested,
+        BatchFinalizing,
+        BatchEnded,
+        BatchFailed,
     )
 }
 
@@ -305,7 +678,22 @@ class Recorded:
 Upcaster: TypeAlias = Callable[[dict[str, Any]], dict[str, Any]]
 # (type, from_version) -> function giving the payload of version from_version + 1. Pure; stored
 # rows are never rewritten, they are read through these.
-UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def _estimated_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 reserved the whole output cap, with no predictor, and did not record the shape.
+    return {
+        **payload,
+        "output_cap_tokens": payload["reserved_output_tokens"],
+        "predictor_version": "",
+        "message_count": 0,
+        "system_prompt_bucket": -1,
+    }
+
+
+UPCASTERS: dict[tuple[str, int], Upcaster] = {
+    ("RequestEstimated", 1): _estimated_v1_to_v2,
+}
 
 
 def upcast(event_type: str, version: int, payload: Mapping[str, Any]) -> dict[str, Any]:

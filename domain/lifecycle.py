@@ -12,6 +12,7 @@ from typing import Any, Final
 from domain.cost import Estimate, Price, amount_micros, base_model
 from domain.errors import DomainError
 from domain.events import (
+    BudgetReserved,
     Event,
     FirstTokenStreamed,
     LeaseExpired,
@@ -22,11 +23,26 @@ from domain.events import (
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
+    RequestDowngraded,
     RequestEstimated,
     RequestFailed,
+    RequestPreempted,
     RequestRejected,
     RequestRouted,
+    ToolCallsReturned,
     UsageBilled,
+)
+from domain.types import (
+    CANCEL_REASONS,
+    REJECT_REASONS,
+    SERVICE_TIERS,
+    TERMINAL_STATUSES,
+    TIERS,
+    CancelReason,
+    RejectReason,
+    ServiceTier,
+    Status,
+    Tier,
 )
 
 __all__ = [
@@ -43,17 +59,17 @@ __all__ = [
     "CancelRequest",
     "FailRequest",
     "ExpireLease",
+    "PreemptRequest",
     "BillUsage",
     "Command",
     "decide",
     "evolve",
     "evolve_event",
     "fold",
+    "refund_due",
+    "billed_counts",
 ]
 
-TIERS: Final = ("free", "standard", "enterprise")
-REJECT_REASONS: Final = ("requests", "tokens", "concurrency", "capacity", "retry_budget", "invalid")
-TERMINAL_STATUSES: Final = frozenset({"completed", "cancelled", "failed", "lease_expired"})
 # Non-terminal statuses only move forward; a late or reordered fact never moves them back.
 _RANK: Final = {"new": 0, "admitted": 1, "routed": 2, "streaming": 3}
 
@@ -67,8 +83,7 @@ class RequestState:
     this stream applied (LeasesRenewed lives in the edge's stream and does not count)."""
 
     request_id: str = ""
-    # new|admitted|routed|streaming|completed|cancelled|failed|lease_expired|rejected
-    status: str = "new"
+    status: Status = "new"
     tenant_id: str = ""
     key_id: str = ""
     model: str = ""
@@ -78,6 +93,8 @@ class RequestState:
     reserved_tokens: int = 0
     kv_byte_seconds: int = 0
     prompt_tokens_est: int = 0
+    output_cap_tokens: int = 0  # what the request may produce: the engine's max_tokens
+    predictor_version: str = ""  # the output predictor behind the reservation, if any
     replica_id: str | None = None
     first_token: bool = False
     ttft_ms: int | None = None
@@ -92,6 +109,15 @@ class RequestState:
     admitted_at: datetime | None = None
     finished_at: datetime | None = None
     progress: LeaseProgress | None = None  # last engine counts an edge renewed the lease with
+    downgraded_from: str | None = None  # the model asked for, when another one served it
+    # Its place in the tenant's hierarchy and its agent run (BudgetReserved), when governed.
+    workspace_id: str | None = None
+    project_id: str | None = None
+    run_id: str | None = None
+    reserved_micros: int = 0
+    tool_calls: int = 0
+    service_tier: str = "default"  # default (interactive) | flex
+    batch_item: str = ""  # "<batch id>/<custom_id>" when a batch runs it
     version: int = 0
 
     @property
@@ -101,16 +127,27 @@ class RequestState:
         return self.prompt_tokens + self.completion_tokens
 
     @property
+    def reserved_output_tokens(self) -> int:
+        """The output tokens admission reserved: the output cap, or less when an output-length
+        prediction narrowed it (never the engine's max_tokens: that is `output_cap_tokens`)."""
+        return self.reserved_tokens - self.prompt_tokens_est
+
+    @property
     def is_terminal(self) -> bool:
         return self.terminal is not None
 
 
 _new_object = object.__new__
+_STATE_FIELDS: Final = frozenset(RequestState.__dataclass_fields__)
 
 
 def _with(state: RequestState, **changes: Any) -> RequestState:
     # dataclasses.replace re-runs the frozen __init__ (~10 µs for this many fields); copying the
-    # instance dict is ~1 µs and is what keeps the fold above 200k events/s.
+    # instance dict is ~1 µs and is what keeps the fold above 200k events/s. The copy bypasses
+    # __init__, so a misspelt field is checked here rather than silently added.
+    if not _STATE_FIELDS.issuperset(changes):
+        unknown = ", ".join(sorted(set(changes) - _STATE_FIELDS))
+        raise DomainError("unknown_field", f"RequestState has no field {unknown}")
     fresh: RequestState = _new_object(RequestState)
     fields = fresh.__dict__
     fields.update(state.__dict__)
@@ -130,13 +167,25 @@ class AdmitRequest:
     tenant_id: str
     key_id: str
     model: str
-    tier: str
+    tier: Tier
     edge_id: str
     estimate: Estimate
     idempotency_key: str | None = None
     is_retry: bool = False
     stream: bool = False
     at: datetime | None = None
+    # Served by `model` instead of this one, with the tenant's consent: `downgrade_reason` says
+    # why this one could not take it.
+    downgraded_from: str | None = None
+    downgrade_reason: str = ""
+    # The request's shape as admission saw it, recorded on RequestEstimated for the output
+    # predictor's training: counts and a keyed hash bucket, never text.
+    message_count: int = 0
+    system_prompt_bucket: int = -1
+    # Decided over a path (`domain.admission.decide_on_path`): recorded with the admission.
+    reserved: BudgetReserved | None = None
+    service_tier: ServiceTier = "default"
+    batch_item: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +194,8 @@ class RejectRequest:
     tenant_id: str
     key_id: str
     model: str
-    tier: str
-    reason: str  # one of REJECT_REASONS
+    tier: str  # a refusal may name a tier it could not check (an unknown key's), so any string
+    reason: RejectReason
     retry_after_s: int
     detail: str = ""
     is_retry: bool = False
@@ -181,6 +230,7 @@ class CompleteRequest:
     finish_reason: str
     ttft_ms: int
     tpot_us: int
+    tool_calls: int = 0  # returned by the engine (counted against a run)
     request_id: str = ""
     at: datetime | None = None
 
@@ -190,8 +240,9 @@ class CancelRequest:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    reason: str = "client_disconnected"  # client_disconnected | timeout
+    reason: CancelReason = "client_disconnected"
     engine_reported: bool = True
+    tool_calls: int = 0  # returned by the engine (counted against a run)
     request_id: str = ""
     at: datetime | None = None
 
@@ -202,6 +253,7 @@ class FailRequest:
     completion_tokens: int
     cached_tokens: int
     error: str
+    tool_calls: int = 0  # returned by the engine (counted against a run)
     request_id: str = ""
     at: datetime | None = None
 
@@ -216,6 +268,20 @@ class ExpireLease:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    request_id: str = ""
+    at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptRequest:
+    """The router aborted this flex request at the engine to give its KV to `preempted_for`.
+    The counts are the engine's report of what it had done when it stopped."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    replica_id: str
+    preempted_for: str
     request_id: str = ""
     at: datetime | None = None
 
@@ -240,6 +306,7 @@ Command = (
     | CancelRequest
     | FailRequest
     | ExpireLease
+    | PreemptRequest
     | BillUsage
 )
 
@@ -297,9 +364,12 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
                     command.ttft_ms,
                     command.tpot_us,
                 ),
+                command.tool_calls,
             )
         case CancelRequest():
             _require_live(state)
+            if command.reason not in CANCEL_REASONS:
+                raise DomainError("bad_reason", f"cancel reason {command.reason!r}", field="reason")
             _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
             return _with_refund(
                 state,
@@ -311,6 +381,7 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
                     command.reason,
                     command.engine_reported,
                 ),
+                command.tool_calls,
             )
         case FailRequest():
             _require_live(state)
@@ -324,6 +395,7 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
                     command.cached_tokens,
                     command.error,
                 ),
+                command.tool_calls,
             )
         case ExpireLease():
             _require_live(state)
@@ -333,6 +405,25 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
             counts = max(reported, known)  # counts only grow: the larger report is the later
             return _with_refund(
                 state, LeaseExpired(state.request_id, *counts, command.last_renewed_at)
+            )
+        case PreemptRequest():
+            _require_live(state)
+            if state.service_tier != "flex":
+                raise DomainError(
+                    "not_preemptible", "only a flex request is preempted", field="service_tier"
+                )
+            _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
+            return _with_refund(
+                state,
+                RequestPreempted(
+                    state.request_id,
+                    command.prompt_tokens,
+                    command.completion_tokens,
+                    command.cached_tokens,
+                    command.replica_id,
+                    command.preempted_for,
+                ),
+                used=0,
             )
         case BillUsage():
             return (_bill(state, command),)
@@ -354,6 +445,16 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         raise DomainError("already_admitted", f"request {state.request_id} is {state.status}")
     if command.tier not in TIERS:
         raise DomainError("bad_tier", f"tier {command.tier!r} is not one of {TIERS}", field="tier")
+    if command.service_tier not in SERVICE_TIERS:
+        raise DomainError(
+            "bad_service_tier",
+            f"service tier {command.service_tier!r} is not one of {SERVICE_TIERS}",
+            field="service_tier",
+        )
+    if command.batch_item and command.service_tier != "flex":
+        raise DomainError(
+            "batch_not_flex", "a batch item runs in the flex class", field="batch_item"
+        )
     est = command.estimate
     _non_negative(
         prompt_tokens=est.prompt_tokens,
@@ -361,27 +462,52 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         kv_byte_seconds=est.kv_byte_seconds,
         tpot_us=est.tpot_us,
     )
-    return (
-        RequestAdmitted(
-            command.request_id,
-            command.tenant_id,
-            command.key_id,
-            command.model,
-            command.tier,
-            command.edge_id,
-            command.idempotency_key,
-            command.is_retry,
-            command.stream,
-        ),
-        RequestEstimated(
-            command.request_id,
-            est.prompt_tokens,
-            est.reserved_output_tokens,
-            est.reserved_tokens,
-            est.kv_byte_seconds,
-            est.tpot_us,
-        ),
+    admitted = RequestAdmitted(
+        command.request_id,
+        command.tenant_id,
+        command.key_id,
+        command.model,
+        command.tier,
+        command.edge_id,
+        command.idempotency_key,
+        command.is_retry,
+        command.stream,
+        command.service_tier,
+        command.batch_item,
     )
+    if est.output_cap_tokens and est.output_cap_tokens < est.reserved_output_tokens:
+        raise DomainError(
+            "reservation_above_cap", "a request never reserves more output than it may produce",
+            field="reserved_output_tokens",
+        )
+    estimated = RequestEstimated(
+        command.request_id,
+        est.prompt_tokens,
+        est.reserved_output_tokens,
+        est.reserved_tokens,
+        est.kv_byte_seconds,
+        est.tpot_us,
+        est.max_output_tokens,
+        est.predictor_version,
+        command.message_count,
+        command.system_prompt_bucket,
+    )
+    reserved = command.reserved
+    if reserved is not None and (
+        reserved.request_id != command.request_id
+        or reserved.tenant_id != command.tenant_id
+        or reserved.reserved_tokens != est.reserved_tokens
+    ):
+        raise DomainError("reservation_mismatch", "the budget reservation is another request's")
+    tail = () if reserved is None else (reserved,)
+    if command.downgraded_from is None:
+        return (admitted, estimated, *tail)
+    if command.downgraded_from == command.model:
+        raise DomainError("same_model", "a downgrade serves another model", field="model")
+    downgraded = RequestDowngraded(
+        command.request_id, command.downgraded_from, command.model, command.downgrade_reason
+    )
+    return (admitted, downgraded, estimated, *tail)
 
 
 def _reject(state: RequestState, command: RejectRequest) -> tuple[Event, ...]:
@@ -422,40 +548,74 @@ def _bill(state: RequestState, command: BillUsage) -> UsageBilled:
         completion_micros_per_mtok=price.completion_micros_per_mtok,
         cached_micros_per_mtok=price.cached_micros_per_mtok,
     )
+    billed = billed_counts(state.status, state.batch_item, _counts_of(state))
     return UsageBilled(
         request_id=state.request_id,
         tenant_id=state.tenant_id,
         key_id=state.key_id,
         model=state.model,
-        prompt_tokens=state.prompt_tokens,
-        completion_tokens=state.completion_tokens,
-        cached_tokens=state.cached_tokens,
+        prompt_tokens=billed[0],
+        completion_tokens=billed[1],
+        cached_tokens=billed[2],
         prompt_micros_per_mtok=price.prompt_micros_per_mtok,
         completion_micros_per_mtok=price.completion_micros_per_mtok,
         cached_micros_per_mtok=price.cached_micros_per_mtok,
-        amount_micros=amount_micros(
-            price, state.prompt_tokens, state.completion_tokens, state.cached_tokens
-        ),
+        amount_micros=amount_micros(price, *billed),
         terminal=state.status,
         admitted_at=state.admitted_at,
         finished_at=state.finished_at,
+        service_tier=state.service_tier,
+        workspace_id=state.workspace_id,
+        project_id=state.project_id,
+        run_id=state.run_id,
     )
+
+
+def billed_counts(
+    status: str, batch_item: str, counts: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """The (prompt, completion, cached) tokens a request's ledger entry bills, from its
+    engine-reported counts. Nothing for a preempted request: we stopped it, not the customer
+    (what the engine had done is preemption waste, read from RequestPreempted). Nothing for a
+    batch item's attempt that did not complete: the Batch API bills completed items only, and
+    the item is tried again, so billing this attempt would bill the item twice."""
+    if status == "preempted" or (batch_item and status != "completed"):
+        return (0, 0, 0)
+    return counts
+
+
+def _counts_of(state: RequestState) -> tuple[int, int, int]:
+    return (state.prompt_tokens, state.completion_tokens, state.cached_tokens)
 
 
 def _with_refund(
     state: RequestState,
-    terminal: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired,
+    terminal: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted,
+    tool_calls: int = 0,
+    used: int | None = None,
 ) -> tuple[Event, ...]:
-    # Tokens/min is refunded what the engine did not use; KV·s is a concurrency lease, so all of
-    # it comes back the moment the request stops holding memory.
-    used = terminal.prompt_tokens + terminal.completion_tokens
+    # A preempted request gives its whole reservation back (`used=0`): our decision to stop it
+    # must not cost the tenant quota either.
+    if used is None:
+        used = terminal.prompt_tokens + terminal.completion_tokens
     refund = QuotaRefunded(
         terminal.request_id,
-        refunded_tokens=max(0, state.reserved_tokens - used),
+        refunded_tokens=refund_due(state.reserved_tokens, used),
         refunded_kv_byte_seconds=state.kv_byte_seconds,
         used_tokens=used,
     )
-    return (terminal, refund)
+    if tool_calls < 0:
+        raise DomainError("negative_tokens", "tool_calls is negative", field="tool_calls")
+    if state.run_id is None or not tool_calls:
+        return (terminal, refund)
+    return (terminal, refund, ToolCallsReturned(terminal.request_id, state.run_id, tool_calls))
+
+
+def refund_due(reserved_tokens: int, used_tokens: int) -> int:
+    """The tokens/min refund a terminal event owes: what the engine did not use of the
+    reservation, never negative (under-reserving is charged, not refunded). KV·s is a concurrency
+    lease, so all of it comes back the moment the request stops holding memory."""
+    return max(0, reserved_tokens - used_tokens)
 
 
 def _require_live(state: RequestState) -> None:
@@ -537,6 +697,8 @@ def _estimated(state: RequestState, event: Any, version: int, at: datetime) -> R
         reserved_tokens=event.reserved_tokens,
         kv_byte_seconds=event.kv_byte_seconds,
         prompt_tokens_est=event.prompt_tokens,
+        output_cap_tokens=event.output_cap_tokens or event.reserved_output_tokens,
+        predictor_version=event.predictor_version,
     )
 
 
@@ -554,6 +716,8 @@ def _admitted(state: RequestState, event: Any, version: int, at: datetime) -> Re
         edge_id=event.edge_id,
         is_retry=event.is_retry,
         admitted_at=at,
+        service_tier=event.service_tier,
+        batch_item=event.batch_item,
     )
 
 
@@ -578,6 +742,26 @@ def _first_token(state: RequestState, event: Any, version: int, at: datetime) ->
         first_token=True,
         ttft_ms=event.ttft_ms,
     )
+
+
+def _downgraded(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
+    assert isinstance(event, RequestDowngraded)
+    return _with(
+        state, version=version, request_id=event.request_id, downgraded_from=event.requested_model
+    )
+
+
+def _budgeted(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
+    assert isinstance(event, BudgetReserved)
+    return _with(
+        state, version=version, request_id=event.request_id, workspace_id=event.workspace_id,
+        project_id=event.project_id, run_id=event.run_id, reserved_micros=event.reserved_micros,
+    )  # fmt: skip
+
+
+def _tools(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
+    assert isinstance(event, ToolCallsReturned)
+    return _with(state, version=version, request_id=event.request_id, tool_calls=event.tool_calls)
 
 
 def _refunded(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
@@ -630,6 +814,7 @@ def _terminal(status: str) -> Callable[[RequestState, Any, int, datetime], Reque
 _EVOLVERS: Final[dict[type[Event], Callable[[RequestState, Any, int, datetime], RequestState]]] = {
     RequestAdmitted: _admitted,
     RequestEstimated: _estimated,
+    RequestDowngraded: _downgraded,
     RequestRejected: _rejected,
     RequestRouted: _routed,
     FirstTokenStreamed: _first_token,
@@ -637,8 +822,11 @@ _EVOLVERS: Final[dict[type[Event], Callable[[RequestState, Any, int, datetime], 
     RequestCancelled: _terminal("cancelled"),
     RequestFailed: _terminal("failed"),
     LeaseExpired: _terminal("lease_expired"),
+    RequestPreempted: _terminal("preempted"),
     QuotaRefunded: _refunded,
     UsageBilled: _billed,
+    BudgetReserved: _budgeted,
+    ToolCallsReturned: _tools,
 }
 
 
@@ -653,7 +841,7 @@ def _ended(
     state: RequestState,
     version: int,
     at: datetime,
-    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired,
+    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted,
     status: str,
 ) -> RequestState:
     if state.terminal is not None:

@@ -17,7 +17,9 @@ from domain.events import (
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
+    RequestDowngraded,
     RequestFailed,
+    RequestPreempted,
     RequestRejected,
     RequestRouted,
     UsageBilled,
@@ -57,9 +59,12 @@ REQUEST_LOG_COLUMNS: Final = (
     "finish_reason",
     "replica_id",
     "reject_reason",
+    "requested_model",
+    "service_tier",
 )
 _LOGGED: Final = (
     RequestAdmitted,
+    RequestDowngraded,
     RequestRejected,
     RequestRouted,
     FirstTokenStreamed,
@@ -67,9 +72,10 @@ _LOGGED: Final = (
     RequestCancelled,
     RequestFailed,
     LeaseExpired,
+    RequestPreempted,
 )
 _TERMINAL_STATUS: Final = frozenset(
-    {"completed", "cancelled", "failed", "lease_expired", "rejected"}
+    {"completed", "cancelled", "failed", "lease_expired", "preempted", "rejected"}
 )
 _RANK: Final = {"admitted": 1, "routed": 2, "streaming": 3}
 
@@ -93,6 +99,7 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
                 model=event.model,
                 tier=event.tier,
                 admitted_at=at,
+                service_tier=event.service_tier,
             )
             _advance(new, "admitted")
         case RequestRejected():
@@ -108,6 +115,8 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
                 finished_at=at,
                 reject_reason=event.reason,
             )
+        case RequestDowngraded():
+            new["requested_model"] = event.requested_model
         case RequestRouted():
             new["replica_id"] = event.replica_id
             _advance(new, "routed")
@@ -123,6 +132,8 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
             _finish(new, event, at, "failed", "error")
         case LeaseExpired():
             _finish(new, event, at, "lease_expired", "lease_expired")
+        case RequestPreempted():
+            _finish(new, event, at, "preempted", "preempted")
         case _:
             return row
     return new
@@ -132,6 +143,7 @@ def _empty_log_row(recorded: Recorded) -> Row:
     row: Row = dict.fromkeys(REQUEST_LOG_COLUMNS)
     row["request_id"] = recorded.stream_id
     row["tenant_id"] = recorded.tenant_id
+    row["service_tier"] = "default"
     return row
 
 
@@ -146,7 +158,7 @@ def _advance(row: Row, status: str) -> None:
 
 def _finish(
     row: Row,
-    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired,
+    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted,
     at: Any,
     status: str,
     finish_reason: str,
@@ -250,6 +262,10 @@ LEDGER_ENTRIES_COLUMNS: Final = (
     "finished_at",
     "billed_at",
     "position",
+    "service_tier",
+    "workspace_id",
+    "project_id",
+    "run_id",
 )
 
 
@@ -282,6 +298,10 @@ def project_ledger_entry(row: Row | None, recorded: Recorded) -> Row | None:
         "finished_at": event.finished_at,
         "billed_at": recorded.occurred_at,
         "position": recorded.position,
+        "service_tier": event.service_tier,
+        "workspace_id": event.workspace_id,
+        "project_id": event.project_id,
+        "run_id": event.run_id,
     }
 
 

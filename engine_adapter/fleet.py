@@ -20,15 +20,20 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from domain.capacity import (
+    DEFAULT_FLEX,
     PPM,
     CapacityRefusal,
+    FlexPolicy,
     Placement,
     ReplicaLoad,
     effective_occupancy_ppm,
     place,
+    place_flex,
+    preemption_plan,
 )
 from engine_adapter.vllm_http import (
     ReplicaMetrics,
+    ReplicaSlow,
     ReplicaUnavailable,
     VLLMReplica,
     check_health,
@@ -46,6 +51,10 @@ class Choice:
     occupancy_ppm: int  # effective occupancy at choice, for RequestRouted
     est_kv_tokens: int
     dispatch_id: int
+    # Flex requests on this replica to abort before this one runs (request ids): the router gave
+    # their KV to it. The caller preempts them (`Edge.preempt`); the router already counts their
+    # KV as free.
+    preempt: tuple[str, ...] = ()
 
     @property
     def replica_id(self) -> str:
@@ -93,7 +102,16 @@ class ReplicaState:
     # dispatch order: (dispatched_at, tokens).
     inflight: dict[int, tuple[float, int]] = field(default_factory=dict)
     inflight_tokens: int = 0
+    # Flex requests this router runs there, in dispatch order: dispatch id -> (request id,
+    # estimated KV tokens). What preemption may free.
+    flex: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # KV of preempted flex requests that the last scrape may still show, with the instant the
+    # preemption was decided: subtracted from the occupancy until a scrape started after it.
+    freed: list[tuple[float, int]] = field(default_factory=list)
+    freed_tokens: int = 0
     health_ok: bool = True
+    slow: bool = False  # its last probe timed out (connected, no answer): see Fleet._scrape
+    draining: bool = False  # takes no new request; removed once what it serves has ended
     # (scraped_at, cumulative TPOT bucket counts) within the TPOT window
     tpot_samples: deque[tuple[float, tuple[tuple[float, int], ...]]] = field(default_factory=deque)
 
@@ -112,8 +130,18 @@ class ReplicaState:
 
     def effective_occupancy_ppm(self) -> int:
         return effective_occupancy_ppm(
-            self.scraped_occupancy_ppm, self.inflight_tokens, self.capacity_tokens
+            self.scraped_occupancy_ppm,
+            self.inflight_tokens - self.freed_tokens,
+            self.capacity_tokens,
         )
+
+    def load(self) -> ReplicaLoad:
+        cap = self.capacity_tokens
+        flex = tuple(
+            (rid, tokens * PPM // cap if cap > 0 else PPM) for rid, tokens in self.flex.values()
+        )
+        occupancy = self.effective_occupancy_ppm()
+        return ReplicaLoad(self.replica_id, occupancy, self.reserved_only, flex)
 
 
 class Fleet:
@@ -126,12 +154,16 @@ class Fleet:
         scrape_interval_s: float = 0.25,
         health_every: int = 8,
         stale_after_s: float = 2.0,
+        slow_grace_s: float = 10.0,
         scrape_timeout_s: float = 1.0,
+        flex: FlexPolicy = DEFAULT_FLEX,
     ) -> None:
         self._session = session
+        self.flex_policy = flex
         self.scrape_interval_s = scrape_interval_s
         self.health_every = health_every
         self.stale_after_s = stale_after_s
+        self.slow_grace_s = slow_grace_s
         self.scrape_timeout_s = scrape_timeout_s
         self._by_model: dict[str, list[ReplicaState]] = {}
         self._by_id: dict[str, ReplicaState] = {}
@@ -160,6 +192,17 @@ class Fleet:
         states.remove(state)
         if not states:
             del self._by_model[state.replica.model]
+
+    def drain(self, replica_id: str) -> None:
+        """Route nothing new to the replica (the requests it serves run to their end)."""
+        self._by_id[replica_id].draining = True
+
+    def drained(self, replica_id: str) -> bool:
+        """A draining replica that serves nothing any more: neither its last scrape nor this
+        router's dispatches since show a request on it."""
+        s = self._by_id[replica_id]
+        m = s.metrics
+        return s.draining and not s.inflight and (m is None or m.running + m.waiting == 0)
 
     def models(self) -> list[str]:
         return sorted(self._by_model)
@@ -222,6 +265,13 @@ class Fleet:
                 s.health_ok = ok
             else:
                 m = await fetch_metrics(self._session, url, timeout_s=self.scrape_timeout_s)
+        except ReplicaSlow as e:
+            # Busy, not dead (a vLLM API server on a loaded host can stall for seconds while its
+            # engine generates): keep routing on the last scrape and this router's own
+            # dispatches, which only overstate the load, for up to `slow_grace_s`.
+            s.slow = True
+            s.last_error = str(e)
+            return
         except ReplicaUnavailable as e:
             s.healthy = False
             s.last_error = str(e)
@@ -238,6 +288,7 @@ class Fleet:
         """Take a scrape into the replica's state (public so tests can feed scrapes directly)."""
         s.metrics = m
         s.scraped_at = now
+        s.slow = False
         s.scraped_occupancy_ppm = max(0, min(PPM, round(m.kv_cache_usage * PPM)))
         cap = m.kv_capacity_tokens
         if cap:
@@ -251,6 +302,8 @@ class Fleet:
                 break
             del s.inflight[first]
             s.inflight_tokens -= tokens
+        while s.freed and s.freed[0][0] < scrape_started_at:  # the engine's number shows it
+            s.freed_tokens -= s.freed.pop(0)[1]
         s.healthy = s.health_ok and s.capacity_tokens > 0
         s.last_error = None if s.healthy else (s.last_error or "no capacity info / health failed")
         window = s.tpot_samples
@@ -261,33 +314,54 @@ class Fleet:
             window.popleft()
 
     def _is_routable(self, s: ReplicaState, now: float) -> bool:
-        return (
-            s.healthy
-            and s.scraped_at is not None
-            and now - s.scraped_at <= self.stale_after_s
-            and s.capacity_tokens > 0
-        )
+        if s.draining or not s.healthy or s.scraped_at is None or s.capacity_tokens <= 0:
+            return False
+        age = now - s.scraped_at
+        if s.slow:  # connected, not answering: its last scrape holds for the grace only
+            return age <= self.slow_grace_s
+        # It answered its last probe. A scrape older than that is our own scraper running late
+        # (this loop busy), not the replica's silence: route on it while the scraper runs.
+        return age <= self.stale_after_s or self.scraping
+
+    @property
+    def scraping(self) -> bool:
+        """Whether the periodic scraper is running (after `start`, until `stop`)."""
+        return self._task is not None and not self._task.done()
 
     # -- routing
 
     def choose(
-        self, model: str, tier: str, est_kv_tokens: int, rng: random.Random
+        self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
+        service_tier: str = "default", request_id: str = "",
     ) -> Choice | Refusal | UnknownModel:
-        """Pick a replica of `model` for a request of `tier` by p2c, under the tier's ceiling.
+        """Pick a replica of `model` for a request of `tier` by p2c, under the tier's ceiling
+        (a flex request: under the flex ceiling).
 
-        On success the request's estimated KV is added to the replica's optimistic in-flight
-        count until the next scrape (or `release`).
+        An interactive request that no replica has room for, where some replica would have room
+        without flex work this router runs there, is placed there and its `Choice.preempt` names
+        the flex requests to abort (their KV is counted free from now). On success the request's
+        estimated KV is added to the replica's optimistic in-flight count until the next scrape
+        (or `release`).
         """
         states = self._by_model.get(model)
         if not states:
             return UnknownModel(model)
         now = time.monotonic()
         routable = {s.replica_id: s for s in states if self._is_routable(s, now)}
-        loads = [
-            ReplicaLoad(s.replica_id, s.effective_occupancy_ppm(), s.reserved_only)
-            for s in routable.values()
-        ]
-        decision = place(tier, loads, rng.sample)
+        loads = [s.load() for s in routable.values()]
+        flex = service_tier == "flex"
+        decision = (
+            place_flex(loads, rng.sample, self.flex_policy)
+            if flex
+            else place(tier, loads, rng.sample)
+        )
+        victims: tuple[str, ...] = ()
+        if isinstance(decision, CapacityRefusal) and not flex:
+            plan = preemption_plan(tier, loads)
+            if plan is not None:
+                victims = plan.victims
+                self._free(routable[plan.replica_id], set(victims), now)
+                decision = Placement(plan.replica_id, plan.occupancy_ppm)
         if isinstance(decision, CapacityRefusal):
             return Refusal(
                 model,
@@ -302,13 +376,25 @@ class Fleet:
         tokens = max(0, est_kv_tokens)
         s.inflight[dispatch_id] = (now, tokens)
         s.inflight_tokens += tokens
-        return Choice(s.replica, decision.occupancy_ppm, tokens, dispatch_id)
+        if flex:
+            s.flex[dispatch_id] = (request_id, tokens)
+        return Choice(s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims)
+
+    def _free(self, s: ReplicaState, victims: set[str], now: float) -> None:
+        """Stop counting the victims as flex work there, and count their KV as free until a
+        scrape that started after their abort shows it."""
+        for dispatch_id, (rid, tokens) in list(s.flex.items()):
+            if rid in victims:
+                del s.flex[dispatch_id]
+                s.freed.append((now, tokens))
+                s.freed_tokens += tokens
 
     def release(self, choice: Choice) -> None:
         """The request ended. If no scrape has absorbed it yet, stop counting its KV."""
         s = self._by_id.get(choice.replica_id)
         if s is None:
             return
+        s.flex.pop(choice.dispatch_id, None)
         entry = s.inflight.pop(choice.dispatch_id, None)
         if entry is not None:
             s.inflight_tokens -= entry[1]

@@ -89,6 +89,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         listener, parser = self._listener, self._parser
         self._listener = self._parser = None
+        self.resume_reading()  # a kept-alive connection is read again by its next request
         keep = parser is not None and parser.should_keep_alive()
         if listener is not None:
             listener.on_complete()
@@ -119,6 +120,18 @@ class Connection(asyncio.Protocol):
             except OSError:
                 pass
         self.close()
+
+    def pause_reading(self) -> None:
+        """Stop reading the response (the reader's buffer is full): TCP's window then holds the
+        server back."""
+        transport = self._transport
+        if transport is not None and not transport.is_closing() and transport.is_reading():
+            transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        transport = self._transport
+        if transport is not None and not transport.is_closing() and not transport.is_reading():
+            transport.resume_reading()
 
     def close(self) -> None:
         if self._transport is not None and not self._transport.is_closing():

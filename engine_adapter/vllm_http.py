@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -23,12 +23,25 @@ from engine_adapter.http1 import Connection, Http1Pool
 _STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
+class PromptCounter(Protocol):
+    """What the replica asks to fit `max_tokens` to the context (engine_adapter/tokenizers.py)."""
+
+    def prompt_tokens(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> int: ...
+
+
 class ReplicaError(Exception):
     """Base of everything a replica call raises."""
 
 
 class ReplicaUnavailable(ReplicaError):
     """The replica could not be reached (connect refused, DNS, timeout before any answer)."""
+
+
+class ReplicaSlow(ReplicaUnavailable):
+    """The replica took the connection but did not answer a probe in time: busy or frozen, not
+    (yet) known dead. A refused or reset connection is plain `ReplicaUnavailable`."""
 
 
 class ReplicaHTTPError(ReplicaError):
@@ -78,13 +91,22 @@ class _HttpExchange(ChatExchange):
     """One streamed chat request on one kept-alive connection: the connection's listener."""
 
     __slots__ = ("replica_id", "_pool", "_request", "_conn", "_buf", "_status", "_error_body",
-                 "_done", "_last_read", "_read_timeout_s", "_timer", "_resend")  # fmt: skip
+                 "_done", "_last_read", "_read_timeout_s", "_timer", "_resend",
+                 "_model")  # fmt: skip
 
     def __init__(
-        self, replica_id: str, pool: Http1Pool, request: bytes, read_timeout_s: float
+        self,
+        replica_id: str,
+        pool: Http1Pool,
+        request: bytes,
+        read_timeout_s: float,
+        model: str | None = None,
     ) -> None:
         super().__init__()
         self.replica_id = replica_id
+        # The model version the gateway serves, written over the engine's served name in every
+        # chunk when the two differ (None: they are the same, nothing to do per chunk).
+        self._model = model
         self._pool = pool
         self._request = request
         self._conn: Connection | None = None
@@ -134,6 +156,8 @@ class _HttpExchange(ChatExchange):
                 self._finish(ReplicaStreamBroken(self.last_usage, f"bad chunk: {exc}"))
                 self._stop_now()
                 return
+            if self._model is not None and "model" in chunk:
+                chunk["model"] = self._model
             self._deliver(chunk)
             delivered = True
         if delivered:
@@ -186,6 +210,8 @@ class _HttpExchange(ChatExchange):
 
     def _check_silence(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._paused:  # not read because the client is slow: the engine is not silent
+            self._last_read = loop.time()
         due = self._last_read + self._read_timeout_s
         if loop.time() < due:
             self._timer = loop.call_at(due, self._check_silence)
@@ -193,6 +219,14 @@ class _HttpExchange(ChatExchange):
         self._timer = None
         self._finish(ReplicaStreamBroken(self.last_usage, "read timeout"))
         self._stop_now()
+
+    def _pause_reading(self) -> None:
+        if self._conn is not None:
+            self._conn.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._conn is not None:
+            self._conn.resume_reading()
 
     def _stop_now(self) -> None:
         if self._conn is not None:
@@ -216,9 +250,16 @@ class _HttpExchange(ChatExchange):
 
 
 class VLLMReplica:
-    """One replica behind an OpenAI-compatible vLLM 0.33 HTTP server."""
+    """One replica behind an OpenAI-compatible vLLM 0.33 HTTP server.
 
-    __slots__ = ("replica_id", "url", "model", "_pool", "_read_timeout_s")
+    `model` is the version the gateway serves; `served_model` the name the engine knows it by
+    (its `--served-model-name`, or the path it loaded), `max_model_len` its context and
+    `estimator` the prompt counter that fits `max_tokens` into what the context has left: both
+    from the replica's /v1/models at start-up (see `configure`).
+    """
+
+    __slots__ = ("replica_id", "url", "model", "served_model", "max_model_len", "estimator",
+                 "_pool", "_read_timeout_s")  # fmt: skip
 
     def __init__(
         self,
@@ -232,6 +273,9 @@ class VLLMReplica:
         self.replica_id = replica_id
         self.url = url.rstrip("/")
         self.model = model
+        self.served_model = model
+        self.max_model_len: int | None = None
+        self.estimator: PromptCounter | None = None
         self._pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s)
         # No total timeout: a long generation is legitimate. read_timeout_s bounds the silence
         # between two chunks (a queued request is silent until its first token).
@@ -239,6 +283,40 @@ class VLLMReplica:
 
     def __repr__(self) -> str:
         return f"VLLMReplica({self.replica_id!r}, {self.url!r}, {self.model!r})"
+
+    def configure(
+        self,
+        *,
+        served_model: str | None = None,
+        max_model_len: int | None = None,
+        estimator: PromptCounter | None = None,
+    ) -> None:
+        if served_model is not None:
+            self.served_model = served_model
+        if max_model_len is not None:
+            self.max_model_len = max_model_len
+        if estimator is not None:
+            self.estimator = estimator
+
+    def fit_output_limit(self, payload: dict[str, Any]) -> None:
+        """Never ask for more output than the context has left after the prompt: a request
+        without a limit, or with one above it, gets max_model_len − prompt (the engine's own
+        default). Without an estimator only the context itself is the cap (vLLM refuses a
+        max_tokens above max_model_len). A prompt that fills the context is left for the engine
+        to refuse, with its own message."""
+        if self.max_model_len is None:
+            return
+        room = self.max_model_len
+        if self.estimator is not None:
+            room -= self.estimator.prompt_tokens(
+                payload.get("messages") or (), payload.get("tools")
+            )
+        if room < 1:
+            return
+        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        if limit is None or limit > room:
+            payload.pop("max_completion_tokens", None)
+            payload["max_tokens"] = room
 
     @property
     def idle_connections(self) -> int:
@@ -262,7 +340,8 @@ class VLLMReplica:
         a status other than 200 ends the exchange with ReplicaHTTPError.
         """
         payload = dict(body)
-        payload["model"] = self.model
+        payload["model"] = self.served_model
+        self.fit_output_limit(payload)
         payload["stream"] = True
         payload["stream_options"] = _STREAM_OPTIONS
         payload["cache_salt"] = cache_salt
@@ -272,7 +351,10 @@ class VLLMReplica:
             conn = await self._pool.acquire()
         except (TimeoutError, OSError) as e:
             raise ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}") from e
-        exchange = _HttpExchange(self.replica_id, self._pool, request, self._read_timeout_s)
+        rename = self.model if self.served_model != self.model else None
+        exchange = _HttpExchange(
+            self.replica_id, self._pool, request, self._read_timeout_s, rename
+        )
         exchange.send_on(conn)
         return exchange
 
@@ -414,32 +496,80 @@ async def fetch_metrics(
             if resp.status != 200:
                 raise ReplicaUnavailable(f"{url}/metrics answered {resp.status}")
             text = await resp.read()
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+    except TimeoutError as e:  # aiohttp's own timeouts are TimeoutErrors too
+        raise ReplicaSlow(f"{url}/metrics: no answer in {timeout.total} s") from e
+    except (aiohttp.ClientError, OSError) as e:
         raise ReplicaUnavailable(f"{url}/metrics: {type(e).__name__}: {e}") from e
     return parse_metrics(text)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """One entry of a replica's /v1/models."""
+
+    id: str
+    max_model_len: int | None
+    root: str | None
+
+
+async def fetch_models(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float = 5.0
+) -> list[ModelCard]:
+    """GET {url}/v1/models (base models only: LoRA adapters have a parent). Raises
+    ReplicaUnavailable when it cannot be read."""
+    try:
+        async with session.get(
+            url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                raise ReplicaUnavailable(f"{url}/v1/models answered {resp.status}")
+            listing = orjson.loads(await resp.read())
+    except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as e:
+        raise ReplicaUnavailable(f"{url}/v1/models: {type(e).__name__}: {e}") from e
+    cards = []
+    for card in listing.get("data") or ():
+        if not isinstance(card, dict) or card.get("parent") or not card.get("id"):
+            continue
+        length = card.get("max_model_len")
+        root = card.get("root")
+        cards.append(
+            ModelCard(
+                str(card["id"]),
+                length if isinstance(length, int) and length > 0 else None,
+                root if isinstance(root, str) else None,
+            )
+        )
+    return cards
+
+
 async def check_health(session: aiohttp.ClientSession, url: str, *, timeout_s: float = 1.0) -> bool:
-    """True when GET {url}/health answers 200."""
+    """True when GET {url}/health answers 200, False when it answers otherwise or the connection
+    fails; raises ReplicaSlow when it does not answer within `timeout_s`."""
     try:
         async with session.get(
             url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             await resp.read()
             return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError):
+    except TimeoutError as e:
+        raise ReplicaSlow(f"{url}/health: no answer in {timeout_s} s") from e
+    except (aiohttp.ClientError, OSError):
         return False
 
 
 __all__ = [
+    "ModelCard",
+    "PromptCounter",
     "ReplicaError",
     "ReplicaHTTPError",
     "ReplicaMetrics",
+    "ReplicaSlow",
     "ReplicaStreamBroken",
     "ReplicaUnavailable",
     "VLLMReplica",
     "check_health",
     "fetch_metrics",
+    "fetch_models",
     "make_session",
     "parse_metrics",
 ]

@@ -132,7 +132,7 @@ def _configure_sqlite(dbapi_conn: Any, wal_autocheckpoint: int, busy_timeout_ms:
 def open_sqlite_appender(engine: Engine) -> sqlite3.Connection:
     """A connection of the driver's own to `engine`'s SQLite file, outside the pool, for the
     event store's appends: the engine's settings, but no busy handler (the store polls the
-    write lock itself, see ledger.store._sqlite_begin_immediate). One per thread: a pooled
+    write lock itself, see ledger.store.sqlite.begin_immediate). One per thread: a pooled
     connection cost an append a checkout, a reset and two PRAGMAs to switch the busy
     handler off and on again (~30 us of the ~100 us of a one-request commit)."""
     assert engine.dialect.name == "sqlite" and engine.url.database

@@ -8,17 +8,19 @@ Every query takes explicit UTC bounds [start, end) and, where it applies, a tena
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Final
 
-import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from ledger.schema import events, ledger_entries, usage_hourly
+from domain.goodput import OUTCOMES, Attainment, Slo, outcome
+from domain.reconcile import account
+from ledger.schema import ledger_entries, request_log, usage_hourly
+from ledger.store import EventStore
 
-TERMINAL_TYPES = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired")
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "amount_micros")
 
 
@@ -42,9 +44,52 @@ def _model_filter(column: Any, model: str | None) -> Any:
     return sa.or_(column == model, column.like(model.replace("%", r"\%") + "-%"))
 
 
+# usage group_by values read from the ledger entries (not the hourly rollup), and their column.
+ENTRY_GROUPS: Final = {
+    "key": "key_id", "workspace": "workspace_id", "project": "project_id", "run": "run_id",
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class FinanceQueries:
     engine: Engine
+
+    def flex(self, tenant: str | None, start: datetime, end: datetime) -> list[dict[str, Any]]:
+        """Per model, over requests that ended in [start, end): the flex class's billed requests
+        and revenue, and the preemption waste (requests preempted, the tokens the engine had
+        done for them, never billed). The finance views `finance_flex_revenue` and
+        `finance_preemption_waste` give the same per day."""
+        e, r = ledger_entries, request_log
+        billed = sa.select(
+            e.c.model, sa.func.count().label("n"), sa.func.sum(e.c.amount_micros).label("amount")
+        ).where(
+            e.c.service_tier == "flex", e.c.finished_at >= start, e.c.finished_at < end,
+            e.c.terminal != "preempted", *([e.c.tenant_id == tenant] if tenant else []),
+        ).group_by(e.c.model)
+        wasted = sa.select(
+            r.c.model, sa.func.count().label("n"),
+            sa.func.sum(r.c.prompt_tokens).label("prompt"),
+            sa.func.sum(r.c.completion_tokens).label("completion"),
+        ).where(
+            r.c.status == "preempted", r.c.finished_at >= start, r.c.finished_at < end,
+            *([r.c.tenant_id == tenant] if tenant else []),
+        ).group_by(r.c.model)
+        rows: dict[str, dict[str, Any]] = {}
+
+        def row(model: str) -> dict[str, Any]:
+            return rows.setdefault(model, {
+                "model": model, "flex_requests": 0, "flex_amount_micros": 0,
+                "preempted_requests": 0, "wasted_prompt_tokens": 0,
+                "wasted_completion_tokens": 0,
+            })
+
+        with self.engine.connect() as conn:
+            for model, n, amount in conn.execute(billed):
+                row(model).update(flex_requests=int(n), flex_amount_micros=int(amount or 0))
+            for model, n, prompt, completion in conn.execute(wasted):
+                row(model).update(preempted_requests=int(n), wasted_prompt_tokens=int(prompt or 0),
+                                  wasted_completion_tokens=int(completion or 0))
+        return [rows[m] for m in sorted(rows)]
 
     def usage(
         self,
@@ -56,8 +101,8 @@ class FinanceQueries:
     ) -> list[dict[str, Any]]:
         """Usage rows (tenant, model, period_start, requests, tokens, amount_micros) grouped by
         hour, day, model (one row per tenant and model over the range) or key (from entries)."""
-        if group_by == "key":
-            return self._usage_by_key(tenant, start, end, model)
+        if group_by in ENTRY_GROUPS:
+            return self._usage_by(ENTRY_GROUPS[group_by], tenant, start, end, model)
         u = usage_hourly
         hour: Any = u.c.hour
         if group_by == "hour" and self.engine.dialect.name == "postgresql":
@@ -106,14 +151,17 @@ class FinanceQueries:
             )
         ]
 
-    def _usage_by_key(
-        self, tenant: str | None, start: datetime, end: datetime, model: str | None
+    def _usage_by(
+        self, column: str, tenant: str | None, start: datetime, end: datetime, model: str | None
     ) -> list[dict[str, Any]]:
+        """Usage per tenant, model and one column of the ledger (a key, or a level of the
+        hierarchy: workspace, project, run; null for what is the organization's own)."""
         e = ledger_entries
+        by = e.c[column]
         query = (
             sa.select(
                 e.c.tenant_id,
-                e.c.key_id,
+                by.label("by"),
                 e.c.model,
                 sa.func.count().label("requests"),
                 sa.func.sum(e.c.prompt_tokens).label("prompt_tokens"),
@@ -122,14 +170,29 @@ class FinanceQueries:
                 sa.func.sum(e.c.amount_micros).label("amount_micros"),
             )
             .where(e.c.finished_at >= start, e.c.finished_at < end, _model_filter(e.c.model, model))
-            .group_by(e.c.tenant_id, e.c.key_id, e.c.model)
-            .order_by(e.c.tenant_id, e.c.key_id, e.c.model)
+            .group_by(e.c.tenant_id, by, e.c.model)
+            .order_by(e.c.tenant_id, by, e.c.model)
         )
         if tenant is not None:
             query = query.where(e.c.tenant_id == tenant)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [{**_usage_row(r.tenant_id, r.model, start, r), "key_id": r.key_id} for r in rows]
+        return [{**_usage_row(r.tenant_id, r.model, start, r), column: r.by} for r in rows]
+
+    def spend_by_level(
+        self, tenant: str, since: datetime
+    ) -> list[tuple[str | None, str | None, str, int]]:
+        """(workspace, project, key, amount_micros) of a tenant's requests admitted since
+        `since`: what its budgets count this period (a request counts where it was admitted)."""
+        e = ledger_entries
+        query = (
+            sa.select(e.c.workspace_id, e.c.project_id, e.c.key_id,
+                      sa.func.sum(e.c.amount_micros))  # fmt: skip
+            .where(e.c.tenant_id == tenant, e.c.admitted_at >= since)
+            .group_by(e.c.workspace_id, e.c.project_id, e.c.key_id)
+        )
+        with self.engine.connect() as conn:
+            return [(r[0], r[1], r[2], int(r[3] or 0)) for r in conn.execute(query)]
 
     def entries(
         self,
@@ -165,6 +228,57 @@ class FinanceQueries:
                     )
             rows = conn.execute(query).mappings().all()
         return [_entry({str(k): v for k, v in r.items()}) for r in rows]
+
+    def goodput(
+        self,
+        tenant: str | None,
+        start: datetime,
+        end: datetime,
+        group_by: Sequence[str],
+        slo_of: Callable[[str, datetime], Slo],
+    ) -> list[dict[str, Any]]:
+        """Requests that ended in [start, end), classified by `domain.goodput.outcome` against
+        the objective in force at each one's admission (`slo_of(tier, admitted_at)`, the
+        control plane's history), counted per group of `group_by` (tenant, tier, model, hour of
+        the end). Read from the request log, a projection of the events (rebuildable), so the
+        figures are the events' own; the edges' live counters classify with the same function."""
+        r = request_log
+        query = sa.select(
+            r.c.tenant_id, r.c.tier, r.c.model, r.c.status, r.c.ttft_ms, r.c.tpot_us,
+            r.c.reject_reason, r.c.admitted_at, r.c.finished_at,
+        ).where(r.c.finished_at >= start, r.c.finished_at < end)
+        if tenant is not None:
+            query = query.where(r.c.tenant_id == tenant)
+        groups: dict[tuple[Any, ...], dict[str, int]] = {}
+        with self.engine.connect() as conn:
+            for row in conn.execute(query):
+                found = outcome(
+                    row.status,
+                    slo_of(row.tier, row.admitted_at),
+                    ttft_ms=row.ttft_ms,
+                    tpot_us=row.tpot_us,
+                    reject_reason=row.reject_reason,
+                )
+                if found is None:
+                    continue
+                key = tuple(_group_value(row, g) for g in group_by)
+                counts = groups.setdefault(key, {})
+                counts[found] = counts.get(found, 0) + 1
+        out = []
+        for key in sorted(groups, key=lambda k: tuple(str(v) for v in k)):
+            counts = groups[key]
+            a = Attainment(counts)
+            out.append(
+                {
+                    **dict(zip(group_by, key, strict=True)),
+                    **{o: counts.get(o, 0) for o in OUTCOMES},
+                    "served": a.served,
+                    "offered": a.offered,
+                    "attainment_ppm": a.attainment_ppm,
+                    "goodput_ppm": a.goodput_ppm,
+                }
+            )
+        return out
 
     def invoice(self, tenant: str, period: str) -> dict[str, Any]:
         """One tenant's invoice for a calendar month: a line per model and price in force."""
@@ -210,46 +324,28 @@ class FinanceQueries:
             "amount": _money(total),
         }
 
-    def reconciliation(self, start: datetime, end: datetime, grace_s: int = 60) -> dict[str, Any]:
+    def reconciliation(
+        self, store: EventStore, start: datetime, end: datetime, grace_s: int = 60
+    ) -> dict[str, Any]:
         """For requests admitted in [start, end): admitted vs terminal vs refunded vs ledger
-        entries, reserved vs refunded vs billed tokens, and every mismatch by request id. A
-        request younger than `grace_s` without its terminal event is in flight, not a mismatch."""
-        ev = events
-        admitted_ids = sa.select(ev.c.stream_id).where(
-            ev.c.type == "RequestAdmitted", ev.c.occurred_at >= start, ev.c.occurred_at < end
-        )
-        wanted = (
-            "RequestAdmitted",
-            "RequestEstimated",
-            *TERMINAL_TYPES,
-            "QuotaRefunded",
-            "UsageBilled",
-        )
-        query = (
-            sa.select(ev.c.stream_id, ev.c.type, ev.c.occurred_at, ev.c.payload)
-            .where(ev.c.stream_id.in_(admitted_ids), ev.c.type.in_(wanted))
-            .order_by(ev.c.position)
-        )
-        per: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(int))
+        entries, reserved vs refunded vs billed tokens, and every mismatch by request id. Each
+        request's events are read through the store (and its upcasters) and checked by
+        `domain.reconcile.account`, the rules support's replay applies too; what is checked
+        here on top is the billing projection: a bill without its ledger row. A request younger
+        than `grace_s` without its terminal event is in flight, not a mismatch."""
+        ids = store.streams_with("RequestAdmitted", start, end)
+        streams = store.read_streams(ids)
+        ledger_ids: set[str] = set()
         with self.engine.connect() as conn:
-            for stream_id, type_, occurred_at, payload in conn.execute(query):
-                r = per[stream_id]
-                r[type_] += 1
-                if type_ == "RequestAdmitted":
-                    r["admitted_at"] = occurred_at
-                elif (
-                    type_ in ("RequestEstimated", "QuotaRefunded")
-                    or type_ in TERMINAL_TYPES
-                    or type_ == "UsageBilled"
-                ):
-                    r[f"{type_}:payload"] = orjson.loads(payload)
-            ledger_ids = set(
-                conn.execute(
-                    sa.select(ledger_entries.c.request_id).where(
-                        ledger_entries.c.request_id.in_(admitted_ids)
-                    )
-                ).scalars()
-            )
+            for first in range(0, len(ids), 1000):
+                chunk = ids[first : first + 1000]
+                ledger_ids.update(
+                    conn.execute(
+                        sa.select(ledger_entries.c.request_id).where(
+                            ledger_entries.c.request_id.in_(chunk)
+                        )
+                    ).scalars()
+                )
         now = datetime.now(UTC)
         totals = dict.fromkeys(
             (
@@ -267,56 +363,26 @@ class FinanceQueries:
             0,
         )
         mismatches: list[dict[str, str]] = []
-
-        def flag(rid: str, problem: str) -> None:
-            mismatches.append({"request_id": rid, "problem": problem})
-
-        for rid, r in per.items():
-            terminal = sum(r[t] for t in TERMINAL_TYPES)
-            totals["admitted"] += r["RequestAdmitted"]
-            totals["terminal"] += terminal
-            totals["refunded"] += r["QuotaRefunded"]
-            totals["billed_events"] += r["UsageBilled"]
+        for rid in ids:
+            acc = account(rid, streams.get(rid, ()), now, grace_s)
+            totals["admitted"] += 1
+            totals["terminal"] += acc.terminals
+            totals["refunded"] += acc.refunds
+            totals["billed_events"] += acc.bills
             totals["ledger_entries"] += rid in ledger_ids
-            estimate = r.get("RequestEstimated:payload") or {}
-            reserved = int(estimate.get("reserved_tokens", 0))
-            totals["reserved_tokens"] += reserved
-            if terminal == 0:
-                if now - r["admitted_at"] < timedelta(seconds=grace_s):
-                    totals["in_flight"] += 1
-                else:
-                    flag(rid, "admitted without a terminal event")
-                continue
-            if terminal > 1:
-                flag(rid, f"{terminal} terminal events")
-            term = next(r[f"{t}:payload"] for t in TERMINAL_TYPES if f"{t}:payload" in r)
-            used = int(term["prompt_tokens"]) + int(term["completion_tokens"])
-            if r["QuotaRefunded"] != 1:
-                flag(rid, f"{r['QuotaRefunded']} refunds")
-            else:
-                refund = r["QuotaRefunded:payload"]
-                totals["refunded_tokens"] += int(refund["refunded_tokens"])
-                totals["used_tokens"] += int(refund["used_tokens"])
-                if int(refund["refunded_tokens"]) != max(0, reserved - used):
-                    flag(
-                        rid,
-                        f"refund {refund['refunded_tokens']} != reserved {reserved} − used {used}",
-                    )
-            if r["UsageBilled"] != 1:
-                flag(rid, f"{r['UsageBilled']} UsageBilled events")
-            else:
-                bill = r["UsageBilled:payload"]
-                totals["billed_tokens"] += int(bill["prompt_tokens"]) + int(
-                    bill["completion_tokens"]
+            totals["reserved_tokens"] += acc.reserved_tokens
+            totals["refunded_tokens"] += acc.refunded_tokens
+            totals["used_tokens"] += acc.used_tokens
+            totals["billed_tokens"] += acc.billed_tokens
+            totals["in_flight"] += acc.in_flight
+            mismatches += [{"request_id": rid, "problem": f.detail} for f in acc.findings]
+            if acc.terminals and rid not in ledger_ids:
+                mismatches.append(
+                    {
+                        "request_id": rid,
+                        "problem": "no ledger entry (billing projection behind or broken)",
+                    }
                 )
-                if (bill["prompt_tokens"], bill["completion_tokens"], bill["cached_tokens"]) != (
-                    term["prompt_tokens"],
-                    term["completion_tokens"],
-                    term["cached_tokens"],
-                ):
-                    flag(rid, "billed tokens differ from the terminal event's")
-            if rid not in ledger_ids:
-                flag(rid, "no ledger entry (billing projection behind or broken)")
         return {
             "from": _iso(start),
             "to": _iso(end),
@@ -324,6 +390,18 @@ class FinanceQueries:
             "mismatches": mismatches,
             "ok": not mismatches,
         }
+
+
+GOODPUT_GROUPS: Final = ("tenant", "tier", "model", "hour")
+GOODPUT_COLUMNS: Final = (*OUTCOMES, "served", "offered", "attainment_ppm", "goodput_ppm")
+
+
+def _group_value(row: Any, group: str) -> Any:
+    if group == "tenant":
+        return row.tenant_id
+    if group == "hour":
+        return _iso(row.finished_at.replace(minute=0, second=0, microsecond=0))
+    return getattr(row, group)
 
 
 def _hour_text(hour: str | datetime) -> str:
@@ -356,6 +434,9 @@ def _entry(row: dict[str, Any]) -> dict[str, Any]:
         "admitted_at": _iso(row["admitted_at"]),
         "finished_at": _iso(row["finished_at"]),
         "billed_at": _iso(row["billed_at"]),
+        "workspace_id": row.get("workspace_id"),
+        "project_id": row.get("project_id"),
+        "run_id": row.get("run_id"),
     }
     return out
 

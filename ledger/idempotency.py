@@ -150,6 +150,16 @@ class IdempotencyStore:
                 )
             )
 
+    def release_request(self, request_id: str) -> int:
+        """The key of a request that ended without its edge (the sweeper expired its lease: the
+        edge died mid-generation) is freed like an abandoned one, so the client's retry runs
+        instead of answering 409 for the key's 24 h. A completed replay is never touched."""
+        t = idempotency_records
+        with self.engine.begin() as conn:
+            return conn.execute(
+                t.delete().where(t.c.request_id == request_id, t.c.status == "in_flight")
+            ).rowcount
+
     def purge_expired(self) -> int:
         t = idempotency_records
         with self.engine.begin() as conn:

@@ -170,6 +170,22 @@ class ProjectionRunner:
         positions = [r.position for r in fresh]
         if any(map(operator.ge, positions, positions[1:])):
             raise ProjectionError(f"{self.name}: records must come in increasing position order")
+        return Prepared(after, fresh[-1].position, self._fold(conn, fresh))
+
+    def apply_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
+        """Apply `records` inside the caller's transaction without a position checkpoint: the
+        caller's consumer claimed them in this transaction (its offsets say what is applied,
+        streams/consumer.py) and commits its checkpoint with these rows. Each row's records
+        must come in their stream's order; records of different tenants may interleave (a
+        Kafka worker's partitions), since every row belongs to one tenant."""
+        if records:
+            rows = self._fold(conn, records)
+            if self._sqlite is not None:
+                self._sqlite.write(conn, rows)
+            else:
+                self._replace(conn, rows)
+
+    def _fold(self, conn: sa.Connection, fresh: Sequence[Recorded]) -> dict[Key, Row | None]:
         spec = self._spec
         keyed = [(k, r) for r in fresh if (k := spec.key(r)) is not None]
         touched = list(dict.fromkeys(k for k, _ in keyed))
@@ -180,7 +196,7 @@ class ProjectionRunner:
             if new is not None:
                 self._check_row(key, new, record)
             rows[key] = new
-        return Prepared(after, fresh[-1].position, rows)
+        return rows
 
     def write(self, conn: sa.Connection, prepared: Prepared) -> bool:
         """Inside the caller's write transaction: write what `prepare` computed, unless the
@@ -196,12 +212,16 @@ class ProjectionRunner:
             # On SQLite this runs under the database's only write lock, which admissions wait
             # for: the driver alone, with SQLAlchemy's own conversions, is ~5x shorter.
             self._sqlite.write(conn, prepared.rows)
-        elif prepared.rows:
-            self._delete(conn, list(prepared.rows))
-            alive = [row for row in prepared.rows.values() if row is not None]
+        else:
+            self._replace(conn, prepared.rows)
+        save_position(conn, self.name, prepared.last_position)
+
+    def _replace(self, conn: sa.Connection, rows: dict[Key, Row | None]) -> None:
+        if rows:
+            self._delete(conn, list(rows))
+            alive = [row for row in rows.values() if row is not None]
             if alive:
                 conn.execute(self._table.insert(), alive)
-        save_position(conn, self.name, prepared.last_position)
 
     def table_digest(self) -> str:
         """sha256 over every row in key order, in a canonical text form: equal digests mean

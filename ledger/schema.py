@@ -106,6 +106,8 @@ request_log = sa.Table(
     sa.Column("finish_reason", sa.String(64)),
     sa.Column("replica_id", sa.String(100)),
     sa.Column("reject_reason", sa.String(64)),
+    sa.Column("requested_model", sa.String(200)),  # when another model served it, by consent
+    sa.Column("service_tier", sa.String(16), nullable=False, server_default="default"),
     sa.Index(None, "tenant_id", "admitted_at"),
 )
 
@@ -141,7 +143,17 @@ ledger_entries = sa.Table(
     sa.Column("finished_at", UTCDateTime, nullable=False),
     sa.Column("billed_at", UTCDateTime, nullable=False),
     sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("service_tier", sa.String(16), nullable=False, server_default="default"),
+    sa.Column("workspace_id", sa.String(64)),
+    sa.Column("project_id", sa.String(64)),
+    sa.Column("run_id", sa.String(128)),
+    # When the row was written (the database's clock; migration 0014): the billing lag's end.
+    # Not a projection column, so rebuilds and digests ignore it.
+    sa.Column(
+        "recorded_at", UTCDateTime, nullable=False, server_default=sa.text("CURRENT_TIMESTAMP")
+    ),
     sa.Index(None, "tenant_id", "finished_at"),
+    sa.Index("ix_ledger_entries_tenant_id_project_id", "tenant_id", "project_id"),
     # PostgreSQL only (migration 0006): an invoice reads a tenant-month from the index alone.
     sa.Index(
         "ix_ledger_entries_invoice", "tenant_id", "finished_at",
@@ -167,6 +179,33 @@ worker_status = sa.Table(
     sa.Column("dead_letter_sample", sa.Text),
 )
 
+# Not event projections: where the distributed mode's Kafka consumers and the outbox relay keep
+# their places (migration 0010 says why they live in the database).
+consumer_offsets = sa.Table(
+    "consumer_offsets",
+    metadata,
+    sa.Column("consumer_group", sa.String(200), primary_key=True),
+    sa.Column("topic", sa.String(249), primary_key=True),
+    sa.Column("partition", sa.Integer, primary_key=True),
+    sa.Column("next_offset", sa.BigInteger, nullable=False),
+    sa.Column("epoch", sa.Integer, nullable=False),
+    sa.Column("last_txid", sa.BigInteger, nullable=False),
+    sa.Column("last_position", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+relay_state = sa.Table(
+    "relay_state",
+    metadata,
+    sa.Column("topic", sa.String(249), primary_key=True),
+    sa.Column("epoch", sa.Integer, nullable=False),
+    sa.Column("last_txid", sa.BigInteger, nullable=False),
+    sa.Column("last_position", sa.BigInteger, nullable=False),
+    sa.Column("published", sa.BigInteger, nullable=False),
+    sa.Column("partition_ends", sa.Text, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
 # Not an event projection: a mutable 24 h cache of responses the client explicitly asked to be
 # replayable (Idempotency-Key). Rows are written, finished and expired in place; the billing
 # truth stays in `events`, so dropping this table loses replays, never money.
@@ -184,6 +223,48 @@ idempotency_records = sa.Table(
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("expires_at", UTCDateTime, nullable=False),
     sa.CheckConstraint("status IN ('in_flight', 'done')", name="status"),
+)
+
+
+# The Batch API's stored content (migration 0013b; ledger/batches.py). Not event projections:
+# the one place prompts (input files) and completions (results, output files) are kept, each
+# with an expiry after which it is deleted (domain/batch.py states the retention).
+batch_files = sa.Table(
+    "batch_files",
+    metadata,
+    sa.Column("file_id", sa.String(64), primary_key=True),
+    sa.Column("tenant_id", sa.String(100), nullable=False),
+    sa.Column("purpose", sa.String(32), nullable=False),
+    sa.Column("filename", sa.String(255), nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False),
+    sa.Column("content", sa.LargeBinary, nullable=False),
+    sa.Index(None, "tenant_id", "created_at"),
+)
+
+# Which batches exist, for listing a tenant's and for the runner to find the open ones (the
+# batch itself is its event stream).
+batches = sa.Table(
+    "batches",
+    metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("tenant_id", sa.String(100), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("ended_at", UTCDateTime),
+    sa.Index(None, "tenant_id", "created_at"),
+)
+
+# One finished item's response until its batch's output and error files are written.
+batch_results = sa.Table(
+    "batch_results",
+    metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("custom_id", sa.String(64), primary_key=True),
+    sa.Column("request_id", sa.String(64), nullable=False),
+    sa.Column("status_code", sa.Integer, nullable=False),
+    sa.Column("body", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
 )
 
 

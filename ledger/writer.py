@@ -106,7 +106,7 @@ class GroupCommitWriter:
         still uncommitted, and no other connection holds the write lock. None otherwise:
         submit them instead.
 
-        An event loop that commits its own group this way (api/commits.py) saves the two thread
+        An event loop that commits its own group this way (ledger/commits.py) saves the two thread
         hand-offs of submit-and-wait (about 0.7 ms at the median, several at p99 when the GIL
         is busy); when it cannot, the batches queue here behind what is already waiting."""
         if not getattr(self._store, "can_try_append", False):

@@ -27,23 +27,31 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from domain.control import CONTROL_PREFIXES, ControlView
+from domain.control import ControlView
 from domain.events import Recorded, RequestAdmitted
+from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from ledger import faults
 from ledger.checkpoints import Checkpoints
+from ledger.control import ControlLog
 from ledger.engine import WRITE, create_engine_from_url
+from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
 from ledger.schema import request_log, worker_status
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
+from streams.metrics import PipelineMetrics, serve_metrics
+from streams.sql_tail import SqlTail
+from streams.status import DEFAULT_STALE_S
 from streams.sweeper import LeaseSweeper
 
 log = logging.getLogger("tollgate.worker")
 
 LIVE_STATUSES = ("admitted", "routed", "streaming")
 WORKER_NAME = "folds"
-# An edge calls the folds dead when the heartbeat is older than this.
-HEARTBEAT_STALE_S = 10.0
+# An edge calls the folds dead when the heartbeat is older than this (by default: the edge's
+# TOLLGATE_PIPELINE_STALE_S sets it).
+HEARTBEAT_STALE_S = DEFAULT_STALE_S
 # Between two steps of a pass that is behind: time for an edge's append to take the write lock.
 CATCH_UP_PAUSE_S = 0.002
 
@@ -52,11 +60,16 @@ class FoldWorker:
     """The folds over one event store. `run_pass` is one step; `run` loops until stopped."""
 
     def __init__(
-        self, engine: sa.Engine, *, lease_ttl_s: float = 15.0, name: str = WORKER_NAME
+        self, engine: sa.Engine, *, lease_ttl_s: float = LEASE_TTL_S, name: str = WORKER_NAME,
+        metrics: PipelineMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics or PipelineMetrics()
         self.name = name
         self.store = SqlEventStore(engine)
+        # The log through the consumer port; the folds keep their own positions (each moves
+        # with its effect), so the tail is sought to the lowest before every read.
+        self.tail = SqlTail(self.store, engine, f"{name}-tail")
         # Billing prices each request with the price in force at its admission: the control
         # plane's history is folded here too (from the same records).
         self.control = ControlView()
@@ -69,7 +82,9 @@ class FoldWorker:
         self.projection_position = 0
         self.billing = BillingFold(self.store, self.checkpoints, self.control)
         self._billing_saved = self.billing.position
-        self.sweeper = LeaseSweeper(self.store, ttl_s=lease_ttl_s)
+        self.sweeper = LeaseSweeper(
+            self.store, ttl_s=lease_ttl_s, on_expired=IdempotencyStore(engine).release_request
+        )
         self.errors: dict[str, str] = {}
         self.read_position = 0  # the last position a pass read
         self._reported: tuple[Any, ...] | None = None  # the problems last written
@@ -81,30 +96,12 @@ class FoldWorker:
         """Fold the control plane, bring every fold up to the end of the log, and resume the
         sweeper from the requests that have not ended (an edge may have died with requests in
         flight)."""
-        self.control_position = self.store.last_position()
-        for record in self.store.read_streams_with_prefix(CONTROL_PREFIXES):
-            self.control.apply(record)
+        self.control_position = ControlLog(self.store, self.control).position
         for runner in self.runners:
             runner.run_to_end()
         self.projection_position = min(runner.checkpoint() for runner in self.runners)
         self.billing.run_to_end()
-        with self.engine.connect() as conn:
-            live = [
-                r[0]
-                for r in conn.execute(
-                    sa.select(request_log.c.request_id).where(
-                        request_log.c.status.in_(LIVE_STATUSES)
-                    )
-                )
-            ]
-        admissions = [
-            record
-            for request_id in live
-            for record in self.store.read_stream(request_id)
-            if isinstance(record.event, RequestAdmitted)
-        ]
-        start = min((r.position for r in admissions), default=self.store.last_position())
-        self.sweeper.start_from(start - 1 if admissions else start, admissions)
+        resume_sweeper(self.engine, self.store, self.sweeper)
 
     # --- one pass ------------------------------------------------------------------------------
 
@@ -124,10 +121,12 @@ class FoldWorker:
                 self.control_position, self.sweeper.position, self.billing.position,
                 self.projection_position,
             )
-            records = self.store.read_all(start, batch)
+            self.tail.seek(start)
+            records = [d.record for d in self.tail.poll(batch, 0).deliveries]
             read += len(records)
             if records:
                 self.read_position = max(self.read_position, records[-1].position)
+                faults.point("fold.after_read", position=self.read_position)
             for name, step in (
                 ("control", self._follow_control),
                 ("billing", self._bill),
@@ -189,6 +188,11 @@ class FoldWorker:
                         runner.apply_recorded(conn, records)
                 billed = self.billing.position
                 self.checkpoints.set(self.billing.name, billed, conn)
+                faults.point("projections.before_commit", position=records[-1].position)
+        faults.point("projections.after_commit", position=records[-1].position)
+        self.metrics.observe_ledger_rows(
+            (r for r in records if r.position > self.projection_position), datetime.now(UTC)
+        )
         self._billing_saved = billed
         self.projection_position = records[-1].position
 
@@ -234,14 +238,7 @@ class FoldWorker:
         if problems == self._reported and now - self._reported_at < every_s:
             return
         self._reported, self._reported_at = problems, now
-        with self.engine.connect() as conn:
-            conn.execution_options(**{WRITE: True})
-            with conn.begin():
-                updated = conn.execute(
-                    worker_status.update().where(worker_status.c.name == self.name).values(**row)
-                ).rowcount
-                if not updated:
-                    conn.execute(worker_status.insert().values(**row))
+        write_status_row(self.engine, row)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -269,6 +266,38 @@ class FoldWorker:
         return read
 
 
+def write_status_row(engine: sa.Engine, row: dict[str, Any]) -> None:
+    """Upsert one worker's `worker_status` row (keyed by `row["name"]`)."""
+    with engine.connect() as conn:
+        conn.execution_options(**{WRITE: True})
+        with conn.begin():
+            updated = conn.execute(
+                worker_status.update().where(worker_status.c.name == row["name"]).values(**row)
+            ).rowcount
+            if not updated:
+                conn.execute(worker_status.insert().values(**row))
+
+
+def resume_sweeper(engine: sa.Engine, store: SqlEventStore, sweeper: LeaseSweeper) -> None:
+    """Start the sweeper from the requests that have not ended (an edge may have died with
+    requests in flight): their admissions, and the log from the oldest of them."""
+    with engine.connect() as conn:
+        live = [
+            r[0]
+            for r in conn.execute(
+                sa.select(request_log.c.request_id).where(request_log.c.status.in_(LIVE_STATUSES))
+            )
+        ]
+    admissions = [
+        record
+        for request_id in live
+        for record in store.read_stream(request_id)
+        if isinstance(record.event, RequestAdmitted)
+    ]
+    start = min((r.position for r in admissions), default=store.last_position())
+    sweeper.start_from(start - 1 if admissions else start, admissions)
+
+
 @dataclass(frozen=True, slots=True)
 class FoldStatus:
     """What an edge knows of the folds, from `worker_status`."""
@@ -279,7 +308,10 @@ class FoldStatus:
     dead_letters: int
 
 
-def read_fold_status(engine: sa.Engine, now: datetime, name: str = WORKER_NAME) -> FoldStatus:
+def read_fold_status(
+    engine: sa.Engine, now: datetime, name: str = WORKER_NAME,
+    stale_s: float = HEARTBEAT_STALE_S,
+) -> FoldStatus:
     with engine.connect() as conn:
         row = conn.execute(
             sa.select(worker_status).where(worker_status.c.name == name)
@@ -289,7 +321,7 @@ def read_fold_status(engine: sa.Engine, now: datetime, name: str = WORKER_NAME) 
     problems: list[str] = []
     warnings: list[str] = []
     age = (now - row["heartbeat_at"]).total_seconds()
-    if age > HEARTBEAT_STALE_S:
+    if age > stale_s:
         problems.append(f"folds: the fold worker (pid {row['pid']}) last reported {age:.0f} s ago")
     if row["error"]:
         problems.append(f"folds: {row['error']}")
@@ -302,16 +334,46 @@ def read_fold_status(engine: sa.Engine, now: datetime, name: str = WORKER_NAME) 
     return FoldStatus(tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"])
 
 
-def run_worker(database_url: str, *, lease_ttl_s: float = 15.0, parent_pid: int = 0) -> None:
-    """`tollgate worker`: catch up, then fold until SIGTERM/SIGINT (or the parent is gone)."""
+def run_worker(
+    database_url: str, *, lease_ttl_s: float = LEASE_TTL_S, parent_pid: int = 0,
+    metrics_port: int = 0,
+) -> None:
+    """`tollgate worker`: catch up, then fold until SIGTERM/SIGINT (or the parent is gone); its
+    /metrics on `metrics_port` (0: off)."""
     engine = create_engine_from_url(database_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     worker = FoldWorker(engine, lease_ttl_s=lease_ttl_s)
+    serve_metrics(metrics_port, worker.metrics.registry)
+    runner = _batch_runner(engine, worker, stop)
     try:
         worker.catch_up()
         log.info("fold worker %d caught up at position %d", os.getpid(), worker.billing.position)
+        if runner is not None:
+            runner.start()
         worker.run(stop, parent_pid=parent_pid)
     finally:
+        stop.set()
+        if runner is not None:
+            runner.join(timeout=10)
         engine.dispose()
+
+
+def _batch_runner(
+    engine: sa.Engine, worker: FoldWorker, stop: threading.Event
+) -> threading.Thread | None:
+    """The batch runner beside the folds, when the edge told this worker where it is and how to
+    prove itself (`tollgate serve` does, in the environment)."""
+    from streams.batch_runner import BatchRunner
+
+    edge_url = os.environ.get("TOLLGATE_EDGE_URL")
+    token = os.environ.get("TOLLGATE_BATCH_TOKEN")
+    if not edge_url or not token:
+        log.info("no TOLLGATE_EDGE_URL/TOLLGATE_BATCH_TOKEN: batches are not run here")
+        return None
+    runner = BatchRunner(
+        engine, worker.store, edge_url=edge_url, token=token,
+        concurrency=int(os.environ.get("TOLLGATE_BATCH_CONCURRENCY", "8")),
+    )
+    return threading.Thread(target=runner.run, args=(stop,), name="batch-runner", daemon=True)

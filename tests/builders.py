@@ -20,6 +20,7 @@ from domain.events import (
     LeaseProgress,
     LeasesRenewed,
     LimitsSet,
+    ModelProfileRegistered,
     PlanChanged,
     PriceSet,
     QuotaRefunded,
@@ -65,6 +66,7 @@ def estimated(**kw: Any) -> RequestEstimated:
         reserved_tokens=1800,
         kv_byte_seconds=10 * 2**30,
         tpot_us=50_000,
+        output_cap_tokens=1000,
     )
     return replace(base, **kw)
 
@@ -154,6 +156,13 @@ def key_revoked(**kw: Any) -> ApiKeyRevoked:
 
 def price_set(**kw: Any) -> PriceSet:
     return replace(PriceSet("llama-3.1-8b", 200_000, 600_000, 50_000, at(0)), **kw)
+
+
+def model_profile_registered(**kw: Any) -> ModelProfileRegistered:
+    # The tiny test Llama: 2 × 2 layers × 2 KV heads × 32 × 2 bytes = 512 B per token.
+    return replace(
+        ModelProfileRegistered("tiny-llama", "gqa", 2, 2, 32, 2, 0, 0, 4096, at(0)), **kw
+    )
 
 
 # --- envelopes ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,6 +18,9 @@ from sqlalchemy.engine import make_url
 POSTGRES_URL = os.environ.get(
     "TOLLGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+
+# The soak runs only in the long tier (`./dev reliability`): ten minutes is no fast test.
+collect_ignore = [] if os.environ.get("TOLLGATE_RELIABILITY") == "long" else ["reliability"]
 
 
 @pytest.fixture
@@ -45,3 +49,69 @@ def postgres_url() -> Iterator[str]:
             # A test that left a connection open in a transaction would make DROP wait forever.
             admin.execute("SET lock_timeout = '10s'")
             admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+# --- the real vLLM engine (tests/vllm/engine.py) ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One `vllm serve` on the tiny model for the whole session (a start costs 20-50 s of two
+    cores). Tests that restart or crash it leave it running again when they end."""
+    from tests.vllm.engine import VllmServer, engine_python, tiny_model
+
+    python = engine_python()
+    server = VllmServer(python, tiny_model(python), tmp_path_factory.mktemp("vllm") / "vllm.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Every test on the real engine carries the `vllm` marker (`-m "not vllm"` for a quick local
+    # run; CI runs them all and a skipped one fails it).
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.vllm.engine import TIMINGS
+
+    if not TIMINGS.starts_s:
+        return
+    env = "built" if TIMINGS.env_built else "cached"
+    starts = ", ".join(f"{s:.0f} s" for s in TIMINGS.starts_s)
+    terminalreporter.write_line(
+        f"vLLM tier: engine venv {env} ({TIMINGS.env_s:.0f} s), tiny model "
+        f"{f'built in {TIMINGS.model_s:.0f} s' if TIMINGS.model_s else 'cached'}, "
+        f"server starts {starts}"
+    )
+
+
+# --- the Kafka-protocol broker (streams/dev_broker.py, DESIGN.md §7) --------------------------
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One development broker for the session, on a free port. A test that restarts it (to
+    lose every topic) leaves it running; each test makes its own topics."""
+    from streams.dev_broker import DevBroker
+
+    broker = DevBroker(log_path=tmp_path_factory.mktemp("kafka") / "tansu.log")
+    try:
+        broker.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the Kafka-protocol broker is required and did not start: {exc}")
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka_topic(kafka_broker: Any) -> str:
+    """A fresh topic name (created by whoever publishes first, with the relay's partitions)."""
+    return f"t{uuid.uuid4().hex[:12]}.events"

@@ -10,6 +10,20 @@ if auth and auth ~= "" then
   wrk.headers["Authorization"] = "Bearer " .. auth
 end
 
+-- Non-2xx answers by status, per thread, so a run with errors says which (429? 503?).
+local threads = {}
+function setup(thread)
+  table.insert(threads, thread)
+end
+function init(args)
+  statuses = {}
+end
+function response(status, headers, body)
+  if status >= 300 then
+    statuses[status] = (statuses[status] or 0) + 1
+  end
+end
+
 function done(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -20,4 +34,9 @@ function done(summary, latency, requests)
     e.connect, e.read, e.write, e.status, e.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99),
     latency.max, latency.mean))
+  for _, thread in ipairs(threads) do
+    for status, n in pairs(thread:get("statuses")) do
+      io.write(string.format('BENCH_STATUS %d %d\n', status, n))
+    end
+  end
 end

@@ -17,11 +17,11 @@ from ledger.store import (
     AppendBatch,
     EventIdConflict,
     EventStore,
-    InMemoryEventStore,
     NewEvent,
     SqlEventStore,
     WrongExpectedVersion,
 )
+from tests.fakes import InMemoryEventStore
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -300,3 +300,40 @@ def test_awkward_text_survives_the_round_trip(store: EventStore) -> None:
     assert store.read_stream(s) == appended
     assert appended[0].event == rejected and appended[0].tenant_id == "acme\\x"
     assert store.append(s, 0, events) == appended  # and compares equal to itself on retry
+
+
+def test_read_streams_answers_each_stream_in_version_order(store: EventStore) -> None:
+    a, b_, c = stream(), stream(), stream()
+    store.append(a, 0, [new(a, 1)])
+    store.append(b_, 0, [new(b_, 1), new(b_, 2)])
+    store.append(a, 1, [new(a, 2)])
+    read = store.read_streams([a, b_, "req-missing", a])
+    assert set(read) == {a, b_}
+    assert [r.stream_version for r in read[a]] == [1, 2]
+    assert [r.event for r in read[b_]] == [FirstTokenStreamed(b_, 1), FirstTokenStreamed(b_, 2)]
+    assert read[a] == store.read_stream(a)
+    assert store.read_streams([]) == {}
+    # c was never written: asking for it alone answers nothing
+    assert store.read_streams([c]) == {}
+
+
+def test_read_stream_window_slices_one_stream_by_position(store: EventStore) -> None:
+    edge, other = stream(), stream()
+    first = store.append(edge, None, [new(edge, 1)])[0]
+    lo = store.append(other, 0, [new(other, 1)])[0].position
+    middle = store.append(edge, None, [new(edge, 2), new(edge, 3)])
+    hi = store.append(other, 1, [new(other, 2)])[0].position
+    store.append(edge, None, [new(edge, 4)])
+    assert store.read_stream_window(edge, lo, hi) == middle
+    assert store.read_stream_window(edge, 0, lo) == [first]
+    assert store.read_stream_window(edge, hi, hi) == []
+
+
+def test_streams_with_finds_the_streams_of_an_event_type_in_a_period(store: EventStore) -> None:
+    early, inside, late = stream(), stream(), stream()
+    store.append(early, 0, [new(early, occurred_at=T0 - timedelta(seconds=1))])
+    store.append(inside, 0, [new(inside, occurred_at=T0), new(inside, occurred_at=T0)])
+    store.append(late, 0, [new(late, occurred_at=T0 + timedelta(hours=1))])
+    found = store.streams_with("FirstTokenStreamed", T0, T0 + timedelta(hours=1))
+    assert found == [inside]
+    assert store.streams_with("RequestRouted", T0, T0 + timedelta(hours=1)) == []

@@ -34,7 +34,8 @@ TOLLGATE = (
 
 MODEL = "llama-3.1-8b-2026-05"  # fast replicas
 SLOW_MODEL = "llama-3.1-70b-2026-05"  # one slow replica: long streams that stay in flight
-TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired")
+TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired",
+             "RequestPreempted")
 
 _LIVE: list[subprocess.Popen[bytes]] = []
 _LIVE_LOCK = threading.Lock()
@@ -144,7 +145,7 @@ class Replica:
 def start_replica(tmp: Path, model: str, seed: int, **config: Any) -> Replica:
     port = free_port()
     log = tmp / f"replica-{port}.log"
-    args = [sys.executable, "-m", "engine_adapter.simulated", "--port", str(port),
+    args = [sys.executable, "-m", "engine_adapter.simulator", "--port", str(port),
             "--model", model, "--seed", str(seed)]
     for name, value in config.items():
         args += ["--" + name.replace("_", "-"), str(value)]
@@ -171,6 +172,7 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     keys: dict[str, str] = field(default_factory=dict)
     starts: int = 0
+    serve_args: list[str] = field(default_factory=list)  # extra `tollgate serve` options
 
     @property
     def data_dir(self) -> Path:
@@ -196,7 +198,7 @@ class Server:
 
     def start(self) -> Server:
         self.port = self.port or free_port()
-        args = [*TOLLGATE, "serve", "--port", str(self.port)]
+        args = [*TOLLGATE, "serve", "--port", str(self.port), *self.serve_args]
         for r in self.replicas:
             args += ["--replica", f"{r.model}={r.url}"]
         self.starts += 1
@@ -223,10 +225,11 @@ class Server:
 
     # -- CLI
 
-    def cli(self, *args: str) -> str:
+    def cli(self, *args: str, timeout: float = 60) -> str:
         done = subprocess.run(
             [*TOLLGATE, *args, "--database-url", self.db_url], cwd=REPO, capture_output=True,
-            text=True, timeout=60, env={**os.environ, "TOLLGATE_DATA_DIR": str(self.data_dir)},
+            text=True, timeout=timeout,
+            env={**os.environ, "TOLLGATE_DATA_DIR": str(self.data_dir)},
         )
         assert done.returncode == 0, f"tollgate {' '.join(args)} failed: {done.stderr}"
         return done.stdout
@@ -331,7 +334,8 @@ class Server:
         rows = self.query(
             "SELECT stream_id, "
             " sum(type = 'RequestAdmitted') AS admitted, "
-            " sum(type IN ('RequestCompleted','RequestCancelled','RequestFailed','LeaseExpired'))"
+            " sum(type IN ('RequestCompleted','RequestCancelled','RequestFailed','LeaseExpired',"
+            "              'RequestPreempted'))"
             "   AS terminal, "
             " sum(type = 'QuotaRefunded') AS refunded, "
             " sum(type = 'UsageBilled') AS billed, "
@@ -379,12 +383,14 @@ RATE_LIMIT_HEADERS = tuple(
 )
 
 
-def build_server(tmp: Path, replica_specs: list[tuple[str, dict[str, Any]]]) -> Server:
+def build_server(
+    tmp: Path, replica_specs: list[tuple[str, dict[str, Any]]], serve_args: list[str] | None = None
+) -> Server:
     replicas: list[Replica] = []
     try:
         for i, (model, config) in enumerate(replica_specs):
             replicas.append(start_replica(tmp, model, seed=11 + i, **config))
-        return Server(tmp, replicas).start()
+        return Server(tmp, replicas, serve_args=list(serve_args or ())).start()
     except BaseException:
         for r in replicas:
             r.stop()
@@ -393,10 +399,13 @@ def build_server(tmp: Path, replica_specs: list[tuple[str, dict[str, Any]]]) -> 
 
 @contextlib.contextmanager
 def running_server(
-    tmp_factory: pytest.TempPathFactory, name: str, replica_specs: list[tuple[str, dict[str, Any]]]
+    tmp_factory: pytest.TempPathFactory,
+    name: str,
+    replica_specs: list[tuple[str, dict[str, Any]]],
+    serve_args: list[str] | None = None,
 ) -> Iterator[Server]:
     tmp = tmp_factory.mktemp(name)
-    server = build_server(tmp, replica_specs)
+    server = build_server(tmp, replica_specs, serve_args)
     try:
         yield server
     finally:

@@ -21,6 +21,13 @@ def tenants(server: Server) -> dict[str, Tenant]:
     })
 
 
+def nested_body(field: str, template: str, levels: int) -> bytes:
+    """short_body() with `field` set to `template`, whose DEEP is `levels` nested arrays."""
+    deep = "[" * levels + "1" + "]" * levels
+    rest = json.dumps({k: v for k, v in short_body().items() if k != field})
+    return (rest[:-1] + f', "{field}": ' + template.replace("DEEP", deep) + "}").encode()
+
+
 def chat(server: Server, secret: str, body: object = None, *, content: bytes | None = None,
          extra: dict[str, str] | None = None) -> httpx.Response:
     kwargs = {"content": content} if content is not None else {"json": body}
@@ -63,6 +70,28 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None,
         (json.dumps({**short_body(), "stream_options": {"include_usage": True}}).encode(),
          "stream_options"),
         (json.dumps({**short_body(), "n": 3}).encode(), "n"),
+        # Issue 14, hole 3: each of these used to answer 200.
+        (json.dumps({**short_body(), "tools": "x"}).encode(), "tools"),
+        (json.dumps({**short_body(), "tool_choice": 5}).encode(), "tool_choice"),
+        (json.dumps({**short_body(), "response_format": {"type": "yaml"}}).encode(),
+         "response_format.type"),
+        (json.dumps({**short_body(), "logprobs": "yes"}).encode(), "logprobs"),
+        (json.dumps({**short_body(), "logprobs": True, "top_logprobs": 1000}).encode(),
+         "top_logprobs"),
+        (json.dumps({**short_body(), "stop": 5}).encode(), "stop"),
+        (json.dumps({**short_body(), "presence_penalty": "x"}).encode(), "presence_penalty"),
+        (json.dumps({**short_body(), "top_k": -5}).encode(), "top_k"),
+        (json.dumps({**short_body(), "messages": [{"role": "user", "content": [1, 2]}]}).encode(),
+         "messages[0].content[0]"),
+        # Hole 2: parsed (orjson.loads takes 1,024 levels), then admitted and failed at the
+        # engine adapter's orjson.dumps (255).
+        (nested_body("tools", '[{"type": "function", "function": {"name": "f", "parameters": '
+                     '{"a": DEEP}}}]', 300), "tools"),
+        (nested_body("response_format", '{"type": "json_schema", "json_schema": {"name": "s", '
+                     '"schema": {"a": DEEP}}}', 256), "response_format"),
+        (nested_body("logit_bias", '{"1": DEEP}', 256), "logit_bias"),
+        (nested_body("messages", '[{"role": "user", "content": [{"type": "text", "text": "x", '
+                     '"extra": DEEP}]}]', 1000), "messages[0].content"),
     ],
 )
 def test_invalid_body_is_400_naming_the_field(
@@ -192,3 +221,44 @@ def test_every_admitted_request_has_one_end_one_refund_one_bill(server: Server) 
         "(SELECT 1 FROM request_log r WHERE r.request_id = e.stream_id)"
     )[0]["n"]
     assert rejected == 0, "rejected requests missing from request_log"
+
+
+def test_logprobs_come_from_the_engine_when_streamed(server: Server) -> None:
+    """Hole 3: `logprobs: true` answered `logprobs: null` (the simulated replica ignored it). The
+    streamed chunks now carry the engine's logprobs, one entry per token, as vLLM's do."""
+    r = chat(server, server.keys["demo-standard"], short_body(
+        tokens=6, ignore_eos=True, stream=True, logprobs=True, top_logprobs=3,
+        stream_options={"include_usage": True},
+    ))
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(f[6:]) for f in r.text.split("\n\n") if f and f != "data: [DONE]"]
+    entries = [
+        entry
+        for chunk in chunks
+        for choice in chunk["choices"]
+        if choice.get("logprobs")
+        for entry in choice["logprobs"]["content"]
+    ]
+    assert len(entries) == chunks[-1]["usage"]["completion_tokens"] == 6
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert "".join(e["token"] for e in entries) == text
+    for entry in entries:
+        assert entry["logprob"] <= 0
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+
+
+def test_logprobs_come_from_the_engine_when_not_streamed(server: Server) -> None:
+    """The non-streamed answer assembles the engine's per-token logprobs (it said null)."""
+    r = chat(server, server.keys["demo-standard"], short_body(
+        tokens=5, ignore_eos=True, logprobs=True, top_logprobs=2,
+    ))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == r.json()["usage"]["completion_tokens"] == 5
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
+    plain = chat(server, server.keys["demo-standard"], short_body(tokens=3))
+    assert plain.json()["choices"][0]["logprobs"] is None

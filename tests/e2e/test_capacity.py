@@ -1,7 +1,8 @@
 """429 is the tenant's quota, 503 is our capacity: never mixed (DESIGN §4.7).
 
 Its own server: one replica with a tiny KV cache (64 blocks of 16 = 1,024 tokens) and slow steps,
-so one long enterprise request holds the KV above the free tier's 0.60 ceiling."""
+so one long enterprise request holds the KV above the free tier's 0.60 ceiling and, even when
+it has generated every token, below standard's 0.85 — the test does not race the generation."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ QUOTA_TYPES = {"requests", "tokens", "concurrency"}
 
 @pytest.fixture(scope="module")
 def small_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = {"num_gpu_blocks": 64, "max_model_len": 1024, "step_base_ms": 60, "speed": 1}
+    config = {"num_gpu_blocks": 64, "max_model_len": 1024, "step_base_ms": 150, "speed": 1}
     with running_server(tmp_path_factory, "capacity", [(MODEL, config)]) as server:
         yield server
 
@@ -39,10 +40,11 @@ def assert_never_mixed(r: httpx.Response) -> None:
 def test_capacity_refusal_is_503_and_quota_refusal_is_429(small_fleet: Server) -> None:
     server = small_fleet
     replica = server.replicas[0]
-    # ~700 prompt tokens = 44 of 64 blocks: 0.69 occupancy while it runs (300 tokens, ~18 s).
-    big_prompt = " ".join(["abc"] * 690)
+    # ~660 prompt tokens = 42 of 64 blocks (0.66) at the start, ~810 tokens = 51 blocks (0.80)
+    # at the end: over free's 0.60 and under standard's 0.85 for the whole ~22 s it runs.
+    big_prompt = " ".join(["abc"] * 650)
     body = {"model": MODEL, "messages": [{"role": "user", "content": big_prompt}],
-            "max_tokens": 300, "ignore_eos": True, "stream": True}
+            "max_tokens": 150, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client, client.stream(
         "POST", f"{server.base}/v1/chat/completions",
         headers=auth(server.keys["demo-enterprise"]), json=body,

@@ -3,10 +3,15 @@ tenants, simulated fleet) run as a subprocess.
 
 Chromium is Debian's `chromium` package; if /usr/bin/chromium is missing the fixture installs it
 with apt-get (as root), so these tests never skip. Screenshots land in test-output/screenshots/.
+
+The browser signs in as a person does: the session cookie `POST /ui/login` answers (a signed,
+expiring session, never the key) is set in Chromium over its DevTools protocol, and the page is
+read and photographed through it. No key ever goes in a URL.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -19,10 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from tests.e2e.conftest import (
     MODEL,
@@ -72,6 +79,7 @@ class UiServer:
     chromium: Path
     requests: dict[str, list[str]] = field(default_factory=dict)  # tenant -> request ids
     stalled: str = ""  # a request whose edge died: the sweeper expires it (anomalies)
+    sessions: dict[str, str] = field(default_factory=dict)  # key name -> session cookie
 
     @property
     def base(self) -> str:
@@ -81,39 +89,111 @@ class UiServer:
     def db_url(self) -> str:
         return f"sqlite:///{self.tmp / 'data' / 'tollgate.db'}"
 
-    def url(self, path: str, key: str | None = None, **params: str) -> str:
-        query = dict(params)
-        if key is not None:
-            query["key"] = self.keys[key]
-        return f"{self.base}{path}" + ("?" + urlencode(query) if query else "")
+    def url(self, path: str, **params: str) -> str:
+        return f"{self.base}{path}" + ("?" + urlencode(params) if params else "")
 
-    def browser(self, *args: str, url: str) -> subprocess.CompletedProcess[str]:
+    def session(self, key: str) -> str:
+        """The session cookie signing in with `key` gives (through the login form)."""
+        if key not in self.sessions:
+            r = httpx.post(f"{self.base}/ui/login", data={"key": self.keys[key]}, timeout=10)
+            assert r.status_code == 303, r.text
+            self.sessions[key] = r.cookies["tollgate_session"]
+            assert self.keys[key] not in self.sessions[key]
+        return self.sessions[key]
+
+    def browser(self, key: str, url: str, screenshot: Path | None = None) -> str:
+        """Open `url` in headless Chromium signed in as `key`; its DOM (and a screenshot)."""
         profile = self.tmp / f"chromium-{uuid.uuid4().hex[:8]}"
+        port = free_port()
         cmd = [
             str(self.chromium), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
             "--no-first-run", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--disable-dev-shm-usage", "--hide-scrollbars",
-            f"--user-data-dir={profile}", *args, url,
+            "--window-size=1280,1600", f"--remote-debugging-port={port}",
+            "--remote-allow-origins=*", f"--user-data-dir={profile}", "about:blank",
         ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            ws_url = poll("chromium's DevTools endpoint", lambda: _page_socket(port, proc), 60)
+            with connect(ws_url, max_size=None, open_timeout=30) as ws:
+                devtools = DevTools(ws)
+                devtools.call("Page.enable")
+                devtools.call("Network.enable")
+                devtools.call(
+                    "Network.setCookie", name="tollgate_session", value=self.session(key),
+                    url=f"{self.base}/ui/", httpOnly=True, sameSite="Strict",
+                )
+                devtools.call("Page.navigate", url=url)
+                devtools.wait("Page.loadEventFired")
+                html = devtools.call(
+                    "Runtime.evaluate", expression="document.documentElement.outerHTML",
+                    returnByValue=True,
+                )["result"]["value"]
+                if screenshot is not None:
+                    devtools.call(
+                        "Emulation.setDeviceMetricsOverride", width=1280, height=1600,
+                        deviceScaleFactor=1, mobile=False,
+                    )
+                    data = devtools.call("Page.captureScreenshot", format="png")["data"]
+                    screenshot.write_bytes(base64.b64decode(data))
         finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
             shutil.rmtree(profile, ignore_errors=True)
-        assert done.returncode == 0, f"chromium failed ({done.returncode}):\n{done.stderr[-3000:]}"
-        return done
+        return str(html)
 
-    def dom(self, url: str) -> str:
-        out = self.browser("--dump-dom", url=url).stdout
+    def dom(self, url: str, key: str) -> str:
+        out = self.browser(key, url)
         assert "<html" in out, out[:500]
         return out
 
-    def screenshot(self, name: str, url: str) -> Path:
+    def screenshot(self, name: str, url: str, key: str) -> Path:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         path = SCREENSHOTS / f"{name}.png"
         path.unlink(missing_ok=True)
-        self.browser(f"--screenshot={path}", "--window-size=1280,1600", url=url)
+        self.browser(key, url, screenshot=path)
         assert_real_png(path, 1280, 1600)
         return path
+
+
+def _page_socket(port: int, proc: subprocess.Popen[bytes]) -> str | None:
+    if proc.poll() is not None:
+        pytest.fail(f"chromium exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+    try:
+        pages = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json()
+    except httpx.HTTPError:
+        return None
+    return next((p["webSocketDebuggerUrl"] for p in pages if p.get("type") == "page"), None)
+
+
+class DevTools:
+    """The few Chrome DevTools protocol calls the tests need, over one page's websocket."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.next_id = 0
+        self.events: list[str] = []
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv(timeout=60))
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return dict(message.get("result", {}))
+            if "method" in message:
+                self.events.append(message["method"])
+
+    def wait(self, event: str) -> None:
+        while event not in self.events:
+            message = json.loads(self.ws.recv(timeout=60))
+            if "method" in message:
+                self.events.append(message["method"])
 
 
 def assert_real_png(path: Path, width: int, height: int) -> None:
@@ -207,8 +287,8 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UiServer]:
 
 def test_support_page_shows_the_timeline(ui: UiServer) -> None:
     rid = ui.requests["demo-standard"][1]  # a streamed completion
-    url = ui.url("/ui/support", key="support", request_id=rid)
-    dom = ui.dom(url)
+    url = ui.url("/ui/support", request_id=rid)
+    dom = ui.dom(url, "support")
     api = httpx.get(f"{ui.base}/v1/requests/{rid}/events", headers=auth(ui.keys["support"]),
                     timeout=10).json()
 
@@ -230,18 +310,18 @@ def test_support_page_shows_the_timeline(ui: UiServer) -> None:
     assert "reserved tokens +" in dom and "refunded tokens +" in dom  # quota effects
     assert 'id="who"' in dom and "support key" in dom  # the cookie session, key gone from URL
 
-    ui.screenshot("support-timeline", url)
+    ui.screenshot("support-timeline", url, "support")
 
 
 def test_support_page_highlights_anomalies(ui: UiServer) -> None:
-    url = ui.url("/ui/support", key="support", request_id=ui.stalled)
-    dom = ui.dom(url)
+    url = ui.url("/ui/support", request_id=ui.stalled)
+    dom = ui.dom(url, "support")
     assert ui.stalled in dom
     anomalies = re.findall(r'<li class="anomaly"><strong[^>]*>(\w+)</strong>', dom)
     assert "lease_expired" in anomalies, anomalies
     assert re.search(r'<tr class="event flagged" data-type="LeaseExpired"', dom)
     assert 'class="badge lease_expired"' in dom
-    ui.screenshot("support-anomaly", url)
+    ui.screenshot("support-anomaly", url, "support")
 
 
 def test_customer_sees_another_tenants_request_as_unknown(ui: UiServer) -> None:
@@ -260,12 +340,12 @@ def test_customer_sees_another_tenants_request_as_unknown(ui: UiServer) -> None:
     def normalised(text: str, rid: str) -> str:
         return text.replace(rid, "REQ")
 
-    other_dom = ui.dom(ui.url("/ui/support", key="demo-free", request_id=other))
-    unknown_dom = ui.dom(ui.url("/ui/support", key="demo-free", request_id=unknown))
+    other_dom = ui.dom(ui.url("/ui/support", request_id=other), "demo-free")
+    unknown_dom = ui.dom(ui.url("/ui/support", request_id=unknown), "demo-free")
     assert normalised(other_dom, other) == normalised(unknown_dom, unknown)
     assert f"no request {other}" in other_dom and "RequestAdmitted" not in other_dom
     # and the support key does see it
-    assert "RequestAdmitted" in ui.dom(ui.url("/ui/support", key="support", request_id=other))
+    assert "RequestAdmitted" in ui.dom(ui.url("/ui/support", request_id=other), "support")
 
 
 def test_request_id_is_escaped(ui: UiServer) -> None:
@@ -289,8 +369,8 @@ def _invoice(ui: UiServer, tenant: str) -> dict:
 
 
 def test_finance_page_all_tenants(ui: UiServer) -> None:
-    url = ui.url("/ui/finance", key="finance")
-    dom = ui.dom(url)
+    url = ui.url("/ui/finance")
+    dom = ui.dom(url, "finance")
     for tenant in CUSTOMERS:
         assert f'<tr class="tenant-row" data-tenant="{tenant}">' in dom
         assert f'<tr class="invoice-line" data-tenant="{tenant}">' in dom
@@ -305,25 +385,25 @@ def test_finance_page_all_tenants(ui: UiServer) -> None:
     for kind in ("usage", "ledger"):
         assert f'href="/ui/export/billing/{kind}?' in dom
         assert f"/v1/billing/{kind}?" in dom
-    ui.screenshot("finance-all-tenants", url)
+    ui.screenshot("finance-all-tenants", url, "finance")
 
 
 def test_finance_page_one_tenant_invoice_and_csv(ui: UiServer) -> None:
     invoice = _invoice(ui, "demo-standard")
-    url = ui.url("/ui/finance", key="finance", tenant="demo-standard", period=invoice["period"],
+    url = ui.url("/ui/finance", tenant="demo-standard", period=invoice["period"],
                  stack="kind")
-    dom = ui.dom(url)
+    dom = ui.dom(url, "finance")
     assert f'id="invoice-total">{invoice["amount"]}<' in dom
     assert len(re.findall(r'<tr class="invoice-line">', dom)) == len(invoice["lines"]) == 2
     assert 'data-tenant="demo-free"' not in dom
     assert ">completion<" in dom and ">cached<" in dom  # the token-kind legend
-    ui.screenshot("finance-one-tenant", url)
+    ui.screenshot("finance-one-tenant", url, "finance")
 
     # The CSV links give what the /v1/billing/* CSV endpoints give.
     links = re.findall(r'<a class="csv" href="([^"]+)"', dom)
     assert len(links) == 3
     with httpx.Client(base_url=ui.base, timeout=10) as browser:
-        browser.cookies.set("tollgate_key", ui.keys["finance"], path="/ui")
+        browser.cookies.set("tollgate_session", ui.session("finance"), path="/ui")
         for link in links:
             href = link.replace("&amp;", "&")
             mine = browser.get(href)
@@ -336,7 +416,7 @@ def test_finance_page_one_tenant_invoice_and_csv(ui: UiServer) -> None:
 
 
 def test_customer_finance_page_shows_only_its_tenant(ui: UiServer) -> None:
-    dom = ui.dom(ui.url("/ui/finance", key="demo-free"))
+    dom = ui.dom(ui.url("/ui/finance"), "demo-free")
     assert 'data-tenant="demo-free"' in dom
     assert "demo-standard" not in dom and "demo-enterprise" not in dom
     invoice = _invoice(ui, "demo-free")
@@ -353,7 +433,7 @@ def test_customer_finance_page_shows_only_its_tenant(ui: UiServer) -> None:
 # --- login -----------------------------------------------------------------------------------
 
 
-def test_login_cookie_and_key_in_url(ui: UiServer) -> None:
+def test_login_sets_a_signed_session_and_a_key_in_a_url_is_refused(ui: UiServer) -> None:
     with httpx.Client(base_url=ui.base, timeout=10) as browser:
         r = browser.get("/ui/support")
         assert r.status_code == 401 and 'action="/ui/login"' in r.text
@@ -366,33 +446,61 @@ def test_login_cookie_and_key_in_url(ui: UiServer) -> None:
         r = browser.post("/ui/login", data={"key": ui.keys["support"], "next": "//evil.example/"})
         assert r.status_code == 303 and r.headers["location"] == "/ui/support"
         cookie = r.headers["set-cookie"]
-        assert cookie.startswith("tollgate_key=") and "HttpOnly" in cookie
+        assert cookie.startswith("tollgate_session=") and "HttpOnly" in cookie
         assert "SameSite=strict" in cookie and "Path=/ui" in cookie
+        session = browser.cookies["tollgate_session"]
+        assert ui.keys["support"] not in cookie and ui.keys["support"] not in session
         assert browser.get("/ui/support").status_code == 200
 
         r = browser.post("/ui/logout")
         assert r.status_code == 303
         assert browser.get("/ui/support").status_code == 401
 
+        # A key in a URL is never used (nor echoed), whatever the session.
         rid = ui.requests["demo-standard"][0]
         r = browser.get(f"/ui/support?request_id={rid}&key={quote(ui.keys['support'])}")
-        assert r.status_code == 303 and r.headers["location"] == f"/ui/support?request_id={rid}"
-        assert ui.keys["support"] not in r.headers["location"]
-        r = browser.get(r.headers["location"])
-        assert r.status_code == 200 and rid in r.text
+        assert r.status_code == 400 and "never accepted in a URL" in r.text
+        assert "set-cookie" not in r.headers and ui.keys["support"] not in r.text
 
+        # A forged or altered session, and the old raw-key cookie, are a sign-in page.
+        key_id, expiry, signature = session.rsplit(".", 2)
+        for forged in (f"{key_id}.{int(expiry) + 3600}.{signature}", f"{key_id}.{expiry}.x",
+                       "tg_revoked-or-wrong"):
+            browser.cookies.clear()
+            browser.cookies.set("tollgate_session", forged, path="/ui")
+            r = browser.get("/ui/finance")
+            assert r.status_code == 401 and "sign in" in r.text.lower(), forged
         browser.cookies.clear()
-        browser.cookies.set("tollgate_key", "tg_revoked-or-wrong", path="/ui")
+        browser.cookies.set("tollgate_key", ui.keys["finance"], path="/ui")
         r = browser.get("/ui/finance")
-        assert r.status_code == 401 and "invalid or revoked API key" in r.text
-        r = browser.get("/ui/finance?key=tg_bad")
-        assert r.status_code == 401 and "tg_bad" not in r.text
+        assert r.status_code == 401 and "tollgate_key=" in r.headers.get("set-cookie", "")
+
+
+def test_a_revoked_key_ends_its_sessions(ui: UiServer) -> None:
+    out = subprocess.run(
+        [*TOLLGATE, "keys", "issue", "--tenant", "demo-free", "--database-url", ui.db_url],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    secret, key_id = lines[-1].strip(), lines[0].split(" key ")[1].split()[0]
+    poll("the edge to know the key", lambda: httpx.get(
+        f"{ui.base}/v1/models", headers=auth(secret), timeout=5).status_code == 200)
+    with httpx.Client(base_url=ui.base, timeout=10) as browser:
+        assert browser.post("/ui/login", data={"key": secret}).status_code == 303
+        assert browser.get("/ui/finance").status_code == 200
+        revoked = subprocess.run(
+            [*TOLLGATE, "keys", "revoke", key_id, "--tenant", "demo-free", "--database-url",
+             ui.db_url], capture_output=True, text=True, timeout=60, cwd=REPO,
+        )
+        assert revoked.returncode == 0, revoked.stderr
+        poll("the session to end", lambda: browser.get("/ui/finance").status_code == 401)
 
 
 def test_usage_chart_layout() -> None:
     """The chart maths without a browser: gaps are zero-filled, a long span is drawn per day,
     stacks add up to the axis."""
-    from api.web import time_chart
+    from api.charts import time_chart
 
     def row(when: datetime, tenant: str, tokens: int) -> dict:
         return {"tenant": tenant, "model": MODEL, "period_start": when.isoformat(),

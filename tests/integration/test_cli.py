@@ -121,3 +121,64 @@ def test_projection_rebuild_prints_digests(url: str) -> None:
     second = ok("projections", "rebuild", url=url)
     assert first == second and "ledger_entries" in first and "sha256" in first
     one_line_error(run("projections", "rebuild", "nope", url=url), "unknown projection")
+
+
+def test_only_the_load_generator_imports_its_http_client() -> None:
+    # `tollgate --help` lists `loadgen` without importing it; running it loads the real command.
+    probe = (
+        "import sys\n"
+        "from api.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('httpx', 'loadgen.cli') if m in sys.modules))\n"
+    )
+    for args, imported in (
+        (["--help"], "[]"),
+        (["serve", "--help"], "[]"),
+        (["loadgen", "--help"], "['httpx', 'loadgen.cli']"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == imported, args
+
+
+def test_the_lazy_loadgen_entry_shows_the_commands_own_summary() -> None:
+    from api.cli import main
+    from loadgen.cli import loadgen
+
+    lazy = main.commands["loadgen"]
+    assert lazy is not loadgen
+    for limit in (45, 60, 200):
+        assert lazy.get_short_help_str(limit) == loadgen.get_short_help_str(limit)
+
+
+def test_models_register_from_a_config_json_and_from_flags(url: str, tmp_path: Path) -> None:
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "hidden_size": 128, "dtype": "bfloat16", "max_position_embeddings": 4096,
+    }))  # fmt: skip
+    out = ok("models", "register", "--model", "tiny-llama-2026-05", "--hf-config", str(config),
+             url=url)  # fmt: skip
+    assert "512 KV bytes per token" in out
+    shown = json.loads(ok("models", "show", "--model", "tiny-llama-2026-05", url=url))
+    assert shown["kv_bytes_per_token"] == 512 and shown["max_model_len"] == 4096
+    # flags override the file; an MLA profile from flags alone
+    ok("models", "register", "--model", "tiny-llama-2026-05", "--hf-config", str(config),
+       "--dtype-bytes", "1", url=url)  # fmt: skip
+    shown = json.loads(ok("models", "show", "--model", "tiny-llama-2026-05", url=url))
+    assert shown["kv_bytes_per_token"] == 256 and len(shown["history"]) == 2
+    ok("models", "register", "--model", "mla-x", "--layers", "4", "--mla-rank", "512",
+       "--rope-dim", "64", "--dtype-bytes", "2", url=url)  # fmt: skip
+    shown = json.loads(ok("models", "show", "--model", "mla-x", url=url))
+    assert shown["attention"] == "mla" and shown["kv_bytes_per_token"] == (512 + 64) * 2 * 4
+    one_line_error(run("models", "register", "--model", "y", "--layers", "2", url=url),
+                   "--dtype-bytes", "--kv-heads", "--head-dim")  # fmt: skip
+    done = run("models", "show", "--model", "nobody-2026-05", url=url)
+    one_line_error(done, "no model profile", "tollgate models register --model nobody-2026-05")

@@ -1,5 +1,6 @@
-"""The edge's control-plane follower: it applies what the control streams gain and moves its
-position to the end of the log, so each poll reads only what was appended since the last one."""
+"""The control-plane follower (`ControlLog.follow`): it applies what the control streams gain
+and moves its position to the end of the log, so each poll reads only what was appended since
+the last one."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from api.runtime import follow_control
-from domain.control import ControlView
 from domain.events import PriceSet
+from ledger.control import ControlLog
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
@@ -37,10 +37,11 @@ def _set_price(store: SqlEventStore, micros: int) -> None:
 
 
 def test_the_follower_applies_control_records_and_moves_to_the_end(store: SqlEventStore) -> None:
-    control = ControlView()
+    log = ControlLog(store)
+    control = log.view
     _set_price(store, 100_000)
     _request(store)
-    position = follow_control(store, control, 0)
+    position = log.follow()
     assert position == store.last_position()
     assert control.price(MODEL, datetime.now(UTC)).prompt_micros_per_mtok == 100_000
 
@@ -48,10 +49,10 @@ def test_the_follower_applies_control_records_and_moves_to_the_end(store: SqlEve
     # the last control record would scan these again and again).
     for _ in range(3):
         _request(store)
-    moved = follow_control(store, control, position)
+    moved = log.follow()
     assert moved == store.last_position() > position
 
     _set_price(store, 250_000)
     _request(store)
-    assert follow_control(store, control, moved) == store.last_position()
+    assert log.follow() == store.last_position()
     assert control.price(MODEL, datetime.now(UTC)).prompt_micros_per_mtok == 250_000

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine_adapter.fleet import Choice, Fleet, Refusal, UnknownModel, histogram_quantile
-from engine_adapter.simulated import SimConfig, SimulatedReplicaHandle, start_simulated_replica
-from engine_adapter.vllm_http import make_session
+from engine_adapter.simulator.engine import SimConfig
+from engine_adapter.simulator.server import SimulatedReplicaHandle, start_simulated_replica
+from engine_adapter.vllm_http import fetch_metrics, make_session
 
 MODEL = "llama-2026-05"
 FAST = {"step_base_ms": 1.0, "per_seq_ms": 0.05, "prefill_ms_per_1k_tokens": 1.0}
@@ -79,6 +81,48 @@ def test_dead_replica_is_marked_unhealthy_and_skipped() -> None:
         assert set(picks) == {"r0", "r2"}
 
     run(t)
+
+
+def test_a_replica_that_stalls_keeps_its_traffic_for_the_grace_then_loses_it() -> None:
+    """A probe that times out on a connection the replica took is a busy replica (vLLM's API
+    server stalls for seconds on a loaded host while its engine generates): routed on its last
+    scrape for `slow_grace_s`, not dropped after `stale_after_s` as a refused one is."""
+
+    async def main() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # takes the request, never answers
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        sim = await start_simulated_replica(
+            SimConfig(model=MODEL, num_gpu_blocks=256, max_model_len=4096, **FAST)
+        )
+        async with make_session() as session:
+            fleet = Fleet(session, stale_after_s=0.2, slow_grace_s=1.0, scrape_timeout_s=0.1)
+            fleet.add("r0", f"http://127.0.0.1:{port}", MODEL)
+            state = fleet.state("r0")
+            rng = random.Random(5)
+            # One good scrape (taken from a simulator), then the replica stops answering.
+            scraped = await fetch_metrics(session, sim.url)
+            fleet.apply_scrape(state, scraped, scrape_started_at=time.monotonic(),
+                               now=time.monotonic())  # fmt: skip
+            assert isinstance(fleet.choose(MODEL, "standard", 10, rng), Choice)
+            await fleet.refresh(check_health_too=True)
+            assert state.slow and "no answer" in (state.last_error or "")
+            await asyncio.sleep(0.4)  # past stale_after_s, within the grace
+            assert isinstance(fleet.choose(MODEL, "standard", 10, rng), Choice)
+            await asyncio.sleep(0.8)  # past the grace
+            got = fleet.choose(MODEL, "standard", 10, rng)
+            assert isinstance(got, Refusal) and got.detail == "no_replica"
+            # It answers again: one good scrape ends the stall.
+            fleet.apply_scrape(state, scraped, scrape_started_at=time.monotonic(),
+                               now=time.monotonic())  # fmt: skip
+            assert not state.slow and isinstance(fleet.choose(MODEL, "standard", 10, rng), Choice)
+            await fleet.stop()
+        await sim.stop()
+        server.close()
+
+    asyncio.run(main())
 
 
 def test_optimistic_inflight_closes_the_scrape_blind_spot() -> None:

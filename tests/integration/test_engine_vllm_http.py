@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_adapter.simulated import SimConfig, SimulatedReplicaHandle, start_simulated_replica
+from engine_adapter.simulator.engine import SimConfig
+from engine_adapter.simulator.server import SimulatedReplicaHandle, start_simulated_replica
 from engine_adapter.vllm_http import (
     ReplicaHTTPError,
     ReplicaStreamBroken,

@@ -189,7 +189,9 @@ def test_reconciliation_lists_each_mismatch(db) -> None:  # type: ignore[no-unty
     _project(engine, store)
     unprojected = _request(store, view, "beta", now - timedelta(minutes=30), 10, 1, 0)
 
-    report = FinanceQueries(engine).reconciliation(now - timedelta(days=1), now)
+    report = FinanceQueries(engine).reconciliation(
+        SqlEventStore(engine), now - timedelta(days=1), now
+    )
     problems = {(m["request_id"], m["problem"]) for m in report["mismatches"]}
     assert (dangling, "admitted without a terminal event") in problems
     assert any(rid == unprojected and "ledger entry" in p for rid, p in problems)
@@ -198,7 +200,9 @@ def test_reconciliation_lists_each_mismatch(db) -> None:  # type: ignore[no-unty
     assert not report["ok"]
 
     _project(engine, store)
-    report = FinanceQueries(engine).reconciliation(now - timedelta(days=1), now)
+    report = FinanceQueries(engine).reconciliation(
+        SqlEventStore(engine), now - timedelta(days=1), now
+    )
     assert [m["request_id"] for m in report["mismatches"]] == [dangling]
 
 

@@ -21,6 +21,7 @@ from domain.cost import Estimate
 from domain.events import PriceSet
 from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
+from ledger.idempotency import IdempotencyConflict, IdempotencyStore
 from ledger.schema import ledger_entries, request_log, upgrade, worker_status
 from ledger.store import NewEvent, SqlEventStore
 from streams.worker import FoldWorker, read_fold_status
@@ -95,6 +96,30 @@ def test_one_pass_bills_projects_and_reports(engine: sa.Engine) -> None:
     # Silent for longer than the staleness limit: the edges say so.
     later = read_fold_status(engine, datetime.now(UTC) + timedelta(seconds=11))
     assert later.problems and "last reported" in later.problems[0]
+
+
+def test_an_expired_lease_frees_its_idempotency_key(engine: sa.Engine) -> None:
+    """An edge that dies mid-generation leaves its request's Idempotency-Key in flight; the
+    sweeper's expiry frees it (else every retry of that key is a 409 for 24 h), and a completed
+    request's replay record is kept."""
+    store = SqlEventStore(engine)
+    _price(store)
+    keys = IdempotencyStore(engine)
+    worker = FoldWorker(engine)
+    worker.catch_up()
+    orphan, done = _request(store, end=False), _request(store)
+    keys.begin("acme", "key-orphan", orphan, "sha-1")
+    keys.begin("acme", "key-done", done, "sha-2")
+    keys.complete("acme", "key-done", 200, b"{}", "application/json", {})
+    worker.run_pass()
+    with pytest.raises(IdempotencyConflict, match="in_flight"):
+        keys.lookup("acme", "key-orphan", "sha-1")  # its edge may still be generating
+
+    assert worker.sweeper.sweep(datetime.now(UTC) + timedelta(seconds=60)) == [orphan]
+    assert keys.lookup("acme", "key-orphan", "sha-1") is None  # the retry runs
+    keys.begin("acme", "key-orphan", "req_retry", "sha-1")
+    replay = keys.lookup("acme", "key-done", "sha-2")
+    assert replay is not None and replay.request_id == done
 
 
 def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(engine: sa.Engine) -> None:

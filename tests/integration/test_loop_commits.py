@@ -1,4 +1,4 @@
-"""The event loop's group commit (api/commits.py): what one loop iteration records shares one
+"""The event loop's group commit (ledger/commits.py): what one loop iteration records shares one
 transaction, lazy batches ride with it, and when the write lock is taken (or the store is
 PostgreSQL) the writer thread commits the same batches in order."""
 
@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from api.commits import LoopCommits
 from domain.events import FirstTokenStreamed
 from ledger import schema
+from ledger.commits import LoopCommits
 from ledger.engine import create_engine_from_url
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from ledger.writer import GroupCommitWriter

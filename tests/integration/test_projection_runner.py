@@ -363,3 +363,36 @@ def test_rows_are_read_back_as_sqlalchemy_reads_them(db: tuple[sa.Engine, SqlEve
                 assert type(value) is type(expected[key][name]), (spec.name, name)
                 if isinstance(value, datetime):
                     assert value.tzinfo is UTC, (spec.name, name)
+
+
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_ledger_row_records_when_it_was_written_and_a_rebuild_ignores_it(
+    request: pytest.FixtureRequest, db: str
+) -> None:
+    """`recorded_at` (migration 0014) is the database's clock at the insert: the billing lag's
+    end (bench/pipeline.py). It is no projection column, so a rebuild has the same digest."""
+    from domain.projections import LEDGER_ENTRIES
+    from tests import builders as b
+
+    url = request.getfixturevalue(f"{db}_url")
+    schema.upgrade(url)
+    engine = create_engine_from_url(url)
+    try:
+        store = SqlEventStore(engine)
+        finished = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=5)
+        bill = b.billed(request_id="req_1", finished_at=finished)
+        store.append("req_1", None, [NewEvent(str(uuid.uuid4()), "req_1", b.TENANT, finished,
+                                              bill)])  # fmt: skip
+        runner = ProjectionRunner(engine, store, LEDGER_ENTRIES)
+        before = datetime.now(UTC).replace(microsecond=0)
+        runner.run_to_end()
+        digest = runner.table_digest()
+        read = sa.select(schema.ledger_entries.c.recorded_at)
+        with engine.connect() as conn:
+            written = conn.execute(read).scalar_one()
+        assert before <= written <= datetime.now(UTC)
+        assert written - finished >= timedelta(seconds=5)
+        runner.rebuild()
+        assert runner.table_digest() == digest
+    finally:
+        engine.dispose()

@@ -19,11 +19,11 @@ from ledger.store import (
     AppendBatch,
     AppendResult,
     EventStore,
-    InMemoryEventStore,
     NewEvent,
     SqlEventStore,
 )
 from ledger.writer import GroupCommitWriter, WriterClosed
+from tests.fakes import InMemoryEventStore
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

@@ -113,3 +113,11 @@ def test_events_carry_no_floats() -> None:
     for event in ALL_EXAMPLES:
         for f in dataclasses.fields(event):  # type: ignore[arg-type]
             assert not isinstance(getattr(event, f.name), float), (event.EVENT_TYPE, f.name)
+
+
+def test_a_v1_estimate_reads_as_having_reserved_its_whole_cap_without_a_predictor() -> None:
+    v1 = {"request_id": "r", "prompt_tokens": 800, "reserved_output_tokens": 1000,
+          "reserved_tokens": 1800, "kv_byte_seconds": 5, "tpot_us": 50_000}
+    read = ev.from_payload("RequestEstimated", 1, v1)
+    assert read == ev.RequestEstimated("r", 800, 1000, 1800, 5, 50_000, 1000, "", 0, -1)
+    assert ev.RequestEstimated.EVENT_VERSION == 2

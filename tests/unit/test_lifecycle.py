@@ -259,11 +259,26 @@ def test_status_never_moves_backwards_on_a_late_fact() -> None:
 
 
 def test_evolve_knows_every_request_event() -> None:
-    from domain.events import EVENT_CLASSES, LeasesRenewed
+    from domain.events import EVENT_CLASSES, BatchItemFinished, LeasesRenewed
 
+    # BatchItemFinished names the request that served an item, in the batch's own stream.
     request_events = {
         cls
         for cls in EVENT_CLASSES.values()
-        if "request_id" in cls.__dataclass_fields__ and cls is not LeasesRenewed  # type: ignore[attr-defined]
+        if "request_id" in cls.__dataclass_fields__  # type: ignore[attr-defined]
+        and cls not in (LeasesRenewed, BatchItemFinished)
     }
     assert request_events == set(lc._EVOLVERS)
+
+
+def test_a_state_copy_with_an_unknown_field_is_refused() -> None:
+    # `_with` copies the instance dict without __init__ (it keeps the fold fast); a misspelt
+    # field would otherwise be added silently and read nowhere.
+    with pytest.raises(DomainError) as err:
+        lc._with(lc.INITIAL, statuss="admitted")
+    assert err.value.rule == "unknown_field"
+    assert lc._with(lc.INITIAL, status="admitted").status == "admitted"
+
+
+def test_a_cancel_reason_outside_the_vocabulary_is_refused() -> None:
+    given(*ROUTED).when(b.cancel(reason="bored")).then_refused("bad_reason")  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from domain.events import Recorded
+from domain.events import Recorded, RequestDowngraded
 from domain.projections import (
     LEDGER_ENTRIES,
     PROJECTIONS,
@@ -58,7 +58,16 @@ def test_request_log_follows_a_request_to_its_end() -> None:
         "finish_reason": "stop",
         "replica_id": "replica-1",
         "reject_reason": None,
+        "requested_model": None,
+        "service_tier": "default",
     }
+
+
+def test_request_log_keeps_the_model_a_downgraded_request_asked_for() -> None:
+    events = b.happy_path()
+    downgrade = RequestDowngraded(b.RID, "llama-3.1-70b-2026-05", b.MODEL, "over_ceiling")
+    row = run(REQUEST_LOG, b.stream(events[0], downgrade, *events[1:]))[(b.RID,)]
+    assert (row["model"], row["requested_model"]) == (b.MODEL, "llama-3.1-70b-2026-05")
 
 
 def test_request_log_records_rejections() -> None:

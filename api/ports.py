@@ -1,0 +1,132 @@
+"""What the edge needs of the world, as `typing.Protocol`s: the implementations live in
+`engine_adapter/` (fleet, replicas, token estimators) and `ledger/` (the event sink, idempotency
+records), and are wired together in `api/runtime.py`. Unit tests replace them with fakes
+(`tests/fakes.py`).
+
+A clock and an id source are plain callables (`ledger.ids.Clock`, `ledger.ids.IdSource`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from domain.prediction import Prediction, RequestShape, Skip
+from engine_adapter.exchange import ChatExchange
+from engine_adapter.fleet import Choice, Refusal, TpotEstimate, UnknownModel
+from ledger.idempotency import StoredResponse
+from ledger.store import AppendBatch, AppendResult
+
+
+class TokenEstimator(Protocol):
+    """Counts the prompt tokens the engine will count for a chat, before it is sent.
+
+    Contract: deterministic for the same input; the count includes what the model's chat
+    template adds (roles, separators, the tools block). It is an admission estimate only —
+    billing always uses the engine's own counts — so an estimator may be approximate, and says
+    how far in its docstring."""
+
+    def prompt_tokens(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> int: ...
+
+
+class OutputPredictor(Protocol):
+    """Predicts a high quantile of a request's output tokens before it runs, so that admission
+    reserves that instead of the whole `max_tokens` (`domain.admission`: capped at the output
+    cap, floored at `min_tokens`). Beside the `TokenEstimator`, and like it an estimate only:
+    what a request used is charged when it ends, and billing reads the engine's counts.
+
+    Contract: `predict` is on the admission path: in memory, no I/O, no torch, tens of
+    microseconds at most; it answers a `Prediction` (tokens and the model version, recorded on
+    RequestEstimated) or why it will not predict (the request then reserves its cap).
+    `observe` is told every completed request's engine output count (and the output it
+    reserved when a prediction did), which is the tenant's history and realised coverage; it
+    never reads another tenant's data for a prediction. `predictor.runtime.LoadedPredictor`
+    implements it."""
+
+    def predict(self, shape: RequestShape) -> Prediction | Skip: ...
+
+    def observe(
+        self, shape: RequestShape, reserved_output_tokens: int | None, output_tokens: int
+    ) -> None: ...
+
+
+class Replica(Protocol):
+    """One engine replica. `open_chat` starts a generation that the exchange then streams; the
+    request is always sent with cumulative usage on every chunk (so every way a request ends has
+    an engine-reported count) and with the tenant's `cache_salt`."""
+
+    replica_id: str
+
+    async def open_chat(
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+    ) -> ChatExchange: ...
+
+
+class Fleet(Protocol):
+    """The replicas the edge routes to and the router's view of them (the last scrapes)."""
+
+    @property
+    def serves(self) -> Mapping[str, object]:
+        """The model versions some replica serves."""
+        ...
+
+    def models(self) -> list[str]: ...
+
+    def choose(
+        self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
+        service_tier: str = "default", request_id: str = "",
+    ) -> Choice | Refusal | UnknownModel:
+        """A replica for the request (its estimate is counted against it until `release`), or
+        why none may take it. A flex request is placed only into idle capacity; an interactive
+        one may be placed by preempting flex requests, named in `Choice.preempt`, which the
+        caller must then abort."""
+        ...
+
+    def release(self, choice: Choice) -> None: ...
+
+    def tpot_p95(self, model: str) -> TpotEstimate | None: ...
+
+
+class EventSink(Protocol):
+    """Where the edge's decided facts go: group commits on the event loop
+    (`ledger.commits.LoopCommits` in production). Each batch is one stream's append at the
+    version its events were decided on; the future answers the store's result."""
+
+    def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
+        """Commit with this loop iteration's group: for what the caller awaits (admissions)."""
+        ...
+
+    def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
+        """Commit with the next group, soon: for what nobody waits for (ends, refusals)."""
+        ...
+
+
+class Idempotency(Protocol):
+    """Idempotency-Key records (`api.idempotency_service.AsyncIdempotency`): 409 while a key is
+    in flight, 422 for a different body, the stored response for a replay."""
+
+    def seen_recently(self, tenant_id: str, key: str | None) -> bool: ...
+
+    async def lookup(
+        self, tenant_id: str, key: str, body_sha256: str
+    ) -> StoredResponse | None: ...
+
+    async def begin(
+        self, tenant_id: str, key: str, request_id: str, body_sha256: str
+    ) -> None: ...
+
+    async def complete(
+        self,
+        tenant_id: str,
+        key: str,
+        status: int,
+        body: bytes,
+        content_type: str,
+        headers: dict[str, str],
+    ) -> None: ...
+
+    async def abandon(self, tenant_id: str, key: str) -> None: ...

@@ -1,0 +1,272 @@
+"""The edge's side of the event log: each admitted request's stream, held in memory while it is
+in flight, its commands decided by `domain.lifecycle` and appended at the version they were
+decided on; refusals and lease renewals recorded the same way.
+
+The edge is the only writer of a request's stream while it serves it, so it decides on its own
+folded state and never reads the store on the request path. The one other writer is the lease
+sweeper, after the edge went silent for the lease TTL: if it expired the request first, the
+edge's append loses on the expected version, and the command handler decides again on the stored
+stream — where the request has already ended, which is said and counted, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from api.metrics import Metrics
+from api.ports import EventSink
+from domain import leases, lifecycle
+from domain.errors import DomainError
+from domain.events import Event, LeaseProgress
+from domain.prediction import RequestShape
+from domain.types import CancelReason
+from engine_adapter.exchange import ChatExchange
+from engine_adapter.fleet import Choice
+from engine_adapter.usage import Progress
+from ledger.commands import CommandHandler, request_stream
+from ledger.errors import WrongExpectedVersion
+from ledger.ids import Clock, IdSource
+from ledger.store import AppendBatch, AppendResult, NewEvent
+
+log = logging.getLogger("tollgate.edge")
+
+
+@dataclass(slots=True)
+class Flight:
+    """One admitted request on this edge: its stream as decided so far, what the engine has
+    reported, and the replica serving it."""
+
+    request_id: str
+    tenant_id: str
+    model: str
+    tier: str
+    progress: Progress
+    choice: Choice
+    idempotency_key: str | None = None
+    # What the output predictor was asked about (None: no predictor), told the outcome at the end.
+    shape: RequestShape | None = None
+    state: lifecycle.RequestState = lifecycle.INITIAL
+    finished: bool = False
+    # Decided but not yet submitted (the first-token event rides with the next append), with
+    # the commands that produced them, in case the append loses a race and must be decided again.
+    pending: list[NewEvent] = field(default_factory=list)
+    pending_commands: list[lifecycle.Command] = field(default_factory=list)
+    pending_from: int = 0  # the stream version the pending events follow
+    service_tier: str = "default"
+    # The engine exchange serving it (set once opened), so that another request can preempt it,
+    # and for a stream the task that writes to its client.
+    exchange: ChatExchange | None = None
+    owner: asyncio.Task[Any] | None = None
+    preempted_for: str | None = None  # the interactive request this flex one was preempted for
+    # Why the edge cancelled it, when the client did not leave by itself (None: it did).
+    cancel_reason: CancelReason | None = None
+    dropped: bool = False  # its client connection was dropped (a slow reader that stayed so)
+
+
+class Recorder:
+    def __init__(
+        self,
+        sink: EventSink,
+        metrics: Metrics,
+        *,
+        clock: Clock,
+        new_id: IdSource,
+        commands: CommandHandler | None = None,
+    ) -> None:
+        self.sink = sink
+        self.metrics = metrics
+        self.clock = clock
+        self.new_id = new_id
+        # Decides again on the stored stream after a lost race; None (tests without a store):
+        # a lost race is counted as a failed append.
+        self.commands = commands
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- request streams ---------------------------------------------------------------------
+
+    def stage(self, flight: Flight, *commands: lifecycle.Command) -> None:
+        """Decide `commands` on the flight's state and keep their events for its next append."""
+        if not flight.pending:
+            flight.pending_from = flight.state.version
+        at = self.clock()
+        for command in commands:
+            for event in lifecycle.decide(flight.state, command):
+                flight.pending.append(
+                    NewEvent(self.new_id(), flight.request_id, flight.tenant_id, at, event)
+                )
+                flight.state = lifecycle.evolve_event(flight.state, event, at)
+            flight.pending_commands.append(command)
+
+    def commit(self, flight: Flight, *commands: lifecycle.Command) -> asyncio.Future[AppendResult]:
+        """Decide and commit with this loop iteration's group; the future is its commit."""
+        self.stage(flight, *commands)
+        return self.sink.commit(self._take(flight))
+
+    def record(self, flight: Flight, *commands: lifecycle.Command) -> None:
+        """Decide and record without waiting: the batch may share the next group's commit."""
+        self.stage(flight, *commands)
+        self.flush(flight)
+
+    def flush(self, flight: Flight) -> None:
+        """Submit what is staged (nothing when nothing is)."""
+        if flight.pending:
+            commands = tuple(flight.pending_commands)
+            future = self.sink.later(self._take(flight))
+            future.add_done_callback(lambda f: self._committed(f, flight, commands))
+
+    def _take(self, flight: Flight) -> AppendBatch:
+        batch = AppendBatch(flight.request_id, flight.pending_from, tuple(flight.pending))
+        flight.pending = []
+        flight.pending_commands = []
+        return batch
+
+    # --- refusals and leases ----------------------------------------------------------------
+
+    def reject(
+        self, command: lifecycle.RejectRequest, tenant_id: str, at: datetime | None = None
+    ) -> None:
+        """A refusal is a fact too: decided, recorded (at `at`, default now), never silent."""
+        events = lifecycle.decide(lifecycle.INITIAL, command)
+        at = at or self.clock()
+        new = tuple(NewEvent(self.new_id(), command.request_id, tenant_id, at, e) for e in events)
+        self.sink.later(AppendBatch(command.request_id, 0, new)).add_done_callback(
+            self._checked
+        )
+
+    def fact(
+        self, stream_id: str, tenant_id: str, event: Event, expected_version: int | None,
+        at: datetime | None = None,
+    ) -> None:  # fmt: skip
+        """A fact of another stream than a request's (a run's start or exhaustion), decided by
+        the caller and recorded without waiting."""
+        new = (NewEvent(self.new_id(), stream_id, tenant_id, at or self.clock(), event),)
+        self.sink.later(AppendBatch(stream_id, expected_version, new)).add_done_callback(
+            self._checked
+        )
+
+    def renew(self, edge_id: str, flights: Iterable[Flight]) -> None:
+        """One LeasesRenewed for every request this edge serves, with its engine counts; what
+        is staged rides along first."""
+        live = [f for f in flights if not f.finished]
+        for flight in live:
+            self.flush(flight)
+            exchange = flight.exchange
+            if exchange is not None and exchange.last_usage is not None:
+                # What the engine reported, read or not by the client yet: the bill after a
+                # crash of this edge is the engine's count as of this renewal.
+                flight.progress.absorb_usage(exchange.last_usage)
+        renewal = leases.renewal(
+            edge_id,
+            (
+                LeaseProgress(
+                    request_id=f.request_id, tenant_id=f.tenant_id,
+                    prompt_tokens=f.progress.prompt_tokens,
+                    completion_tokens=f.progress.completion_tokens,
+                    cached_tokens=f.progress.cached_tokens,
+                )
+                for f in live
+            ),
+        )
+        if renewal is None:
+            return
+        stream = leases.edge_stream(edge_id)
+        new = NewEvent(self.new_id(), stream, "", self.clock(), renewal)
+        self.sink.later(AppendBatch(stream, None, (new,))).add_done_callback(self._checked)
+
+    # --- outcomes -----------------------------------------------------------------------------
+
+    def count(self, result: AppendResult) -> bool:
+        """Count a commit's events (or its failure); True when it succeeded."""
+        if result.ok:
+            for r in result.records:
+                self.metrics.events_of(r.type).inc()
+            return True
+        self.metrics.append_failures.inc()
+        log.error("event append failed for %s: %s", result.stream_id, result.error)
+        return False
+
+    def _checked(self, future: asyncio.Future[AppendResult]) -> None:
+        result = self._result(future)
+        if result is not None:
+            self.count(result)
+
+    def _committed(
+        self,
+        future: asyncio.Future[AppendResult],
+        flight: Flight,
+        commands: Sequence[lifecycle.Command],
+    ) -> None:
+        result = self._result(future)
+        if result is None:
+            return
+        if isinstance(result.error, WrongExpectedVersion) and self.commands is not None:
+            self.metrics.append_conflicts.inc()
+            self._background(self._decide_again(flight, commands, result.error))
+            return
+        self.count(result)
+
+    async def _decide_again(
+        self,
+        flight: Flight,
+        commands: Sequence[lifecycle.Command],
+        conflict: WrongExpectedVersion,
+    ) -> None:
+        assert self.commands is not None
+        at = self.clock()
+        try:
+            handled = await asyncio.to_thread(
+                self.commands.handle,
+                flight.request_id,
+                _deciding(commands, at),
+                request_stream(self.commands.store, flight.request_id),
+                tenant_id=flight.tenant_id,
+                at=at,
+            )
+        except DomainError as exc:
+            # Typically `second_terminal`: the sweeper expired the request while this edge was
+            # silent, and billed the progress it had renewed. What the engine reported after
+            # that renewal is not billed: the bound is one renewal interval of tokens.
+            log.warning(
+                "request %s was changed by another writer (%s); %s not recorded: %s",
+                flight.request_id, conflict, ", ".join(type(c).__name__ for c in commands),
+                exc.message,
+            )
+            return
+        except Exception:
+            self.metrics.append_failures.inc()
+            log.exception("deciding again for %s failed", flight.request_id)
+            return
+        for record in handled.records:
+            self.metrics.events_of(record.type).inc()
+
+    def _result(self, future: asyncio.Future[AppendResult]) -> AppendResult | None:
+        try:
+            return future.result()
+        except Exception as exc:  # the writer itself failed: counted and logged, loudly
+            self.metrics.append_failures.inc()
+            log.error("event append failed: %r", exc)
+            return None
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _deciding(
+    commands: Sequence[lifecycle.Command], at: datetime
+) -> Callable[[lifecycle.RequestState], list[Event]]:
+    def decide(state: lifecycle.RequestState) -> list[Event]:
+        events: list[Event] = []
+        for command in commands:
+            for event in lifecycle.decide(state, command):
+                events.append(event)
+                state = lifecycle.evolve_event(state, event, at)
+        return events
+
+    return decide

@@ -1,0 +1,177 @@
+"""Agent runs over HTTP (`POST /v1/runs`, `GET /v1/runs/{id}`, `POST /v1/runs/{id}/end`): parse,
+decide through `domain.hierarchy` and the command handler, and render a run with its
+consumption as the edge's path view folded it. Runs are the caller's tenant's only: another
+tenant's run id is answered 404, exactly like one that does not exist."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import orjson
+
+from api.auth import Caller
+from api.errors import ApiError
+from domain import control as c
+from domain import hierarchy as h
+from domain.budgets import PathView
+from domain.errors import DomainError
+from ledger.commands import CommandHandler
+from ledger.control import ControlLog
+
+__all__ = ["RunService"]
+
+MAX_BODY_BYTES = 16 * 1024
+_INT_FIELDS = ("max_calls", "max_tool_calls", "max_wall_seconds", "max_in_flight")
+_FIELDS = frozenset((*_INT_FIELDS, "id", "project", "max_cost_usd"))
+_MAX_LIMIT = 10**12
+_USD_TEXT = re.compile(r"^[0-9]+(\.[0-9]{1,6})?$")
+
+
+class RunService:
+    def __init__(self, control_log: ControlLog, commands: CommandHandler, paths: PathView) -> None:
+        self.control_log = control_log
+        self.commands = commands
+        self.paths = paths
+
+    @property
+    def _tree(self) -> h.Hierarchy:
+        return self.control_log.view.hierarchy
+
+    def start(self, caller: Caller, raw: bytes) -> dict[str, Any]:
+        body = _object(raw)
+        unknown = sorted(set(body) - _FIELDS)
+        if unknown:
+            raise ApiError(400, f"unknown field {unknown[0]!r}", param=unknown[0],
+                           code="invalid_value")  # fmt: skip
+        run_id = body.get("id")
+        if run_id is None:
+            run_id = "run_" + secrets.token_hex(12)
+        if not isinstance(run_id, str) or not h.RUN_ID.match(run_id):
+            raise ApiError(400, f"'id' must match {h.RUN_ID.pattern}", param="id",
+                           code="invalid_value")  # fmt: skip
+        project = body.get("project")
+        if project is None:
+            project = self._tree.project_of_key(caller.tenant_id, caller.key_id)
+        elif not isinstance(project, str) or self._tree.project(caller.tenant_id, project) is None:
+            raise ApiError(404, f"no project {project!r}", param="project", code="not_found")
+        ints = {name: _limit(body, name) for name in _INT_FIELDS}
+        wall_s = ints["max_wall_seconds"]
+        limits = h.RunLimits(
+            ints["max_calls"], ints["max_tool_calls"], None if wall_s is None else wall_s * 1000,
+            _usd_micros(body.get("max_cost_usd")), ints["max_in_flight"],
+        )  # fmt: skip
+        self._execute(caller, h.StartRun(caller.tenant_id, run_id, project, limits))
+        return self.show(caller, run_id)
+
+    def end(self, caller: Caller, run_id: str) -> dict[str, Any]:
+        self._known(caller, run_id)
+        self._execute(caller, h.EndRun(caller.tenant_id, run_id))
+        return self.show(caller, run_id)
+
+    def show(self, caller: Caller, run_id: str) -> dict[str, Any]:
+        run = self._known(caller, run_id)
+        usage = self.paths.run_usage(caller.tenant_id, run_id)
+        limits = run.limits
+        status = "ended" if run.ended_at else ("exhausted" if usage.exhausted else "active")
+        return {
+            "id": run.run_id,
+            "object": "run",
+            "project": run.project_id,
+            "status": status,
+            "started_at": run.started_at.isoformat().replace("+00:00", "Z"),
+            "ended_at": run.ended_at.isoformat().replace("+00:00", "Z") if run.ended_at else None,
+            "implicit": run.implicit,
+            "limits": {
+                "max_calls": limits.max_calls,
+                "max_tool_calls": limits.max_tool_calls,
+                "max_wall_seconds": None if limits.max_wall_ms is None
+                else limits.max_wall_ms / 1000,
+                "max_cost_usd": _usd(limits.max_cost_micros),
+                "max_in_flight": limits.max_in_flight,
+            },
+            "usage": {
+                "calls": usage.calls,
+                "in_flight": usage.in_flight,
+                "tool_calls": usage.tool_calls,
+                "cost_usd": _usd(usage.posted_micros),
+                "reserved_usd": _usd(usage.reserved_micros),
+            },
+            "exhausted": usage.exhausted,
+        }  # fmt: skip
+
+    def _known(self, caller: Caller, run_id: str) -> h.Run:
+        run = self._tree.run(caller.tenant_id, run_id)
+        if run is not None:
+            return run
+        started = self.paths.started_run(caller.tenant_id, run_id)
+        if started is None:
+            raise ApiError(404, f"no run {run_id!r}", param="run_id", code="not_found")
+        return self._tree.in_force(started)
+
+    def _execute(self, caller: Caller, command: h.StartRun | h.EndRun) -> None:
+        stream = h.run_stream(caller.tenant_id, command.run_id)
+        view = self.control_log.view
+        try:
+            handled = self.commands.handle(
+                stream, lambda v: c.decide_control(v, command), self.control_log.loader(stream),
+                tenant_id=caller.tenant_id,
+            )  # fmt: skip
+        except DomainError as exc:
+            status = 409 if exc.rule == "duplicate_run" else 400
+            raise ApiError(status, exc.message, param=exc.field, code=exc.rule) from None
+        for record in handled.records:
+            view.apply(record)
+
+
+def _object(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    if not raw.strip():
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "the body is not JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body is a JSON object", code="invalid_value")
+    return body
+
+
+def _limit(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LIMIT:
+        raise ApiError(400, f"'{name}' must be an integer from 0 to {_MAX_LIMIT}", param=name,
+                       code="invalid_value")  # fmt: skip
+    return value
+
+
+def _usd_micros(value: Any) -> int | None:
+    if value is None:
+        return None
+    amount = None
+    if isinstance(value, str) and _USD_TEXT.match(value) or (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+    ):
+        try:
+            amount = Decimal(str(value))
+        except InvalidOperation:
+            amount = None
+    if amount is None or isinstance(value, bool) or not amount.is_finite() or amount < 0:
+        raise ApiError(400, "'max_cost_usd' must be a non-negative amount", param="max_cost_usd",
+                       code="invalid_value")  # fmt: skip
+    micros = amount * 1_000_000
+    if micros != micros.to_integral_value() or micros > _MAX_LIMIT:
+        raise ApiError(400, "'max_cost_usd' is finer than a micro-dollar or too large",
+                       param="max_cost_usd", code="invalid_value")  # fmt: skip
+    return int(micros)
+
+
+def _usd(micros: int | None) -> str | None:
+    if micros is None:
+        return None
+    return str(Decimal(micros) / 1_000_000)

@@ -1,0 +1,637 @@
+"""Admission below and beside the organization's limits: every level of a request's path (org →
+workspace → project → key, `domain.hierarchy`) with its own requests/min, tokens/min and
+concurrent KV·s, its spend budgets per calendar period, and the agent run the request belongs
+to — decided at once (`reserve`), reserved at every level, and trued up at every level from the
+same terminal event.
+
+The view (`PathView`) is a fold of request events — `BudgetReserved` (what the admission
+reserved at each level), the terminal events, `QuotaRefunded`, `UsageBilled` (the posted
+amount), `ToolCallsReturned`, a capacity `RequestRejected` (void) — kept current by the edge's
+own decisions before they come back through the log; applying an event twice is applying it
+once. Money moves as TigerBeetle's two-phase transfers do: reserved at admission (the request's
+maximum cost), then posted (the bill's amount, never more than was reserved) or voided, so the
+sum posted + reserved at a level never passes its budget: there is no overshoot to apologise
+for, whatever the concurrency.
+
+A request's spend belongs to the period it was admitted in (named in its `BudgetReserved`), so
+its reservation and its bill are in the same period and a new period starts from zero at its
+first instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Final, Literal, NamedTuple
+
+from domain.backoff import BackoffPolicy
+from domain.control import Limits
+from domain.cost import GIB, TOKENS_PER_MTOK, Price
+from domain.events import (
+    BudgetReserved,
+    LeaseExpired,
+    QuotaRefunded,
+    Recorded,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestPreempted,
+    RequestRejected,
+    ToolCallsReturned,
+    UsageBilled,
+)
+from domain.hierarchy import LevelRule, PathPolicy, Run, time_zone
+from domain.quota import TOMBSTONE_TTL_S, Bucket
+
+__all__ = [
+    "PathAdmitted",
+    "PathRefused",
+    "PathView",
+    "Rate",
+    "RunUsage",
+    "max_cost_micros",
+    "narrow",
+    "reserve",
+]
+
+PathReason = Literal["requests", "tokens", "concurrency", "budget", "run_budget", "invalid"]
+_MINUTE_S: Final = 60.0
+_MICROS_PER_UNIT: Final = 1_000_000
+_PERIODLY: Final = {"day": "daily", "month": "monthly"}
+
+
+def max_cost_micros(price: Price, prompt_tokens: int, output_tokens: int) -> int:
+    """The most a request can be billed: its whole prompt at the prompt rate (a cache hit only
+    lowers it) and every reserved output token, rounded up so a reservation is never short."""
+    total = prompt_tokens * price.prompt_micros_per_mtok + (
+        output_tokens * price.completion_micros_per_mtok
+    )
+    return -(-total // TOKENS_PER_MTOK)
+
+
+def narrow(limits: Limits, path: PathPolicy) -> Limits:
+    """The organization's limits with the path's tighter max_context / max_output, so that the
+    one clamp (`domain.admission.decide`) applies the tightest level's."""
+    context, output = path.max_context, path.max_output
+    if (context is None or context >= limits.max_context) and (
+        output is None or output >= limits.max_output
+    ):
+        return limits
+    return Limits(
+        limits.rpm, limits.tpm,
+        limits.max_context if context is None else min(context, limits.max_context),
+        limits.max_output if output is None else min(output, limits.max_output),
+        limits.kv_gib_seconds, limits.reserved_kv_gib_seconds,
+    )  # fmt: skip
+
+
+# The tightest level's X-RateLimit-* figures after a decision: (limit, remaining, reset ms) for
+# requests and for tokens; None where no level below the organization limits that dimension.
+Rate = tuple[int, int, int]
+
+
+class PathAdmitted(NamedTuple):
+    reserved: BudgetReserved
+    requests: Rate | None
+    tokens: Rate | None
+    starts_run: bool  # the run is new: its RunStarted goes with this admission
+
+
+class PathRefused(NamedTuple):
+    reason: PathReason
+    level: str  # the level that refused, as its tenant names it: 'project "search-bot"'
+    dimension: str  # rpm | tpm | kv | day | month | calls | tool_calls | wall_clock | cost | ...
+    retry_after_s: int
+    detail: str
+    requests: Rate | None
+    tokens: Rate | None
+    param: str | None = None
+
+
+@dataclass(slots=True)
+class RunUsage:
+    """A run's consumption, folded from its calls' events."""
+
+    calls: int = 0
+    in_flight: int = 0
+    reserved_micros: int = 0
+    posted_micros: int = 0
+    tool_calls: int = 0
+    exhausted: str | None = None  # the first dimension a call was refused for
+
+    @property
+    def cost_micros(self) -> int:
+        return self.reserved_micros + self.posted_micros
+
+
+class _Spend:
+    __slots__ = ("reserved", "posted")
+
+    def __init__(self) -> None:
+        self.reserved = 0
+        self.posted = 0
+
+
+_LevelKey = tuple[str, str, str]  # (tenant, level kind, level id)
+
+
+class _Req:
+    __slots__ = (
+        "request_id", "tenant_id", "model", "levels", "kv_levels", "periods", "cells", "run",
+        "reserved_micros",
+        "reserved_tokens", "kv", "in_flight", "posted", "voided", "refunded", "tools",
+        "admitted_s", "finished_s",
+    )  # fmt: skip
+
+    def __init__(self, event: BudgetReserved, levels: tuple[_LevelKey, ...], at_s: float) -> None:
+        self.request_id = event.request_id
+        self.tenant_id = event.tenant_id
+        self.model = event.model
+        self.levels = levels
+        self.kv_levels = levels
+        self.periods = (event.day, event.month)
+        self.cells: tuple[_Spend, ...] = ()
+        self.run = (event.tenant_id, event.run_id) if event.run_id else None
+        self.reserved_micros = event.reserved_micros
+        self.reserved_tokens = event.reserved_tokens
+        self.kv = event.kv_byte_seconds
+        self.in_flight = True
+        self.posted = False
+        self.voided = False
+        self.refunded = False
+        self.tools = False
+        self.admitted_s = at_s
+        self.finished_s: float | None = None
+
+
+class PathView:
+    def __init__(
+        self, *, backoff: BackoffPolicy | None = None, tombstone_ttl_s: int = TOMBSTONE_TTL_S
+    ) -> None:
+        self.backoff = backoff or BackoffPolicy()
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self._rpm: dict[tuple[_LevelKey, str], Bucket] = {}
+        self._tpm: dict[tuple[_LevelKey, str], Bucket] = {}
+        self._kv: dict[tuple[_LevelKey, str], int] = {}
+        self._spend: dict[tuple[_LevelKey, str], _Spend] = {}
+        self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str]], tuple[_Spend, ...]] = {}
+        self._runs: dict[tuple[str, str], RunUsage] = {}
+        self._run_defs: dict[tuple[str, str], Run] = {}  # runs this edge started itself
+        self._requests: dict[str, _Req] = {}
+        self._handlers = {
+            BudgetReserved: self._on_reserved,
+            RequestCompleted: self._on_terminal,
+            RequestCancelled: self._on_terminal,
+            RequestFailed: self._on_terminal,
+            LeaseExpired: self._on_terminal,
+            RequestPreempted: self._on_terminal,
+            QuotaRefunded: self._on_refunded,
+            UsageBilled: self._on_billed,
+            ToolCallsReturned: self._on_tools,
+            RequestRejected: self._on_rejected,
+        }
+
+    # --- what a decision reads ----------------------------------------------------------------
+
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def spend(self, tenant_id: str, kind: str, level_id: str, period_key: str) -> tuple[int, int]:
+        """(reserved, posted) micro-units at one level in one period."""
+        found = self._spend.get(((tenant_id, kind, level_id), period_key))
+        return (0, 0) if found is None else (found.reserved, found.posted)
+
+    def run_usage(self, tenant_id: str, run_id: str) -> RunUsage:
+        return self._runs.get((tenant_id, run_id)) or RunUsage()
+
+    def started_run(self, tenant_id: str, run_id: str) -> Run | None:
+        """A run this view started (its RunStarted may not be folded into the control view
+        yet)."""
+        return self._run_defs.get((tenant_id, run_id))
+
+    def mark_exhausted(self, tenant_id: str, run_id: str, dimension: str) -> bool:
+        """True the first time a run's call is refused (so it is recorded once per run)."""
+        run = self._runs.get((tenant_id, run_id))
+        if run is None:
+            run = self._runs[(tenant_id, run_id)] = RunUsage()
+        if run.exhausted is not None:
+            return False
+        run.exhausted = dimension
+        return True
+
+    def note_run(self, run: Run) -> None:
+        self._run_defs.setdefault((run.tenant_id, run.run_id), run)
+
+    # --- the edge's own decisions -------------------------------------------------------------
+
+    def charge(
+        self, event: BudgetReserved, at_s: float, levels: tuple[_LevelKey, ...] | None = None,
+        kv_levels: tuple[_LevelKey, ...] | None = None,
+    ) -> None:  # fmt: skip
+        """Take an admission's reservation at every level (`levels`: the path's keys, else
+        read from the event), its run included. KV·s in flight is kept at `kv_levels` only
+        (default: every level), the levels with a KV·s limit: it is a concurrency lease, so a
+        limit set later counts the requests admitted from then on (they last seconds), while
+        money is kept at every level, since a budget set mid-period counts the whole period."""
+        if event.request_id in self._requests:
+            return
+        self._take(event, at_s, rate=True, levels=levels, kv_levels=kv_levels)
+
+    def void(self, request_id: str) -> None:
+        """Undo an admission that did not go through (capacity refused it): everything back."""
+        req = self._requests.get(request_id)
+        if req is None or req.voided:
+            return
+        for level in req.levels:
+            key = (level, req.model)
+            rpm = self._rpm.get(key)
+            if rpm is not None:
+                rpm.give_back(1.0)
+            tpm = self._tpm.get(key)
+            if tpm is not None and not req.refunded:
+                tpm.give_back(req.reserved_tokens)
+        if not req.posted:
+            self._unreserve(req)
+        run = self._runs.get(req.run) if req.run else None
+        if run is not None:
+            run.calls -= 1
+        req.voided = req.refunded = True
+        self._release(req, req.admitted_s)
+
+    def withdraw(self, request_id: str) -> None:
+        """Void and forget, so the same request may be decided again (for another model)."""
+        self.void(request_id)
+        self._requests.pop(request_id, None)
+
+    def finish(
+        self, request_id: str, used_tokens: int, amount_micros: int, tool_calls: int, at: datetime
+    ) -> None:
+        """The edge's true-up at a request's terminal event, before its facts come back through
+        the log (which are then skipped): KV released, tokens/min refunded, the reservation
+        replaced by the bill's amount, the run's tool calls counted."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        at_s = at.timestamp()
+        self._refund(req, max(0, req.reserved_tokens - used_tokens), at_s)
+        self._post(req, amount_micros)
+        self._count_tools(req, tool_calls)
+        self._release(req, at_s)
+
+    # --- folding ------------------------------------------------------------------------------
+
+    def apply(self, recorded: Recorded) -> None:
+        handler = self._handlers.get(type(recorded.event))
+        if handler is not None:
+            handler(recorded)
+
+    def _on_reserved(self, recorded: Recorded) -> None:
+        event = recorded.event
+        assert isinstance(event, BudgetReserved)
+        if event.request_id not in self._requests:
+            # From the log the rate buckets are not charged: they refill within a minute and are
+            # this edge's own (like domain.quota's without limits to size them).
+            self._take(event, recorded.occurred_at.timestamp(), rate=False)
+
+    def _on_terminal(self, recorded: Recorded) -> None:
+        req = self._requests.get(recorded.stream_id)
+        if req is not None:
+            self._release(req, recorded.occurred_at.timestamp())
+
+    def _on_refunded(self, recorded: Recorded) -> None:
+        event = recorded.event
+        assert isinstance(event, QuotaRefunded)
+        req = self._requests.get(event.request_id)
+        if req is not None:
+            self._refund(req, event.refunded_tokens, recorded.occurred_at.timestamp())
+
+    def _on_billed(self, recorded: Recorded) -> None:
+        event = recorded.event
+        assert isinstance(event, UsageBilled)
+        req = self._requests.get(event.request_id)
+        if req is not None:
+            self._post(req, event.amount_micros)
+
+    def _on_tools(self, recorded: Recorded) -> None:
+        event = recorded.event
+        assert isinstance(event, ToolCallsReturned)
+        req = self._requests.get(event.request_id)
+        if req is not None:
+            self._count_tools(req, event.tool_calls)
+
+    def _on_rejected(self, recorded: Recorded) -> None:
+        event = recorded.event
+        assert isinstance(event, RequestRejected)
+        self.void(event.request_id)
+
+    def prune(self, now: datetime) -> int:
+        """Forget finished requests older than the tombstone TTL (their money stays counted)."""
+        horizon = now.timestamp() - self.tombstone_ttl_s
+        stale = []
+        for rid, req in self._requests.items():
+            if req.admitted_s >= horizon:
+                break
+            if not req.in_flight and (req.posted or req.voided):
+                stale.append(rid)
+        for rid in stale:
+            del self._requests[rid]
+        # A cache of the spend entries paths use (so yesterday's go): rebuilt on demand.
+        self._cells.clear()
+        return len(stale)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _take(
+        self, event: BudgetReserved, at_s: float, *, rate: bool,
+        levels: tuple[_LevelKey, ...] | None = None,
+        kv_levels: tuple[_LevelKey, ...] | None = None,
+    ) -> None:  # fmt: skip
+        if levels is None:
+            tenant = event.tenant_id
+            found: list[_LevelKey] = [(tenant, "org", tenant)]
+            if event.workspace_id:
+                found.append((tenant, "workspace", event.workspace_id))
+            if event.project_id:
+                found.append((tenant, "project", event.project_id))
+            found.append((tenant, "key", event.key_id))
+            levels = tuple(found)
+        req = _Req(event, levels, at_s)
+        req.kv_levels = levels if kv_levels is None else kv_levels
+        self._requests[event.request_id] = req
+        model = event.model
+        spend = self._spend
+        kv = self._kv
+        kv_bytes = event.kv_byte_seconds
+        for level in req.kv_levels:
+            key = (level, model)
+            kv[key] = kv.get(key, 0) + kv_bytes
+        if rate and self._rpm:
+            for level in req.levels:
+                key = (level, model)
+                rpm = self._rpm.get(key)
+                if rpm is not None:
+                    rpm.level -= 1.0
+                tpm = self._tpm.get(key)
+                if tpm is not None:
+                    tpm.level -= event.reserved_tokens
+        # The spend entries of a path and period pair, found once: every request of the path
+        # that day updates the same few objects.
+        cells_key = (levels, req.periods)
+        cells = self._cells.get(cells_key)
+        if cells is None:
+            found_cells = []
+            for level in levels:
+                for period in req.periods:
+                    entry = spend.get((level, period))
+                    if entry is None:
+                        entry = spend[(level, period)] = _Spend()
+                    found_cells.append(entry)
+            cells = self._cells[cells_key] = tuple(found_cells)
+        req.cells = cells
+        micros = event.reserved_micros
+        for entry in cells:
+            entry.reserved += micros
+        if req.run is not None:
+            run = self._runs.get(req.run)
+            if run is None:
+                run = self._runs[req.run] = RunUsage()
+            run.calls += 1
+            run.in_flight += 1
+            run.reserved_micros += event.reserved_micros
+
+    def _unreserve(self, req: _Req) -> None:
+        micros = req.reserved_micros
+        for entry in req.cells:
+            entry.reserved -= micros
+        run = self._runs.get(req.run) if req.run else None
+        if run is not None:
+            run.reserved_micros -= req.reserved_micros
+
+    def _post(self, req: _Req, amount_micros: int) -> None:
+        if req.posted or req.voided:
+            return
+        req.posted = True
+        self._unreserve(req)
+        for entry in req.cells:
+            entry.posted += amount_micros
+        run = self._runs.get(req.run) if req.run else None
+        if run is not None:
+            run.posted_micros += amount_micros
+
+    def _refund(self, req: _Req, tokens: int, at_s: float) -> None:
+        if req.refunded or req.voided:
+            return
+        req.refunded = True
+        for level in req.levels:
+            tpm = self._tpm.get((level, req.model))
+            if tpm is not None:
+                tpm.refill(at_s, tpm.capacity)
+                tpm.give_back(tokens)
+
+    def _count_tools(self, req: _Req, tool_calls: int) -> None:
+        if req.tools or req.run is None or tool_calls <= 0:
+            return
+        req.tools = True
+        self._runs[req.run].tool_calls += tool_calls
+
+    def _release(self, req: _Req, at_s: float) -> None:
+        if req.finished_s is None:
+            req.finished_s = at_s
+        if not req.in_flight:
+            return
+        req.in_flight = False
+        for level in req.kv_levels:
+            key = (level, req.model)
+            left = self._kv[key] - req.kv
+            if left:
+                self._kv[key] = left
+            else:
+                del self._kv[key]
+        run = self._runs.get(req.run) if req.run else None
+        if run is not None:
+            run.in_flight -= 1
+
+    def _bucket(
+        self, buckets: dict[tuple[_LevelKey, str], Bucket], key: tuple[_LevelKey, str],
+        capacity: int, now_s: float,
+    ) -> Bucket:  # fmt: skip
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = Bucket(capacity, now_s)
+        else:
+            bucket.refill(now_s, capacity)
+        return bucket
+
+
+def reserve(
+    view: PathView, path: PathPolicy, request_id: str, model: str, reserved_tokens: int,
+    kv_byte_seconds: int, micros: int, now: datetime, jitter: float,
+) -> PathAdmitted | PathRefused:  # fmt: skip
+    """Admit a request (already admitted by the organization's limits, with `reserved_tokens`
+    and `kv_byte_seconds` charged there and `micros` its maximum cost) at every level of its
+    path and in its run, charging all of them at once, or refuse it naming the first level
+    (from the organization down) or run dimension without room, charging nothing. Levels are
+    checked top-down: when an ancestor is exhausted, raising a descendant's limit would not
+    help, so the ancestor is the one to name.
+
+    Positional arguments and named tuples, not a command dataclass: this runs on every
+    governed request, and a frozen dataclass costs more to build than a level's checks."""
+    tenant = path.tenant_id
+    now_s = now.timestamp()
+    backoff = view.backoff
+    requests: Rate | None = None
+    tokens: Rate | None = None
+    kv_of = view._kv
+    day, month = path.day, path.month
+    spend = view._spend
+    for rule in path.levels:
+        level = rule.key
+        own = rule.limits
+        if own is not None:
+            key = (level, model)
+            if own.rpm is not None:
+                rpm = view._bucket(view._rpm, key, own.rpm, now_s)
+                if rpm.level < 1.0:
+                    return _refused(
+                        "requests", rule, "rpm", backoff.retry_after_s(jitter, rpm.refill_s(1)),
+                        f"{own.rpm} requests/min for {model} at {rule.level.label}", requests,
+                        tokens,
+                    )  # fmt: skip
+                left = max(0, int(rpm.level) - 1)
+                if requests is None or left < requests[1]:
+                    requests = (rpm.capacity, left, rpm.reset_ms())
+            if own.tpm is not None:
+                tpm = view._bucket(view._tpm, key, own.tpm, now_s)
+                if reserved_tokens > tpm.capacity:
+                    return _refused(
+                        "invalid", rule, "tpm", 0,
+                        f"request needs {reserved_tokens} tokens, above the {tpm.capacity} "
+                        f"tokens/min limit of {rule.level.label}", requests, tokens,
+                        "max_tokens",
+                    )  # fmt: skip
+                if tpm.level < reserved_tokens:
+                    return _refused(
+                        "tokens", rule, "tpm",
+                        backoff.retry_after_s(jitter, tpm.refill_s(reserved_tokens)),
+                        f"{reserved_tokens} tokens reserved exceed the "
+                        f"{max(0, int(tpm.level))} left of {own.tpm} tokens/min for {model} at "
+                        f"{rule.level.label}", requests, tokens,
+                    )  # fmt: skip
+                left = max(0, int(tpm.level) - reserved_tokens)
+                if tokens is None or left < tokens[1]:
+                    tokens = (tpm.capacity, left, tpm.reset_ms())
+            if own.kv_gib_seconds is not None:
+                in_flight = kv_of.get(key, 0)
+                if in_flight and in_flight + kv_byte_seconds > own.kv_gib_seconds * GIB:
+                    return _refused(
+                        "concurrency", rule, "kv", backoff.retry_after_s(jitter),
+                        f"{in_flight / GIB:.1f} GiB·s in flight + "
+                        f"{kv_byte_seconds / GIB:.1f} GiB·s exceed the "
+                        f"{own.kv_gib_seconds} GiB·s concurrent KV limit of {rule.level.label}",
+                        requests, tokens,
+                    )  # fmt: skip
+        for budget in rule.budgets:
+            amount = budget.amount_micros
+            period_key = day if budget.period == "day" else month
+            if micros > amount:
+                return _refused(
+                    "invalid", rule, budget.period, 0,
+                    f"this request may cost up to {_usd(micros)} USD, more than the whole "
+                    f"{_PERIODLY[budget.period]} budget of {rule.level.label} "
+                    f"({_usd(amount)} USD); lower max_tokens", requests, tokens, "max_tokens",
+                )  # fmt: skip
+            spent = spend.get((level, period_key))
+            if spent is not None and spent.reserved + spent.posted + micros > amount:
+                reserved, posted = spent.reserved, spent.posted
+                if posted + micros <= amount:
+                    # In-flight requests hold the room; their bills will give some of it back.
+                    retry_after = backoff.retry_after_s(jitter)
+                else:
+                    retry_after = backoff.retry_after_s(
+                        jitter, _until_next(now, budget.period, path.zone_name)
+                    )
+                return _refused(
+                    "budget", rule, budget.period, retry_after,
+                    f"{rule.level.label} has spent {_usd(posted)} USD and reserved "
+                    f"{_usd(reserved)} USD of its {_usd(amount)} USD "
+                    f"{_PERIODLY[budget.period]} budget ({period_key}); this request may cost "
+                    f"up to {_usd(micros)} USD", requests, tokens,
+                )  # fmt: skip
+    run = path.run
+    starts_run = False
+    if run is not None:
+        refusal = _run_refusal(view, run, now, micros)
+        if refusal is not None:
+            dimension, detail = refusal
+            # Room comes back only while calls are in flight (in_flight, cost); the rest never.
+            retry_after = (
+                backoff.retry_after_s(jitter) if dimension in ("in_flight", "cost") else 0
+            )
+            return PathRefused(
+                "run_budget", f"run {run.run_id!r}", dimension, retry_after, detail, requests,
+                tokens,
+            )  # fmt: skip
+        starts_run = (tenant, run.run_id) not in view._runs
+    event = BudgetReserved(
+        request_id, tenant, path.key_id, path.workspace_id, path.project_id,
+        run.run_id if run else None, model, day, month, micros, reserved_tokens,
+        kv_byte_seconds,
+    )  # fmt: skip
+    view.charge(event, now_s, path.level_keys, path.kv_keys)
+    if run is not None:
+        view.note_run(run)
+    return PathAdmitted(event, requests, tokens, starts_run)
+
+
+def _run_refusal(view: PathView, run: Run, now: datetime, micros: int) -> tuple[str, str] | None:
+    """The run dimension a call would pass, with what to say of it, or None."""
+    usage = view._runs.get((run.tenant_id, run.run_id)) or RunUsage()
+    limits = run.limits
+    name = repr(run.run_id)
+    if run.ended_at is not None:
+        return ("ended", f"run {name} has ended")
+    if limits.max_wall_ms is not None and now - run.started_at > timedelta(
+        milliseconds=limits.max_wall_ms
+    ):
+        return ("wall_clock", f"run {name} started more than {limits.max_wall_ms} ms ago")
+    if limits.max_calls is not None and usage.calls + 1 > limits.max_calls:
+        return ("calls", f"run {name} made its {limits.max_calls} model calls")
+    if limits.max_in_flight is not None and usage.in_flight + 1 > limits.max_in_flight:
+        return (
+            "in_flight",
+            f"run {name} has {usage.in_flight} of {limits.max_in_flight} calls in flight",
+        )
+    if limits.max_tool_calls is not None and usage.tool_calls >= limits.max_tool_calls:
+        return ("tool_calls", f"run {name} received its {limits.max_tool_calls} tool calls")
+    if limits.max_cost_micros is not None and usage.cost_micros + micros > limits.max_cost_micros:
+        return (
+            "cost",
+            f"run {name} has spent or reserved {_usd(usage.cost_micros)} USD of its "
+            f"{_usd(limits.max_cost_micros)} USD; this call may cost up to {_usd(micros)} USD",
+        )
+    return None
+
+
+def _refused(
+    reason: PathReason, rule: LevelRule, dimension: str, retry_after_s: int, detail: str,
+    requests: Rate | None, tokens: Rate | None, param: str | None = None,
+) -> PathRefused:  # fmt: skip
+    return PathRefused(
+        reason, rule.level.label, dimension, retry_after_s, detail, requests, tokens, param
+    )
+
+
+def _until_next(now: datetime, period: str, zone_name: str) -> int:
+    """Whole seconds until the next period begins in the organization's zone."""
+    local = now.astimezone(time_zone(zone_name))
+    if period == "day":
+        start = (local + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    else:
+        year, month = (local.year + 1, 1) if local.month == 12 else (local.year, local.month + 1)
+        start = local.replace(year=year, month=month, day=1, hour=0, minute=0, second=0,
+                              microsecond=0)  # fmt: skip
+    return max(1, -int(-(start.timestamp() - now.timestamp()) // 1))
+
+
+def _usd(micros: int) -> str:
+    return f"{micros / _MICROS_PER_UNIT:.6f}".rstrip("0").rstrip(".") if micros else "0"

@@ -1,0 +1,732 @@
+"""The tree under a tenant — organization → workspace → project → API key — with the limits,
+spend budgets and run policies set at each level, folded from the tenant stream's control
+events (`Hierarchy.apply`), and the path a key's requests are decided over (`Hierarchy.path`).
+
+A level's limit that is not set leaves the level bounded by its ancestors only; the
+organization's own limits are the plan's (`domain.control.ControlView.limits`). Budget periods
+are calendar days and months in the organization's time zone (UTC unless it set one): a period
+is named by its local date, so a new one begins by the clock and nothing has to reset.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta, tzinfo
+from typing import Any, Final, Literal, NamedTuple
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from domain.cost import base_model
+from domain.errors import DomainError
+from domain.events import (
+    BudgetSet,
+    Event,
+    KeyAssigned,
+    LevelLimitsSet,
+    ProjectCreated,
+    ProjectMoved,
+    RunBudgetExhausted,
+    RunEnded,
+    RunPolicySet,
+    RunStarted,
+    TimeZoneSet,
+    WorkspaceCreated,
+)
+
+__all__ = [
+    "BUDGET_PERIODS",
+    "HIERARCHY_EVENTS",
+    "LEVEL_LIMIT_FIELDS",
+    "LEVELS",
+    "RUN_LIMIT_FIELDS",
+    "Budget",
+    "Hierarchy",
+    "Level",
+    "LevelLimits",
+    "LevelRule",
+    "PathPolicy",
+    "Run",
+    "RunLimits",
+    "month_start",
+    "period_keys",
+    "run_stream",
+    "time_zone",
+]
+
+LevelKind = Literal["org", "workspace", "project", "key"]
+LEVELS: Final[tuple[LevelKind, ...]] = ("org", "workspace", "project", "key")
+BUDGET_PERIODS: Final = ("day", "month")
+LEVEL_LIMIT_FIELDS: Final = ("rpm", "tpm", "max_context", "max_output", "kv_gib_seconds")
+RUN_LIMIT_FIELDS: Final = (
+    "max_calls", "max_tool_calls", "max_wall_ms", "max_cost_micros", "max_in_flight",
+)  # fmt: skip
+LEVEL_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+RUN_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# RunBudgetExhausted changes nothing here, but the control view must count it in its run's
+# stream version, or a later RunEnded would be decided at a stale one.
+HIERARCHY_EVENTS: Final[tuple[type[Event], ...]] = (
+    WorkspaceCreated, ProjectCreated, ProjectMoved, KeyAssigned, LevelLimitsSet, BudgetSet,
+    TimeZoneSet, RunPolicySet, RunStarted, RunBudgetExhausted, RunEnded,
+)  # fmt: skip
+
+
+def run_stream(tenant_id: str, run_id: str) -> str:
+    return f"run-{tenant_id}-{run_id}"
+
+
+def time_zone(name: str) -> tzinfo:
+    """The zone of an IANA name, or a DomainError naming the field (the zone database is the
+    standard library's, read-only)."""
+    try:
+        return _ZONES[name]
+    except KeyError:
+        pass
+    try:
+        zone = ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise DomainError(
+            "bad_time_zone", f"unknown time zone {name!r}", field="time_zone"
+        ) from exc
+    _ZONES[name] = zone
+    return zone
+
+
+_ZONES: dict[str, tzinfo] = {}
+
+
+def period_keys(now: datetime, zone: tzinfo) -> tuple[str, str]:
+    """(day, month) of an instant in a zone: "2026-12-02", "2026-12". Days and months are the
+    calendar's, not 24 h or 30 d windows."""
+    local = now.astimezone(zone)
+    day = local.date().isoformat()
+    return day, day[:7]
+
+
+def month_start(now: datetime, zone_name: str) -> datetime:
+    """The first instant of the calendar month holding `now` in a zone (as a UTC instant)."""
+    local = now.astimezone(time_zone(zone_name))
+    return datetime(local.year, local.month, 1, tzinfo=local.tzinfo).astimezone(UTC)
+
+
+def _static_path(rules: tuple[LevelRule, ...]) -> tuple[Any, ...]:
+    """What a path's policy keeps between decisions: its rules, their keys, the keys with a
+    KV·s limit, its workspace and project, and its tightest max_context / max_output."""
+
+    def tightest(name: str) -> int | None:
+        values = [getattr(r.limits, name) for r in rules if r.limits is not None]
+        found = [v for v in values if v is not None]
+        return min(found) if found else None
+
+    ids = {rule.level.kind: rule.level.level_id for rule in rules}
+    return (
+        rules,
+        tuple(rule.key for rule in rules),
+        tuple(
+            rule.key for rule in rules
+            if rule.limits is not None and rule.limits.kv_gib_seconds is not None
+        ),
+        ids.get("workspace"),
+        ids.get("project"),
+        tightest("max_context"),
+        tightest("max_output"),
+    )  # fmt: skip
+
+
+def _day_window(now: datetime, zone: tzinfo) -> tuple[float, float, str, str]:
+    """The local day holding `now` as [first instant, next day's first instant) in epoch
+    seconds, with its day and month names."""
+    day, month = period_keys(now, zone)
+    local = now.astimezone(zone)
+    start = datetime(local.year, local.month, local.day, tzinfo=zone)
+    following = start.date() + timedelta(days=1)
+    end = datetime(following.year, following.month, following.day, tzinfo=zone)
+    return (start.timestamp(), end.timestamp(), day, month)
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One node of a request's path. `name` is shown to the tenant that owns it only."""
+
+    kind: LevelKind
+    level_id: str
+    name: str
+
+    @property
+    def label(self) -> str:
+        return "organization" if self.kind == "org" else f'{self.kind} "{self.name}"'
+
+
+@dataclass(frozen=True, slots=True)
+class LevelLimits:
+    """A level's own limits for one model; None: bounded by its ancestors only."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, name) is None for name in LEVEL_LIMIT_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    period: str  # day | month
+    amount_micros: int
+
+
+@dataclass(frozen=True, slots=True)
+class LevelRule:
+    """What bounds one level of a path: its own rate limits (the organization's are decided by
+    `domain.admission.decide`, so None there) and budgets. `key` is the level's key in
+    `domain.budgets.PathView`: (tenant, kind, level id)."""
+
+    level: Level
+    limits: LevelLimits | None
+    budgets: tuple[Budget, ...]
+    key: tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    max_calls: int | None = None
+    max_tool_calls: int | None = None
+    max_wall_ms: int | None = None
+    max_cost_micros: int | None = None
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A run as its stream defines it (its consumption is folded by `domain.budgets`)."""
+
+    tenant_id: str
+    run_id: str
+    project_id: str | None
+    limits: RunLimits
+    started_at: datetime
+    implicit: bool = False
+    ended_at: datetime | None = None
+
+
+class PathPolicy(NamedTuple):
+    """Everything one admission decides over below the organization's limits: each level of
+    the key's path (org first) with its rules, the budget periods of the instant, and the run.
+    A named tuple: one is built per governed request (a frozen dataclass costs several times
+    more to build)."""
+
+    tenant_id: str
+    key_id: str
+    levels: tuple[LevelRule, ...]
+    day: str
+    month: str
+    run: Run | None = None
+    zone_name: str = "UTC"
+    # The levels' keys in `domain.budgets.PathView`, and those with a KV·s limit.
+    level_keys: tuple[tuple[str, str, str], ...] = ()
+    kv_keys: tuple[tuple[str, str, str], ...] = ()
+    workspace_id: str | None = None
+    project_id: str | None = None
+    # The tightest level's (below the organization), None where no level sets one.
+    max_context: int | None = None
+    max_output: int | None = None
+
+    def level(self, kind: str) -> Level | None:
+        for rule in self.levels:
+            if rule.level.kind == kind:
+                return rule.level
+        return None
+
+
+@dataclass(slots=True)
+class _Node:
+    level_id: str
+    name: str
+    parent: str | None  # a project's workspace
+    created_at: datetime
+
+
+@dataclass(slots=True)
+class _Tenant:
+    workspaces: dict[str, _Node] = field(default_factory=dict)
+    projects: dict[str, _Node] = field(default_factory=dict)
+    key_projects: dict[str, str] = field(default_factory=dict)
+    # (level, level_id, model scope) -> merged values, latest last
+    limits: dict[tuple[str, str, str], dict[str, int]] = field(default_factory=dict)
+    budgets: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    # project -> its run policies in the order set, each with the instant it was set
+    run_policies: dict[str, list[tuple[datetime, RunLimits]]] = field(default_factory=dict)
+    zone_name: str = "UTC"
+    runs: dict[str, Run] = field(default_factory=dict)
+
+
+class Hierarchy:
+    """Folded by `ControlView.apply` (which dedupes by event id) from `HIERARCHY_EVENTS`."""
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, _Tenant] = {}
+        self._paths: dict[tuple[str, str, str], tuple[tuple[Level, LevelLimits | None], ...]] = {}
+        # (tenant, key, model) -> the path's rules: rebuilt after any hierarchy event only.
+        self._rules: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        # zone -> (day's first instant, next day's first instant (epoch s), day, month): the
+        # periods of an instant, computed once a day per zone rather than per decision.
+        self._days: dict[str, tuple[float, float, str, str]] = {}
+        # Tenants with anything set below or beside their plan: only their requests are
+        # decided over a path (the others pay nothing for this feature).
+        self._governed: set[str] = set()
+
+    # --- folding ------------------------------------------------------------------------------
+
+    def apply(self, event: Event, at: datetime) -> None:
+        tenant_id = getattr(event, "tenant_id", "")
+        t = self._tenants.setdefault(tenant_id, _Tenant())
+        match event:
+            case WorkspaceCreated():
+                t.workspaces[event.workspace_id] = _Node(event.workspace_id, event.name, None, at)
+                self._governed.add(tenant_id)
+            case ProjectCreated():
+                t.projects[event.project_id] = _Node(
+                    event.project_id, event.name, event.workspace_id, at
+                )
+                self._governed.add(tenant_id)
+            case ProjectMoved():
+                node = t.projects.get(event.project_id)
+                if node is not None:
+                    node.parent = event.workspace_id
+            case KeyAssigned():
+                t.key_projects[event.key_id] = event.project_id
+                self._governed.add(tenant_id)
+            case LevelLimitsSet():
+                values = t.limits.setdefault((event.level, event.level_id, event.model), {})
+                for name in LEVEL_LIMIT_FIELDS:
+                    value = getattr(event, name)
+                    if value is not None:
+                        values[name] = value
+                self._governed.add(tenant_id)
+            case BudgetSet():
+                budgets = t.budgets.setdefault((event.level, event.level_id), {})
+                if event.amount_micros is None:
+                    budgets.pop(event.period, None)
+                else:
+                    budgets[event.period] = event.amount_micros
+                self._governed.add(tenant_id)
+            case TimeZoneSet():
+                t.zone_name = event.time_zone
+            case RunPolicySet():
+                t.run_policies.setdefault(event.project_id, []).append(
+                    (at, RunLimits(*(getattr(event, name) for name in RUN_LIMIT_FIELDS)))
+                )
+            case RunStarted():
+                if event.run_id not in t.runs:
+                    limits = RunLimits(*(getattr(event, name) for name in RUN_LIMIT_FIELDS))
+                    t.runs[event.run_id] = Run(
+                        tenant_id, event.run_id, event.project_id, limits, at, event.implicit
+                    )
+            case RunEnded():
+                run = t.runs.get(event.run_id)
+                if run is not None and run.ended_at is None:
+                    t.runs[event.run_id] = Run(
+                        run.tenant_id, run.run_id, run.project_id, run.limits, run.started_at,
+                        run.implicit, at,
+                    )  # fmt: skip
+            case _:
+                return
+        self._paths.clear()
+        self._rules.clear()
+
+    # --- questions ----------------------------------------------------------------------------
+
+    def governed(self, tenant_id: str) -> bool:
+        return tenant_id in self._governed
+
+    def workspace(self, tenant_id: str, workspace_id: str) -> Level | None:
+        node = self._tenant(tenant_id).workspaces.get(workspace_id)
+        return None if node is None else Level("workspace", node.level_id, node.name)
+
+    def project(self, tenant_id: str, project_id: str) -> Level | None:
+        node = self._tenant(tenant_id).projects.get(project_id)
+        return None if node is None else Level("project", node.level_id, node.name)
+
+    def workspace_of(self, tenant_id: str, project_id: str) -> str | None:
+        node = self._tenant(tenant_id).projects.get(project_id)
+        return None if node is None else node.parent
+
+    def project_of_key(self, tenant_id: str, key_id: str) -> str | None:
+        return self._tenant(tenant_id).key_projects.get(key_id)
+
+    def workspaces(self, tenant_id: str) -> list[Level]:
+        nodes = self._tenant(tenant_id).workspaces.values()
+        return [Level("workspace", n.level_id, n.name) for n in nodes]
+
+    def projects(self, tenant_id: str) -> list[tuple[Level, str | None]]:
+        """Each project with its workspace id."""
+        return [
+            (Level("project", n.level_id, n.name), n.parent)
+            for n in self._tenant(tenant_id).projects.values()
+        ]
+
+    def time_zone_name(self, tenant_id: str) -> str:
+        return self._tenant(tenant_id).zone_name
+
+    def budgets(self, tenant_id: str, level: str, level_id: str) -> dict[str, int]:
+        """period -> amount_micros set at one level."""
+        return dict(self._tenant(tenant_id).budgets.get((level, level_id), {}))
+
+    def level_limits(self, tenant_id: str, level: str, level_id: str, model: str) -> LevelLimits:
+        """A level's own limits for a model: the "*" entry, then the base name, then the exact
+        version, each replacing only the fields it set."""
+        t = self._tenant(tenant_id)
+        base = base_model(model)
+        scopes = ("*", base) if base == model else ("*", base, model)
+        values: dict[str, int] = {}
+        for scope in scopes:
+            values.update(t.limits.get((level, level_id, scope), {}))
+        return LevelLimits(**values)
+
+    def run_policy(
+        self, tenant_id: str, project_id: str | None, at: datetime | None = None
+    ) -> RunLimits:
+        """The project's run policy: the latest set, or the one in force at instant `at`."""
+        if project_id is None:
+            return RunLimits()
+        for set_at, limits in reversed(self._tenant(tenant_id).run_policies.get(project_id, ())):
+            if at is None or set_at <= at:
+                return limits
+        return RunLimits()
+
+    def in_force(self, run: Run) -> Run:
+        """A run with the limits that bind it. A run a call started (implicit) has no budget of
+        its own: it takes its project's run policy in force at its start instant, whenever this
+        view learns of it. So a policy set just before an agent's first call binds the run
+        even if the edge that started it had not heard of the policy yet; the calls admitted
+        meanwhile (within one propagation delay) count against it. An explicit run keeps the
+        limits it was created with."""
+        if not run.implicit:
+            return run
+        limits = self.run_policy(run.tenant_id, run.project_id, run.started_at)
+        return run if limits == run.limits else replace(run, limits=limits)
+
+    def run(self, tenant_id: str, run_id: str) -> Run | None:
+        found = self._tenant(tenant_id).runs.get(run_id)
+        return None if found is None else self.in_force(found)
+
+    def runs(self, tenant_id: str) -> list[Run]:
+        return [self.in_force(run) for run in self._tenant(tenant_id).runs.values()]
+
+    def path(self, tenant_id: str, key_id: str) -> tuple[Level, ...]:
+        """The levels a key's requests pass, organization first, key last."""
+        return tuple(level for level, _ in self._resolved(tenant_id, key_id, "*"))
+
+    def policy(
+        self, tenant_id: str, key_id: str, model: str, now: datetime, run: Run | None = None
+    ) -> PathPolicy | None:
+        """What an admission of this key's request decides over below the organization's
+        limits, or None when nothing is set for the tenant (and the run is None)."""
+        if tenant_id not in self._governed and run is None:
+            return None
+        t = self._tenant(tenant_id)
+        cache_key = (tenant_id, key_id, model)
+        found = self._rules.get(cache_key)
+        if found is None:
+            built = []
+            for level, limits in self._resolved(tenant_id, key_id, model):
+                amounts = t.budgets.get((level.kind, level.level_id)) or {}
+                budgets = tuple(Budget(p, amount) for p, amount in sorted(amounts.items()))
+                built.append(
+                    LevelRule(level, limits, budgets, (tenant_id, level.kind, level.level_id))
+                )
+            found = self._rules[cache_key] = _static_path(tuple(built))
+        zone = t.zone_name
+        now_s = now.timestamp()
+        day_of = self._days.get(zone)
+        if day_of is None or not day_of[0] <= now_s < day_of[1]:
+            day_of = self._days[zone] = _day_window(now, time_zone(zone))
+        rules, level_keys, kv_keys, workspace_id, project_id, context, output = found
+        return PathPolicy(
+            tenant_id, key_id, rules, day_of[2], day_of[3], run, zone, level_keys, kv_keys,
+            workspace_id, project_id, context, output,
+        )  # fmt: skip
+
+    def _resolved(
+        self, tenant_id: str, key_id: str, model: str
+    ) -> tuple[tuple[Level, LevelLimits | None], ...]:
+        cache_key = (tenant_id, key_id, model)
+        found = self._paths.get(cache_key)
+        if found is not None:
+            return found
+        t = self._tenant(tenant_id)
+        levels = [Level("org", tenant_id, tenant_id)]
+        project_id = t.key_projects.get(key_id)
+        project = t.projects.get(project_id) if project_id else None
+        if project is not None:
+            workspace = t.workspaces.get(project.parent) if project.parent else None
+            if workspace is not None:
+                levels.append(Level("workspace", workspace.level_id, workspace.name))
+            levels.append(Level("project", project.level_id, project.name))
+        levels.append(Level("key", key_id, key_id))
+        resolved = []
+        for level in levels:
+            limits = None
+            if level.kind != "org":
+                own = self.level_limits(tenant_id, level.kind, level.level_id, model)
+                limits = None if own.empty else own
+            resolved.append((level, limits))
+        found = self._paths[cache_key] = tuple(resolved)
+        return found
+
+    def _tenant(self, tenant_id: str) -> _Tenant:
+        return self._tenants.get(tenant_id) or _EMPTY
+
+
+_EMPTY: Final = _Tenant()
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CreateWorkspace:
+    tenant_id: str
+    name: str  # becomes the workspace id, unique in its tenant
+
+
+@dataclass(frozen=True, slots=True)
+class CreateProject:
+    tenant_id: str
+    name: str  # becomes the project id, unique in its tenant
+    workspace_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class MoveProject:
+    tenant_id: str
+    project_id: str
+    workspace_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AssignKey:
+    tenant_id: str
+    key_id: str
+    project_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetLevelLimits:
+    tenant_id: str
+    level: str  # workspace | project | key
+    level_id: str
+    model: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetBudget:
+    tenant_id: str
+    level: str  # org | workspace | project | key
+    level_id: str  # the tenant id for org
+    period: str  # day | month
+    amount_micros: int | None  # None: remove it
+
+
+@dataclass(frozen=True, slots=True)
+class SetTimeZone:
+    tenant_id: str
+    time_zone: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetRunPolicy:
+    tenant_id: str
+    project_id: str
+    limits: RunLimits
+
+
+@dataclass(frozen=True, slots=True)
+class StartRun:
+    """Stream `run_stream(tenant_id, run_id)`. Limits not given come from the project's run
+    policy (`SetRunPolicy`)."""
+
+    tenant_id: str
+    run_id: str
+    project_id: str | None
+    limits: RunLimits
+    implicit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EndRun:
+    tenant_id: str
+    run_id: str
+
+
+HierarchyCommand = (
+    CreateWorkspace | CreateProject | MoveProject | AssignKey | SetLevelLimits | SetBudget
+    | SetTimeZone | SetRunPolicy | StartRun | EndRun
+)  # fmt: skip
+HIERARCHY_COMMANDS: Final = (
+    CreateWorkspace, CreateProject, MoveProject, AssignKey, SetLevelLimits, SetBudget,
+    SetTimeZone, SetRunPolicy, StartRun, EndRun,
+)  # fmt: skip
+
+
+def decide(
+    h: Hierarchy, command: HierarchyCommand, *, key_tenant: str | None = None
+) -> tuple[Event, ...]:
+    """The events of a hierarchy command, or a DomainError naming the field. The tenant is
+    known to exist (`domain.control.decide_control` checks it); `key_tenant` is the tenant of
+    the key the command names, if it names one. A repeat that changes nothing answers ()."""
+    t = h._tenant(command.tenant_id)
+    tenant = command.tenant_id
+    match command:
+        case CreateWorkspace():
+            _check_name(command.name)
+            if command.name in t.workspaces:
+                raise DomainError(
+                    "duplicate_workspace", f"workspace {command.name!r} exists", field="name"
+                )
+            return (WorkspaceCreated(tenant, command.name, command.name),)
+        case CreateProject():
+            _check_name(command.name)
+            _require(t.workspaces, command.workspace_id, "workspace")
+            if command.name in t.projects:
+                raise DomainError(
+                    "duplicate_project", f"project {command.name!r} exists", field="name"
+                )
+            return (ProjectCreated(tenant, command.name, command.name, command.workspace_id),)
+        case MoveProject():
+            node = _require(t.projects, command.project_id, "project")
+            _require(t.workspaces, command.workspace_id, "workspace")
+            if node.parent == command.workspace_id:
+                return ()
+            return (ProjectMoved(tenant, command.project_id, command.workspace_id),)
+        case AssignKey():
+            _require_key(key_tenant, tenant, command.key_id)
+            _require(t.projects, command.project_id, "project")
+            if t.key_projects.get(command.key_id) == command.project_id:
+                return ()
+            return (KeyAssigned(tenant, command.key_id, command.project_id),)
+        case SetLevelLimits():
+            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=False)
+            if not command.model or command.model.strip() != command.model:
+                raise DomainError("bad_model", f"model {command.model!r}", field="model")
+            values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
+            for name, value in values.items():
+                if value is not None and value < 0:
+                    raise DomainError(
+                        "negative_limit", f"{name} must be non-negative, got {value}", field=name
+                    )
+            if all(value is None for value in values.values()):
+                raise DomainError("empty_limits", "no limit given")
+            return (
+                LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),
+            )
+        case SetBudget():
+            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
+            if command.period not in BUDGET_PERIODS:
+                raise DomainError(
+                    "bad_period",
+                    f"period {command.period!r} is not one of {BUDGET_PERIODS}",
+                    field="period",
+                )
+            amount = command.amount_micros
+            if amount is not None and amount < 0:
+                raise DomainError("negative_budget", "a budget is not negative", field="usd")
+            current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
+            if current == amount:
+                return ()
+            return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
+        case SetTimeZone():
+            time_zone(command.time_zone)
+            if t.zone_name == command.time_zone:
+                return ()
+            return (TimeZoneSet(tenant, command.time_zone),)
+        case SetRunPolicy():
+            _require(t.projects, command.project_id, "project")
+            _check_run_limits(command.limits)
+            return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
+        case StartRun():
+            if not RUN_ID.match(command.run_id):
+                raise DomainError(
+                    "bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id"
+                )
+            if command.project_id is not None:
+                _require(t.projects, command.project_id, "project")
+            _check_run_limits(command.limits)
+            if command.run_id in t.runs:
+                raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
+            policy = h.run_policy(tenant, command.project_id)
+            merged = RunLimits(
+                *(
+                    getattr(command.limits, name)
+                    if getattr(command.limits, name) is not None
+                    else getattr(policy, name)
+                    for name in RUN_LIMIT_FIELDS
+                )
+            )
+            return (
+                RunStarted(
+                    tenant, command.run_id, command.project_id, **_run_fields(merged),
+                    implicit=command.implicit,
+                ),
+            )  # fmt: skip
+        case EndRun():
+            run = t.runs.get(command.run_id)
+            if run is None:
+                raise DomainError("unknown_run", f"no run {command.run_id!r}", field="run_id")
+            if run.ended_at is not None:
+                return ()
+            return (RunEnded(tenant, command.run_id),)
+    raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _run_fields(limits: RunLimits) -> dict[str, int | None]:
+    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS}
+
+
+def _check_run_limits(limits: RunLimits) -> None:
+    for name in RUN_LIMIT_FIELDS:
+        value = getattr(limits, name)
+        if value is not None and value < 0:
+            raise DomainError("negative_limit", f"{name} must be non-negative", field=name)
+
+
+def _check_name(name: str) -> None:
+    if not LEVEL_NAME.match(name):
+        raise DomainError(
+            "bad_name", f"name {name!r} must match {LEVEL_NAME.pattern}", field="name"
+        )
+
+
+def _require(nodes: dict[str, _Node], level_id: str, kind: str) -> _Node:
+    node = nodes.get(level_id)
+    if node is None:
+        raise DomainError(f"unknown_{kind}", f"no {kind} {level_id!r}", field=kind)
+    return node
+
+
+def _require_key(key_tenant: str | None, tenant: str, key_id: str) -> None:
+    if key_tenant != tenant:
+        raise DomainError("unknown_key", f"no key {key_id!r}", field="key")
+
+
+def _require_level(
+    t: _Tenant, level: str, level_id: str, key_tenant: str | None, tenant: str, *, org: bool
+) -> None:
+    if level == "org" and org:
+        if level_id != tenant:
+            raise DomainError("bad_level", "an organization's level id is its tenant id")
+    elif level == "workspace":
+        _require(t.workspaces, level_id, "workspace")
+    elif level == "project":
+        _require(t.projects, level_id, "project")
+    elif level == "key":
+        _require_key(key_tenant, tenant, level_id)
+    else:
+        raise DomainError("bad_level", f"level {level!r} is not one of {LEVELS}", field="level")

@@ -1,0 +1,104 @@
+"""Leases on in-flight requests (DESIGN §5): an edge renews every request it is serving with one
+`LeasesRenewed` per interval, carrying each one's engine-reported progress; a request whose lease
+has not been renewed for `LEASE_TTL_S` is expired by the sweeper and billed that progress, so a
+dead edge holds a tenant's concurrency for seconds, not for ever.
+
+`LeaseBook` is the fold both the sweeper and any in-flight view run: admissions open a lease,
+renewals move it on, a terminal event closes it. Redelivery and reordering are harmless (a
+renewal older than the one applied, or a repeated admission, changes nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Final
+
+from domain.errors import DomainError
+from domain.events import TERMINAL_EVENTS, LeaseProgress, LeasesRenewed, Recorded, RequestAdmitted
+
+# The renewal interval and the time without one after which a lease expires. The renewal is one
+# event per edge whatever the number of its streams, so renewing often costs two small events a
+# second per edge; it bounds what a crashed edge leaves unbilled to half a second of generation
+# (at 5 s: 1,107 of 1,485 client-seen tokens billed after a SIGKILL, issue 14 hole 5). The TTL
+# stays 15 s, thirty intervals: a stalled event loop or a slow commit never expires a live
+# request.
+LEASE_RENEW_S: Final = 0.5
+LEASE_TTL_S: Final = 15
+
+_TERMINALS: Final = frozenset(TERMINAL_EVENTS)
+
+
+def edge_stream(edge_id: str) -> str:
+    """The stream an edge's renewals are appended to."""
+    return f"edge-{edge_id}"
+
+
+def renewal(edge_id: str, progress: Iterable[LeaseProgress]) -> LeasesRenewed | None:
+    """The renewal of every request an edge serves, in one event (whatever their number); None
+    when it serves none."""
+    items = tuple(progress)
+    for item in items:
+        if min(item.prompt_tokens, item.completion_tokens, item.cached_tokens) < 0:
+            raise DomainError("negative_tokens", f"negative progress for {item.request_id}")
+    return LeasesRenewed(edge_id, items) if items else None
+
+
+@dataclass(slots=True)
+class Lease:
+    request_id: str
+    tenant_id: str
+    edge_id: str
+    renewed_at: datetime
+    progress: LeaseProgress | None = None  # the last engine counts an edge renewed it with
+
+
+class LeaseBook:
+    def __init__(self) -> None:
+        self._leases: dict[str, Lease] = {}
+
+    def apply(self, recorded: Recorded) -> None:
+        event = recorded.event
+        kind = type(event)
+        if kind is RequestAdmitted:
+            assert isinstance(event, RequestAdmitted)
+            if event.request_id not in self._leases:
+                self._leases[event.request_id] = Lease(
+                    event.request_id, event.tenant_id, event.edge_id, recorded.occurred_at
+                )
+        elif kind is LeasesRenewed:
+            assert isinstance(event, LeasesRenewed)
+            at = recorded.occurred_at
+            for progress in event.progress:
+                lease = self._leases.get(progress.request_id)
+                if lease is not None and at >= lease.renewed_at:
+                    lease.renewed_at = at
+                    lease.edge_id = event.edge_id
+                    lease.progress = progress
+        elif kind in _TERMINALS:
+            self._leases.pop(recorded.stream_id, None)
+
+    def expired(self, now: datetime, ttl_s: float = LEASE_TTL_S) -> list[Lease]:
+        """Leases not renewed for `ttl_s` or more, oldest first."""
+        horizon = now - timedelta(seconds=ttl_s)
+        return sorted(
+            (lease for lease in self._leases.values() if lease.renewed_at <= horizon),
+            key=lambda lease: lease.renewed_at,
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._leases.pop(request_id, None)
+
+    def get(self, request_id: str) -> Lease | None:
+        return self._leases.get(request_id)
+
+    def __iter__(self) -> Iterator[str]:
+        """The ids of the requests holding a lease."""
+        return iter(self._leases)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._leases

@@ -1,0 +1,7 @@
+"""A simulated vLLM 0.33 replica: the OpenAI-compatible HTTP surface of `vllm serve` over an
+honest engine model (paged KV, continuous batching, chunked prefill, preemption, prefix cache).
+
+`tokenizer` (the word splitter), `engine` (SimConfig, SimEngine, SimRecord), `metrics`
+(Prometheus), `server` (start_simulated_replica) and `cli` (serve_forever). Nothing is
+re-exported here, so that the tokenizer can be imported without aiohttp and the engine.
+"""

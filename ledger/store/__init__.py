@@ -1,0 +1,36 @@
+"""The event store: the port every writer and reader uses (`port`: `EventStore`, whose docstring
+is the contract, and the values that cross it), the append planning every implementation
+shares (`planning`), and the SQL adapter (`sql`: SQLite and PostgreSQL, with SQLite's driver
+paths in `sqlite`). The in-memory fake for unit tests lives in tests/fakes.py."""
+
+from ledger.engine import create_engine_from_url
+from ledger.errors import (
+    BadDatabaseUrl,
+    EventIdConflict,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+    WrongExpectedVersion,
+)
+from ledger.store.planning import check_batch
+from ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
+from ledger.store.sql import SqlEventStore
+from ledger.store.sqlite import sqlite_instant, sqlite_utc
+
+__all__ = [
+    "AppendBatch",
+    "AppendResult",
+    "BadDatabaseUrl",
+    "EventIdConflict",
+    "EventStore",
+    "NewEvent",
+    "SqlEventStore",
+    "StoreBusy",
+    "StoreError",
+    "StoreUnavailable",
+    "WrongExpectedVersion",
+    "check_batch",
+    "create_engine_from_url",
+    "sqlite_instant",
+    "sqlite_utc",
+]

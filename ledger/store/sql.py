@@ -1,0 +1,453 @@
+"""`SqlEventStore`: the event store on SQLite or PostgreSQL through SQLAlchemy Core (with
+PostgreSQL's COPY for large group commits, and SQLite's hot paths on the driver in
+ledger.store.sqlite)."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from domain.events import Recorded
+from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
+from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
+from ledger.schema import events as events_table
+from ledger.store import sqlite
+from ledger.store.planning import (
+    COLUMNS,
+    IdsNeedChecking,
+    Stored,
+    StoredRow,
+    finish_appends,
+    plan_appends,
+    prepare_batches,
+)
+from ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
+
+_SELECT = sa.select(*(events_table.c[name] for name in COLUMNS))
+_INSERT = events_table.insert()
+_PG_COPY = f"COPY events ({', '.join(COLUMNS)}) FROM STDIN"
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _copy_text(value: str) -> str:
+    """A value in COPY's text format (backslash, tab, newline and CR escaped)."""
+    return value.translate(_COPY_ESCAPES) if "\\" in value or not value.isprintable() else value
+
+
+_VERSIONS = (
+    sa.select(events_table.c.stream_id, sa.func.max(events_table.c.stream_version))
+    .where(events_table.c.stream_id.in_(sa.bindparam("ids", expanding=True)))
+    .group_by(events_table.c.stream_id)
+)
+# One index probe per stream (the max of (stream_id, stream_version) is the last index entry):
+# grouping over `stream_id = ANY(:ids)` read every entry of each stream instead, so appends to a
+# long stream (an edge's LeasesRenewed) got slower with its length, and large groups turned into
+# a full scan (measured in bench/finance_scale.py at 8M events).
+_PG_VERSIONS = sa.text(
+    "SELECT s.id, (SELECT max(e.stream_version) FROM events e WHERE e.stream_id = s.id) "
+    "FROM unnest(:ids) AS s(id)"
+).bindparams(sa.bindparam("ids", type_=ARRAY(sa.String())))
+# setval(nextval + n - 1) reserves n contiguous positions in one round trip; contiguity holds
+# because appends run under the table lock.
+_PG_RESERVE = sa.text(
+    "SELECT setval(s::regclass, nextval(s::regclass) + :n - 1) "
+    "FROM pg_get_serial_sequence('events', 'position') AS s"
+)
+
+
+def _prefixed(prefixes: Sequence[str]) -> sa.ColumnElement[bool]:
+    c = events_table.c
+    return sa.or_(sa.false(), *(c.stream_id.startswith(p, autoescape=True) for p in prefixes))
+
+
+def _stored_from_row(r: Any) -> Stored:
+    row = StoredRow(
+        r.event_id, r.stream_id, r.tenant_id, r.occurred_at, r.type, r.version, r.payload
+    )
+    return Stored(row, r.stream_version, r.position)
+
+
+class SqlEventStore(EventStore):
+    """The event store on SQLite or PostgreSQL (see EventStore for the contract).
+
+    Appends are serialised per database: BEGIN IMMEDIATE on SQLite, `LOCK TABLE events IN
+    EXCLUSIVE MODE` on PostgreSQL (readers are not blocked). That makes positions follow commit
+    order, which a reader tailing by position needs (a sequence alone hands out numbers in
+    start order, not commit order), and lets one pre-read of stream versions decide every batch
+    of a group commit without savepoints. UNIQUE (stream_id, stream_version) and UNIQUE
+    (event_id) still guard the table against any writer that skips the lock.
+
+    `before_commit` hooks run inside the append transaction with the new records (for inline
+    projections); an exception there aborts the whole append.
+    """
+
+    def __init__(self, engine: sa.Engine, *, copy_min_rows: int = 64) -> None:
+        self._engine = engine
+        self._pg = engine.dialect.name == "postgresql"
+        if not self._pg and engine.dialect.name != "sqlite":
+            raise BadDatabaseUrl(f"unsupported database {engine.dialect.name!r}")
+        # Below this many rows a plain executemany beats COPY's set-up (bench/store_append.py).
+        self._copy_min_rows = copy_min_rows
+        self.before_commit: list[Callable[[sa.Connection, list[Recorded]], None]] = []
+        self._appenders = threading.local()  # SQLite: each thread's append connection
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
+
+    # writes
+
+    def append(
+        self, stream_id: str, expected_version: int | None, events: Sequence[NewEvent]
+    ) -> list[Recorded]:
+        return self.append_many([AppendBatch(stream_id, expected_version, events)])[0].unwrap()
+
+    def append_many(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        return self._append_many(batches, wait=True)
+
+    @property
+    def can_try_append(self) -> bool:
+        """Whether try_append_many can be cheap enough to call on an event loop: SQLite (a
+        local file, no round trip) without inline hooks."""
+        return not self._pg and not self.before_commit
+
+    def try_append_many(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        """append_many, but if another connection holds the write lock, raise StoreBusy at once
+        (nothing written) instead of waiting for it. SQLite only (see can_try_append)."""
+        if not self.can_try_append:
+            raise StoreBusy("try_append_many needs SQLite without before_commit hooks")
+        return self._append_many(batches, wait=False)
+
+    def _append_many(self, batches: Sequence[AppendBatch], *, wait: bool) -> list[AppendResult]:
+        prepared = prepare_batches(batches)
+        if not any(prepared):
+            return [AppendResult(b.stream_id) for b in batches]
+        try:
+            # Retries are rare, so the first attempt lets the UNIQUE index find repeated ids
+            # instead of looking every id up.
+            return self._append(batches, prepared, check_ids=False, wait=wait)
+        except IdsNeedChecking:
+            return self._append(batches, prepared, check_ids=True, wait=wait)
+
+    def _append(
+        self,
+        batches: Sequence[AppendBatch],
+        prepared: list[list[StoredRow]],
+        *,
+        check_ids: bool,
+        wait: bool = True,
+    ) -> list[AppendResult]:
+        if self.can_try_append:
+            return self._sqlite_append(batches, prepared, check_ids=check_ids, wait=wait)
+        try:
+            with self._write_transaction() as conn:
+                # expected_version 0 needs no read: version 1 of an existing stream is already
+                # taken, so UNIQUE (stream_id, stream_version) refuses the insert and the
+                # checking pass below reports the conflict.
+                versions = self._versions(
+                    conn,
+                    {b.stream_id for b in batches if check_ids or b.expected_version != 0},
+                )
+                if check_ids:
+                    every = self._by_ids(conn, [r.event_id for rows in prepared for r in rows])
+
+                    def lookup(ids: list[str]) -> dict[str, Stored]:
+                        return {i: every[i] for i in ids if i in every}
+                else:
+
+                    def lookup(ids: list[str]) -> dict[str, Stored]:
+                        return self._by_ids(conn, ids)
+
+                plan = plan_appends(batches, prepared, versions, lookup, check_ids=check_ids)
+                first = self._insert(conn, plan.to_write) if plan.to_write else 0
+                results = finish_appends(plan, batches, first)
+                if self.before_commit and plan.to_write:
+                    written = [s.recorded() for s in plan.to_write]
+                    for hook in self.before_commit:
+                        hook(conn, written)
+                return results
+        except sa.exc.IntegrityError:
+            if check_ids:
+                raise
+            raise IdsNeedChecking() from None
+        except sa.exc.OperationalError as exc:
+            raise StoreUnavailable(f"event store unavailable: {_first_line(exc)}") from exc
+
+    def _write_transaction(self) -> Any:
+        return _WriteTransaction(self._engine, self._pg)
+
+    def _versions(self, conn: sa.Connection, stream_ids: Iterable[str]) -> dict[str, int]:
+        ids = list(stream_ids)
+        if not ids:
+            return {}
+        if self._pg:  # one array parameter: the same statement whatever the count
+            rows = conn.execute(_PG_VERSIONS, {"ids": ids})
+        else:
+            rows = conn.execute(_VERSIONS, {"ids": ids})
+        return {stream_id: int(version) for stream_id, version in rows if version is not None}
+
+    def _by_ids(self, conn: sa.Connection, event_ids: list[str]) -> dict[str, Stored]:
+        found: dict[str, Stored] = {}
+        for start in range(0, len(event_ids), 5000):  # stay under SQLite's bind-parameter cap
+            chunk = event_ids[start : start + 5000]
+            for r in conn.execute(_SELECT.where(events_table.c.event_id.in_(chunk))):
+                found[r.event_id] = _stored_from_row(r)
+        return found
+
+    def _insert(self, conn: sa.Connection, to_write: list[Stored]) -> int:
+        """Write the rows at consecutive positions; returns the first position."""
+        n = len(to_write)
+        if not self._pg:
+            return self._sqlite_insert(conn, to_write)
+        last = conn.execute(_PG_RESERVE, {"n": n}).scalar_one()
+        first = int(last) - n + 1
+        if n >= self._copy_min_rows:
+            self._copy(conn, to_write, first)
+        else:
+            conn.execute(
+                _INSERT,
+                [
+                    {
+                        "position": first + i,
+                        "event_id": s.row.event_id,
+                        "stream_id": s.row.stream_id,
+                        "stream_version": s.stream_version,
+                        "tenant_id": s.row.tenant_id,
+                        "occurred_at": s.row.occurred_at,
+                        "type": s.row.type,
+                        "version": s.row.version,
+                        "payload": s.row.payload,
+                    }
+                    for i, s in enumerate(to_write)
+                ],
+            )
+        return first
+
+    def _sqlite_insert(self, conn: sa.Connection, to_write: list[Stored]) -> int:
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            return sqlite.insert_rows(cursor, to_write)
+        except sqlite3.IntegrityError as exc:
+            # The driver's own error, presented like SQLAlchemy's (the retry path catches it).
+            raise sa.exc.IntegrityError(sqlite.INSERT, None, exc) from exc
+        except sqlite3.OperationalError as exc:
+            raise sa.exc.OperationalError(sqlite.INSERT, None, exc) from exc
+        finally:
+            cursor.close()
+
+    def _sqlite_append(
+        self,
+        batches: Sequence[AppendBatch],
+        prepared: list[list[StoredRow]],
+        *,
+        check_ids: bool,
+        wait: bool,
+    ) -> list[AppendResult]:
+        try:
+            timeout_s = SQLITE_BUSY_TIMEOUT_MS / 1000 if wait else 0.0
+            return sqlite.append(
+                self._appender(), batches, prepared, check_ids=check_ids, timeout_s=timeout_s
+            )
+        except sqlite3.IntegrityError as exc:
+            if check_ids:
+                raise sa.exc.IntegrityError(sqlite.INSERT, None, exc) from exc
+            raise IdsNeedChecking() from None
+        except sqlite3.OperationalError as exc:
+            self._drop_appender()  # the next append opens a fresh connection
+            raise StoreUnavailable(f"event store unavailable: {exc}") from exc
+
+    def _appender(self) -> Any:
+        """This thread's append connection (see ledger.engine.open_sqlite_appender)."""
+        conn = getattr(self._appenders, "conn", None)
+        if conn is None:
+            conn = self._appenders.conn = open_sqlite_appender(self._engine)
+        return conn
+
+    def _drop_appender(self) -> None:
+        conn = getattr(self._appenders, "conn", None)
+        self._appenders.conn = None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _copy(self, conn: sa.Connection, to_write: list[Stored], first: int) -> None:
+        import psycopg
+
+        dbapi = conn.connection.driver_connection
+        assert isinstance(dbapi, psycopg.Connection)
+        # One text-format buffer written at once: several times faster than write_row per row,
+        # which adapts every value in Python.
+        lines = []
+        for i, s in enumerate(to_write):
+            row = s.row
+            lines.append(
+                f"{first + i}\t{_copy_text(row.event_id)}\t{_copy_text(row.stream_id)}\t"
+                f"{s.stream_version}\t{_copy_text(row.tenant_id)}\t{row.occurred_at.isoformat()}\t"
+                f"{_copy_text(row.type)}\t{row.version}\t{_copy_text(row.payload)}\n"
+            )
+        try:
+            with dbapi.cursor() as cursor, cursor.copy(_PG_COPY) as copy:
+                copy.write("".join(lines).encode())
+        except psycopg.errors.IntegrityError as exc:
+            # COPY runs on the driver directly; present its failure like SQLAlchemy's.
+            raise sa.exc.IntegrityError(_PG_COPY, None, exc) from exc
+
+    # reads
+
+    def read_stream(self, stream_id: str) -> list[Recorded]:
+        c = events_table.c
+        return self._read(_SELECT.where(c.stream_id == stream_id).order_by(c.stream_version))
+
+    def read_all(
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
+    ) -> list[Recorded]:
+        """The events after `after_position`, in position order; with `stream_prefixes`, only
+        those of streams starting with one of them (what a control-plane follower tails)."""
+        c = events_table.c
+        # Appends hold the events table's write lock until they commit, so positions become
+        # visible in order and a reader tailing by position never steps past a late commit.
+        # (A `txid < pg_snapshot_xmin(...)` filter would also be safe, but that xmin is
+        # cluster-wide: one long transaction in any database of the server would stall every
+        # tailing fold. Measured here: a bulk load in another database stopped billing.)
+        if not self._pg:
+            return self._sqlite_tail(after_position, limit, stream_prefixes)
+        query = _SELECT.where(c.position > after_position)
+        if stream_prefixes:
+            query = query.where(_prefixed(stream_prefixes))
+        return self._read(query.order_by(c.position).limit(limit))
+
+    def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
+        prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+        return self._read(_SELECT.where(_prefixed(prefixes)).order_by(events_table.c.position))
+
+    def read_streams(self, stream_ids: Sequence[str]) -> dict[str, list[Recorded]]:
+        c = events_table.c
+        out: dict[str, list[Recorded]] = {}
+        ids = list(dict.fromkeys(stream_ids))
+        for start in range(0, len(ids), 1000):  # stay under SQLite's bind-parameter cap
+            query = _SELECT.where(c.stream_id.in_(ids[start : start + 1000]))
+            for record in self._read(query.order_by(c.stream_id, c.stream_version)):
+                out.setdefault(record.stream_id, []).append(record)
+        return out
+
+    def read_stream_window(
+        self, stream_id: str, after_position: int, before_position: int
+    ) -> list[Recorded]:
+        c = events_table.c
+        query = _SELECT.where(
+            c.stream_id == stream_id, c.position > after_position, c.position < before_position
+        )
+        return self._read(query.order_by(c.position))
+
+    def streams_with(
+        self, event_type: str, occurred_from: datetime, occurred_to: datetime
+    ) -> list[str]:
+        c = events_table.c
+        query = (
+            sa.select(c.stream_id)
+            .where(
+                c.type == event_type, c.occurred_at >= occurred_from, c.occurred_at < occurred_to
+            )
+            .order_by(c.position)
+        )
+        with self._connect() as conn:
+            return list(dict.fromkeys(conn.execute(query).scalars()))
+
+    def last_position(self) -> int:
+        c = events_table.c
+        query = sa.select(c.position).order_by(c.position.desc()).limit(1)
+        with self._connect() as conn:
+            return int(conn.execute(query).scalar() or 0)
+
+    def stream_version(self, stream_id: str) -> int:
+        c = events_table.c
+        query = sa.select(sa.func.max(c.stream_version)).where(c.stream_id == stream_id)
+        with self._connect() as conn:
+            return int(conn.execute(query).scalar() or 0)
+
+    def _sqlite_tail(
+        self, after_position: int, limit: int, prefixes: Sequence[str]
+    ) -> list[Recorded]:
+        params: list[Any] = [after_position]
+        for prefix in prefixes:
+            params += [len(prefix), prefix]
+        params.append(limit)
+        with self._connect() as conn:
+            cursor = conn.connection.driver_connection.cursor()
+            try:
+                rows = cursor.execute(sqlite.tail_sql(len(prefixes)), params).fetchall()
+            finally:
+                cursor.close()
+        return [sqlite.recorded_from_row(r) for r in rows]
+
+    def _read(self, query: sa.Select[Any]) -> list[Recorded]:
+        with self._connect() as conn:
+            return [_stored_from_row(r).recorded() for r in conn.execute(query)]
+
+    def _connect(self) -> Any:
+        return _Reading(self._engine)
+
+
+class _Reading:
+    """A read connection whose connection errors surface as StoreUnavailable."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._conn: sa.Connection | None = None
+
+    def __enter__(self) -> sa.Connection:
+        try:
+            self._conn = self._engine.connect()
+        except sa.exc.OperationalError as exc:
+            raise StoreUnavailable(f"event store unavailable: {_first_line(exc)}") from exc
+        return self._conn
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._conn is not None
+        self._conn.close()
+
+
+class _WriteTransaction:
+    """A transaction holding the database's append lock until it commits."""
+
+    def __init__(self, engine: sa.Engine, pg: bool) -> None:
+        self._engine = engine
+        self._pg = pg
+        self._conn: sa.Connection | None = None
+        self._tx: sa.RootTransaction | None = None
+
+    def __enter__(self) -> sa.Connection:
+        conn = self._engine.connect().execution_options(**{WRITE: True})
+        self._conn = conn
+        try:
+            self._tx = conn.begin()
+            if self._pg:
+                conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        assert self._conn is not None and self._tx is not None
+        try:
+            if exc_type is None:
+                self._tx.commit()
+            else:
+                self._tx.rollback()
+        finally:
+            self._conn.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip()
+    return text.splitlines()[0] if text else type(orig).__name__
+

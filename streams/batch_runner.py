@@ -1,0 +1,357 @@
+"""The batch runner: feeds open batches' items to the edge as flex requests while capacity is
+idle, backs off while it is not, and ends each batch with its output and error files.
+
+It runs in the fold worker's process (embedded mode), on a thread with its own event loop, and
+speaks to the edge over HTTP like any client, so its items are routed, preempted and billed by
+the same code as every flex request. It holds nothing that a restart would lose:
+
+- an item is recorded once: its response is kept first (`batch_results`, first writer wins),
+  then `BatchItemFinished` is appended, which `domain.batch.decide` refuses to repeat; a result
+  kept but not yet recorded is recorded on the next pass;
+- an item is generated to completion once: every attempt carries the item's own
+  Idempotency-Key, so an attempt that completed before a crash is replayed by the edge (no
+  second generation, no second bill), and an attempt cut short (preempted, cancelled, the runner
+  killed) is billed nothing (`domain.lifecycle.billed_counts`) and simply tried again;
+- the output and error files have ids derived from the batch id, so writing them twice writes
+  them once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import orjson
+from sqlalchemy.engine import Engine
+
+from domain import batch as b
+from domain.errors import DomainError
+from ledger.batches import BatchStore, ItemResult, StoredFile
+from ledger.commands import CommandHandler, batch_stream_loader
+from ledger.ids import Clock, utcnow
+from ledger.store import EventStore
+
+log = logging.getLogger("tollgate.batch")
+
+# Back-off after a refusal (no idle capacity, preempted, quota): doubled per refusal up to the
+# maximum, reset by a success. Short, because idle capacity comes and goes within seconds and a
+# refused flex request costs nothing.
+BACKOFF_MIN_S = 0.25
+BACKOFF_MAX_S = 5.0
+PURGE_EVERY_S = 60.0
+# Statuses after which an attempt is tried again later (not the item's outcome).
+RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        engine: Engine,
+        events: EventStore,
+        *,
+        edge_url: str,
+        token: str,
+        concurrency: int = 8,
+        clock: Clock = utcnow,
+        poll_s: float = 0.2,
+    ) -> None:
+        self.files = BatchStore(engine)
+        self.events = events
+        self.commands = CommandHandler(events, clock=clock)
+        self.edge_url = edge_url
+        self.token = token
+        self.concurrency = concurrency
+        self.clock = clock
+        self.poll_s = poll_s
+        self._inflight: dict[str, dict[str, asyncio.Task[None]]] = {}
+        self._inputs: dict[str, list[b.InputLine]] = {}
+        # Each open batch as last folded: a pass reads only its stream's version when nothing
+        # changed, and what this runner appends is folded on, not read back (a batch of n items
+        # would otherwise be read n times over).
+        self._states: dict[str, b.BatchState] = {}
+        self._wake: asyncio.Event | None = None  # set when an item ends: feed the next at once
+        self._pause_until = 0.0
+        self._backoff_s = 0.0
+        self._purged_at = 0.0
+        self.attempts = 0  # items sent to the edge (a retry counts again)
+        self.refusals = 0  # attempts the edge refused or stopped (tried again later)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        asyncio.run(self._run(stop))
+
+    async def _run(self, stop: threading.Event) -> None:
+        timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+        self._wake = asyncio.Event()
+        async with httpx.AsyncClient(base_url=self.edge_url, timeout=timeout) as client:
+            while not stop.is_set():
+                try:
+                    await self.tick(client)
+                except Exception:  # the next pass tries again; the error is said, not hidden
+                    log.exception("batch runner pass failed")
+                    await asyncio.sleep(1.0)
+                # The next pass after `poll_s`, or as soon as an item ends (its slot is free).
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            for tasks in self._inflight.values():
+                for task in tasks.values():
+                    task.cancel()  # the edge cancels them; they are billed nothing, tried later
+            await asyncio.gather(
+                *(t for tasks in self._inflight.values() for t in tasks.values()),
+                return_exceptions=True,
+            )
+
+    async def tick(self, client: httpx.AsyncClient) -> None:
+        now = self.clock()
+        if time.monotonic() - self._purged_at > PURGE_EVERY_S:
+            self._purged_at = time.monotonic()
+            purged = await asyncio.to_thread(self.files.purge_expired, now)
+            if purged:
+                log.info("deleted %d expired batch file(s)", purged)
+        for batch_id in await asyncio.to_thread(self.files.open_batches):
+            await self._step(batch_id, client, now)
+
+    # --- one batch ------------------------------------------------------------------------------
+
+    async def _step(self, batch_id: str, client: httpx.AsyncClient, now: datetime) -> None:
+        state = await self._state(batch_id)
+        if state.status == "new":
+            return  # registered, its BatchCreated not committed yet (or never: nothing to do)
+        if state.ended:
+            await asyncio.to_thread(self._close, state, now)
+            return
+        if state.status == "validating":
+            state = await self._decide(state, b.StartBatch(), now)
+        lines = await self._lines(state, now)
+        if lines is None:
+            return
+        tasks = self._inflight.setdefault(batch_id, {})
+        for custom_id in [c for c, t in tasks.items() if t.done()]:
+            del tasks[custom_id]
+        kept = await asyncio.to_thread(self.files.result_outcomes, batch_id)
+        for result in kept.values():  # kept before a crash, never recorded: record it now
+            if result.custom_id not in state.finished:
+                state = await self._record(state, result, now)
+        stopping = state.status == "cancelling" or (
+            state.status == "in_progress" and state.expires_at is not None
+            and now >= state.expires_at
+        )
+        if stopping or state.status == "finalizing":
+            for task in tasks.values():
+                task.cancel()  # expiry and cancel stop what runs: billed nothing, not retried
+            if any(not t.done() for t in tasks.values()):
+                return  # the next pass ends it, once they have stopped
+            if state.status == "in_progress":
+                state = await self._decide(state, b.FinalizeBatch("expired"), now)
+            await asyncio.to_thread(self._end, state, lines, now)
+            return
+        if state.all_finished:
+            state = await self._decide(state, b.FinalizeBatch("completed"), now)
+            await asyncio.to_thread(self._end, state, lines, now)
+            return
+        self._feed(state, lines, kept, tasks, client)
+
+    def _feed(
+        self, state: b.BatchState, lines: list[b.InputLine], kept: dict[str, ItemResult],
+        tasks: dict[str, asyncio.Task[None]], client: httpx.AsyncClient,
+    ) -> None:
+        if time.monotonic() < self._pause_until:
+            return
+        running = sum(len(t) for t in self._inflight.values())
+        for line in lines:
+            if running >= self.concurrency:
+                return
+            cid = line.custom_id
+            if cid in state.finished or cid in kept or cid in tasks:
+                continue
+            tasks[cid] = asyncio.get_running_loop().create_task(
+                self._run_item(state, line, client), name=f"batch-item-{cid}"
+            )
+            running += 1
+
+    async def _run_item(
+        self, state: b.BatchState, line: b.InputLine, client: httpx.AsyncClient
+    ) -> None:
+        self.attempts += 1
+        item = f"{state.batch_id}/{line.custom_id}"
+        headers = {
+            "Authorization": f"Bearer {self.token}",
+            "X-Tollgate-Batch-Item": item,
+            "X-Tollgate-On-Behalf-Of": state.key_id,
+            # The item's identity: an attempt that completed is replayed, never run again.
+            "Idempotency-Key": "batch-" + hashlib.sha256(item.encode()).hexdigest()[:48],
+            "Content-Type": "application/json",
+        }
+        try:
+            r = await client.post(
+                "/v1/chat/completions", content=orjson.dumps(line.body), headers=headers
+            )
+        except httpx.HTTPError as exc:
+            log.warning("batch item %s: the edge did not answer (%s)", item, type(exc).__name__)
+            self._refused()
+            return
+        if r.status_code in RETRY_STATUSES:
+            self._refused()  # no idle capacity, preempted, quota, the edge busy: later
+            return
+        now = self.clock()
+        result = ItemResult(
+            line.custom_id, r.headers.get("x-request-id", ""), r.status_code, r.content
+        )
+        result = await asyncio.to_thread(self.files.put_result, state.batch_id, result, now)
+        fresh = await self._state(state.batch_id)
+        await self._record(fresh, result, now)
+        self._backoff_s = 0.0
+        if self._wake is not None:
+            self._wake.set()
+
+    def _refused(self) -> None:
+        self.refusals += 1
+        self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff_s * 2))
+        self._pause_until = time.monotonic() + self._backoff_s
+
+    # --- its facts ------------------------------------------------------------------------------
+
+    async def _state(self, batch_id: str) -> b.BatchState:
+        state, _ = await asyncio.to_thread(self._load, batch_id)
+        return state
+
+    def _load(self, batch_id: str) -> tuple[b.BatchState, int]:
+        cached = self._states.get(batch_id)
+        stream = b.batch_stream(batch_id)
+        if cached is not None and self.events.stream_version(stream) == cached.version:
+            return cached, cached.version
+        state, version = batch_stream_loader(self.events, batch_id)()
+        self._states[batch_id] = state
+        return state, version
+
+    async def _decide(
+        self, state: b.BatchState, command: b.BatchCommand, now: datetime
+    ) -> b.BatchState:
+        return await asyncio.to_thread(self._decide_sync, state, command, now)
+
+    def _decide_sync(
+        self, state: b.BatchState, command: b.BatchCommand, now: datetime
+    ) -> b.BatchState:
+        batch_id = state.batch_id
+        loaded: list[b.BatchState] = []
+
+        def load() -> tuple[b.BatchState, int]:
+            found = self._load(batch_id)
+            loaded.append(found[0])
+            return found
+
+        handled = self.commands.handle(
+            b.batch_stream(batch_id), lambda s: b.decide(s, command), load,
+            tenant_id=state.tenant_id, at=now,
+        )
+        after = b.fold(handled.records, loaded[-1])  # what it decided on, plus what it appended
+        self._states[batch_id] = after
+        return after
+
+    async def _record(
+        self, state: b.BatchState, result: ItemResult, now: datetime
+    ) -> b.BatchState:
+        outcome = "completed" if result.status_code == 200 else "failed"
+        command = b.RecordItem(result.custom_id, result.request_id, outcome, result.status_code)
+        return await self._decide(state, command, now)
+
+    async def _lines(self, state: b.BatchState, now: datetime) -> list[b.InputLine] | None:
+        lines = self._inputs.get(state.batch_id)
+        if lines is not None:
+            return lines
+        content = await asyncio.to_thread(
+            self.files.content, state.tenant_id, state.input_file_id, now
+        )
+        try:
+            if content is None:
+                raise DomainError("input_file_deleted", "the input file was deleted")
+            lines = b.parse_input(bytes(content))
+        except DomainError as exc:
+            await self._decide(state, b.FailBatch(exc.rule, exc.message), now)
+            return None
+        self._inputs[state.batch_id] = lines
+        return lines
+
+    def _end(self, state: b.BatchState, lines: list[b.InputLine], now: datetime) -> None:
+        """Write the output and error files (ids derived from the batch: a repeat writes
+        nothing new), end the batch, then let go of what it kept."""
+        outcome = "cancelled" if state.status == "cancelling" else state.finalizing_as
+        results = self.files.results(state.batch_id)
+        out: list[bytes] = []
+        err: list[bytes] = []
+        for line in lines:
+            r = results.get(line.custom_id)
+            if r is not None:
+                entry = b.output_line(r.custom_id, r.request_id, r.status_code, _json(r.body))
+                (out if r.status_code == 200 else err).append(orjson.dumps(entry))
+            elif outcome in ("expired", "cancelled"):
+                err.append(orjson.dumps(b.unrun_line(line.custom_id, outcome)))
+        output_id = self._write(state, "output", out, now)
+        error_id = self._write(state, "error", err, now)
+        self._decide_sync(state, b.EndBatch(output_id, error_id), now)
+        self._close(state, now)
+
+    def _write(
+        self, state: b.BatchState, kind: str, lines: list[bytes], now: datetime
+    ) -> str | None:
+        if not lines:
+            return None
+        file_id = "file-" + hashlib.sha256(f"{state.batch_id}/{kind}".encode()).hexdigest()[:24]
+        content = b"\n".join(lines) + b"\n"
+        self.files.put_file(
+            StoredFile(
+                file_id, state.tenant_id, "batch_output", f"{state.batch_id}_{kind}.jsonl",
+                len(content), now, now + timedelta(seconds=b.OUTPUT_RETENTION_S),
+            ),
+            content,
+        )
+        return file_id
+
+    def _close(self, state: b.BatchState, now: datetime) -> None:
+        """An ended batch: its input file kept for the retention, then nothing of it runs."""
+        self.files.set_expiry(state.input_file_id, now + timedelta(seconds=b.INPUT_RETENTION_S))
+        self.files.delete_results(state.batch_id)
+        self.files.mark_ended(state.batch_id, now)
+        self._inflight.pop(state.batch_id, None)
+        self._inputs.pop(state.batch_id, None)
+        self._states.pop(state.batch_id, None)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {"error": {"message": "the response was not JSON", "type": "server_error"}}
+
+
+def run_batch_runner(database_url: str, *, edge_url: str, token: str, concurrency: int) -> None:
+    """`tollgate batch-runner`: the batch runner as a process of its own (distributed mode),
+    feeding batch items to the edge at `edge_url` until SIGTERM/SIGINT. Run one per cluster:
+    a second would only duplicate attempts, which each item's Idempotency-Key turns into
+    replays, never into a second generation or bill."""
+    import signal
+
+    from ledger.engine import create_engine_from_url
+    from ledger.store import SqlEventStore
+
+    engine = create_engine_from_url(database_url)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    runner = BatchRunner(
+        engine, SqlEventStore(engine), edge_url=edge_url, token=token, concurrency=concurrency
+    )
+    log.info("batch runner feeding %s, %d items in flight at most", edge_url, concurrency)
+    try:
+        runner.run(stop)
+    finally:
+        engine.dispose()

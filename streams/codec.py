@@ -1,0 +1,102 @@
+"""The record format on the topic: one JSON object per stored event, keyed by tenant id.
+
+The envelope carries the store's order key (`txid`, `position`) beside the event, so a consumer
+can tell a re-published record from a new one, and the payload exactly as stored (the relay
+forwards the stored JSON text; a consumer decodes it through `domain`'s upcasters, as the store
+does). A record that is not such an object, or names an event type or version this code does not
+know, is refused with the reason (`BadRecord`): the consumer dead-letters it and goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from domain.errors import DomainError
+from domain.events import Recorded, from_payload, parse_instant
+from ledger.outbox import OutboxRow
+
+EPOCH_HEADER = "tollgate-epoch"
+REASON_HEADER = "tollgate-dead-letter-reason"
+# Bounds what a consumer accepts (the store's own bounds are smaller: payloads are events).
+MAX_RECORD_BYTES = 1_048_576
+
+
+class BadRecord(Exception):
+    """A record no fold can apply; `reason` says why (it goes with the dead letter)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def encode(row: OutboxRow) -> tuple[bytes, bytes]:
+    """(key, value) of the message for one stored event."""
+    value = orjson.dumps(
+        {
+            "event_id": row.event_id,
+            "stream_id": row.stream_id,
+            "stream_version": row.stream_version,
+            "tenant_id": row.tenant_id,
+            "occurred_at": row.occurred_at.isoformat(),
+            "type": row.type,
+            "version": row.version,
+            "position": row.position,
+            "txid": row.txid,
+            "payload": orjson.Fragment(row.payload),
+        }
+    )
+    return row.tenant_id.encode(), value
+
+
+def decode(value: bytes | None) -> tuple[Recorded, int]:
+    """The event a message carries and its transaction id; BadRecord if it cannot be one."""
+    if value is None:
+        raise BadRecord("empty record")
+    if len(value) > MAX_RECORD_BYTES:
+        raise BadRecord(f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        data: Any = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise BadRecord(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRecord("not a JSON object")
+    try:
+        payload = data["payload"]
+        if not isinstance(payload, dict):
+            raise BadRecord("payload: not an object")
+        fields = {
+            name: _typed(data, name, kind)
+            for name, kind in (
+                ("event_id", str), ("stream_id", str), ("tenant_id", str), ("type", str),
+                ("occurred_at", str), ("stream_version", int), ("version", int),
+                ("position", int), ("txid", int),
+            )
+        }
+    except KeyError as exc:
+        raise BadRecord(f"missing field {exc.args[0]}") from None
+    try:
+        event = from_payload(fields["type"], fields["version"], payload)
+        occurred_at = parse_instant(fields["occurred_at"])
+    except DomainError as exc:
+        raise BadRecord(f"{exc.rule}: {exc.message}") from None
+    except (TypeError, ValueError, KeyError) as exc:
+        raise BadRecord(f"{fields['type']} v{fields['version']}: {exc}") from None
+    recorded = Recorded(
+        event_id=fields["event_id"],
+        stream_id=fields["stream_id"],
+        stream_version=fields["stream_version"],
+        tenant_id=fields["tenant_id"],
+        occurred_at=occurred_at,
+        event=event,
+        position=fields["position"],
+    )
+    return recorded, fields["txid"]
+
+
+def _typed(data: dict[str, Any], name: str, kind: type) -> Any:
+    value = data[name]
+    if type(value) is not kind:
+        raise BadRecord(f"{name}: expected {kind.__name__}")
+    return value

@@ -1,0 +1,201 @@
+"""`KafkaEventConsumer`: the consumer port over the event topic (confluent-kafka), with its
+offsets in PostgreSQL (`ledger.offsets`), saved in the transaction of the effect they cover.
+
+Kafka's own offset commits are not used: an offset committed to the broker and a row committed to
+the database can never be one atomic step without Kafka transactions (which nothing here may rely
+on), so the database is the only place the group's position lives. On every assignment the
+consumer seeks each partition to its saved offset (from the beginning when the saved offset
+belongs to an older relay epoch: the topic was re-published after a broker loss), and `claim`
+drops records at or below the partition's saved order key, which makes a redelivery of any
+kind harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+
+from ledger.offsets import PartitionPlace, claim_places, read_places, save_places
+from ledger.outbox import current_epoch
+from streams.codec import EPOCH_HEADER, REASON_HEADER, BadRecord, decode
+from streams.consumer import Batch, Delivery
+from streams.topics import client_settings, confluent, dead_letter_topic
+
+log = logging.getLogger("tollgate.kafka_consumer")
+
+
+class KafkaEventConsumer:
+    """A member of consumer group `name` on `topic` (see EventConsumer for the contract)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        bootstrap: str,
+        topic: str,
+        name: str,
+        *,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        ck = confluent()
+        self._ck = ck
+        self.engine = engine
+        self.topic = topic
+        self.name = name
+        self.dead_letters = 0
+        self.assigned: set[int] = set()
+        self._claimed: dict[int, PartitionPlace] = {}
+        # Per partition, the relay epoch of the messages being read (None: reading from the
+        # start, whatever epoch that is).
+        self._epochs: dict[int, int | None] = {}
+        self._consumer = ck.Consumer(
+            client_settings(
+                bootstrap,
+                {
+                    "group.id": name,
+                    "enable.auto.commit": False,
+                    "enable.auto.offset.store": False,
+                    "auto.offset.reset": "earliest",
+                    # A dead member's partitions move within seconds, not Kafka's default 45 s.
+                    "session.timeout.ms": 6000,
+                    "heartbeat.interval.ms": 1000,
+                    # A worker started before the relay created the topic finds it within
+                    # seconds (librdkafka's default re-reads metadata every 5 minutes).
+                    "topic.metadata.refresh.interval.ms": 3000,
+                    **(settings or {}),
+                },
+            )
+        )
+        self._producer = ck.Producer(client_settings(bootstrap, {"enable.idempotence": True}))
+        self._consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+
+    # --- assignment -------------------------------------------------------------------------
+
+    def _seek_targets(self, partitions: list[int]) -> dict[int, int]:
+        epoch = current_epoch(self.engine, self.topic)
+        places = read_places(self.engine, self.name, self.topic, partitions)
+        targets = {}
+        for p in partitions:
+            if p in places and places[p].epoch == epoch:
+                targets[p], self._epochs[p] = places[p].next_offset, epoch
+            else:  # never read, or the offsets of an epoch whose messages are gone
+                targets[p], self._epochs[p] = self._ck.OFFSET_BEGINNING, None
+        return targets
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        targets = self._seek_targets([tp.partition for tp in partitions])
+        for tp in partitions:
+            tp.offset = targets[tp.partition]
+        consumer.assign(partitions)
+        self.assigned = {tp.partition for tp in partitions}
+        log.info("%s assigned %s", self.name, sorted(self.assigned))
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        self.assigned -= {tp.partition for tp in partitions}
+
+    # --- the port ---------------------------------------------------------------------------
+
+    def poll(self, max_records: int = 500, timeout_s: float = 0.5) -> Batch:
+        messages = self._consumer.consume(max_records, timeout_s)
+        batch = Batch()
+        dead = False
+        restarted: set[int] = set()
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() != self._ck.KafkaError._PARTITION_EOF:
+                    log.warning("%s: %s", self.name, error)
+                continue
+            partition, offset = message.partition(), message.offset()
+            if partition in restarted:
+                continue
+            epoch = _epoch(message.headers())
+            known = self._epochs.get(partition)
+            if known is not None and epoch > known and offset > 0:
+                # The relay re-published the topic (a broker loss) and this partition was read
+                # on at an offset of the old epoch: read the new epoch from its start.
+                log.warning("%s: partition %d re-published (epoch %d)", self.name, partition, epoch)
+                self._consumer.seek(
+                    self._ck.TopicPartition(self.topic, partition, self._ck.OFFSET_BEGINNING)
+                )
+                self._epochs[partition] = None
+                restarted.add(partition)
+                continue
+            self._epochs[partition] = epoch
+            batch.next_offsets[partition] = offset + 1
+            batch.epochs[partition] = epoch
+            try:
+                record, txid = decode(message.value())
+            except BadRecord as exc:
+                self._dead_letter(message, exc.reason)
+                dead = True
+                continue
+            batch.deliveries.append(Delivery(record, partition, offset, txid))
+        if dead:
+            # The dead letters are on the broker before the checkpoint moves past them.
+            self._producer.flush(30)
+        return batch
+
+    def claim(self, conn: sa.Connection, batch: Batch) -> list[Delivery]:
+        self._claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
+        return [d for d in batch.deliveries if d.key > self._claimed[d.partition].key]
+
+    def commit(self, conn: sa.Connection, batch: Batch) -> None:
+        if not batch.next_offsets:
+            return
+        claimed = self._claimed
+        if not set(batch.next_offsets) <= set(claimed):
+            claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
+        last: dict[int, tuple[int, int]] = {}
+        for d in batch.deliveries:
+            last[d.partition] = max(last.get(d.partition, (0, 0)), d.key)
+        places = {}
+        for partition, end in batch.next_offsets.items():
+            old = claimed[partition]
+            epoch = batch.epochs.get(partition, 0)
+            # Another member may have committed further meanwhile (a rebalance): never go back.
+            offset = max(end, old.next_offset) if epoch == old.epoch else end
+            txid, position = max(old.key, last.get(partition, (0, 0)))
+            places[partition] = PartitionPlace(offset, epoch, txid, position)
+        save_places(conn, self.name, self.topic, places)
+        self._claimed = {}
+
+    def rewind(self) -> None:
+        assignment = self._consumer.assignment()
+        targets = self._seek_targets([tp.partition for tp in assignment])
+        for tp in assignment:
+            tp.offset = targets[tp.partition]
+            self._consumer.seek(tp)
+
+    def close(self) -> None:
+        self._producer.flush(10)
+        self._consumer.close()
+
+    def _dead_letter(self, message: Any, reason: str) -> None:
+        self.dead_letters += 1
+        log.error(
+            "%s: dead-lettered %s[%d]@%d: %s",
+            self.name, self.topic, message.partition(), message.offset(), reason,
+        )
+        self._producer.produce(
+            dead_letter_topic(self.topic),
+            key=message.key(),
+            value=message.value(),
+            headers=[
+                (REASON_HEADER, reason[:500].encode()),
+                ("tollgate-source", f"{self.topic}/{message.partition()}/{message.offset()}"),
+                ("tollgate-consumer", self.name.encode()),
+            ],
+        )
+
+
+def _epoch(headers: list[tuple[str, bytes]] | None) -> int:
+    for name, value in headers or ():
+        if name == EPOCH_HEADER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return 0
+    return 0

@@ -1,0 +1,221 @@
+"""The Kafka fold worker (distributed mode): billing and the read models over the event topic,
+the lease sweeper over the store. `tollgate worker` runs it when TOLLGATE_KAFKA_BOOTSTRAP is set.
+
+Several workers form one consumer group and split the topic's partitions (a tenant's events are
+in one partition, so every ledger row, request-log row and hourly-usage row is written by the
+worker that holds that tenant). Each batch:
+
+1. polls records through the consumer port (`KafkaEventConsumer`);
+2. bills the requests they end (`BillingFold.bill`: deterministic bill ids and the request
+   stream's expected version make a repeated bill a no-op in the store);
+3. in one PostgreSQL transaction: claims the batch (locks this group's offsets of its partitions
+   and drops records already applied), writes the read models' rows for what is left, and saves
+   the offsets — rows and offsets commit together, so no redelivery applies a row twice.
+
+The bills a batch appends come back through the relay and are projected into `ledger_entries`
+by whichever worker holds their tenant. A worker killed at any point repeats at most its batch:
+bills already in the store are answered as already there, rows not committed are written once.
+
+The sweeper needs every edge's renewals, which are one stream per edge, not per tenant, so it
+cannot be split by tenant partition: each worker runs it over the store through `SqlTail`
+(every worker sweeps; the command handler's expected version lets exactly one expiry win).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from domain.control import ControlView
+from domain.leases import LEASE_TTL_S
+from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from ledger import faults
+from ledger.checkpoints import Checkpoints
+from ledger.control import ControlLog
+from ledger.engine import WRITE, create_engine_from_url
+from ledger.idempotency import IdempotencyStore
+from ledger.projections import ProjectionRunner
+from ledger.store import SqlEventStore
+from streams.billing import BillingFold
+from streams.consumer import Batch, EventConsumer
+from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
+from streams.sql_tail import SqlTail
+from streams.sweeper import LeaseSweeper
+from streams.topics import DEFAULT_TOPIC
+from streams.worker import WORKER_NAME, resume_sweeper, write_status_row
+
+log = logging.getLogger("tollgate.kafka_worker")
+
+
+def group_for(topic: str) -> str:
+    """The folds' consumer group: one per event topic (two deployments sharing a cluster, or
+    two test runs sharing a broker, never share members)."""
+    return f"{topic}.folds"
+
+
+class KafkaFoldWorker:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        consumer: EventConsumer,
+        *,
+        lease_ttl_s: float = LEASE_TTL_S,
+        name: str = WORKER_NAME,
+        metrics: PipelineMetrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics or PipelineMetrics()
+        self.consumer = consumer
+        self.name = name
+        self.store = SqlEventStore(engine)
+        self.control = ControlView()
+        self.control_log = ControlLog(self.store, self.control)
+        self.billing = BillingFold(self.store, Checkpoints(engine), self.control)
+        self.runners = [
+            ProjectionRunner(engine, self.store, spec)
+            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+        ]
+        self.sweeper = LeaseSweeper(
+            self.store, ttl_s=lease_ttl_s, on_expired=IdempotencyStore(engine).release_request
+        )
+        self.leases = SqlTail(self.store, engine, f"{name}-leases")
+        self.folded = 0  # records applied by this process
+        self.bills = 0
+        self.errors: dict[str, str] = {}
+        # The newest terminal instant this worker billed, for the billing lag.
+        self.last_billed_at: datetime | None = None
+
+    def start(self) -> None:
+        resume_sweeper(self.engine, self.store, self.sweeper)
+        self.leases.seek(self.sweeper.position)
+
+    def run_batch(self, max_records: int = 2000, timeout_s: float = 0.2) -> int:
+        """One batch from the topic; returns how many records it applied."""
+        batch = self.consumer.poll(max_records, timeout_s)
+        if not batch.next_offsets:
+            return 0
+        try:
+            applied = self._apply(batch)
+        except Exception:
+            # Nothing of the batch's rows or offsets committed: read it again.
+            self.consumer.rewind()
+            raise
+        self.folded += applied
+        return applied
+
+    def _apply(self, batch: Batch) -> int:
+        self.control_log.follow()  # prices in force at admission, before billing with them
+        records = [d.record for d in batch.deliveries]
+        self.bills += self.billing.bill(records)
+        if records:
+            faults.point("kafka.after_bills", records=len(records))
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                fresh = [d.record for d in self.consumer.claim(conn, batch)]
+                for runner in self.runners:
+                    runner.apply_claimed(conn, fresh)
+                self.consumer.commit(conn, batch)
+                faults.point("kafka.before_commit", records=len(fresh))
+        self.metrics.observe_ledger_rows(fresh, datetime.now(UTC))
+        return len(fresh)
+
+    def sweep(self) -> None:
+        """Follow the store's new events into the lease book, then expire the silent leases."""
+        while True:
+            batch = self.leases.poll(2000, 0)
+            for d in batch.deliveries:
+                self.sweeper.apply(d.record)
+                self.sweeper.position = d.record.position
+            if len(batch) < 2000:
+                break
+        self.sweeper.sweep(datetime.now(UTC))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "heartbeat_at": datetime.now(UTC),
+            "position": self.sweeper.position,
+            "billing_lag": 0,
+            "error": "; ".join(f"{k}: {v}" for k, v in self.errors.items()) or None,
+            "dead_letters": self.consumer.dead_letters + len(self.billing.dead_letters),
+            "dead_letter_sample": None,
+        }
+
+    def run(self, stop: threading.Event, *, sweep_every_s: float = 0.5) -> None:
+        """Batch after batch until `stop`; the sweeper and the status row on their own beat."""
+        next_sweep = next_status = 0.0
+        while not stop.is_set():
+            self._step("folds", self.run_batch)
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + sweep_every_s
+                self._step("sweeper", self.sweep)
+            if now >= next_status:
+                next_status = now + 1.0
+                try:
+                    write_status_row(self.engine, self.status())
+                except Exception:
+                    log.exception("could not write the worker status")
+            if self.errors:
+                stop.wait(1.0)  # a failing step is retried, not spun on
+
+    def _step(self, name: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception as exc:
+            log.exception("%s failed", name)
+            self.errors[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            self.errors.pop(name, None)
+
+
+def run_kafka_worker(
+    database_url: str,
+    bootstrap: str,
+    topic: str = DEFAULT_TOPIC,
+    *,
+    group: str | None = None,
+    lease_ttl_s: float = LEASE_TTL_S,
+    metrics_port: int = 0,
+) -> None:
+    """`tollgate worker` with a Kafka cluster: fold until SIGTERM/SIGINT (its /metrics on
+    `metrics_port`, 0: off)."""
+    from streams.kafka_consumer import KafkaEventConsumer
+    from streams.status import BrokerWatermarks
+
+    engine = create_engine_from_url(database_url)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    group = group or group_for(topic)
+    consumer = KafkaEventConsumer(engine, bootstrap, topic, group)
+    worker = KafkaFoldWorker(engine, consumer, lease_ttl_s=lease_ttl_s)
+    # Watermarks through a client of their own: the scrape runs on another thread than the
+    # consumer's loop.
+    probe = BrokerWatermarks(bootstrap) if metrics_port else None
+    if probe is not None:
+        worker.metrics.registry.register(
+            ConsumerLagCollector(engine, group, topic, lambda: set(consumer.assigned), probe)
+        )
+    serve_metrics(metrics_port, worker.metrics.registry)
+    try:
+        worker.start()
+        log.info("kafka fold worker %d reading %s as %s", os.getpid(), topic, group)
+        worker.run(stop)
+    finally:
+        consumer.close()
+        if probe is not None:
+            probe.close()
+        engine.dispose()

@@ -1,0 +1,106 @@
+"""Prometheus metrics of the pipeline's own processes (`tollgate relay`, `tollgate worker`), which
+have no HTTP server otherwise: `--metrics-port N` serves their registry on /metrics.
+
+Label values are bounded: topic, partition (the topic's partition count) and consumer group."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from domain.events import Recorded, UsageBilled
+from streams.status import Watermarks, partition_lags
+
+# Terminal event -> ledger row: sub-second when the pipeline keeps up, minutes when it does not.
+BILLING_LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class PipelineMetrics:
+    """One process's registry: the billing lag it observes, and what its collectors add."""
+
+    def __init__(self, *, billing: bool = True) -> None:
+        self.registry = r = CollectorRegistry()
+        self.billing_lag = None if not billing else Histogram(
+            "tollgate_billing_lag_seconds",
+            "From a request's terminal event (its instant) to the commit of its ledger row, "
+            "observed by the worker that wrote the row.",
+            buckets=BILLING_LAG_BUCKETS_S,
+            registry=r,
+        )
+
+    def observe_ledger_rows(self, records: Iterable[Recorded], committed_at: datetime) -> None:
+        """Once the transaction that wrote the ledger rows of `records`' bills has committed."""
+        if self.billing_lag is None:
+            return
+        for record in records:
+            if isinstance(record.event, UsageBilled):
+                lag = (committed_at - record.event.finished_at).total_seconds()
+                self.billing_lag.observe(max(0.0, lag))
+
+    def add_relay(self, topic: str, lag: Callable[[], int], published: Callable[[], int]) -> None:
+        relay_lag = Gauge(
+            "tollgate_relay_lag_events",
+            "Stored events after the relay's place (not yet published), read at scrape time.",
+            ["topic"], registry=self.registry,
+        )
+        relay_lag.labels(topic).set_function(lag)
+        position = Gauge(
+            "tollgate_relay_published_position",
+            "The store position of the last event the broker acknowledged.",
+            ["topic"], registry=self.registry,
+        )
+        position.labels(topic).set_function(published)
+
+
+class ConsumerLagCollector(Collector):
+    """`tollgate_consumer_lag_messages{topic,partition,group}` of the partitions this worker is
+    assigned: the partition's high watermark minus the group's offset saved in PostgreSQL,
+    both read at scrape time (so a worker stuck in a batch still shows its lag growing)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        group: str,
+        topic: str,
+        assigned: Callable[[], Iterable[int]],
+        watermarks: Watermarks,
+    ) -> None:
+        self.engine, self.group, self.topic = engine, group, topic
+        self.assigned = assigned
+        self.watermarks = watermarks
+
+    def collect(self) -> Iterable[Any]:
+        family = GaugeMetricFamily(
+            "tollgate_consumer_lag_messages",
+            "Messages of a partition this worker holds that its group has not consumed: high "
+            "watermark - committed offset.",
+            labels=["topic", "partition", "group"],
+        )
+        partitions = sorted(self.assigned())
+        if partitions:
+            highs = self.watermarks(self.topic, partitions)
+            with self.engine.connect() as conn:
+                lags = partition_lags(
+                    conn, datetime.now(UTC), {self.group: self.topic},
+                    lambda _topic, _wanted: {p: highs[p] for p in partitions if p in highs},
+                )
+            for p in lags:
+                if p.partition in highs and p.lag_messages is not None:
+                    family.add_metric([p.topic, str(p.partition), p.group], p.lag_messages)
+        yield family
+
+
+def serve_metrics(port: int, registry: CollectorRegistry) -> None:
+    """Serve `registry` on /metrics at `port` in a daemon thread (0: not at all), on
+    TOLLGATE_METRICS_HOST (default 127.0.0.1, like the edge; 0.0.0.0 for a remote Prometheus)."""
+    if port:
+        start_http_server(
+            port, addr=os.environ.get("TOLLGATE_METRICS_HOST", "127.0.0.1"), registry=registry
+        )

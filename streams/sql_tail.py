@@ -1,0 +1,76 @@
+"""`SqlTail`: the consumer port over the SQL event log (embedded mode, and any fold that needs the
+whole log rather than a tenant's partitions). One partition, 0, whose offsets are the store's
+positions; the checkpoint is a row of `projection_checkpoints` named after the consumer."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+from ledger.checkpoints import Checkpoints, read_position, save_position
+from ledger.schema import projection_checkpoints
+from ledger.store import EventStore
+from streams.consumer import Batch, Delivery
+
+_IDLE_POLL_S = 0.05
+
+
+class SqlTail:
+    """Tails `store.read_all` from its checkpoint (see EventConsumer for the contract). SQLite's
+    positions are commit order (one writer); on PostgreSQL the store's appends take positions
+    in commit order under its table lock, so tailing by position skips nothing. A record the
+    store holds is always decodable (it refuses what it cannot read back), so there are no dead
+    letters here."""
+
+    dead_letters = 0
+
+    def __init__(self, store: EventStore, engine: sa.Engine, name: str) -> None:
+        self.store = store
+        self.engine = engine
+        self.name = name
+        self.position = Checkpoints(engine).get(name)
+
+    def seek(self, position: int) -> None:
+        """Read on from `position` (a fold that keeps its own positions, e.g. the fold worker)."""
+        self.position = position
+
+    def poll(self, max_records: int = 500, timeout_s: float = 0.5) -> Batch:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            records = self.store.read_all(self.position, max_records)
+            if records or time.monotonic() >= deadline:
+                break
+            time.sleep(_IDLE_POLL_S)
+        if not records:
+            return Batch()
+        self.position = records[-1].position
+        return Batch(
+            [Delivery(r, 0, r.position) for r in records], {0: records[-1].position}, {0: 0}
+        )
+
+    def claim(self, conn: sa.Connection, batch: Batch) -> list[Delivery]:
+        saved = read_position(conn, self.name, for_update=True)
+        if saved is None:
+            conn.execute(
+                projection_checkpoints.insert().values(
+                    name=self.name, position=0, updated_at=datetime.now(UTC)
+                )
+            )
+            saved = 0
+        return [d for d in batch.deliveries if d.record.position > saved]
+
+    def commit(self, conn: sa.Connection, batch: Batch) -> None:
+        end = batch.next_offsets.get(0)
+        if end is None:
+            return
+        saved = read_position(conn, self.name, for_update=True) or 0
+        if end > saved and not save_position(conn, self.name, end):
+            Checkpoints(self.engine).set(self.name, end, conn)
+
+    def rewind(self) -> None:
+        self.position = Checkpoints(self.engine).get(self.name)
+
+    def close(self) -> None:
+        pass

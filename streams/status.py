@@ -1,0 +1,364 @@
+"""The pipeline's lags and what is stale, read from PostgreSQL (`relay_state`, `consumer_offsets`,
+`worker_status`, `events`) and, for a consumer group's lag, the broker's high watermarks: what
+`tollgate status` prints, what an edge's /readyz calls stale, what the relay's and the Kafka
+worker's /metrics export.
+
+Stale means *behind and not moving*: a relay with unpublished events whose last publish is older
+than the threshold, a partition with unconsumed messages whose group committed nothing for that
+long, a worker whose heartbeat is that old, or events after a worker's position older than that.
+A lag alone is not stale (a burst is lag too); a quiet pipeline with nothing to do is never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from ledger.outbox import backlog_after
+from ledger.schema import consumer_offsets, events, relay_state, worker_status
+
+# The default threshold, also the edges' limit on a worker's heartbeat.
+DEFAULT_STALE_S = 10.0
+# A relay's last publish must be this much later than a group's last commit before the group is
+# suspected of missing it: the relay saves its place a few milliseconds after the broker
+# acknowledged, and a worker may commit those very messages within that window.
+PUBLISH_COMMIT_MARGIN_S = 1.0
+
+# Watermarks: (topic, partitions or None for all of the topic's) -> {partition: high watermark}.
+Watermarks = Callable[[str, Iterable[int] | None], Mapping[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayLag:
+    topic: str
+    epoch: int
+    published_position: int  # the last position the broker acknowledged
+    published: int  # events published this epoch
+    lag_events: int  # stored events after the relay's place
+    last_publish_age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLag:
+    group: str
+    topic: str
+    partition: int
+    committed_offset: int  # the next offset the group reads (0: never committed this epoch)
+    high_watermark: int | None  # None: not asked (no broker)
+    last_commit_age_s: float | None  # None: never committed
+
+    @property
+    def lag_messages(self) -> int | None:
+        if self.high_watermark is None:
+            return None
+        return max(0, self.high_watermark - self.committed_offset)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLag:
+    name: str
+    pid: int
+    host: str
+    heartbeat_age_s: float
+    position: int  # the worker's position in the store (the SQL tail's; a Kafka worker's sweeper)
+    lag_events: int  # stored events after that position
+    oldest_unapplied_age_s: float | None
+    billing_lag_events: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    mode: str  # "kafka" (a broker was asked) or "embedded"
+    head_position: int
+    relays: tuple[RelayLag, ...] = ()
+    partitions: tuple[PartitionLag, ...] = ()
+    workers: tuple[WorkerLag, ...] = ()
+    stale: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["stale"] = list(self.stale)
+        for row, p in zip(body["partitions"], self.partitions, strict=True):
+            row["lag_messages"] = p.lag_messages
+        return body
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+
+def head_position(conn: sa.Connection) -> int:
+    head = conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0))).scalar()
+    return int(head or 0)
+
+
+def relay_lags(conn: sa.Connection, now: datetime) -> list[RelayLag]:
+    """Every relay's place (one `relay_state` row per topic) and the events after it."""
+    lags = []
+    for row in conn.execute(sa.select(relay_state).order_by(relay_state.c.topic)).mappings():
+        backlog = backlog_after(conn, (row["last_txid"], row["last_position"]))
+        lags.append(
+            RelayLag(
+                row["topic"], row["epoch"], row["last_position"], row["published"],
+                backlog, _age(now, row["updated_at"]),
+            )
+        )
+    return lags
+
+
+def partition_lags(
+    conn: sa.Connection,
+    now: datetime,
+    groups: Mapping[str, str],
+    watermarks: Watermarks | None = None,
+) -> list[PartitionLag]:
+    """Each group's saved offset per partition (`groups`: group -> topic). With `watermarks`,
+    every partition of the topic (one the group never committed is at offset 0) and its high
+    watermark; without, the partitions the group has rows for. An offset saved in an older relay
+    epoch counts as 0: the consumer reads that partition again from its start."""
+    epochs = {r.topic: r.epoch for r in conn.execute(sa.select(relay_state))}
+    lags = []
+    for group, topic in sorted(groups.items()):
+        rows = {
+            r.partition: r
+            for r in conn.execute(
+                sa.select(consumer_offsets).where(
+                    consumer_offsets.c.consumer_group == group, consumer_offsets.c.topic == topic
+                )
+            )
+        }
+        highs = dict(watermarks(topic, None)) if watermarks is not None else {}
+        for partition in sorted(set(rows) | set(highs)):
+            row = rows.get(partition)
+            current = row is not None and row.epoch == epochs.get(topic, row.epoch)
+            lags.append(
+                PartitionLag(
+                    group, topic, partition, row.next_offset if row is not None and current else 0,
+                    highs.get(partition), _age(now, row.updated_at) if row is not None else None,
+                )
+            )
+    return lags
+
+
+def worker_lags(conn: sa.Connection, now: datetime) -> list[WorkerLag]:
+    lags = []
+    for row in conn.execute(sa.select(worker_status).order_by(worker_status.c.name)).mappings():
+        after = conn.execute(
+            sa.select(sa.func.count(), sa.func.min(events.c.occurred_at)).where(
+                events.c.position > row["position"]
+            )
+        ).one()
+        lags.append(
+            WorkerLag(
+                row["name"], row["pid"], row["host"], _age(now, row["heartbeat_at"]),
+                row["position"], int(after[0]), _age(now, after[1]) if after[1] else None,
+                row["billing_lag"], row["error"],
+            )
+        )
+    return lags
+
+
+def folds_groups(conn: sa.Connection) -> dict[str, str]:
+    """The consumer groups to report: every group with saved offsets, and the folds' group of
+    every topic the relay publishes (a group that never committed lags too)."""
+    # Here, not at the top: streams.kafka_worker imports the metrics, which import this module.
+    from streams.kafka_worker import group_for
+
+    groups = {
+        r.consumer_group: r.topic
+        for r in conn.execute(
+            sa.select(consumer_offsets.c.consumer_group, consumer_offsets.c.topic).distinct()
+        )
+    }
+    for (topic,) in conn.execute(sa.select(relay_state.c.topic)):
+        groups.setdefault(group_for(topic), topic)
+    return groups
+
+
+def read_status(
+    engine: sa.Engine,
+    now: datetime,
+    *,
+    watermarks: Watermarks | None = None,
+    stale_s: float = DEFAULT_STALE_S,
+    heartbeats: bool = True,
+) -> ClusterStatus:
+    """The whole pipeline's lags, and what is stale at `stale_s`. `heartbeats=False` leaves the
+    workers' heartbeat age out of `stale` (an edge reports it already, from FoldStatus)."""
+    with engine.connect() as conn:
+        head = head_position(conn)
+        relays = relay_lags(conn, now) if engine.dialect.name == "postgresql" else []
+        groups = folds_groups(conn)
+        partitions = partition_lags(conn, now, groups, watermarks)
+        workers = worker_lags(conn, now)
+    status = ClusterStatus(
+        "kafka" if watermarks is not None else "embedded", head, tuple(relays), tuple(partitions),
+        tuple(workers),
+    )
+    return replace(status, stale=stale_parts(status, stale_s, heartbeats=heartbeats))
+
+
+# --- what is stale --------------------------------------------------------------------------------
+
+
+def stale_parts(
+    status: ClusterStatus, stale_s: float, *, heartbeats: bool = True
+) -> tuple[str, ...]:
+    """One line per part of the pipeline that is behind and has not moved for `stale_s`."""
+    found: list[str] = []
+    for r in status.relays:
+        if r.lag_events and r.last_publish_age_s > stale_s:
+            found.append(
+                f"relay {r.topic}: {r.lag_events} event(s) unpublished, last publish "
+                f"{r.last_publish_age_s:.0f} s ago"
+            )
+    last_publish = {r.topic: r.last_publish_age_s for r in status.relays}
+    by_group: dict[str, list[PartitionLag]] = {}
+    for p in status.partitions:
+        by_group.setdefault(p.group, []).append(p)
+    for group, parts in by_group.items():
+        if any(p.high_watermark is not None for p in parts):
+            for p in parts:
+                age = p.last_commit_age_s
+                if p.lag_messages and (age is None or age > stale_s):
+                    since = "never committed" if age is None else f"last commit {age:.0f} s ago"
+                    found.append(
+                        f"consumer group {group}: partition {p.partition} {p.lag_messages} "
+                        f"message(s) behind, {since}"
+                    )
+            continue
+        # No broker asked (an edge's /readyz): the relay published after the group's last
+        # commit, and the group has committed nothing for `stale_s`.
+        ages = [p.last_commit_age_s for p in parts if p.last_commit_age_s is not None]
+        published = last_publish.get(parts[0].topic)
+        if not ages or published is None:
+            continue
+        latest = min(ages)
+        if latest - published > PUBLISH_COMMIT_MARGIN_S and latest > stale_s:
+            found.append(
+                f"consumer group {group}: nothing committed for {latest:.0f} s, the relay "
+                f"published {published:.0f} s ago"
+            )
+    if heartbeats and not status.workers and status.head_position:
+        found.append(f"no worker has reported, {status.head_position} event(s) in the store")
+    for w in status.workers:
+        if heartbeats and w.heartbeat_age_s > stale_s:
+            found.append(
+                f"worker {w.name} (pid {w.pid} on {w.host}): last heartbeat "
+                f"{w.heartbeat_age_s:.0f} s ago"
+            )
+        age = w.oldest_unapplied_age_s
+        if w.lag_events and age is not None and age > stale_s:
+            found.append(
+                f"worker {w.name}: {w.lag_events} event(s) after its position {w.position}, "
+                f"the oldest {age:.0f} s old"
+            )
+    return tuple(found)
+
+
+def _age(now: datetime, then: datetime) -> float:
+    return max(0.0, (now - then).total_seconds())
+
+
+# --- the broker -----------------------------------------------------------------------------------
+
+
+class BrokerWatermarks:
+    """High watermarks from the cluster (confluent-kafka, imported here: a plain install reports
+    what is missing when this is built, not before)."""
+
+    def __init__(self, bootstrap: str, *, timeout_s: float = 10.0) -> None:
+        from streams.topics import client_settings, confluent
+
+        self._ck = confluent()
+        self.timeout_s = timeout_s
+        self._consumer = self._ck.Consumer(
+            client_settings(bootstrap, {"group.id": "tollgate.status-probe",
+                                        "enable.auto.commit": False})
+        )
+
+    def __call__(self, topic: str, partitions: Iterable[int] | None) -> dict[int, int]:
+        if partitions is None:
+            metadata = self._consumer.list_topics(topic, timeout=self.timeout_s)
+            found = metadata.topics.get(topic)
+            if found is None or found.error is not None:
+                return {}
+            partitions = sorted(found.partitions)
+        highs = {}
+        for p in partitions:
+            tp = self._ck.TopicPartition(topic, p)
+            _low, high = self._consumer.get_watermark_offsets(
+                tp, timeout=self.timeout_s, cached=False
+            )
+            highs[p] = int(high)
+        return highs
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def cluster_status(
+    database_url: str, bootstrap: str | None, stale_s: float = DEFAULT_STALE_S
+) -> ClusterStatus:
+    """`tollgate status`: the pipeline behind `database_url`, with the broker's watermarks when
+    `bootstrap` is given (the distributed mode), else the embedded SQL-tail worker's lag."""
+    from ledger.engine import create_engine_from_url
+
+    engine = create_engine_from_url(database_url)
+    watermarks = BrokerWatermarks(bootstrap) if bootstrap else None
+    try:
+        return read_status(engine, datetime.now(UTC), watermarks=watermarks, stale_s=stale_s)
+    finally:
+        if watermarks is not None:
+            watermarks.close()
+        engine.dispose()
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def render_table(status: ClusterStatus) -> str:
+    """`tollgate status`'s text: one section per part, then what is stale."""
+    out = [f"mode: {status.mode}    store head position: {status.head_position}", ""]
+    if status.relays:
+        out += _table(
+            ("RELAY TOPIC", "EPOCH", "PUBLISHED POS", "HEAD", "LAG (EVENTS)", "LAST PUBLISH"),
+            [(r.topic, r.epoch, r.published_position, status.head_position, r.lag_events,
+              f"{r.last_publish_age_s:.1f} s ago") for r in status.relays],
+        )
+    if status.partitions:
+        out += _table(
+            ("GROUP", "TOPIC", "PARTITION", "COMMITTED", "HIGH WATERMARK", "LAG", "LAST COMMIT"),
+            [(p.group, p.topic, p.partition, p.committed_offset,
+              "-" if p.high_watermark is None else p.high_watermark,
+              "-" if p.lag_messages is None else p.lag_messages,
+              "never" if p.last_commit_age_s is None else f"{p.last_commit_age_s:.1f} s ago")
+             for p in status.partitions],
+        )
+    if status.workers:
+        out += _table(
+            ("WORKER", "PID", "HOST", "HEARTBEAT", "POSITION", "HEAD", "LAG (EVENTS)",
+             "BILLING LAG", "ERROR"),
+            [(w.name, w.pid, w.host, f"{w.heartbeat_age_s:.1f} s ago", w.position,
+              status.head_position, w.lag_events, w.billing_lag_events, w.error or "-")
+             for w in status.workers],
+        )
+    else:
+        out += ["no worker has reported (worker_status is empty)", ""]
+    if status.stale:
+        out += ["STALE:", *(f"  {line}" for line in status.stale)]
+    else:
+        out.append("nothing stale")
+    return "\n".join(out)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
+    cells = [header, *[tuple(str(c) for c in row) for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in cells]
+    return [*lines, ""]

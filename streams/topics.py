@@ -1,0 +1,72 @@
+"""The event topic and its dead-letter topic on a Kafka-protocol cluster: names, client settings
+and creation. confluent-kafka is imported here lazily, so a CLI installed without the `kafka`
+extra still starts (and says what is missing when a Kafka command runs)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_TOPIC = "tollgate.events"
+DEFAULT_PARTITIONS = 8
+
+
+def dead_letter_topic(topic: str) -> str:
+    return f"{topic}.dead-letters"
+
+
+def confluent() -> Any:
+    try:
+        import confluent_kafka
+    except ImportError as exc:  # pragma: no cover - the plain install
+        raise RuntimeError(
+            "the distributed mode needs confluent-kafka: pip install 'tollgate[kafka]'"
+        ) from exc
+    return confluent_kafka
+
+
+def client_settings(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """librdkafka settings: the bootstrap servers, then `TOLLGATE_KAFKA_<SETTING>` variables
+    (`TOLLGATE_KAFKA_SECURITY_PROTOCOL=SASL_SSL` -> `security.protocol`), then `extra`. This is
+    how a production cluster's TLS/SASL settings arrive with no code change."""
+    settings: dict[str, Any] = {"bootstrap.servers": bootstrap}
+    for name, value in os.environ.items():
+        if name.startswith("TOLLGATE_KAFKA_") and name != "TOLLGATE_KAFKA_BOOTSTRAP":
+            key = name.removeprefix("TOLLGATE_KAFKA_").lower().replace("_", ".")
+            if key not in ("topic", "partitions"):
+                settings[key] = value
+    settings.update(extra or {})
+    return settings
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS) -> bool:
+    """Create `topic` (and its dead-letter topic) if missing; True if the event topic was
+    missing."""
+    ck = confluent()
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient(client_settings(bootstrap))
+    present = set(admin.list_topics(timeout=10).topics)
+    wanted = [t for t in (topic, dead_letter_topic(topic)) if t not in present]
+    if wanted:
+        futures = admin.create_topics([NewTopic(t, partitions, 1) for t in wanted])
+        for name, future in futures.items():
+            try:
+                future.result(10)
+            except ck.KafkaException as exc:
+                if exc.args[0].code() != ck.KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise RuntimeError(f"could not create topic {name}: {exc}") from exc
+    return topic in wanted
+
+
+def partition_count(bootstrap: str, topic: str) -> int | None:
+    """The topic's partition count, None if the cluster does not have it."""
+    confluent()
+    from confluent_kafka.admin import AdminClient
+
+    metadata = AdminClient(client_settings(bootstrap)).list_topics(topic, timeout=10)
+    found = metadata.topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        return None
+    return len(found.partitions)

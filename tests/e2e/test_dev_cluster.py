@@ -1,0 +1,191 @@
+"""`tollgate dev-cluster` as a user runs it: one command starts the broker, the fleet, the relay,
+two Kafka workers and two edges behind one address; requests through both edges and that address
+with the official openai SDK are billed exactly once in the PostgreSQL ledger, to the fleet's own
+counts; a child that dies is reported; SIGTERM stops every child."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from openai import OpenAI
+
+from ledger.engine import create_engine_from_url
+from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, free_port, poll, spawn
+
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
+REQUESTS = 40
+
+
+def _three_free_ports() -> int:
+    for _ in range(50):
+        port = free_port()
+        if port < 65534 and _free(port + 1) and _free(port + 2):
+            return port
+    raise AssertionError("no three consecutive free ports")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too (its parent has not reaped it yet).
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    port = _three_free_ports()
+    out = tmp_path / "dev-cluster.out"
+    proc = spawn(
+        [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
+         "--kafka-port", "0", "--model", MODEL, "--simulated-replicas", "2",
+         "--sim-speed", "20", "--log-dir", str(tmp_path / "logs")],
+        out, env={"TOLLGATE_DATA_DIR": str(tmp_path / "data")},
+    )  # fmt: skip
+    try:
+        poll("the dev cluster's banner",
+             lambda: "Ctrl-C" in out.read_text() or proc.poll() is not None, timeout=180,
+             every=0.5)  # fmt: skip
+        banner = out.read_text()
+        assert proc.poll() is None, banner
+        # The front address and the two edges behind it.
+        edges = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}",
+                 f"http://127.0.0.1:{port}"]  # fmt: skip
+        for edge in edges:
+            assert edge in banner
+        keys = json.loads((tmp_path / "data" / "demo-keys.json").read_text())
+        assert keys["demo-standard"] in banner and keys["finance"] in banner
+        pids = {name: int(pid) for name, pid in re.findall(r"^  (\S+) .*pid (\d+)\)?$", banner,
+                                                          re.M)}  # fmt: skip
+        assert {"edge-1", "edge-2", "relay", "worker-1", "worker-2", "kafka"} <= set(pids), banner
+        replicas = re.findall(r"^  replica-\S+\s+(http://\S+)", banner, re.M)
+        assert len(replicas) == 2, banner
+
+        usage = [0, 0, 0]
+        request_ids, through_front = set(), set()
+        for i in range(REQUESTS):
+            client = OpenAI(base_url=f"{edges[i % 3]}/v1", api_key=keys["demo-standard"],
+                            max_retries=0, timeout=30)  # fmt: skip
+            messages = [{"role": "user", "content": f"Say something short, number {i}."}]
+            if i % 2:  # every other request streamed, on every address
+                raw = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=messages, max_tokens=16,  # type: ignore[arg-type]
+                )
+                request_ids.add(raw.headers["x-request-id"])
+                if i % 3 == 2:
+                    through_front.add(raw.headers["x-request-id"])
+                got = raw.parse().usage
+            else:
+                with client.chat.completions.with_streaming_response.create(
+                    model=MODEL, messages=messages, max_tokens=16, stream=True,  # type: ignore[arg-type]
+                    stream_options={"include_usage": True},
+                ) as response:
+                    request_ids.add(response.headers["x-request-id"])
+                    if i % 3 == 2:
+                        through_front.add(response.headers["x-request-id"])
+                    got = [c for c in response.parse() if c.usage][-1].usage
+            assert got is not None
+            cached = got.prompt_tokens_details.cached_tokens if got.prompt_tokens_details else 0
+            usage = [usage[0] + got.prompt_tokens, usage[1] + got.completion_tokens,
+                     usage[2] + (cached or 0)]  # fmt: skip
+        assert len(request_ids) == REQUESTS
+
+        engine = create_engine_from_url(postgres_url)
+        try:
+
+            def ledger() -> sa.Row | None:
+                with engine.connect() as conn:
+                    row = conn.execute(sa.text(
+                        "SELECT count(*), count(DISTINCT request_id), sum(prompt_tokens), "
+                        "sum(completion_tokens), sum(cached_tokens) FROM ledger_entries"
+                    )).one()  # fmt: skip
+                return row if row[0] >= REQUESTS else None
+
+            row = poll("every request billed", ledger, timeout=120, every=0.5)
+            with engine.connect() as conn:
+                billed = set(conn.execute(sa.text("SELECT request_id FROM ledger_entries"))
+                             .scalars())  # fmt: skip
+                bills = conn.execute(sa.text(
+                    "SELECT count(*), count(DISTINCT stream_id) FROM events "
+                    "WHERE type = 'UsageBilled'"
+                )).one()  # fmt: skip
+                edges_seen = conn.execute(sa.text(
+                    "SELECT count(DISTINCT payload::json->>'edge_id') FROM events "
+                    "WHERE type = 'RequestAdmitted'"
+                )).scalar()  # fmt: skip
+                front_edges = conn.execute(sa.text(
+                    "SELECT count(DISTINCT payload::json->>'edge_id') FROM events "
+                    "WHERE type = 'RequestAdmitted' AND stream_id = ANY(:ids)"
+                ), {"ids": sorted(through_front)}).scalar()  # fmt: skip
+        finally:
+            engine.dispose()
+        assert billed == request_ids
+        assert row[0] == row[1] == bills[0] == bills[1] == REQUESTS
+        assert edges_seen == 2
+        assert len(through_front) == REQUESTS // 3 and front_edges == 2  # a new client, the next
+        stats = [httpx.get(f"{url}/sim/stats", timeout=5).json() for url in replicas]
+        fleet = [sum(s[k] for s in stats) for k in
+                 ("prompt_tokens", "completion_tokens", "cached_tokens", "requests")]  # fmt: skip
+        assert [row[2], row[3], row[4], REQUESTS] == fleet
+        assert [row[2], row[3], row[4]] == usage
+
+        # A child that dies is reported, and the rest keep running.
+        os.kill(pids["worker-2"], signal.SIGKILL)
+        poll("the dead worker reported",
+             lambda: f"worker-2 (pid {pids['worker-2']}) exited with -9" in out.read_text())
+        assert proc.poll() is None
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, out.read_text()[-3000:]
+        assert [name for name, pid in pids.items() if _alive(pid)] == []
+        stopped = out.read_text()
+        for name in ("relay", "worker-1"):
+            assert f"stopped {name} (exit 0)" in stopped, stopped[-3000:]
+        # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught: exit -15.
+        for name in ("edge-1", "edge-2"):
+            assert f"stopped {name} (exit -15)" in stopped, stopped[-3000:]
+    finally:
+        _stop_process(proc, grace=60)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("postgresql+psycopg://postgres@127.0.0.1:1/test", "PostgreSQL is not reachable at"),
+        ("sqlite:///dev-cluster.db", "the dev cluster needs PostgreSQL"),
+    ],
+)
+def test_dev_cluster_without_postgres_says_so_and_starts_nothing(
+    url: str, said: str, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [*TOLLGATE, "dev-cluster", "--database-url", url, "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "TOLLGATE_DATA_DIR": str(tmp_path / "data")},
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("tollgate: error: " + said), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started

@@ -1,0 +1,317 @@
+"""Test doubles that subclass or satisfy the port they replace (cosmicpython's fakes):
+production code never imports this module. The event store in memory; the edge's ports
+(`api/ports.py`) — a fleet of scripted replicas, an event sink over the in-memory store,
+idempotency records in a dict — each keeping what it was asked, so a test can read it back."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+
+from api.ports import OutputPredictor
+from domain.events import Recorded, from_payload
+from domain.prediction import Prediction, RequestShape, Skip
+from engine_adapter.exchange import ChatExchange, IteratorExchange
+from engine_adapter.fleet import Choice, Refusal, TpotEstimate, UnknownModel
+from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
+from ledger.idempotency import IdempotencyConflict, StoredResponse
+from ledger.store import AppendBatch, AppendResult, EventStore, NewEvent
+from ledger.store.planning import Stored, finish_appends, plan_appends, prepare_batches
+
+
+class InMemoryEventStore(EventStore):
+    """The EventStore contract in a list and two dicts, for tests that need no database. It
+    plans appends with the same code as the SQL store (ledger.store.planning), and payloads
+    take the same JSON round trip as in the database, so an event that cannot be stored fails
+    here too. tests/contracts/test_event_store.py runs it beside SQLite and PostgreSQL."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._log: list[Stored] = []
+        self._by_id: dict[str, Stored] = {}
+        self._streams: dict[str, list[Stored]] = {}
+
+    def append(
+        self, stream_id: str, expected_version: int | None, events: Sequence[NewEvent]
+    ) -> list[Recorded]:
+        return self.append_many([AppendBatch(stream_id, expected_version, events)])[0].unwrap()
+
+    def append_many(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        prepared = prepare_batches(batches)
+        with self._lock:
+            versions = {b.stream_id: len(self._streams.get(b.stream_id, ())) for b in batches}
+            plan = plan_appends(batches, prepared, versions, self._lookup, check_ids=True)
+            for s in plan.to_write:
+                s.event = from_payload(s.row.type, s.row.version, orjson.loads(s.row.payload))
+            results = finish_appends(plan, batches, len(self._log) + 1)
+            for s in plan.to_write:
+                self._log.append(s)
+                self._by_id[s.row.event_id] = s
+                self._streams.setdefault(s.row.stream_id, []).append(s)
+            return results
+
+    def _lookup(self, event_ids: list[str]) -> dict[str, Stored]:
+        return {i: self._by_id[i] for i in event_ids if i in self._by_id}
+
+    def read_stream(self, stream_id: str) -> list[Recorded]:
+        with self._lock:
+            return [s.recorded() for s in self._streams.get(stream_id, ())]
+
+    def read_all(
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
+    ) -> list[Recorded]:
+        prefixes = tuple(stream_prefixes)
+        with self._lock:
+            tail = self._log[max(after_position, 0) :]
+            if prefixes:
+                tail = [s for s in tail if s.row.stream_id.startswith(prefixes)]
+            return [s.recorded() for s in tail[:limit]]
+
+    def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
+        prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
+        with self._lock:
+            return [s.recorded() for s in self._log if s.row.stream_id.startswith(prefixes)]
+
+    def read_streams(self, stream_ids: Sequence[str]) -> dict[str, list[Recorded]]:
+        with self._lock:
+            return {
+                i: [s.recorded() for s in self._streams[i]]
+                for i in dict.fromkeys(stream_ids)
+                if i in self._streams
+            }
+
+    def read_stream_window(
+        self, stream_id: str, after_position: int, before_position: int
+    ) -> list[Recorded]:
+        with self._lock:
+            return [
+                s.recorded()
+                for s in self._streams.get(stream_id, ())
+                if after_position < s.position < before_position
+            ]
+
+    def streams_with(
+        self, event_type: str, occurred_from: datetime, occurred_to: datetime
+    ) -> list[str]:
+        with self._lock:
+            found = (
+                s.row.stream_id
+                for s in self._log
+                if s.row.type == event_type and occurred_from <= s.row.occurred_at < occurred_to
+            )
+            return list(dict.fromkeys(found))
+
+    def last_position(self) -> int:
+        with self._lock:
+            return len(self._log)
+
+    def stream_version(self, stream_id: str) -> int:
+        with self._lock:
+            return len(self._streams.get(stream_id, ()))
+
+
+class FakeClock:
+    def __init__(self, start: datetime) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@dataclass
+class Script:
+    """What a fake replica answers: `tokens` content chunks with cumulative usage on each (as
+    the adapter always asks vLLM for), then a finish; `fail_after` breaks the stream after that
+    many; `hold` pauses before the first chunk until it is set."""
+
+    tokens: int = 3
+    prompt_tokens: int = 10
+    cached_tokens: int = 0
+    fail_after: int | None = None
+    hold: asyncio.Event | None = None
+    http_error: tuple[int, dict[str, Any]] | None = None  # the replica refuses: (status, body)
+
+
+class FakeReplica:
+    def __init__(self, replica_id: str, model: str, script: Script | None = None) -> None:
+        self.replica_id = replica_id
+        self.model = model
+        self.script = script or Script()
+        self.requests: list[tuple[dict[str, Any], str, str]] = []  # (body, request_id, salt)
+
+    async def open_chat(
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+    ) -> ChatExchange:
+        self.requests.append((body, request_id, cache_salt))
+        return IteratorExchange(self._chunks(request_id))
+
+    async def _chunks(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        s = self.script
+        if s.hold is not None:
+            await s.hold.wait()
+        if s.http_error is not None:
+            raise ReplicaHTTPError(*s.http_error)
+        for i in range(1, s.tokens + 1):
+            if s.fail_after is not None and i > s.fail_after:
+                raise ReplicaStreamBroken(self._usage(i - 1), "replica died")
+            yield {
+                "id": f"chatcmpl-{request_id}",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": f"t{i} "},
+                        "finish_reason": "stop" if i == s.tokens else None,
+                    }
+                ],
+                "usage": self._usage(i),
+            }
+            await asyncio.sleep(0)
+
+    def _usage(self, completion: int) -> dict[str, Any]:
+        s = self.script
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": s.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+        }
+
+
+class FakeFleet:
+    def __init__(self, *replicas: FakeReplica, occupancy_ppm: int = 100_000) -> None:
+        self.replicas = {r.model: r for r in replicas}
+        self.occupancy_ppm = occupancy_ppm
+        self.full = False  # every model refuses for capacity
+        self.full_models: set[str] = set()  # these models do
+        self.flex_full = False  # no idle capacity for flex work
+        self.preempt_next: tuple[str, ...] = ()  # the next Choice preempts these requests
+        self.released: list[Choice] = []
+        self._ids = itertools.count(1)
+
+    @property
+    def serves(self) -> Mapping[str, object]:
+        return self.replicas
+
+    def models(self) -> list[str]:
+        return list(self.replicas)
+
+    def choose(
+        self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
+        service_tier: str = "default", request_id: str = "",
+    ) -> Choice | Refusal | UnknownModel:
+        replica = self.replicas.get(model)
+        if replica is None:
+            return UnknownModel(model)
+        if self.full or model in self.full_models:
+            return Refusal(model, "over_ceiling", 850_000, 990_000)
+        if service_tier == "flex" and self.flex_full:
+            return Refusal(model, "over_ceiling", 500_000, 600_000)
+        preempt, self.preempt_next = self.preempt_next, ()
+        return Choice(replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt)  # type: ignore[arg-type]
+
+    def release(self, choice: Choice) -> None:
+        self.released.append(choice)
+
+    def tpot_p95(self, model: str) -> TpotEstimate | None:
+        return None
+
+
+class FakeSink:
+    """Commits each batch at once to an in-memory store (the real contract: expected versions,
+    idempotent event ids), answering through a future as the loop's group commit does."""
+
+    def __init__(self, store: InMemoryEventStore | None = None) -> None:
+        self.store = store or InMemoryEventStore()
+        self.batches: list[AppendBatch] = []
+
+    def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
+        return self._append(batch)
+
+    def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
+        return self._append(batch)
+
+    def _append(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
+        self.batches.append(batch)
+        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        future.set_result(self.store.append_many([batch])[0])
+        return future
+
+
+@dataclass
+class FakeIdempotency:
+    records: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+    def seen_recently(self, tenant_id: str, key: str | None) -> bool:
+        return key is not None and (tenant_id, key) in self.records
+
+    async def lookup(self, tenant_id: str, key: str, body_sha256: str) -> StoredResponse | None:
+        record = self.records.get((tenant_id, key))
+        if record is None:
+            return None
+        if record["body_sha256"] != body_sha256:
+            raise IdempotencyConflict("different_body", record["request_id"])
+        if record["status"] != "done":
+            raise IdempotencyConflict("in_flight", record["request_id"])
+        return StoredResponse(record["request_id"], *record["response"])
+
+    async def begin(self, tenant_id: str, key: str, request_id: str, body_sha256: str) -> None:
+        if (tenant_id, key) in self.records:
+            raise IdempotencyConflict("in_flight", request_id)
+        self.records[(tenant_id, key)] = {
+            "request_id": request_id, "body_sha256": body_sha256, "status": "in_flight",
+        }
+
+    async def complete(
+        self, tenant_id: str, key: str, status: int, body: bytes, content_type: str,
+        headers: dict[str, str],
+    ) -> None:
+        record = self.records[(tenant_id, key)]
+        record["status"] = "done"
+        record["response"] = (status, body, content_type, headers)
+
+    async def abandon(self, tenant_id: str, key: str) -> None:
+        record = self.records.get((tenant_id, key))
+        if record is not None and record["status"] == "in_flight":
+            del self.records[(tenant_id, key)]
+
+
+class FixedTokens:
+    """A token estimator that counts one token per word of every message's text."""
+
+    def prompt_tokens(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> int:
+        return sum(len(str(m.get("content", "")).split()) for m in messages)
+
+
+class FakePredictor(OutputPredictor):
+    """An output predictor that answers `tokens` (or `skip`) and keeps what it was told."""
+
+    def __init__(self, tokens: int = 40, *, skip: Skip | None = None) -> None:
+        self.tokens = tokens
+        self.skip = skip
+        self.asked: list[RequestShape] = []
+        self.observed: list[tuple[RequestShape, int | None, int]] = []
+
+    def predict(self, shape: RequestShape) -> Prediction | Skip:
+        self.asked.append(shape)
+        return self.skip if self.skip is not None else Prediction(self.tokens, "op-test")
+
+    def observe(
+        self, shape: RequestShape, reserved_output_tokens: int | None, output_tokens: int
+    ) -> None:
+        self.observed.append((shape, reserved_output_tokens, output_tokens))

@@ -1,0 +1,204 @@
+"""`tollgate worker` on Kafka: two worker processes in one consumer group, fed by the relay from
+real PostgreSQL through the real Kafka-protocol broker, each SIGKILLed once at a named crash
+point (bills committed, offsets not; rows and offsets written, not committed) and started again:
+every request billed exactly once with the engine's counts, the read models equal to a rebuild
+from the store."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from domain import lifecycle as lc
+from domain.cost import Estimate
+from domain.events import PriceSet
+from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from ledger.engine import create_engine_from_url
+from ledger.projections import ProjectionRunner
+from ledger.schema import consumer_offsets, events, ledger_entries, request_log, upgrade
+from ledger.store import AppendBatch, NewEvent, SqlEventStore
+from streams.relay import OutboxRelay
+from tests import builders as b
+
+pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "llama-3.1-8b-2026-05"
+PARTITIONS = 4
+
+
+@pytest.fixture
+def engine(postgres_url: str) -> Iterator[sa.Engine]:
+    upgrade(postgres_url)
+    engine = create_engine_from_url(postgres_url)
+    yield engine
+    engine.dispose()
+
+
+def _price(store: SqlEventStore) -> None:
+    at = datetime.now(UTC) - timedelta(days=1)
+    new = NewEvent(
+        str(uuid.uuid4()), f"prices-{MODEL}", "", at, PriceSet(MODEL, 150_000, 600_000, 75_000, at)
+    )
+    store.append(new.stream_id, 0, [new])
+
+
+def _requests(
+    store: SqlEventStore, count: int, rng: random.Random
+) -> dict[str, tuple[int, int, int]]:
+    """`count` requests of six tenants, each ending completed, cancelled or failed; their
+    engine counts (prompt, completion, cached) by request id."""
+    truth: dict[str, tuple[int, int, int]] = {}
+    batches = []
+    for _ in range(count):
+        rid, tenant = "req_" + uuid.uuid4().hex, f"tenant-{rng.randrange(6)}"
+        prompt, completion = rng.randrange(10, 2000), rng.randrange(0, 500)
+        cached = rng.randrange(0, prompt)
+        end: lc.Command = rng.choice(
+            [
+                lc.CompleteRequest(prompt, completion, cached, "stop", 30, 20_000, request_id=rid),
+                lc.CancelRequest(prompt, completion, cached, request_id=rid),
+                lc.FailRequest(prompt, completion, cached, "replica answered 500", request_id=rid),
+            ]
+        )
+        at = datetime.now(UTC)
+        decided = b.decided(
+            lc.AdmitRequest(
+                rid,
+                tenant,
+                "key-1",
+                MODEL,
+                "standard",
+                "edge-1",
+                Estimate(prompt, 500, 1_000, 40_000),
+            ),
+            lc.RouteRequest("replica-1", 0, request_id=rid),
+            end,
+            at=at,
+        )
+        batches.append(
+            AppendBatch(rid, 0, [NewEvent(str(uuid.uuid4()), rid, tenant, at, e) for e in decided])
+        )
+        truth[rid] = (prompt, completion, cached)
+    for start in range(0, len(batches), 50):
+        for result in store.append_many(batches[start : start + 50]):
+            result.unwrap()
+    return truth
+
+
+def _worker(
+    postgres_url: str, bootstrap: str, topic: str, log: Path, fault: str = ""
+) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOLLGATE_FAULT_POINTS": fault}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "api.cli",
+            "worker",
+            "--database-url",
+            postgres_url,
+            "--kafka-bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
+    )
+
+
+def _ledger_count(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(ledger_entries)).scalar())
+
+
+def test_two_workers_killed_mid_batch_bill_every_request_once(
+    engine: sa.Engine, postgres_url: str, kafka_broker, kafka_topic: str, tmp_path: Path
+) -> None:
+    rng = random.Random(12)
+    store = SqlEventStore(engine)
+    _price(store)
+    relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
+    relay.check_topic()
+    stop = threading.Event()
+    relaying = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    relaying.start()
+    logs = [tmp_path / "worker-a.log", tmp_path / "worker-b.log"]
+    boot, topic = kafka_broker.bootstrap, kafka_topic
+    workers = [
+        _worker(postgres_url, boot, topic, logs[0], "kafka.after_bills@2"),
+        _worker(postgres_url, boot, topic, logs[1], "kafka.before_commit@3"),
+    ]
+    killed = [False, False]
+    truth: dict[str, tuple[int, int, int]] = {}
+    try:
+        for _ in range(8):  # requests keep arriving while workers die and come back
+            truth.update(_requests(store, 150, rng))
+            time.sleep(0.5)
+            for i, worker in enumerate(workers):
+                if worker.poll() is not None:
+                    assert worker.returncode == -9, logs[i].read_text()[-2000:]
+                    killed[i] = True
+                    workers[i] = _worker(postgres_url, boot, topic, logs[i])
+        deadline = time.monotonic() + 180
+        while _ledger_count(engine) < len(truth) and time.monotonic() < deadline:
+            for i, worker in enumerate(workers):
+                if worker.poll() is not None:
+                    assert worker.returncode == -9, logs[i].read_text()[-2000:]
+                    killed[i] = True
+                    workers[i] = _worker(postgres_url, boot, topic, logs[i])
+            time.sleep(0.5)
+        time.sleep(2)  # late redeliveries must change nothing
+    finally:
+        stop.set()
+        relaying.join(10)
+        relay.close()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    assert killed == [True, True]
+    with engine.connect() as conn:
+        ledger = {
+            r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            for r in conn.execute(sa.select(ledger_entries))
+        }
+        bills = dict(
+            conn.execute(
+                sa.select(events.c.stream_id, sa.func.count())
+                .where(events.c.type == "UsageBilled")
+                .group_by(events.c.stream_id)
+            ).all()
+        )
+        statuses = dict(
+            conn.execute(sa.select(request_log.c.request_id, request_log.c.status)).all()
+        )
+        partitions = set(conn.execute(sa.select(consumer_offsets.c.partition)).scalars())
+    assert ledger == truth  # exactly the requests, each with the engine's counts
+    assert set(bills) == set(truth) and set(bills.values()) == {1}
+    assert {statuses[r] for r in truth} <= {"completed", "cancelled", "failed"}
+    assert partitions == set(range(PARTITIONS))
+    both = [log.read_text() for log in logs]
+    assert all("assigned" in text for text in both)
+    # Folded from the topic by two workers = folded from the store by one runner.
+    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+        runner = ProjectionRunner(engine, store, spec)
+        from_topic = runner.table_digest()
+        runner.rebuild()
+        assert runner.table_digest() == from_topic, spec.name

@@ -1,0 +1,394 @@
+"""The edge as an application service over fakes (tests/fakes.py): no HTTP, no database. Each
+test drives `Edge.chat` the way the route does and reads back what was recorded in the store,
+what the replica was sent and what the client got."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from api.auth import Caller
+from api.edge import Edge, JsonOutcome, StreamOutcome
+from api.errors import ApiError
+from api.metrics import Metrics
+from domain import lifecycle
+from domain.control import ControlView
+from domain.events import (
+    FallbackAllowed,
+    FirstTokenStreamed,
+    LeaseExpired,
+    LeasesRenewed,
+    PriceSet,
+    QuotaRefunded,
+    RequestAdmitted,
+    RequestCancelled,
+    RequestCompleted,
+    RequestDowngraded,
+    RequestEstimated,
+    RequestFailed,
+    RequestRejected,
+    RequestRouted,
+)
+from domain.quota import QuotaView
+from ledger.commands import CommandHandler, request_stream
+from tests import builders as b
+from tests.fakes import (
+    FakeClock,
+    FakeFleet,
+    FakeIdempotency,
+    FakePredictor,
+    FakeReplica,
+    FakeSink,
+    FixedTokens,
+    Script,
+)
+
+MODEL = b.MODEL
+CALLER = Caller(b.KEY, b.TENANT, "customer", "standard", "salt-acme")
+
+
+OTHER = "llama-3.1-70b-2026-05"
+
+
+class Harness:
+    def __init__(self, *, rpm: int = 600, script: Script | None = None) -> None:
+        self.control = ControlView()
+        for i, event in enumerate(
+            (
+                b.tenant_registered(),
+                b.key_issued(),
+                b.price_set(effective_at=b.at(-60)),
+                b.limits_set(rpm=rpm),
+                b.price_set(model="llama-3.1-70b", effective_at=b.at(-60)),
+            )
+        ):
+            stream = f"prices-{i}" if isinstance(event, PriceSet) else "tenant-acme"
+            self.control.apply(b.record(event, version=i + 1, seconds=-60, stream_id=stream))
+        self.clock = FakeClock(b.at(0))
+        self.replica = FakeReplica("replica-1", MODEL, script)
+        self.other = FakeReplica("replica-2", OTHER, script)
+        self.fleet = FakeFleet(self.replica, self.other)
+        self.sink = FakeSink()
+        self.metrics = Metrics()
+        self.idempotency = FakeIdempotency()
+        self.edge = Edge(
+            control=self.control, quota=QuotaView(self.control.limits), fleet=self.fleet,
+            events=self.sink, idempotency=self.idempotency, metrics=self.metrics,
+            tokens=lambda model: FixedTokens(), edge_id="edge-1", rng=random.Random(7),
+            clock=self.clock, commands=CommandHandler(self.sink.store, clock=self.clock),
+        )
+        self._n = 0
+
+    async def chat(self, **body: Any) -> JsonOutcome | StreamOutcome:
+        self._n += 1
+        raw = orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "two words"}], **body}
+        )
+        return await self.edge.chat(
+            CALLER, raw, request_id=f"req_{self._n:032x}", idempotency_key=None, retry_count=0
+        )
+
+    def types(self, n: int | None = None) -> list[type]:
+        rid = f"req_{(n or self._n):032x}"
+        return [type(r.event) for r in self.sink.store.read_stream(rid)]
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels or {})
+
+
+def run(test: Callable[[Harness], Awaitable[None]], **kw: Any) -> Harness:
+    h = Harness(**kw)
+    asyncio.run(test(h))
+    return h
+
+
+ENDED = [
+    RequestAdmitted, RequestEstimated, RequestRouted, FirstTokenStreamed, RequestCompleted,
+    QuotaRefunded,
+]
+
+
+def test_a_completed_request_is_recorded_billed_from_the_engine_and_answered() -> None:
+    async def t(h: Harness) -> None:
+        out = await h.chat(max_tokens=50)
+        assert isinstance(out, JsonOutcome) and out.status == 200
+        answer = orjson.loads(out.body)
+        assert answer["choices"][0]["message"]["content"] == "t1 t2 t3 "
+        assert answer["usage"]["completion_tokens"] == 3
+        assert h.types() == ENDED
+        stream = h.sink.store.read_stream(f"req_{1:032x}")
+        done = next(r.event for r in stream if isinstance(r.event, RequestCompleted))
+        assert (done.prompt_tokens, done.completion_tokens) == (10, 3)  # the engine's, not ours
+        body, rid, salt = h.replica.requests[0]
+        # the tier sets the engine priority and the tenant's salt is sent, whatever the client
+        assert (body["priority"], body["max_tokens"], salt) == (1, 50, "salt-acme")
+        assert rid == f"req_{1:032x}" and h.edge.in_flight == {}
+        assert len(h.fleet.released) == 1
+
+    run(t)
+
+
+def test_a_quota_refusal_is_a_recorded_429_with_retry_after_and_rate_limit_headers() -> None:
+    async def t(h: Harness) -> None:
+        await h.chat()
+        with pytest.raises(ApiError) as err:
+            await h.chat()
+        assert err.value.status == 429 and err.value.type == "requests"
+        assert 5 <= int(err.value.headers["Retry-After"]) <= 70
+        assert err.value.headers["X-RateLimit-Remaining-Requests"] == "0"
+        assert h.types() == [RequestRejected]
+        rejected = h.sink.store.read_stream(f"req_{2:032x}")[0].event
+        assert isinstance(rejected, RequestRejected) and rejected.reason == "requests"
+        assert h.replica.requests[1:] == []  # the engine never saw it
+
+    run(t, rpm=1)
+
+
+def test_a_capacity_refusal_is_a_503_that_gives_the_quota_back() -> None:
+    async def t(h: Harness) -> None:
+        h.fleet.full = True
+        with pytest.raises(ApiError) as err:
+            await h.chat()
+        assert err.value.status == 503 and err.value.type == "capacity"
+        assert 5 <= int(err.value.headers["Retry-After"]) <= 10
+        assert h.types() == [RequestRejected]
+        h.fleet.full = False
+        out = await h.chat()  # the one request/min was voided, not spent
+        assert isinstance(out, JsonOutcome) and out.status == 200
+
+    run(t, rpm=1)
+
+
+def test_an_unknown_model_is_a_recorded_404() -> None:
+    async def t(h: Harness) -> None:
+        with pytest.raises(ApiError) as err:
+            await h.chat(model="nope-2026-05")
+        assert err.value.status == 404 and err.value.param == "model"
+        assert h.types() == [RequestRejected]
+
+    run(t)
+
+
+def test_a_replica_that_breaks_before_answering_fails_the_request_with_its_counts() -> None:
+    async def t(h: Harness) -> None:
+        with pytest.raises(ApiError) as err:
+            await h.chat()
+        assert err.value.status == 503 and err.value.code == "replica_unavailable"
+        assert h.types()[-2:] == [RequestFailed, QuotaRefunded]
+        assert h.edge.in_flight == {}
+
+    run(t, script=Script(tokens=5, fail_after=0))
+
+
+def test_an_engine_error_is_recorded_by_its_codes_never_its_message() -> None:
+    # vLLM's validation errors quote the input: the message reaches the client who sent it,
+    # never the event log (prompts are never stored).
+    canary = "CANARY-the-prompt-text"
+    body = {"error": {"message": f"bad input: {canary}", "type": "BadRequestError",
+                      "param": "messages", "code": 400}}
+
+    async def t(h: Harness) -> None:
+        with pytest.raises(ApiError) as err:
+            await h.chat()
+        assert err.value.status == 400 and canary in err.value.message
+        failed = next(r.event for r in h.sink.store.read_stream(f"req_{1:032x}")
+                      if isinstance(r.event, RequestFailed))
+        assert canary not in failed.error
+        assert failed.error == (
+            "replica answered 400 (engine error type=BadRequestError code=400 param=messages)"
+        )
+
+    run(t, script=Script(http_error=(400, body)))
+
+
+def test_a_stream_relays_every_chunk_then_done_and_records_the_end() -> None:
+    async def t(h: Harness) -> None:
+        out = await h.chat(stream=True)
+        assert isinstance(out, StreamOutcome)
+        frames = [out.first] + [f async for f in out.frames]
+        assert frames[-1] == b"data: [DONE]\n\n" and len(frames) == 4
+        assert h.types() == ENDED
+
+    run(t)
+
+
+def test_a_client_that_leaves_mid_stream_is_cancelled_with_what_the_engine_sent() -> None:
+    async def t(h: Harness) -> None:
+        out = await h.chat(stream=True)
+        assert isinstance(out, StreamOutcome)
+        await out.frames.aclose()  # the client is gone after the first frame
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert h.types()[-2:] == [RequestCancelled, QuotaRefunded]
+        cancel = h.sink.store.read_stream(f"req_{1:032x}")[-2].event
+        assert isinstance(cancel, RequestCancelled) and cancel.engine_reported
+        assert cancel.completion_tokens >= 1
+
+    run(t, script=Script(tokens=50))
+
+
+def test_a_request_the_sweeper_expired_meanwhile_ends_once() -> None:
+    async def t(h: Harness) -> None:
+        hold = h.replica.script.hold = asyncio.Event()
+        task = asyncio.ensure_future(h.chat())
+        while not h.edge.in_flight:
+            await asyncio.sleep(0)
+        rid = next(iter(h.edge.in_flight))
+        # The edge went silent for the lease TTL: the sweeper expired the request.
+        CommandHandler(h.sink.store, clock=h.clock).handle(
+            rid,
+            lambda state: lifecycle.decide(state, lifecycle.ExpireLease(b.at(0))),
+            request_stream(h.sink.store, rid),
+            tenant_id=b.TENANT,
+        )
+        hold.set()
+        out = await task  # the client still gets its answer...
+        assert isinstance(out, JsonOutcome) and out.status == 200
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+        # ...but the request has one terminal event: the edge's lost the race and was decided
+        # again on the stored stream, where the request had already ended.
+        types = h.types()
+        assert types.count(LeaseExpired) == 1 and RequestCompleted not in types
+        assert h.value("tollgate_event_append_conflicts_total") == 1.0
+
+    run(t)
+
+
+def test_lease_renewal_is_one_event_with_every_request_in_flight() -> None:
+    async def t(h: Harness) -> None:
+        hold = h.replica.script.hold = asyncio.Event()
+        tasks = [asyncio.ensure_future(h.chat()) for _ in range(3)]
+        while len(h.edge.in_flight) < 3:
+            await asyncio.sleep(0)
+        h.edge.renew_leases()
+        renewals = h.sink.store.read_stream("edge-edge-1")
+        assert len(renewals) == 1 and isinstance(renewals[0].event, LeasesRenewed)
+        assert {p.request_id for p in renewals[0].event.progress} == set(h.edge.in_flight)
+        hold.set()
+        await asyncio.gather(*tasks)
+        h.edge.renew_leases()  # nothing in flight: no event
+        assert len(h.sink.store.read_stream("edge-edge-1")) == 1
+
+    run(t)
+
+
+def test_without_consent_no_other_model_is_served_under_saturation() -> None:
+    async def t(h: Harness) -> None:
+        h.fleet.full_models = {MODEL}
+        with pytest.raises(ApiError) as err:
+            await h.chat()
+        assert err.value.status == 503 and "X-Tollgate-Downgraded-From" not in err.value.headers
+        assert h.types() == [RequestRejected] and h.other.requests == []
+
+    run(t)
+
+
+def test_with_consent_a_saturated_model_is_served_by_the_other_and_says_so() -> None:
+    async def t(h: Harness) -> None:
+        consent = FallbackAllowed(b.TENANT, "llama-3.1-8b", OTHER)
+        h.control.apply(b.record(consent, version=9, stream_id="tenant-acme"))
+        h.fleet.full_models = {MODEL}
+        out = await h.chat()
+        assert isinstance(out, JsonOutcome) and out.status == 200
+        assert out.headers["X-Tollgate-Downgraded-From"] == MODEL
+        assert len(h.other.requests) == 1 and h.replica.requests == []
+        stream = h.sink.store.read_stream(f"req_{1:032x}")
+        admitted = stream[0].event
+        assert isinstance(admitted, RequestAdmitted) and admitted.model == OTHER  # billed as it
+        downgrade = stream[1].event
+        assert isinstance(downgrade, RequestDowngraded)
+        assert (downgrade.requested_model, downgrade.served_model) == (MODEL, OTHER)
+        assert downgrade.reason == "over_ceiling"
+        assert h.value(
+            "tollgate_requests_downgraded_total", {"requested": MODEL, "served": OTHER}
+        ) == 1.0
+        # the requested model's quota was given back: nothing of it is in flight
+        assert h.edge.quota.kv_in_flight(b.TENANT, MODEL) == 0
+
+    run(t)
+
+
+def test_live_goodput_counts_each_outcome_against_the_tier_objective() -> None:
+    async def t(h: Harness) -> None:
+        await h.chat()  # completes at once on the fake: attained
+        with pytest.raises(ApiError):
+            await h.chat()  # the one request/min is spent: refused by quota
+        labels = {"tenant": b.TENANT, "tier": "standard", "model": MODEL}
+        assert h.value("tollgate_requests_attained_total", labels) == 1.0
+        refused = {**labels, "outcome": "refused_quota"}
+        assert h.value("tollgate_requests_not_attained_total", refused) == 1.0
+        h.metrics.refresh_ratios()
+        assert h.value("tollgate_slo_attainment_ratio", {"tier": "standard"}) == 1.0
+        assert h.value("tollgate_goodput_ratio", {"tier": "standard"}) == 0.5
+
+    run(t, rpm=1)
+
+
+def test_a_prediction_narrows_the_reservation_never_the_engines_max_tokens() -> None:
+    predictor = FakePredictor(tokens=40)
+
+    async def t(h: Harness) -> None:
+        h.edge.predictor = predictor
+        await h.chat(
+            max_tokens=4096,
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        )
+        stream = h.sink.store.read_stream(f"req_{1:032x}")
+        est = next(r.event for r in stream if isinstance(r.event, RequestEstimated))
+        # the standard plan lets 4096 through; 40 is reserved
+        assert (est.reserved_output_tokens, est.output_cap_tokens) == (40, 4096)
+        assert est.predictor_version == "op-test" and est.message_count == 2
+        assert 0 <= est.system_prompt_bucket < 64
+        body, _, _ = h.replica.requests[0]
+        assert body["max_tokens"] == 4096  # the answer may still be as long as asked
+        shape, reserved, produced = predictor.observed[0]
+        assert (shape.output_cap_tokens, shape.message_count, reserved, produced) == (
+            4096, 2, 40, 3,
+        )
+        assert h.value("tollgate_output_predicted_total", {"tenant": b.TENANT}) == 1
+
+    run(t)
+
+
+def test_a_skipped_prediction_reserves_the_cap_and_is_counted_by_reason() -> None:
+    predictor = FakePredictor(skip="little_history")
+
+    async def t(h: Harness) -> None:
+        h.edge.predictor = predictor
+        await h.chat(max_tokens=300)
+        est = next(
+            r.event for r in h.sink.store.read_stream(f"req_{1:032x}")
+            if isinstance(r.event, RequestEstimated)
+        )
+        assert (est.reserved_output_tokens, est.output_cap_tokens, est.predictor_version) == (
+            300, 300, "",
+        )
+        assert est.system_prompt_bucket == -1  # no system message
+        assert predictor.observed[0][1] is None  # no prediction: nothing said of coverage
+        labels = {"tenant": b.TENANT, "reason": "little_history"}
+        assert h.value("tollgate_output_prediction_fallbacks_total", labels) == 1
+
+    run(t)
+
+
+def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
+    from api.chat_request import parse_chat_request
+    from api.edge import _system_prompt_bucket
+
+    prompts = [f"You are assistant number {i}." for i in range(40)]
+    raws = [
+        orjson.dumps({"model": MODEL, "messages": [{"role": "system", "content": p},
+                                                   {"role": "user", "content": "hi"}]})
+        for p in prompts
+    ]
+    other = Caller(b.KEY, "globex", "customer", "standard", "salt-globex")
+    mine = [_system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
+    theirs = [_system_prompt_bucket(other, parse_chat_request(r)) for r in raws]
+    assert mine == [_system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
+    assert mine != theirs  # the same prompt, another tenant: another bucket

@@ -1,0 +1,67 @@
+"""Leases: admissions open them, renewals move them on (largest progress, latest instant), a
+terminal event closes them; what is unrenewed for the TTL is expired."""
+
+from __future__ import annotations
+
+import pytest
+
+from domain import leases
+from domain.errors import DomainError
+from domain.leases import LEASE_RENEW_S, LEASE_TTL_S, LeaseBook
+from tests import builders as b
+
+
+def book(*records: object) -> LeaseBook:
+    lb = LeaseBook()
+    for r in records:
+        lb.apply(r)  # type: ignore[arg-type]
+    return lb
+
+
+def admitted(rid: str, seconds: float = 0) -> object:
+    return b.record(b.admitted(request_id=rid), version=1, seconds=seconds, stream_id=rid)
+
+
+def test_the_ttl_is_three_renewal_intervals() -> None:
+    assert LEASE_TTL_S >= 3 * LEASE_RENEW_S
+
+
+def test_unrenewed_leases_expire_after_the_ttl() -> None:
+    renewal = b.renewed(b.lease_progress(request_id="a", completion_tokens=33), edge_id="edge-2")
+    lb = book(
+        admitted("a"), admitted("b"), b.record(renewal, seconds=10, stream_id="edge-edge-2")
+    )
+    assert lb.expired(b.at(14.999)) == []
+    assert [lease.request_id for lease in lb.expired(b.at(15))] == ["b"]
+    assert [lease.request_id for lease in lb.expired(b.at(25))] == ["b", "a"]
+    a = lb.get("a")
+    assert a is not None and a.edge_id == "edge-2" and a.renewed_at == b.at(10)
+    assert a.progress is not None and a.progress.completion_tokens == 33
+
+
+def test_an_older_renewal_delivered_late_changes_nothing() -> None:
+    late = b.renewed(b.lease_progress(request_id="a", completion_tokens=5))
+    new = b.renewed(b.lease_progress(request_id="a", completion_tokens=50))
+    lb = book(admitted("a"), b.record(new, seconds=10), b.record(late, seconds=5))
+    lease = lb.get("a")
+    assert lease is not None and lease.renewed_at == b.at(10)
+    assert lease.progress is not None and lease.progress.completion_tokens == 50
+
+
+def test_a_terminal_event_closes_the_lease_and_a_repeated_admission_does_not_reopen_it() -> None:
+    lb = book(admitted("a"))
+    lb.apply(b.record(b.completed(request_id="a"), version=5, seconds=2, stream_id="a"))
+    assert "a" not in lb and len(lb) == 0 and lb.expired(b.at(100)) == []
+    lb2 = book(admitted("a"), admitted("a", seconds=30))
+    lease = lb2.get("a")
+    assert lease is not None and lease.renewed_at == b.at(0)
+
+
+def test_a_renewal_is_one_event_for_every_request_and_none_for_no_request() -> None:
+    progress = [b.lease_progress(request_id=f"r{i}") for i in range(3)]
+    event = leases.renewal("edge-1", progress)
+    assert event is not None and len(event.progress) == 3 and event.edge_id == "edge-1"
+    assert leases.renewal("edge-1", []) is None
+    assert leases.edge_stream("edge-1") == "edge-edge-1"
+    with pytest.raises(DomainError):
+        leases.renewal("edge-1", [b.lease_progress(completion_tokens=-1)])
