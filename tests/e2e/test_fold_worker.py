@@ -69,4 +69,5 @@ def test_an_edge_killed_with_9_takes_its_worker_with_it(lone_server: Server) -> 
     poll("the orphaned worker to exit", lambda: not _alive(worker), 15)
     server.start()  # and a restarted edge bills again
     server.wait_billed(_completed(server), timeout=30)
-    assert _worker_pid(server) != worker
+    # The new worker writes its row just after the pass that billed, so wait for that report.
+    poll("the new worker's report", lambda: _worker_pid(server) != worker, 10)
