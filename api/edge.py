@@ -16,7 +16,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -37,7 +37,7 @@ from domain.backoff import engine_priority
 from domain.budgets import PathView
 from domain.control import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.events import RunBudgetExhausted
+from domain.events import Recorded, RunBudgetExhausted
 from domain.hierarchy import Run
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.quota import QuotaView
@@ -120,6 +120,14 @@ class Edge:
         # Slow readers cancelled at the engine, whose client is dropped if it still reads
         # nothing by the deadline (monotonic).
         self._stalled: dict[str, tuple[Flight, float]] = {}
+
+    def observe(self, records: Sequence[Recorded]) -> None:
+        """Fold events read back from the log (other edges' admissions, refunds, ends, bills)
+        into this edge's quota and budget views. This edge's own events come back too: the
+        views have already counted them and skip them."""
+        for record in records:
+            self.quota.apply(record)
+            self.paths.apply(record)
 
     def authenticate(self, authorization: str | None, scopes: frozenset[str]) -> Caller:
         return self.auth.authenticate(authorization, scopes)

@@ -205,6 +205,12 @@ class Metrics:
             "tollgate_billing_lag_events", "Committed events the billing fold has not applied yet.",
             registry=r,
         )
+        self.admission_view_lag = Gauge(
+            "tollgate_admission_view_lag_seconds",
+            "Age of the newest logged event this edge's admission views have folded when they "
+            "folded it (edges that share a store: how late another edge's admission counts here).",
+            registry=r,
+        )
 
     def tenant_label(self, tenant_id: str) -> str:
         labels = self._tenant_labels

@@ -33,6 +33,7 @@ from api.scaling import Actuator, ScalingLoop
 from api.sessions import Sessions, load_secret
 from domain.autoscale import ScalePolicy
 from domain.capacity import FlexPolicy
+from domain.events import Recorded
 from domain.quota import QuotaView
 from engine_adapter.discovery import ServedModel, discover
 from engine_adapter.estimators import WordTokenEstimator
@@ -56,6 +57,13 @@ log = logging.getLogger("tollgate")
 
 # The control-plane follower's period: a new key, limit or price is in force within this.
 CONTROL_POLL_S = 0.2
+# The log follower of an edge that shares the store with others (its folds run elsewhere): the
+# other edges' admissions, refunds and ends reach this edge's quota and budget views within this
+# period plus a read. It starts this many events back, so that a (re)started edge sees the last
+# minute or so of the others' charges rather than none.
+ADMISSION_POLL_S = 0.05
+ADMISSION_CATCH_UP_EVENTS = 50_000
+ADMISSION_READ = 2_000
 # How often streams are checked for a client that stopped reading: the slow-reader bound is the
 # timeout plus this.
 SLOW_READER_CHECK_S = 0.5
@@ -108,6 +116,9 @@ class Runtime:
         self.scaling: ScalingLoop | None = None
         self._stop = threading.Event()
         self._follower: threading.Thread | None = None
+        self._log_follower: threading.Thread | None = None
+        self.log_error: str | None = None
+        self.log_position = 0  # the last position of the log this edge's views have folded
         self._tasks: list[asyncio.Task[Any]] = []
         self.control_error: str | None = None
         self._fold_status: tuple[float, FoldStatus] | None = None
@@ -167,6 +178,7 @@ class Runtime:
             predictor=self.predictor,
         )
         # Budgets and runs count what was spent before this process started.
+        end = self.store.last_position()
         catch_up(self.store, self.edge.paths, datetime.now(UTC))
         self.runs = RunService(self.control_log, CommandHandler(self.store), self.edge.paths)
         self._follower = threading.Thread(
@@ -174,6 +186,13 @@ class Runtime:
         )
         self._follower.start()
         loop = asyncio.get_running_loop()
+        if not self.settings.fold_worker:
+            # Its folds run elsewhere, so other edges may share the store: fold what they record.
+            self.log_position = max(0, end - ADMISSION_CATCH_UP_EVENTS)
+            self._log_follower = threading.Thread(
+                target=self._follow_log, args=(loop,), name="tollgate-log", daemon=True
+            )
+            self._log_follower.start()
         self._tasks = [
             loop.create_task(self._every(self.settings.lease_renew_s, self.edge.renew_leases)),
             loop.create_task(self._every(600, self._purge_idempotency)),
@@ -209,8 +228,9 @@ class Runtime:
             self.commits.hand_over()  # what still waits on the loop goes to the writer
         self.writer.close()
         self._stop.set()
-        if self._follower is not None:
-            self._follower.join(timeout=5)
+        for thread in (self._follower, self._log_follower):
+            if thread is not None:
+                thread.join(timeout=5)
         # The worker folds what the writer flushed last, then exits.
         if self.fold_worker is not None:
             await asyncio.to_thread(self.fold_worker.stop)
@@ -273,6 +293,32 @@ class Runtime:
                 log.exception("control-plane follower failed")
                 self.control_error = f"{type(exc).__name__}: {exc}"
 
+    def _follow_log(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Tail the event log for the edge's admission views (Edge.observe, on the event loop):
+        what another edge admits counts here within ADMISSION_POLL_S plus one read, with no call
+        on the admission path. This edge's own events come back too; the views skip them."""
+        while not self._stop.wait(ADMISSION_POLL_S):
+            try:
+                while not self._stop.is_set():
+                    records = self.store.read_all(self.log_position, ADMISSION_READ)
+                    if not records:
+                        break
+                    self.log_position = records[-1].position
+                    loop.call_soon_threadsafe(self._observe, records)
+                    if len(records) < ADMISSION_READ:
+                        break
+                self.log_error = None
+            except RuntimeError:  # the loop closed under us: the process is stopping
+                return
+            except Exception as exc:
+                log.exception("log follower failed")
+                self.log_error = f"{type(exc).__name__}: {exc}"
+
+    def _observe(self, records: list[Recorded]) -> None:
+        self.edge.observe(records)
+        lag = time.time() - records[-1].occurred_at.timestamp()
+        self.metrics.admission_view_lag.set(max(0.0, lag))
+
     # --- the fold worker -----------------------------------------------------------------------
 
     def _worker_command(self) -> list[str]:
@@ -322,6 +368,8 @@ class Runtime:
         warnings = list(folds.warnings)
         if self.control_error:
             problems.append(f"control plane: {self.control_error}")
+        if self.log_error:
+            problems.append(f"other edges' admissions: {self.log_error}")
         if self.fleet is None or not any(r.healthy for r in self.fleet.replicas()):
             problems.append("no healthy replica")
         return problems, warnings

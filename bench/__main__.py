@@ -75,6 +75,7 @@ BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
         "architecture_ab.json",
     ),
     ("output_prediction", "bench.output_prediction", [], ["--quick"], "output_prediction.json"),
+    ("edges", "bench.edges", [], ["--runs", "1", "--duration", "5"], "edges.json"),
 ]
 
 
@@ -698,7 +699,34 @@ def render_output_prediction(d: dict[str, Any]) -> list[str]:
     return rows
 
 
+def render_edges(d: dict[str, Any]) -> list[str]:
+    t = d.get("target_ratio")
+    rows = [
+        f"One tenant limited to {d.get('rpm')} requests/min floods N edges (`tollgate api`, "
+        f"one PostgreSQL store) with {d.get('concurrency')} clients round-robin for "
+        f"{_fmt(d.get('duration_s'), 0)} s. Allowed = rpm + its refill over the flood; each edge "
+        "decides alone on its view of the log (other edges' admissions folded every 50 ms).",
+        "",
+        "| edges | admitted ÷ allowed (median) | over-admitted (median) | per run: admitted / "
+        "allowed | admission-view lag at the end, s | target | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for n, per in (d.get("edges") or {}).items():
+        runs = per.get("runs") or []
+        ratio = per.get("ratio_median")
+        rows.append(
+            f"| {n} | {_fmt(ratio, 3)} | {_fmt(per.get('over_admitted_median'), 1)} | "
+            + "; ".join(f"{r['admitted']} / {r['allowed']}" for r in runs)
+            + " | "
+            + "; ".join(", ".join(_fmt(x, 3) for x in r["view_lag_s"]) for r in runs)
+            + f" | ≤ {t} | {_verdict(_le(ratio, t))} |"
+        )
+    rows += ["", f"Load before → after: {d.get('uptime_before')} → {d.get('uptime_after')}"]
+    return rows
+
+
 RENDERERS = {
+    "edges": render_edges,
     "estimator": render_estimator,
     "vllm_overhead": render_vllm_overhead,
     "admission_latency": render_admission,

@@ -111,7 +111,7 @@ def _fill(store: SqlEventStore, requests: int) -> int:
 
 
 @contextlib.contextmanager
-def _fresh_schema() -> Iterator[str]:
+def fresh_schema() -> Iterator[str]:
     """A URL whose connections see only a new, migrated schema (dropped afterwards)."""
     schema = "bench_pipeline_" + uuid.uuid4().hex[:8]
     admin = psycopg.connect("host=127.0.0.1 user=postgres dbname=test", autocommit=True)
@@ -127,7 +127,7 @@ def _fresh_schema() -> Iterator[str]:
 
 def one_run(broker: DevBroker, requests: int) -> dict[str, float]:
     topic = f"bench-{uuid.uuid4().hex[:8]}.events"
-    with _fresh_schema() as url:
+    with fresh_schema() as url:
         engine = create_engine_from_url(url)
         try:
             store = SqlEventStore(engine)
@@ -180,7 +180,7 @@ def sustained_run(
     """The relay and the workers as processes while requests are appended at `rate` lifecycle
     events/s for `duration_s`; then every request's bill and lag, from the database."""
     topic = f"bench-{uuid.uuid4().hex[:8]}.events"
-    with _fresh_schema() as url:
+    with fresh_schema() as url:
         engine = create_engine_from_url(url)
         store = SqlEventStore(engine)
         _price(store)
