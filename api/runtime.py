@@ -303,14 +303,14 @@ class Runtime:
                     records = self.store.read_all(self.log_position, ADMISSION_READ)
                     if not records:
                         break
-                    self.log_position = records[-1].position
                     loop.call_soon_threadsafe(self._observe, records)
+                    self.log_position = records[-1].position
                     if len(records) < ADMISSION_READ:
                         break
                 self.log_error = None
-            except RuntimeError:  # the loop closed under us: the process is stopping
-                return
             except Exception as exc:
+                if loop.is_closed():  # call_soon_threadsafe refused: the process is stopping
+                    return
                 log.exception("log follower failed")
                 self.log_error = f"{type(exc).__name__}: {exc}"
 

@@ -33,6 +33,11 @@ ARCHITECTURE_AB = [
     "--output", "bench/results/architecture_ab.json",
 ]
 
+DISTRIBUTED_AB = [
+    "--distributed", "--closed-targets", "tollgate,distributed", "--no-litellm", "--no-open-loop",
+    "--connections", "16", "--output", "bench/results/distributed_ab.json",
+]
+
 # name, module, normal args, quick args, result JSON (None: the script prints only)
 BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
     (
@@ -76,6 +81,15 @@ BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
     ),
     ("output_prediction", "bench.output_prediction", [], ["--quick"], "output_prediction.json"),
     ("edges", "bench.edges", [], ["--runs", "1", "--duration", "5"], "edges.json"),
+    (
+        # The edge's CPU per request in the distributed mode (`tollgate api` + relay + a Kafka
+        # worker on PostgreSQL) against the embedded one (`tollgate serve`), paired per run.
+        "distributed_ab",
+        "bench.gateway",
+        [*DISTRIBUTED_AB, "--runs", "5"],
+        [*DISTRIBUTED_AB, "--quick"],
+        "distributed_ab.json",
+    ),
 ]
 
 
@@ -399,6 +413,17 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
                 f"{_fmt(v['tollgate_ms'], 3)} ms | baseline {_fmt(v['baseline_ms'], 3)} ms "
                 f"(paired ratio {v['tollgate_over_baseline']}; per run {per_run}) "
                 f"| ≤ {v['target'].removeprefix('<= ')} | {_verdict(v['met'])} |"
+            )
+        elif key.startswith("distributed_cpu"):
+            per_run = ", ".join(f"{r:.3f}" for r in v["distributed_over_embedded_per_run"])
+            rows.append(
+                f"| edge CPU/request, distributed ÷ embedded, "
+                f"{key.removeprefix('distributed_cpu_')} | `tollgate api` "
+                f"{_fmt(v['distributed_edge_ms'], 3)} ms (+ relay, worker, broker "
+                f"{_fmt(v['distributed_pipeline_ms'], 3)} ms) | `tollgate serve` edge "
+                f"{_fmt(v['embedded_edge_ms'], 3)} ms (with its fold worker "
+                f"{_fmt(v['embedded_total_ms'], 3)} ms); paired ratio "
+                f"{v['distributed_over_embedded']}, per run {per_run} | (comparison) | n/a |"
             )
         elif key.startswith("cpu_ratio"):
             rows.append(
@@ -735,6 +760,7 @@ RENDERERS = {
     "store_append": render_store,
     "gateway": render_gateway,
     "architecture_ab": render_gateway,
+    "distributed_ab": render_gateway,
     "fleet_ops": render_fleet_ops,
     "output_prediction": render_output_prediction,
     "pipeline": render_pipeline,

@@ -350,6 +350,12 @@ def tree_cpu_s(pid: int) -> float:
     return ticks / TICK
 
 
+def own_cpu_s(pid: int) -> float:
+    """utime+stime of pid itself (no children), in seconds."""
+    st = _stat(pid)
+    return (int(st[11]) + int(st[12])) / TICK if st else 0.0
+
+
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds of each thread of pid, summed by thread name (comm, 15 chars)."""
     out: dict[str, float] = {}
@@ -494,12 +500,15 @@ def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
 
 
 def start_tollgate(
-    upstream: str, data_dir: Path, log_dir: Path, tree: Path = ROOT, name: str = "tollgate"
+    upstream: str, data_dir: Path, log_dir: Path, tree: Path = ROOT, name: str = "tollgate",
+    command: str = "serve", env_extra: dict[str, str] | None = None,
 ) -> tuple[Proc, str, str]:
-    """`tollgate serve` of the checkout `tree` (its own .venv: for an A/B, another commit)."""
+    """`tollgate serve` of the checkout `tree` (its own .venv: for an A/B, another commit);
+    `command` "api" with TOLLGATE_DATABASE_URL in `env_extra`: an edge of the distributed mode."""
     port = free_port()
     env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
     env.pop("TOLLGATE_DATABASE_URL", None)
+    env.update(env_extra or {})
     # Another tree must import its own code: `python -m bench` puts this checkout on PYTHONPATH,
     # and the fold worker child (`python -m ...`) imports from its working directory.
     env.pop("PYTHONPATH", None)
@@ -508,7 +517,7 @@ def start_tollgate(
         name,
         [
             str(bin_dir / "tollgate"),
-            "serve",
+            command,
             "--replica",
             f"{MODEL}={upstream}",
             "--port",
@@ -546,6 +555,33 @@ def start_tollgate(
     )
     time.sleep(1.5)  # the control-plane follower picks the new limits up within 0.5 s
     return proc, url, key
+
+
+def start_distributed(
+    upstream: str, work: Path, stack: contextlib.ExitStack
+) -> tuple[Proc, str, str, list[Proc], tuple[int, ...]]:
+    """The distributed mode beside the embedded one: the development broker, a fresh
+    PostgreSQL schema, one `tollgate api` edge, `tollgate relay` and one Kafka `tollgate worker`.
+    Returns the edge, its URL and key, the relay and worker, and the pipeline's pids (relay,
+    worker, broker; the broker is stopped by `stack`)."""
+    from bench.pipeline import fresh_schema
+    from streams.dev_broker import DevBroker
+
+    broker = DevBroker(log_path=work / "bench-broker.log")
+    broker.start()
+    stack.callback(broker.stop)
+    url = stack.enter_context(fresh_schema())
+    env = {"TOLLGATE_DATABASE_URL": url, "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
+           "TOLLGATE_KAFKA_TOPIC": "bench-gateway.events"}  # fmt: skip
+    edge, edge_url, key = start_tollgate(
+        upstream, work / "data-distributed", work, name="distributed", command="api",
+        env_extra=env,
+    )  # fmt: skip
+    tollgate = str(ROOT / ".venv" / "bin" / "tollgate")
+    full_env = {**os.environ, **env}
+    pipeline = [Proc(name, [tollgate, name], full_env, work) for name in ("relay", "worker")]
+    pids = tuple(p.pid for p in pipeline) + ((broker.pid,) if broker.pid else ())
+    return edge, edge_url, key, pipeline, pids
 
 
 def start_litellm(venv: Path, upstream: str, log_dir: Path) -> tuple[Proc, str, str]:
@@ -687,15 +723,26 @@ def closed_loop_once(
     conns: int,
     seconds: float,
     warmup: float,
+    pipeline_pids: tuple[int, ...] = (),
 ) -> dict[str, Any]:
+    """`pipeline_pids`: other processes that work for this target (the distributed mode's
+    relay, worker and broker), measured beside it as `pipeline_cpu_ms_per_req`."""
     body = body_for(stream)
     if warmup > 0:
         run_wrk(url, body, auth, conns, warmup)
-    cpu0, up0 = tree_cpu_s(server_pid), tree_cpu_s(upstream_pid)
+
+    def pipeline_cpu() -> float:
+        return sum(tree_cpu_s(p) for p in pipeline_pids)
+
+    cpu0, up0, own0, pipe0 = (
+        tree_cpu_s(server_pid), tree_cpu_s(upstream_pid), own_cpu_s(server_pid), pipeline_cpu()
+    )  # fmt: skip
     th0 = thread_cpu_s(server_pid)
     w = run_wrk(url, body, auth, conns, seconds)
     th1 = thread_cpu_s(server_pid)
-    cpu1, up1 = tree_cpu_s(server_pid), tree_cpu_s(upstream_pid)
+    cpu1, up1, own1, pipe1 = (
+        tree_cpu_s(server_pid), tree_cpu_s(upstream_pid), own_cpu_s(server_pid), pipeline_cpu()
+    )  # fmt: skip
     n = max(1, w["requests"])
     # threads that ended during the run are in neither snapshot: their time shows in the total
     threads = {k: round((v - th0.get(k, 0.0)) * 1000 / n, 3) for k, v in th1.items()}
@@ -711,6 +758,9 @@ def closed_loop_once(
         "p99_ms": w["latency_us"]["p99"] / 1000,
         # no request finished: CPU per request is undefined, not CPU / 1
         "cpu_ms_per_req": round((cpu1 - cpu0) * 1000 / n, 3) if w["requests"] else None,
+        # the edge process alone, without its fold worker child (embedded mode)
+        "edge_cpu_ms_per_req": round((own1 - own0) * 1000 / n, 3) if w["requests"] else None,
+        "pipeline_cpu_ms_per_req": round((pipe1 - pipe0) * 1000 / n, 3) if w["requests"] else None,
         "upstream_cpu_ms_per_req": round((up1 - up0) * 1000 / n, 3),
         "server_cpu_cores": round((cpu1 - cpu0) / (w["duration_us"] / 1e6), 2),
         "server_thread_cpu_ms_per_req": threads,
@@ -759,10 +809,12 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "p50_ms",
         "p99_ms",
         "cpu_ms_per_req",
+        "edge_cpu_ms_per_req",
+        "pipeline_cpu_ms_per_req",
         "upstream_cpu_ms_per_req",
         "server_cpu_cores",
     )
-    out: dict[str, Any] = {k: med([r[k] for r in runs]) for k in keys}
+    out: dict[str, Any] = {k: med([r.get(k) for r in runs]) for k in keys}
     out["errors_total"] = sum(r["error_total"] for r in runs)
     names = {k for r in runs for k in r.get("server_thread_cpu_ms_per_req", {})}
     out["server_thread_cpu_ms_per_req"] = {
@@ -902,6 +954,12 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="like --baseline, on a checkout of this commit built under the temp dir",
     )
+    ap.add_argument(
+        "--distributed",
+        action="store_true",
+        help="also serve the distributed mode (one `tollgate api` edge on a fresh PostgreSQL "
+        "schema, the relay, one Kafka worker, the development broker) as target 'distributed'",
+    )
     args = ap.parse_args(argv)
 
     if args.cmd == "upstream":
@@ -935,6 +993,8 @@ def main(argv: list[str] | None = None) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tollgate-bench-gw-"))
     procs: list[Proc] = []
+    pipeline: dict[str, tuple[int, ...]] = {}  # target -> its pipeline's pids
+    stack = contextlib.ExitStack()
     deaths: list[dict[str, Any]] = []
     result: dict[str, Any] = {
         "benchmark": "gateway",
@@ -965,6 +1025,11 @@ def main(argv: list[str] | None = None) -> None:
             procs.append(base)
             targets["baseline"] = (base_url, base_key, base.pid)
             result["baseline"] = {"tree": str(tree), "commit": _commit(tree)}
+        if args.distributed:
+            edge, edge_url, edge_key, rest, pids = start_distributed(up_url, work, stack)
+            procs += [edge, *rest]
+            targets["distributed"] = (edge_url, edge_key, edge.pid)
+            pipeline["distributed"] = pids
         if use_litellm:
             ll, ll_url, ll_key = start_litellm(venv, up_url, work)
             procs.append(ll)
@@ -997,6 +1062,7 @@ def main(argv: list[str] | None = None) -> None:
                             c,
                             args.duration,
                             args.warmup,
+                            pipeline.get(name, ()),
                         )
                         raw_runs.setdefault((name, mode, c), []).append(r)
                         print(
@@ -1119,6 +1185,32 @@ def main(argv: list[str] | None = None) -> None:
                         "target": f"<= {AB_MAX_RATIO}",
                         "met": bool(ratio <= AB_MAX_RATIO) if ratio else None,
                     }
+        if "distributed" in closed and "tollgate" in closed:
+            for mode in modes:
+                for c in conns:
+                    # The edge process alone in both modes, paired within each run as above.
+                    pairs = [
+                        (d["edge_cpu_ms_per_req"], e["edge_cpu_ms_per_req"])
+                        for d, e in zip(
+                            raw_runs[("distributed", mode, c)],
+                            raw_runs[("tollgate", mode, c)],
+                            strict=True,
+                        )
+                        if d["edge_cpu_ms_per_req"] and e["edge_cpu_ms_per_req"]
+                    ]
+                    dist = closed["distributed"][mode][str(c)]
+                    emb = closed["tollgate"][mode][str(c)]
+                    ratio = med([a / b for a, b in pairs]) if pairs else None
+                    verdicts[f"distributed_cpu_{mode}_c{c}"] = {
+                        "distributed_edge_ms": dist["edge_cpu_ms_per_req"],
+                        "embedded_edge_ms": emb["edge_cpu_ms_per_req"],
+                        "distributed_over_embedded_per_run": [round(a / b, 3) for a, b in pairs],
+                        "distributed_over_embedded": ratio,
+                        "distributed_pipeline_ms": dist["pipeline_cpu_ms_per_req"],
+                        "embedded_total_ms": emb["cpu_ms_per_req"],
+                        "target": "(comparison)",
+                        "met": None,
+                    }
         for mode, per_rate in open_res.items():
             for rate_s, o in per_rate.items():
                 a = o["added_p99_ms"]
@@ -1159,6 +1251,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for p in reversed(procs):
             p.stop()
+        stack.close()
         result["logs"] = str(work)
         result["tollgate_deaths"] = deaths
         out = Path(args.output)
