@@ -121,6 +121,10 @@ class Edge:
         # nothing by the deadline (monotonic).
         self._stalled: dict[str, tuple[Flight, float]] = {}
 
+    def observed_types(self) -> frozenset[str]:
+        """What `observe` folds: a follower of the log need read no other event type."""
+        return self.quota.folded_types() | self.paths.folded_types()
+
     def observe(self, records: Sequence[Recorded]) -> None:
         """Fold events read back from the log (other edges' admissions, refunds, ends, bills)
         into this edge's quota and budget views. This edge's own events come back too: the

@@ -297,10 +297,11 @@ class Runtime:
         """Tail the event log for the edge's admission views (Edge.observe, on the event loop):
         what another edge admits counts here within ADMISSION_POLL_S plus one read, with no call
         on the admission path. This edge's own events come back too; the views skip them."""
+        types = sorted(self.edge.observed_types())
         while not self._stop.wait(ADMISSION_POLL_S):
             try:
                 while not self._stop.is_set():
-                    records = self.store.read_all(self.log_position, ADMISSION_READ)
+                    records = self.store.read_all(self.log_position, ADMISSION_READ, (), types)
                     if not records:
                         break
                     loop.call_soon_threadsafe(self._observe, records)

@@ -733,8 +733,8 @@ def render_edges(d: dict[str, Any]) -> list[str]:
         "decides alone on its view of the log (other edges' admissions folded every 50 ms).",
         "",
         "| edges | admitted ÷ allowed (median) | over-admitted (median) | per run: admitted / "
-        "allowed | admission-view lag at the end, s | target | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "allowed | flood req/s per run | admission-view lag at the end, s | target | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for n, per in (d.get("edges") or {}).items():
         runs = per.get("runs") or []
@@ -742,6 +742,8 @@ def render_edges(d: dict[str, Any]) -> list[str]:
         rows.append(
             f"| {n} | {_fmt(ratio, 3)} | {_fmt(per.get('over_admitted_median'), 1)} | "
             + "; ".join(f"{r['admitted']} / {r['allowed']}" for r in runs)
+            + " | "
+            + "; ".join(_fmt(sum(r["answers"].values()) / r["flood_s"], 0) for r in runs)
             + " | "
             + "; ".join(", ".join(_fmt(x, 3) for x in r["view_lag_s"]) for r in runs)
             + f" | ≤ {t} | {_verdict(_le(ratio, t))} |"

@@ -573,13 +573,16 @@ def start_distributed(
     url = stack.enter_context(fresh_schema())
     env = {"TOLLGATE_DATABASE_URL": url, "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
            "TOLLGATE_KAFKA_TOPIC": "bench-gateway.events"}  # fmt: skip
+    tollgate = str(ROOT / ".venv" / "bin" / "tollgate")
+    full_env = {**os.environ, **env}
+    # The pipeline first: the edge is ready only once a worker reports.
+    pipeline = [Proc(name, [tollgate, name], full_env, work) for name in ("relay", "worker")]
+    for proc in pipeline:
+        stack.callback(proc.stop)
     edge, edge_url, key = start_tollgate(
         upstream, work / "data-distributed", work, name="distributed", command="api",
         env_extra=env,
     )  # fmt: skip
-    tollgate = str(ROOT / ".venv" / "bin" / "tollgate")
-    full_env = {**os.environ, **env}
-    pipeline = [Proc(name, [tollgate, name], full_env, work) for name in ("relay", "worker")]
     pids = tuple(p.pid for p in pipeline) + ((broker.pid,) if broker.pid else ())
     return edge, edge_url, key, pipeline, pids
 
@@ -1026,8 +1029,8 @@ def main(argv: list[str] | None = None) -> None:
             targets["baseline"] = (base_url, base_key, base.pid)
             result["baseline"] = {"tree": str(tree), "commit": _commit(tree)}
         if args.distributed:
-            edge, edge_url, edge_key, rest, pids = start_distributed(up_url, work, stack)
-            procs += [edge, *rest]
+            edge, edge_url, edge_key, _, pids = start_distributed(up_url, work, stack)
+            procs.append(edge)  # the relay and worker stop with `stack`
             targets["distributed"] = (edge_url, edge_key, edge.pid)
             pipeline["distributed"] = pids
         if use_litellm:

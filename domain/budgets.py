@@ -280,6 +280,10 @@ class PathView:
 
     # --- folding ------------------------------------------------------------------------------
 
+    def folded_types(self) -> frozenset[str]:
+        """The event types `apply` folds (a reader of the log may skip every other)."""
+        return frozenset(kind.EVENT_TYPE for kind in self._handlers)
+
     def apply(self, recorded: Recorded) -> None:
         handler = self._handlers.get(type(recorded.event))
         if handler is not None:

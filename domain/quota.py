@@ -267,6 +267,10 @@ class QuotaView:
 
     # --- folding ------------------------------------------------------------------------------
 
+    def folded_types(self) -> frozenset[str]:
+        """The event types `apply` folds (a reader of the log may skip every other)."""
+        return frozenset(kind.EVENT_TYPE for kind in self._handlers)
+
     def apply(self, recorded: Recorded) -> None:
         """Fold one recorded event; events the quota does not depend on are ignored."""
         handler = self._handlers.get(type(recorded.event))

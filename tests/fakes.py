@@ -66,13 +66,16 @@ class InMemoryEventStore(EventStore):
             return [s.recorded() for s in self._streams.get(stream_id, ())]
 
     def read_all(
-        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
-    ) -> list[Recorded]:
-        prefixes = tuple(stream_prefixes)
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
+        event_types: Sequence[str] = (),
+    ) -> list[Recorded]:  # fmt: skip
+        prefixes, types = tuple(stream_prefixes), frozenset(event_types)
         with self._lock:
             tail = self._log[max(after_position, 0) :]
             if prefixes:
                 tail = [s for s in tail if s.row.stream_id.startswith(prefixes)]
+            if types:
+                tail = [s for s in tail if s.row.type in types]
             return [s.recorded() for s in tail[:limit]]
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:

@@ -99,8 +99,9 @@ class EventStore(Protocol):
     def read_stream(self, stream_id: str) -> list[Recorded]: ...
 
     def read_all(
-        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
-    ) -> list[Recorded]: ...
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
+        event_types: Sequence[str] = (),
+    ) -> list[Recorded]: ...  # fmt: skip
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]: ...
 

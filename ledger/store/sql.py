@@ -306,10 +306,12 @@ class SqlEventStore(EventStore):
         return self._read(_SELECT.where(c.stream_id == stream_id).order_by(c.stream_version))
 
     def read_all(
-        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = ()
-    ) -> list[Recorded]:
+        self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
+        event_types: Sequence[str] = (),
+    ) -> list[Recorded]:  # fmt: skip
         """The events after `after_position`, in position order; with `stream_prefixes`, only
-        those of streams starting with one of them (what a control-plane follower tails)."""
+        those of streams starting with one of them (what a control-plane follower tails); with
+        `event_types`, only events of those types (what a view folds: the rest is not read)."""
         c = events_table.c
         # Appends hold the events table's write lock until they commit, so positions become
         # visible in order and a reader tailing by position never steps past a late commit.
@@ -317,10 +319,12 @@ class SqlEventStore(EventStore):
         # cluster-wide: one long transaction in any database of the server would stall every
         # tailing fold. Measured here: a bulk load in another database stopped billing.)
         if not self._pg:
-            return self._sqlite_tail(after_position, limit, stream_prefixes)
+            return self._sqlite_tail(after_position, limit, stream_prefixes, event_types)
         query = _SELECT.where(c.position > after_position)
         if stream_prefixes:
             query = query.where(_prefixed(stream_prefixes))
+        if event_types:
+            query = query.where(c.type.in_(list(event_types)))
         return self._read(query.order_by(c.position).limit(limit))
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
@@ -373,23 +377,24 @@ class SqlEventStore(EventStore):
             return int(conn.execute(query).scalar() or 0)
 
     def _sqlite_tail(
-        self, after_position: int, limit: int, prefixes: Sequence[str]
+        self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = ()
     ) -> list[Recorded]:
         params: list[Any] = [after_position]
         for prefix in prefixes:
             params += [len(prefix), prefix]
-        params.append(limit)
+        params += [*types, limit]
         with self._connect() as conn:
             cursor = conn.connection.driver_connection.cursor()
             try:
-                rows = cursor.execute(sqlite.tail_sql(len(prefixes)), params).fetchall()
+                rows = cursor.execute(sqlite.tail_sql(len(prefixes), len(types)), params).fetchall()
             finally:
                 cursor.close()
         return [sqlite.recorded_from_row(r) for r in rows]
 
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
         with self._connect() as conn:
-            return [_stored_from_row(r).recorded() for r in conn.execute(query)]
+            rows = conn.execute(query).all()  # one fetch, not a driver call per row
+        return [_stored_from_row(r).recorded() for r in rows]
 
     def _connect(self) -> Any:
         return _Reading(self._engine)

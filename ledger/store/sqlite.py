@@ -36,10 +36,13 @@ _TAIL = (
 )
 
 
-def tail_sql(prefixes: int) -> str:
+def tail_sql(prefixes: int, types: int = 0) -> str:
     # substr, not LIKE: SQLite's LIKE ignores case, stream ids do not.
     where = " OR ".join("substr(stream_id, 1, ?) = ?" for _ in range(prefixes))
-    return _TAIL.format(f" AND ({where})" if prefixes else "")
+    kinds = ", ".join("?" for _ in range(types))
+    return _TAIL.format(
+        (f" AND ({where})" if prefixes else "") + (f" AND type IN ({kinds})" if types else "")
+    )
 
 
 def sqlite_instant(at: datetime) -> str:

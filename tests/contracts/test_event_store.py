@@ -291,6 +291,23 @@ def test_read_streams_with_prefix(store: EventStore) -> None:
     assert store.read_all(0, 10, stream_prefixes=("tenant%",)) == []
 
 
+def test_the_tail_reads_only_the_types_asked_for(store: EventStore) -> None:
+    # What an edge's admission views fold: a tail that skips the types they do not.
+    s = stream()
+    def routed() -> NewEvent:
+        return NewEvent(str(uuid.uuid4()), s, "acme", T0, RequestRouted(s, "replica", 1))
+
+    first = store.append(s, 0, [new(s), routed(), new(s), routed()])
+    kinds = ("RequestRouted",)
+    tail = store.read_all(0, 10, event_types=kinds)
+    assert [r.position for r in tail] == [first[1].position, first[3].position]
+    assert [r.position for r in store.read_all(first[1].position, 1, event_types=kinds)] == [
+        first[3].position
+    ]
+    assert store.read_all(0, 10, event_types=("NoSuchEvent",)) == []
+    assert len(store.read_all(0, 10, event_types=())) == 4  # no filter: every type
+
+
 def test_awkward_text_survives_the_round_trip(store: EventStore) -> None:
     s = "req-\\weird\tstream"
     detail = 'tab\there, newline\nthere, back\\slash, quote " and \u00e9\u4e2d\U0001f600 and \\N'
