@@ -299,8 +299,9 @@ def run(settings: DevClusterSettings) -> int:
 
 class FrontDoor:
     """One address in front of the edges: each client connection goes to the next edge in turn
-    and its bytes are copied both ways (a client that keeps its connection stays on one edge).
-    A development convenience on a thread of the supervisor, not a load balancer."""
+    and its bytes are copied both ways (a client that keeps its connection stays on one edge);
+    an edge that refuses connections is passed over. A development convenience on a thread of
+    the supervisor, not a load balancer (no health probes, no retries of a request)."""
 
     def __init__(self, host: str, port: int, edges: list[tuple[str, int]]) -> None:
         self.host, self.port, self.edges = host, port, edges
@@ -318,13 +319,17 @@ class FrontDoor:
         ).result(10)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        host, port = self.edges[next(self._turn)]
-        try:
-            edge_reader, edge_writer = await asyncio.open_connection(host, port)
-        except OSError:
-            writer.close()
+        # An edge that refuses the connection (killed, restarting) is passed over for the next:
+        # the client is turned away only when none takes it.
+        for _ in self.edges:
+            host, port = self.edges[next(self._turn)]
+            try:
+                edge_reader, edge_writer = await asyncio.open_connection(host, port)
+            except OSError:
+                continue
+            await asyncio.gather(_pipe(reader, edge_writer), _pipe(edge_reader, writer))
             return
-        await asyncio.gather(_pipe(reader, edge_writer), _pipe(edge_reader, writer))
+        writer.close()
 
     def stop(self) -> None:
         async def close() -> None:
