@@ -128,6 +128,23 @@ def decide(
 ) -> Admitted | Rejected:
     """Admit `cmd` under `limits` and charge `view` at once, or refuse it (charging nothing).
     `stale` says the folded view is behind: tokens/min then fails open and KV·s fails closed."""
+    granted = _admit(view, cmd, limits, stale, policy)
+    if isinstance(granted, Rejected):
+        return granted
+    estimate, rpm, tpm, clamped = granted
+    return Admitted(estimate, _info(rpm, tpm), clamped)
+
+
+# What `_admit` answers for an admission (charged already): the estimate, the requests/min
+# and tokens/min buckets after the charge, and whether max_tokens was clamped. A plain tuple:
+# the caller builds the one Admitted (a frozen dataclass costs more to build than a tuple).
+_Granted = tuple[Estimate, Bucket, Bucket, bool]
+
+
+def _admit(
+    view: QuotaView, cmd: ReserveQuota, limits: Limits, stale: bool, policy: AdmissionPolicy
+) -> _Granted | Rejected:
+    """`decide`'s rules, answering what its Admitted would be built from."""
     backoff = policy.backoff
     jitter = cmd.jitter
     if not 0.0 <= jitter < 1.0:
@@ -220,12 +237,13 @@ def decide(
             )
 
     view.charge(rid, key, now_s, windows, reserved, kv)
-    return Admitted(
+    return (
         Estimate(
             prompt, reserved_out, kv, cmd.tpot_us, out,
             cmd.predictor_version if predicted is not None else "",
         ),
-        _info(rpm, tpm),
+        rpm,
+        tpm,
         max_tokens is not None and max_tokens > max_output,
     )
 
@@ -256,43 +274,41 @@ def decide_on_path(
     output cap (the engine's max_tokens), never on a predicted output: a prediction narrows
     the tokens/min and KV·s charges, but a budget must hold whatever the engine produces."""
     narrowed = budgets.narrow(limits, path)
-    decision = decide(view, cmd, narrowed, stale=stale, policy=policy)
-    if isinstance(decision, Rejected):
-        return replace(decision, level="organization") if decision.reason != "invalid" else decision
-    est = decision.estimate
+    granted = _admit(view, cmd, narrowed, stale, policy)
+    if isinstance(granted, Rejected):
+        return replace(granted, level="organization") if granted.reason != "invalid" else granted
+    est, rpm, tpm, clamped = granted
     outcome = budgets.reserve(
         paths, path, cmd.request_id, cmd.model, est.reserved_tokens, est.kv_byte_seconds,
         budgets.max_cost_micros(price, est.prompt_tokens, est.max_output_tokens), cmd.now,
         cmd.jitter,
     )  # fmt: skip
-    rate_limits = _tightest(decision.rate_limits, outcome.requests, outcome.tokens)
+    # Before a refusal's void gives the organization's charge back: the figures are those
+    # after this decision's charge, as `decide` answers them.
+    rate_limits = _tightest(rpm, tpm, outcome.requests, outcome.tokens)
     if isinstance(outcome, budgets.PathRefused):
         view.void(cmd.request_id)
         return Rejected(
             outcome.reason, outcome.retry_after_s, outcome.detail, rate_limits, outcome.param,
             outcome.level, outcome.dimension,
         )  # fmt: skip
-    # replace(), not a new Admitted: whatever else `decide` answered is kept.
-    return replace(
-        decision, rate_limits=rate_limits, reserved=outcome.reserved,
-        starts_run=outcome.starts_run,
-    )  # fmt: skip
+    # The one Admitted, with what `decide` would have answered and what the path decided.
+    return Admitted(est, rate_limits, clamped, outcome.reserved, outcome.starts_run)
 
 
 def _tightest(
-    org: RateLimitInfo, requests: budgets.Rate | None, tokens: budgets.Rate | None
+    rpm: Bucket, tpm: Bucket, requests: budgets.Rate | None, tokens: budgets.Rate | None
 ) -> RateLimitInfo:
-    """Requests and tokens each from the level with the least remaining (the organization's
-    unless a level below it has less)."""
-    take_requests = requests is not None and requests[1] < org.remaining_requests
-    take_tokens = tokens is not None and tokens[1] < org.remaining_tokens
-    if not take_requests and not take_tokens:
-        return org
-    req = requests if take_requests and requests is not None else (
-        org.limit_requests, org.remaining_requests, org.reset_requests_ms
+    """Requests and tokens each from the level with the least remaining (the organization's,
+    from its buckets as `_info` reads them, unless a level below it has less). Built once,
+    from whichever level wins, rather than the organization's first and then again."""
+    org_requests = max(0, int(rpm.level))
+    org_tokens = max(0, int(tpm.level))
+    req = requests if requests is not None and requests[1] < org_requests else (
+        rpm.capacity, org_requests, rpm.reset_ms()
     )
-    tok = tokens if take_tokens and tokens is not None else (
-        org.limit_tokens, org.remaining_tokens, org.reset_tokens_ms
+    tok = tokens if tokens is not None and tokens[1] < org_tokens else (
+        tpm.capacity, org_tokens, tpm.reset_ms()
     )
     return RateLimitInfo(req[0], req[1], req[2], tok[0], tok[1], tok[2])
 

@@ -40,7 +40,7 @@ from domain.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.hierarchy import LevelRule, PathPolicy, Run, time_zone
+from domain.hierarchy import LevelRule, PathPlan, PathPolicy, Run, time_zone
 from domain.quota import TOMBSTONE_TTL_S, Bucket
 
 __all__ = [
@@ -135,6 +135,47 @@ class _Spend:
 _LevelKey = tuple[str, str, str]  # (tenant, level kind, level id)
 
 
+class _PathState:
+    """What a path's checks read in one view, for one model and one day: each check of its
+    plan with its own buckets, the KV·s key and the spend entries of its budgets (the
+    period's), and the keys and spend entries a charge updates. Looked up once per decision
+    instead of one dict lookup (and key tuple) per level, dimension and budget."""
+
+    __slots__ = ("plan", "model", "day", "month", "periods", "checks", "levels", "kv_levels",
+                 "rate_keys", "kv_keys", "cells")  # fmt: skip
+
+    def __init__(
+        self, view: PathView, plan: PathPlan, path: PathPolicy, model: str, now_s: float
+    ) -> None:
+        self.plan = plan
+        self.model = model
+        self.day, self.month = day, month = path.day, path.month
+        self.periods = (day, month)
+        # Buckets and spend entries made now rather than at their first check are the same:
+        # a new bucket is full (refilling it changes nothing) and a new entry holds zero. An
+        # existing bucket is left as it is: it is refilled when checked, as before.
+        checks = []
+        for rule, rpm, tpm, kv, budgets in plan.checks:
+            key = (rule.key, model)
+            checks.append((
+                rule, rpm, tpm, kv,
+                None if rpm is None else view._found_bucket(view._rpm, key, rpm, now_s),
+                None if tpm is None else view._found_bucket(view._tpm, key, tpm, now_s),
+                key,
+                tuple(
+                    (budget, view._spend_entry(rule.key, day if daily else month),
+                     day if daily else month)
+                    for budget, daily in budgets
+                ),
+            ))  # fmt: skip
+        self.checks = tuple(checks)
+        self.levels = path.level_keys
+        self.kv_levels = path.kv_keys
+        self.rate_keys = tuple((level, model) for level in path.level_keys)
+        self.kv_keys = tuple((level, model) for level in path.kv_keys)
+        self.cells = view._path_cells(path.level_keys, self.periods)
+
+
 class _Req:
     __slots__ = (
         "request_id", "tenant_id", "model", "levels", "kv_levels", "periods", "cells", "run",
@@ -143,13 +184,16 @@ class _Req:
         "admitted_s", "finished_s",
     )  # fmt: skip
 
-    def __init__(self, event: BudgetReserved, levels: tuple[_LevelKey, ...], at_s: float) -> None:
+    def __init__(
+        self, event: BudgetReserved, levels: tuple[_LevelKey, ...], periods: tuple[str, str],
+        at_s: float,
+    ) -> None:  # fmt: skip
         self.request_id = event.request_id
         self.tenant_id = event.tenant_id
         self.model = event.model
         self.levels = levels
         self.kv_levels = levels
-        self.periods = (event.day, event.month)
+        self.periods = periods
         self.cells: tuple[_Spend, ...] = ()
         self.run = (event.tenant_id, event.run_id) if event.run_id else None
         self.reserved_micros = event.reserved_micros
@@ -175,6 +219,8 @@ class PathView:
         self._kv: dict[tuple[_LevelKey, str], int] = {}
         self._spend: dict[tuple[_LevelKey, str], _Spend] = {}
         self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str]], tuple[_Spend, ...]] = {}
+        # plan -> its state for the model and day last decided (`_state`): rebuilt on demand.
+        self._states: dict[PathPlan, _PathState] = {}
         self._runs: dict[tuple[str, str], RunUsage] = {}
         self._run_defs: dict[tuple[str, str], Run] = {}  # runs this edge started itself
         self._requests: dict[str, _Req] = {}
@@ -339,8 +385,9 @@ class PathView:
                 stale.append(rid)
         for rid in stale:
             del self._requests[rid]
-        # A cache of the spend entries paths use (so yesterday's go): rebuilt on demand.
+        # Caches of the spend entries paths use (so yesterday's go): rebuilt on demand.
         self._cells.clear()
+        self._states.clear()
         return len(stale)
 
     # --- helpers ------------------------------------------------------------------------------
@@ -359,11 +406,10 @@ class PathView:
                 found.append((tenant, "project", event.project_id))
             found.append((tenant, "key", event.key_id))
             levels = tuple(found)
-        req = _Req(event, levels, at_s)
+        req = _Req(event, levels, (event.day, event.month), at_s)
         req.kv_levels = levels if kv_levels is None else kv_levels
         self._requests[event.request_id] = req
         model = event.model
-        spend = self._spend
         kv = self._kv
         kv_bytes = event.kv_byte_seconds
         for level in req.kv_levels:
@@ -378,19 +424,36 @@ class PathView:
                 tpm = self._tpm.get(key)
                 if tpm is not None:
                     tpm.level -= event.reserved_tokens
-        # The spend entries of a path and period pair, found once: every request of the path
-        # that day updates the same few objects.
-        cells_key = (levels, req.periods)
-        cells = self._cells.get(cells_key)
-        if cells is None:
-            found_cells = []
-            for level in levels:
-                for period in req.periods:
-                    entry = spend.get((level, period))
-                    if entry is None:
-                        entry = spend[(level, period)] = _Spend()
-                    found_cells.append(entry)
-            cells = self._cells[cells_key] = tuple(found_cells)
+        self._hold(event, req, self._path_cells(levels, req.periods))
+
+    def _take_on_path(self, event: BudgetReserved, at_s: float, state: _PathState) -> None:
+        """`charge` of an admission decided over a path, with the keys and spend entries its
+        state holds (the same updates as `_take`, without building them again)."""
+        if event.request_id in self._requests:
+            return
+        # The state's periods tuple, shared: one object fewer kept per admission (objects
+        # kept are what sets off the garbage collector, mid-decision).
+        req = _Req(event, state.levels, state.periods, at_s)
+        req.kv_levels = state.kv_levels
+        self._requests[event.request_id] = req
+        kv = self._kv
+        kv_bytes = event.kv_byte_seconds
+        for key in state.kv_keys:
+            kv[key] = kv.get(key, 0) + kv_bytes
+        if self._rpm:
+            rpms, tpms = self._rpm, self._tpm
+            tokens = event.reserved_tokens
+            for key in state.rate_keys:
+                rpm = rpms.get(key)
+                if rpm is not None:
+                    rpm.level -= 1.0
+                tpm = tpms.get(key)
+                if tpm is not None:
+                    tpm.level -= tokens
+        self._hold(event, req, state.cells)
+
+    def _hold(self, event: BudgetReserved, req: _Req, cells: tuple[_Spend, ...]) -> None:
+        """Reserve an admission's money in its spend entries and count it in its run."""
         req.cells = cells
         micros = event.reserved_micros
         for entry in cells:
@@ -401,7 +464,38 @@ class PathView:
                 run = self._runs[req.run] = RunUsage()
             run.calls += 1
             run.in_flight += 1
-            run.reserved_micros += event.reserved_micros
+            run.reserved_micros += micros
+
+    def _path_cells(
+        self, levels: tuple[_LevelKey, ...], periods: tuple[str, str]
+    ) -> tuple[_Spend, ...]:
+        """The spend entries of a path and period pair, found once: every request of the path
+        that day updates the same few objects."""
+        cells_key = (levels, periods)
+        cells = self._cells.get(cells_key)
+        if cells is None:
+            cells = self._cells[cells_key] = tuple(
+                self._spend_entry(level, period) for level in levels for period in periods
+            )
+        return cells
+
+    def _spend_entry(self, level: _LevelKey, period: str) -> _Spend:
+        entry = self._spend.get((level, period))
+        if entry is None:
+            entry = self._spend[(level, period)] = _Spend()
+        return entry
+
+    def _state(self, path: PathPolicy, model: str, now_s: float) -> _PathState:
+        """The state of a path's checks for this model and day (kept while it holds)."""
+        plan = path.plan
+        if plan is None:  # a policy not built by `Hierarchy.policy`: worked out, not kept
+            return _PathState(self, PathPlan(path.levels), path, model, now_s)
+        state = self._states.get(plan)
+        if state is None or not (
+            state.day == path.day and state.month == path.month and state.model == model
+        ):
+            state = self._states[plan] = _PathState(self, plan, path, model, now_s)
+        return state
 
     def _unreserve(self, req: _Req) -> None:
         micros = req.reserved_micros
@@ -455,6 +549,17 @@ class PathView:
         if run is not None:
             run.in_flight -= 1
 
+    @staticmethod
+    def _found_bucket(
+        buckets: dict[tuple[_LevelKey, str], Bucket], key: tuple[_LevelKey, str],
+        capacity: int, now_s: float,
+    ) -> Bucket:  # fmt: skip
+        """A level's bucket, made (full) if it is new; not refilled."""
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = Bucket(capacity, now_s)
+        return bucket
+
     def _bucket(
         self, buckets: dict[tuple[_LevelKey, str], Bucket], key: tuple[_LevelKey, str],
         capacity: int, now_s: float,
@@ -486,57 +591,52 @@ def reserve(
     requests: Rate | None = None
     tokens: Rate | None = None
     kv_of = view._kv
-    day, month = path.day, path.month
-    spend = view._spend
-    for rule in path.levels:
-        level = rule.key
-        own = rule.limits
-        if own is not None:
-            key = (level, model)
-            if own.rpm is not None:
-                rpm = view._bucket(view._rpm, key, own.rpm, now_s)
-                if rpm.level < 1.0:
-                    return _refused(
-                        "requests", rule, "rpm", backoff.retry_after_s(jitter, rpm.refill_s(1)),
-                        f"{own.rpm} requests/min for {model} at {rule.level.label}", requests,
-                        tokens,
-                    )  # fmt: skip
-                left = max(0, int(rpm.level) - 1)
-                if requests is None or left < requests[1]:
-                    requests = (rpm.capacity, left, rpm.reset_ms())
-            if own.tpm is not None:
-                tpm = view._bucket(view._tpm, key, own.tpm, now_s)
-                if reserved_tokens > tpm.capacity:
-                    return _refused(
-                        "invalid", rule, "tpm", 0,
-                        f"request needs {reserved_tokens} tokens, above the {tpm.capacity} "
-                        f"tokens/min limit of {rule.level.label}", requests, tokens,
-                        "max_tokens",
-                    )  # fmt: skip
-                if tpm.level < reserved_tokens:
-                    return _refused(
-                        "tokens", rule, "tpm",
-                        backoff.retry_after_s(jitter, tpm.refill_s(reserved_tokens)),
-                        f"{reserved_tokens} tokens reserved exceed the "
-                        f"{max(0, int(tpm.level))} left of {own.tpm} tokens/min for {model} at "
-                        f"{rule.level.label}", requests, tokens,
-                    )  # fmt: skip
-                left = max(0, int(tpm.level) - reserved_tokens)
-                if tokens is None or left < tokens[1]:
-                    tokens = (tpm.capacity, left, tpm.reset_ms())
-            if own.kv_gib_seconds is not None:
-                in_flight = kv_of.get(key, 0)
-                if in_flight and in_flight + kv_byte_seconds > own.kv_gib_seconds * GIB:
-                    return _refused(
-                        "concurrency", rule, "kv", backoff.retry_after_s(jitter),
-                        f"{in_flight / GIB:.1f} GiB·s in flight + "
-                        f"{kv_byte_seconds / GIB:.1f} GiB·s exceed the "
-                        f"{own.kv_gib_seconds} GiB·s concurrent KV limit of {rule.level.label}",
-                        requests, tokens,
-                    )  # fmt: skip
-        for budget in rule.budgets:
+    state = view._state(path, model, now_s)
+    # Only the levels that limit or budget something, with what they read found already.
+    for rule, rpm_limit, tpm_limit, kv_limit, rpm, tpm, key, budgets in state.checks:
+        if rpm is not None and rpm_limit is not None:  # (a bucket only where a limit is)
+            rpm.refill(now_s, rpm_limit)
+            if rpm.level < 1.0:
+                return _refused(
+                    "requests", rule, "rpm", backoff.retry_after_s(jitter, rpm.refill_s(1)),
+                    f"{rpm_limit} requests/min for {model} at {rule.level.label}", requests,
+                    tokens,
+                )  # fmt: skip
+            left = max(0, int(rpm.level) - 1)
+            if requests is None or left < requests[1]:
+                requests = (rpm.capacity, left, rpm.reset_ms())
+        if tpm is not None and tpm_limit is not None:
+            tpm.refill(now_s, tpm_limit)
+            if reserved_tokens > tpm.capacity:
+                return _refused(
+                    "invalid", rule, "tpm", 0,
+                    f"request needs {reserved_tokens} tokens, above the {tpm.capacity} "
+                    f"tokens/min limit of {rule.level.label}", requests, tokens,
+                    "max_tokens",
+                )  # fmt: skip
+            if tpm.level < reserved_tokens:
+                return _refused(
+                    "tokens", rule, "tpm",
+                    backoff.retry_after_s(jitter, tpm.refill_s(reserved_tokens)),
+                    f"{reserved_tokens} tokens reserved exceed the "
+                    f"{max(0, int(tpm.level))} left of {tpm_limit} tokens/min for {model} at "
+                    f"{rule.level.label}", requests, tokens,
+                )  # fmt: skip
+            left = max(0, int(tpm.level) - reserved_tokens)
+            if tokens is None or left < tokens[1]:
+                tokens = (tpm.capacity, left, tpm.reset_ms())
+        if kv_limit is not None:
+            in_flight = kv_of.get(key, 0)
+            if in_flight and in_flight + kv_byte_seconds > kv_limit * GIB:
+                return _refused(
+                    "concurrency", rule, "kv", backoff.retry_after_s(jitter),
+                    f"{in_flight / GIB:.1f} GiB·s in flight + "
+                    f"{kv_byte_seconds / GIB:.1f} GiB·s exceed the "
+                    f"{kv_limit} GiB·s concurrent KV limit of {rule.level.label}",
+                    requests, tokens,
+                )  # fmt: skip
+        for budget, spent, period_key in budgets:
             amount = budget.amount_micros
-            period_key = day if budget.period == "day" else month
             if micros > amount:
                 return _refused(
                     "invalid", rule, budget.period, 0,
@@ -544,8 +644,7 @@ def reserve(
                     f"{_PERIODLY[budget.period]} budget of {rule.level.label} "
                     f"({_usd(amount)} USD); lower max_tokens", requests, tokens, "max_tokens",
                 )  # fmt: skip
-            spent = spend.get((level, period_key))
-            if spent is not None and spent.reserved + spent.posted + micros > amount:
+            if spent.reserved + spent.posted + micros > amount:
                 reserved, posted = spent.reserved, spent.posted
                 if posted + micros <= amount:
                     # In-flight requests hold the room; their bills will give some of it back.
@@ -578,10 +677,10 @@ def reserve(
         starts_run = (tenant, run.run_id) not in view._runs
     event = BudgetReserved(
         request_id, tenant, path.key_id, path.workspace_id, path.project_id,
-        run.run_id if run else None, model, day, month, micros, reserved_tokens,
+        run.run_id if run else None, model, path.day, path.month, micros, reserved_tokens,
         kv_byte_seconds,
     )  # fmt: skip
-    view.charge(event, now_s, path.level_keys, path.kv_keys)
+    view._take_on_path(event, now_s, state)
     if run is not None:
         view.note_run(run)
     return PathAdmitted(event, requests, tokens, starts_run)

@@ -44,6 +44,7 @@ __all__ = [
     "Level",
     "LevelLimits",
     "LevelRule",
+    "PathPlan",
     "PathPolicy",
     "Run",
     "RunLimits",
@@ -108,9 +109,38 @@ def month_start(now: datetime, zone_name: str) -> datetime:
     return datetime(local.year, local.month, 1, tzinfo=local.tzinfo).astimezone(UTC)
 
 
+class PathPlan:
+    """The checks of one path, worked out once per (tenant, key, model) rather than per
+    decision: for each level that limits or budgets anything (org first), its rule, its own
+    requests/min, tokens/min and KV·s limits (None: not set) and its budgets, each with
+    whether it is daily. Levels with nothing set are left out: checking them is a no-op.
+
+    Hashed by identity, on purpose: `domain.budgets.PathView` keeps its per-path state (the
+    buckets and spend entries the checks read) under it, and an identity hash costs nothing
+    where a tuple of rules would hash every field of every level at every decision."""
+
+    __slots__ = ("checks",)
+
+    def __init__(self, rules: tuple[LevelRule, ...]) -> None:
+        checks = []
+        for rule in rules:
+            own = rule.limits
+            rpm = tpm = kv = None
+            if own is not None:
+                rpm, tpm, kv = own.rpm, own.tpm, own.kv_gib_seconds
+            budgets = tuple((budget, budget.period == "day") for budget in rule.budgets)
+            if rpm is not None or tpm is not None or kv is not None or budgets:
+                checks.append((rule, rpm, tpm, kv, budgets))
+        self.checks: tuple[
+            tuple[LevelRule, int | None, int | None, int | None, tuple[tuple[Budget, bool], ...]],
+            ...,
+        ] = tuple(checks)
+
+
 def _static_path(rules: tuple[LevelRule, ...]) -> tuple[Any, ...]:
     """What a path's policy keeps between decisions: its rules, their keys, the keys with a
-    KV·s limit, its workspace and project, and its tightest max_context / max_output."""
+    KV·s limit, its workspace and project, its tightest max_context / max_output, and its
+    plan."""
 
     def tightest(name: str) -> int | None:
         values = [getattr(r.limits, name) for r in rules if r.limits is not None]
@@ -129,6 +159,7 @@ def _static_path(rules: tuple[LevelRule, ...]) -> tuple[Any, ...]:
         ids.get("project"),
         tightest("max_context"),
         tightest("max_output"),
+        PathPlan(rules),
     )  # fmt: skip
 
 
@@ -232,6 +263,8 @@ class PathPolicy(NamedTuple):
     # The tightest level's (below the organization), None where no level sets one.
     max_context: int | None = None
     max_output: int | None = None
+    # The checks of `levels`, precomputed (None: `domain.budgets.reserve` works them out).
+    plan: PathPlan | None = None
 
     def level(self, kind: str) -> Level | None:
         for rule in self.levels:
@@ -273,6 +306,12 @@ class Hierarchy:
         # zone -> (day's first instant, next day's first instant (epoch s), day, month): the
         # periods of an instant, computed once a day per zone rather than per decision.
         self._days: dict[str, tuple[float, float, str, str]] = {}
+        # (tenant, key, model) -> the policy of the current day outside a run: a call outside a
+        # run gets the same (immutable) policy all day, so it is built once a day, not per call.
+        self._policies: dict[tuple[str, str, str], PathPolicy] = {}
+        # ... and the policy of the last run a call of the key belonged to (one per key, so
+        # a tenant's many runs do not pile up): the next call of the same run reuses it.
+        self._run_policies: dict[tuple[str, str, str], PathPolicy] = {}
         # Tenants with anything set below or beside their plan: only their requests are
         # decided over a path (the others pay nothing for this feature).
         self._governed: set[str] = set()
@@ -335,6 +374,8 @@ class Hierarchy:
                 return
         self._paths.clear()
         self._rules.clear()
+        self._policies.clear()
+        self._run_policies.clear()
 
     # --- questions ----------------------------------------------------------------------------
 
@@ -426,8 +467,17 @@ class Hierarchy:
         limits, or None when nothing is set for the tenant (and the run is None)."""
         if tenant_id not in self._governed and run is None:
             return None
-        t = self._tenant(tenant_id)
         cache_key = (tenant_id, key_id, model)
+        now_s = now.timestamp()
+        cached = (self._policies if run is None else self._run_policies).get(cache_key)
+        # Reused while it is the same run (the same Run: a run that ended, or whose policy
+        # came into force, is another object) and still the day it was built for (the same
+        # day window object: the same day and month).
+        if cached is not None and cached.run is run:
+            day_of = self._days.get(cached.zone_name)
+            if day_of is not None and day_of[0] <= now_s < day_of[1] and cached.day is day_of[2]:
+                return cached
+        t = self._tenant(tenant_id)
         found = self._rules.get(cache_key)
         if found is None:
             built = []
@@ -439,15 +489,16 @@ class Hierarchy:
                 )
             found = self._rules[cache_key] = _static_path(tuple(built))
         zone = t.zone_name
-        now_s = now.timestamp()
         day_of = self._days.get(zone)
         if day_of is None or not day_of[0] <= now_s < day_of[1]:
             day_of = self._days[zone] = _day_window(now, time_zone(zone))
-        rules, level_keys, kv_keys, workspace_id, project_id, context, output = found
-        return PathPolicy(
+        rules, level_keys, kv_keys, workspace_id, project_id, context, output, plan = found
+        policy = PathPolicy(
             tenant_id, key_id, rules, day_of[2], day_of[3], run, zone, level_keys, kv_keys,
-            workspace_id, project_id, context, output,
+            workspace_id, project_id, context, output, plan,
         )  # fmt: skip
+        (self._policies if run is None else self._run_policies)[cache_key] = policy
+        return policy
 
     def _resolved(
         self, tenant_id: str, key_id: str, model: str

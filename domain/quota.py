@@ -133,6 +133,8 @@ class QuotaView:
         self._rpm: dict[QuotaKey, Bucket] = {}
         self._tpm: dict[QuotaKey, Bucket] = {}
         self._kv: dict[QuotaKey, int] = {}
+        # One key tuple per tenant and model, shared by its requests (`charge`).
+        self._keys: dict[QuotaKey, QuotaKey] = {}
         self._requests: dict[str, _Request] = {}
         self._in_flight: dict[str, _Request] = {}
         self._orphan_estimates: dict[str, Recorded] = {}
@@ -222,6 +224,9 @@ class QuotaView:
         rpm, tpm = windows
         rpm.level -= 1.0
         tpm.level -= reserved_tokens
+        # The request keeps the shared key, not the caller's new tuple: one object fewer kept
+        # per admission (objects kept are what sets off the garbage collector, mid-decision).
+        key = self._keys.setdefault(key, key)
         self._kv[key] = self._kv.get(key, 0) + kv_byte_seconds
         request = _Request(request_id, key, at_s)
         request.reserved_tokens = reserved_tokens
