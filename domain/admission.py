@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import NamedTuple
 
 from domain import budgets
 from domain.backoff import BackoffPolicy
@@ -84,9 +85,9 @@ class ReserveQuota:
     predictor_version: str = ""  # the model behind `predicted_output_tokens`, for the record
 
 
-@dataclass(frozen=True, slots=True)
-class RateLimitInfo:
-    """The X-RateLimit-* figures of one decision: remaining after it; reset = ms until full."""
+class RateLimitInfo(NamedTuple):
+    """The X-RateLimit-* figures of one decision: remaining after it; reset = ms until full.
+    A named tuple: one is built per decision (a frozen dataclass costs several times more)."""
 
     limit_requests: int
     remaining_requests: int

@@ -142,7 +142,7 @@ class _PathState:
     instead of one dict lookup (and key tuple) per level, dimension and budget."""
 
     __slots__ = ("plan", "model", "day", "month", "periods", "checks", "levels", "kv_levels",
-                 "rate_keys", "kv_keys", "cells")  # fmt: skip
+                 "rate_keys", "kv_keys", "cells", "rpms", "tpms", "buckets_seen")  # fmt: skip
 
     def __init__(
         self, view: PathView, plan: PathPlan, path: PathPolicy, model: str, now_s: float
@@ -163,8 +163,8 @@ class _PathState:
                 None if tpm is None else view._found_bucket(view._tpm, key, tpm, now_s),
                 key,
                 tuple(
-                    (budget, view._spend_entry(rule.key, day if daily else month),
-                     day if daily else month)
+                    (budget.amount_micros, view._spend_entry(rule.key, day if daily else month),
+                     day if daily else month, budget)
                     for budget, daily in budgets
                 ),
             ))  # fmt: skip
@@ -174,6 +174,19 @@ class _PathState:
         self.rate_keys = tuple((level, model) for level in path.level_keys)
         self.kv_keys = tuple((level, model) for level in path.kv_keys)
         self.cells = view._path_cells(path.level_keys, self.periods)
+        self.rpms: tuple[Bucket, ...] = ()
+        self.tpms: tuple[Bucket, ...] = ()
+        self.buckets_seen = -1
+        self.find_buckets(view)
+
+    def find_buckets(self, view: PathView) -> None:
+        """The rate buckets a charge takes from: every bucket there is at the path's levels
+        for the model (not only those its own rules check), found again whenever the view
+        has made a bucket since."""
+        rpms, tpms = view._rpm, view._tpm
+        self.rpms = tuple(rpms[key] for key in self.rate_keys if key in rpms)
+        self.tpms = tuple(tpms[key] for key in self.rate_keys if key in tpms)
+        self.buckets_seen = view._buckets_made
 
 
 class _Req:
@@ -221,6 +234,7 @@ class PathView:
         self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str]], tuple[_Spend, ...]] = {}
         # plan -> its state for the model and day last decided (`_state`): rebuilt on demand.
         self._states: dict[PathPlan, _PathState] = {}
+        self._buckets_made = 0  # how many rate buckets exist: a state's lists are current
         self._runs: dict[tuple[str, str], RunUsage] = {}
         self._run_defs: dict[tuple[str, str], Run] = {}  # runs this edge started itself
         self._requests: dict[str, _Req] = {}
@@ -440,16 +454,14 @@ class PathView:
         kv_bytes = event.kv_byte_seconds
         for key in state.kv_keys:
             kv[key] = kv.get(key, 0) + kv_bytes
-        if self._rpm:
-            rpms, tpms = self._rpm, self._tpm
+        if self._rpm:  # (as `_take`: no rate charge while the view has no requests/min bucket)
+            if state.buckets_seen != self._buckets_made:
+                state.find_buckets(self)
+            for rpm in state.rpms:
+                rpm.level -= 1.0
             tokens = event.reserved_tokens
-            for key in state.rate_keys:
-                rpm = rpms.get(key)
-                if rpm is not None:
-                    rpm.level -= 1.0
-                tpm = tpms.get(key)
-                if tpm is not None:
-                    tpm.level -= tokens
+            for tpm in state.tpms:
+                tpm.level -= tokens
         self._hold(event, req, state.cells)
 
     def _hold(self, event: BudgetReserved, req: _Req, cells: tuple[_Spend, ...]) -> None:
@@ -549,26 +561,15 @@ class PathView:
         if run is not None:
             run.in_flight -= 1
 
-    @staticmethod
     def _found_bucket(
-        buckets: dict[tuple[_LevelKey, str], Bucket], key: tuple[_LevelKey, str],
+        self, buckets: dict[tuple[_LevelKey, str], Bucket], key: tuple[_LevelKey, str],
         capacity: int, now_s: float,
     ) -> Bucket:  # fmt: skip
         """A level's bucket, made (full) if it is new; not refilled."""
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = Bucket(capacity, now_s)
-        return bucket
-
-    def _bucket(
-        self, buckets: dict[tuple[_LevelKey, str], Bucket], key: tuple[_LevelKey, str],
-        capacity: int, now_s: float,
-    ) -> Bucket:  # fmt: skip
-        bucket = buckets.get(key)
-        if bucket is None:
-            bucket = buckets[key] = Bucket(capacity, now_s)
-        else:
-            bucket.refill(now_s, capacity)
+            self._buckets_made += 1
         return bucket
 
 
@@ -635,8 +636,7 @@ def reserve(
                     f"{kv_limit} GiB·s concurrent KV limit of {rule.level.label}",
                     requests, tokens,
                 )  # fmt: skip
-        for budget, spent, period_key in budgets:
-            amount = budget.amount_micros
+        for amount, spent, period_key, budget in budgets:
             if micros > amount:
                 return _refused(
                     "invalid", rule, budget.period, 0,
