@@ -291,6 +291,31 @@ def test_a_project_rpm_bounds_every_key_of_the_project_together() -> None:
     assert no.level == 'project "search-bot"' and no.dimension == "rpm"
 
 
+def test_a_level_limit_set_between_decisions_bounds_the_next_ones() -> None:
+    # The path's state (its buckets and spend entries) is kept between decisions: a limit set
+    # since must still be checked and charged from the next decision on.
+    org = tree()
+    admitted(org.ask())
+    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=2))
+    admitted(org.ask())
+    admitted(org.ask())
+    assert refused(org.ask(), "requests").level == 'project "search-bot"'
+
+
+def test_a_keys_policy_is_built_once_a_day_and_again_after_a_change() -> None:
+    org = tree()
+    tree_view = org.view.hierarchy
+    first = tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(0))
+    assert first is not None
+    assert tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(60)) is first
+    next_day = tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(24 * 3600))
+    assert next_day is not first and next_day is not None and next_day.day != first.day
+    org.do(h.SetBudget(b.TENANT, "key", b.KEY, "day", MAX_COST))
+    changed = tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(24 * 3600))
+    assert changed is not next_day and changed is not None
+    assert changed.levels[-1].budgets == (h.Budget("day", MAX_COST),)
+
+
 def test_a_level_max_output_clamps_the_reservation() -> None:
     org = tree()
     org.do(h.SetLevelLimits(b.TENANT, "key", b.KEY, MODEL, max_output=10))
