@@ -429,7 +429,7 @@ class PathView:
         for level in req.kv_levels:
             key = (level, model)
             kv[key] = kv.get(key, 0) + kv_bytes
-        if rate and self._rpm:
+        if rate and (self._rpm or self._tpm):  # (a level may limit tokens/min alone)
             for level in req.levels:
                 key = (level, model)
                 rpm = self._rpm.get(key)
@@ -454,7 +454,7 @@ class PathView:
         kv_bytes = event.kv_byte_seconds
         for key in state.kv_keys:
             kv[key] = kv.get(key, 0) + kv_bytes
-        if self._rpm:  # (as `_take`: no rate charge while the view has no requests/min bucket)
+        if self._rpm or self._tpm:  # (as `_take`: no rate charge while the view has no bucket)
             if state.buckets_seen != self._buckets_made:
                 state.find_buckets(self)
             for rpm in state.rpms:

@@ -323,6 +323,19 @@ def test_a_level_max_output_clamps_the_reservation() -> None:
     assert ok.estimate.reserved_output_tokens == 10 and ok.clamped_output
 
 
+def test_a_level_limiting_tokens_per_minute_alone_binds() -> None:
+    # No requests/min limit anywhere: the tokens/min bucket must still be charged.
+    org = tree()
+    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", tpm=450))
+    first = admitted(org.ask())
+    reserved = first.estimate.reserved_tokens
+    assert 450 // reserved >= 1
+    for _ in range(450 // reserved - 1):
+        admitted(org.ask())
+    no = refused(org.ask(), "tokens")
+    assert no.level == 'project "search-bot"' and no.dimension == "tpm"
+
+
 def test_a_level_tpm_too_small_for_the_request_is_invalid() -> None:
     org = tree()
     org.do(h.SetLevelLimits(b.TENANT, "workspace", "research", "*", tpm=150))
