@@ -64,6 +64,7 @@ CONTROL_POLL_S = 0.2
 ADMISSION_POLL_S = 0.05
 ADMISSION_CATCH_UP_EVENTS = 50_000
 ADMISSION_READ = 2_000
+LOG_RETRY_S = 1.0
 # How often streams are checked for a client that stopped reading: the slow-reader bound is the
 # timeout plus this.
 SLOW_READER_CHECK_S = 0.5
@@ -312,8 +313,9 @@ class Runtime:
             except Exception as exc:
                 if loop.is_closed():  # call_soon_threadsafe refused: the process is stopping
                     return
-                log.exception("log follower failed")
+                log.exception("log follower failed; trying again in %s s", LOG_RETRY_S)
                 self.log_error = f"{type(exc).__name__}: {exc}"
+                self._stop.wait(LOG_RETRY_S)  # a store that is down is not asked 20 times a second
 
     def _observe(self, records: list[Recorded]) -> None:
         self.edge.observe(records)

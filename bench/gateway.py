@@ -530,7 +530,11 @@ def start_tollgate(
         cwd=tree,
     )
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/readyz", 90, proc.p)
+    try:
+        wait_http(url + "/readyz", 90, proc.p)
+    except BaseException:
+        proc.stop()  # not handed to the caller yet: it would outlive the run
+        raise
     key = json.loads((data_dir / "demo-keys.json").read_text())["demo-enterprise"]
     subprocess.run(
         [
