@@ -213,6 +213,13 @@ def assert_billed_as_counted(
 def test_a_vllm_crash_mid_run_ends_each_request_once_and_the_gateway_recovers(
     gateway: Server, vllm_server: Any
 ) -> None:
+    try:
+        _crash_mid_run(gateway, vllm_server)
+    finally:
+        vllm_server.ensure_running()  # whatever failed, the session's later tests get an engine
+
+
+def _crash_mid_run(gateway: Server, vllm_server: Any) -> None:
     tenant = gateway.new_tenant("restart")
 
     def long_stream(results: list[tuple[str, int, bytes]]) -> None:
