@@ -37,10 +37,11 @@ from domain.backoff import engine_priority
 from domain.budgets import PathView
 from domain.control import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.events import Recorded, RunBudgetExhausted
+from domain.events import PreemptionRequested, Recorded, RunBudgetExhausted
 from domain.hierarchy import Run
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.quota import QuotaView
+from domain.remote_flex import RemoteFlex
 from domain.types import CancelReason
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
 from engine_adapter.fleet import Choice, Refusal, UnknownModel
@@ -113,6 +114,8 @@ class Edge:
         self.stream_buffer_chunks = stream_buffer_chunks
         # Every level below the organization, and the runs (domain.budgets).
         self.paths = paths or PathView(backoff=policy.backoff)
+        # Flex work other edges serve (from the log): what this edge may ask them to preempt.
+        self.others_flex = RemoteFlex(edge_id)
         self.auth = Authenticator(control)
         self.recorder = Recorder(events, metrics, clock=clock, new_id=new_id, commands=commands)
         self.in_flight: dict[str, Flight] = {}
@@ -123,15 +126,22 @@ class Edge:
 
     def observed_types(self) -> frozenset[str]:
         """What `observe` folds: a follower of the log need read no other event type."""
-        return self.quota.folded_types() | self.paths.folded_types()
+        return (
+            self.quota.folded_types() | self.paths.folded_types()
+            | self.others_flex.folded_types()
+        )
 
     def observe(self, records: Sequence[Recorded]) -> None:
         """Fold events read back from the log (other edges' admissions, refunds, ends, bills)
         into this edge's quota and budget views. This edge's own events come back too: the
-        views have already counted them and skip them."""
+        views have already counted them and skip them. A PreemptionRequested of a flex request
+        this edge serves preempts it here and now, as a preemption of its own router does."""
         for record in records:
             self.quota.apply(record)
             self.paths.apply(record)
+            self.others_flex.apply(record)
+            if type(record.event) is PreemptionRequested:
+                self._preemption_requested(record)
 
     def authenticate(self, authorization: str | None, scopes: frozenset[str]) -> Caller:
         return self.auth.authenticate(authorization, scopes)
@@ -277,6 +287,8 @@ class Edge:
             # Their KV is this request's: abort them now, without waiting for the aborts (the
             # engine serves this one first meanwhile: it has the lower `priority`).
             self.preempt(choice.preempt, request_id)
+            if choice.preempt_remote:
+                self._ask_to_preempt(choice.preempt_remote, request_id, choice.replica_id)
             self.metrics.preemptions_of(served, caller.tier).inc()
         if decision.starts_run and run is not None and run.implicit:
             self._start_run(run)
@@ -539,6 +551,31 @@ class Edge:
             self.metrics.flex_of(flight.model, flight.tier, "preempted").inc()
             if exchange is not None:  # else `_open` aborts it as soon as it is opened
                 self._background(self._preempt(flight, exchange))
+
+    def _ask_to_preempt(
+        self, request_ids: tuple[str, ...], for_request_id: str, replica_id: str
+    ) -> None:
+        """Flex requests another edge serves: ask for their preemption on their streams (in the
+        background: this request goes to the engine now, ahead of them by priority). Their edge
+        follows the log and preempts them within one poll of the append."""
+        for request_id in request_ids:
+            tenant_id = self.others_flex.tenant_of(request_id)
+            if tenant_id is None or not self.others_flex.ask(request_id):
+                continue
+            command = lifecycle.AskToPreempt(
+                requested_by=self.edge_id, preempted_for=for_request_id, replica_id=replica_id,
+                request_id=request_id,
+            )
+            self.recorder.ask(request_id, tenant_id, command)
+
+    def _preemption_requested(self, record: Recorded) -> None:
+        event = record.event
+        assert isinstance(event, PreemptionRequested)
+        flight = self.in_flight.get(event.request_id)
+        if flight is None or event.requested_by == self.edge_id:
+            return  # not served here (or over): its own edge, or nobody, answers it
+        self.recorder.observed(flight, record)
+        self.preempt((event.request_id,), event.preempted_for)
 
     async def _preempt(self, flight: Flight, exchange: ChatExchange) -> None:
         await _abort(exchange, flight.progress)  # the engine's count of what it had done

@@ -2,11 +2,12 @@
 in flight, its commands decided by `domain.lifecycle` and appended at the version they were
 decided on; refusals and lease renewals recorded the same way.
 
-The edge is the only writer of a request's stream while it serves it, so it decides on its own
-folded state and never reads the store on the request path. The one other writer is the lease
-sweeper, after the edge went silent for the lease TTL: if it expired the request first, the
-edge's append loses on the expected version, and the command handler decides again on the stored
-stream — where the request has already ended, which is said and counted, never silently dropped.
+The edge is the main writer of a request's stream while it serves it, so it decides on its own
+folded state and never reads the store on the request path. The other writers are the lease
+sweeper, after the edge went silent for the lease TTL, and another edge asking for a flex
+request's preemption (PreemptionRequested). Either way the edge's next append loses on the
+expected version, and the command handler decides again on the stored stream — where the
+request may have already ended, which is said and counted, never silently dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from api.metrics import Metrics
 from api.ports import EventSink
 from domain import leases, lifecycle
 from domain.errors import DomainError
-from domain.events import Event, LeaseProgress
+from domain.events import Event, LeaseProgress, Recorded
 from domain.prediction import RequestShape
 from domain.types import CancelReason
 from engine_adapter.exchange import ChatExchange
@@ -124,6 +125,47 @@ class Recorder:
         flight.pending = []
         flight.pending_commands = []
         return batch
+
+    def observed(self, flight: Flight, record: Recorded) -> None:
+        """Another writer's fact on a stream this edge serves (a PreemptionRequested), read from
+        the log: taken into the flight's state when nothing is staged on top of it, so that the
+        next append is at the right version. Otherwise that append loses the version race and
+        is decided again on the stored stream, as after the sweeper."""
+        if not flight.pending and record.stream_version == flight.state.version + 1:
+            flight.state = lifecycle.evolve(flight.state, record)
+
+    def ask(self, request_id: str, tenant_id: str, command: lifecycle.AskToPreempt) -> None:
+        """Ask for the preemption of a flex request another edge serves: decided on its stored
+        stream (this edge does not hold it), appended at the version folded, in the background.
+        An ask that finds it ended, or already asked for, records nothing."""
+        if self.commands is None:
+            self.metrics.append_failures.inc()
+            log.error("no command handler: cannot ask for the preemption of %s", request_id)
+            return
+        self._background(self._ask(request_id, tenant_id, command))
+
+    async def _ask(
+        self, request_id: str, tenant_id: str, command: lifecycle.AskToPreempt
+    ) -> None:
+        assert self.commands is not None
+        try:
+            handled = await asyncio.to_thread(
+                self.commands.handle,
+                request_id,
+                lambda state: lifecycle.decide(state, command),
+                request_stream(self.commands.store, request_id),
+                tenant_id=tenant_id,
+                at=self.clock(),
+            )
+        except DomainError as exc:
+            log.warning("preemption of %s not asked for: %s", request_id, exc.message)
+            return
+        except Exception:
+            self.metrics.append_failures.inc()
+            log.exception("asking for the preemption of %s failed", request_id)
+            return
+        for record in handled.records:
+            self.metrics.events_of(record.type).inc()
 
     # --- refusals and leases ----------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from api.metrics import Metrics
 from api.runs_service import RunService
 from api.scaling import Actuator, ScalingLoop
 from api.sessions import Sessions, load_secret
+from domain import remote_flex
 from domain.autoscale import ScalePolicy
 from domain.capacity import FlexPolicy
 from domain.events import Recorded
@@ -190,6 +191,8 @@ class Runtime:
         if not self.settings.fold_worker:
             # Its folds run elsewhere, so other edges may share the store: fold what they record.
             self.log_position = max(0, end - ADMISSION_CATCH_UP_EVENTS)
+            # Other edges' flex work on the shared replicas is preemptible from here too.
+            self.fleet.others_flex = self.edge.others_flex
             self._log_follower = threading.Thread(
                 target=self._follow_log, args=(loop,), name="tollgate-log", daemon=True
             )
@@ -305,7 +308,13 @@ class Runtime:
                     records = self.store.read_all(self.log_position, ADMISSION_READ, (), types)
                     if not records:
                         break
-                    loop.call_soon_threadsafe(self._observe, records)
+                    # The routes of other edges' flex requests (RequestRouted is not tailed:
+                    # one per request of every edge, for a few flex ones).
+                    flex = remote_flex.routes_to_read(records, self.edge_id)
+                    routed = remote_flex.routes(
+                        list(self.store.read_streams(flex).values()) if flex else []
+                    )
+                    loop.call_soon_threadsafe(self._observe, records, routed)
                     self.log_position = records[-1].position
                     if len(records) < ADMISSION_READ:
                         break
@@ -317,8 +326,10 @@ class Runtime:
                 self.log_error = f"{type(exc).__name__}: {exc}"
                 self._stop.wait(LOG_RETRY_S)  # a store that is down is not asked 20 times a second
 
-    def _observe(self, records: list[Recorded]) -> None:
+    def _observe(self, records: list[Recorded], routed: list[Recorded]) -> None:
         self.edge.observe(records)
+        if routed:
+            self.edge.observe(routed)
         lag = time.time() - records[-1].occurred_at.timestamp()
         self.metrics.admission_view_lag.set(max(0.0, lag))
 

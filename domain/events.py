@@ -175,6 +175,20 @@ class RequestPreempted(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class PreemptionRequested(Event):
+    """An edge that needs the KV of a flex request another edge serves asks that edge to preempt
+    it (`lifecycle.AskToPreempt`): the serving edge, following the log, aborts it at the engine
+    and ends it with RequestPreempted. Not a terminal: the request ends by its own edge's event
+    (or by lease expiry if that edge is gone)."""
+
+    EVENT_TYPE: ClassVar[str] = "PreemptionRequested"
+    request_id: str  # the flex request to preempt
+    requested_by: str  # the edge id that asked
+    preempted_for: str  # the interactive request that needs its room
+    replica_id: str  # where both run
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaRefunded(Event):
     EVENT_TYPE: ClassVar[str] = "QuotaRefunded"
     request_id: str
@@ -618,6 +632,7 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         RequestFailed,
         LeaseExpired,
         RequestPreempted,
+        PreemptionRequested,
         QuotaRefunded,
         UsageBilled,
         TenantRegistered,

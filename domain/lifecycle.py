@@ -18,6 +18,7 @@ from domain.events import (
     LeaseExpired,
     LeaseProgress,
     LeasesRenewed,
+    PreemptionRequested,
     QuotaRefunded,
     Recorded,
     RequestAdmitted,
@@ -60,6 +61,7 @@ __all__ = [
     "FailRequest",
     "ExpireLease",
     "PreemptRequest",
+    "AskToPreempt",
     "BillUsage",
     "Command",
     "decide",
@@ -118,6 +120,10 @@ class RequestState:
     tool_calls: int = 0
     service_tier: str = "default"  # default (interactive) | flex
     batch_item: str = ""  # "<batch id>/<custom_id>" when a batch runs it
+    # Another edge asked for this flex request's preemption (PreemptionRequested): its edge id,
+    # and the interactive request that needs the room. The first ask stands.
+    preemption_requested_by: str = ""
+    preemption_requested_for: str = ""
     version: int = 0
 
     @property
@@ -287,6 +293,19 @@ class PreemptRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AskToPreempt:
+    """Edge `requested_by` needs the KV this flex request holds on `replica_id` for the
+    interactive request `preempted_for`, and another edge serves it: the ask is a fact on the
+    request's stream, which its own edge follows and answers by preempting it (PreemptRequest)."""
+
+    requested_by: str
+    preempted_for: str
+    replica_id: str
+    request_id: str = ""
+    at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class BillUsage:
     """Post the ledger entry. `price` is the price in force at the request's admission instant
     (`ControlView.price(state.model, state.admitted_at)`): the customer is charged what the price
@@ -307,6 +326,7 @@ Command = (
     | FailRequest
     | ExpireLease
     | PreemptRequest
+    | AskToPreempt
     | BillUsage
 )
 
@@ -425,9 +445,38 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
                 ),
                 used=0,
             )
+        case AskToPreempt():
+            return _ask_to_preempt(state, command)
         case BillUsage():
             return (_bill(state, command),)
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _ask_to_preempt(state: RequestState, command: AskToPreempt) -> tuple[Event, ...]:
+    """At most one ask per request, and none once it ended: the asking edge decided on a view
+    of the log a poll old, so the request may have ended or been asked for by a third edge
+    meanwhile; both answer () (what was recorded stands), never a second terminal."""
+    if state.status in ("new", "rejected"):
+        raise DomainError("not_admitted", f"request is {state.status}, not admitted")
+    if state.terminal is not None or state.preemption_requested_by:
+        return ()
+    if state.service_tier != "flex":
+        raise DomainError(
+            "not_preemptible", "only a flex request is preempted", field="service_tier"
+        )
+    if state.replica_id is not None and command.replica_id != state.replica_id:
+        # A stale or corrupt view: the room would not be freed where it is needed.
+        raise DomainError(
+            "not_on_replica", f"request runs on {state.replica_id}, not {command.replica_id}",
+            field="replica_id",
+        )
+    if not command.requested_by or not command.preempted_for:
+        raise DomainError("missing_field", "an ask names its edge and the request it serves")
+    return (
+        PreemptionRequested(
+            state.request_id, command.requested_by, command.preempted_for, command.replica_id
+        ),
+    )
 
 
 def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
@@ -784,6 +833,19 @@ def _billed(state: RequestState, event: Any, version: int, at: datetime) -> Requ
     )
 
 
+def _preemption_requested(
+    state: RequestState, event: Any, version: int, at: datetime
+) -> RequestState:
+    assert isinstance(event, PreemptionRequested)
+    if state.preemption_requested_by:  # the first ask stands (decide never records a second)
+        return _with(state, version=version)
+    return _with(
+        state, version=version, request_id=event.request_id,
+        preemption_requested_by=event.requested_by,
+        preemption_requested_for=event.preempted_for,
+    )  # fmt: skip
+
+
 def _rejected(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
     assert isinstance(event, RequestRejected)
     if state.status != "new":
@@ -823,6 +885,7 @@ _EVOLVERS: Final[dict[type[Event], Callable[[RequestState, Any, int, datetime], 
     RequestFailed: _terminal("failed"),
     LeaseExpired: _terminal("lease_expired"),
     RequestPreempted: _terminal("preempted"),
+    PreemptionRequested: _preemption_requested,
     QuotaRefunded: _refunded,
     UsageBilled: _billed,
     BudgetReserved: _budgeted,

@@ -14,6 +14,7 @@ from domain.events import (
     FirstTokenStreamed,
     LeaseExpired,
     LeasesRenewed,
+    PreemptionRequested,
     QuotaRefunded,
     Recorded,
     RequestAdmitted,
@@ -129,6 +130,11 @@ def replay(
                 f"preempted for {event.preempted_for}: a flex request stopped at the engine to "
                 f"make room for interactive work after {event.completion_tokens} completion "
                 "tokens; refunded in full, billed nothing (preemption waste)"
+            )
+        elif isinstance(event, PreemptionRequested):
+            note = (
+                f"edge {event.requested_by} asked for this flex request's preemption, for "
+                f"{event.preempted_for} on {event.replica_id}; the edge serving it preempts it"
             )
         elif isinstance(event, UsageBilled):
             t.bill = to_payload(event)

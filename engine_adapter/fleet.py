@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
@@ -25,6 +26,7 @@ from domain.capacity import (
     CapacityRefusal,
     FlexPolicy,
     Placement,
+    Preemption,
     ReplicaLoad,
     effective_occupancy_ppm,
     place,
@@ -55,6 +57,10 @@ class Choice:
     # their KV to it. The caller preempts them (`Edge.preempt`); the router already counts their
     # KV as free.
     preempt: tuple[str, ...] = ()
+    # Those of them that another edge serves (from `Fleet.others_flex`): the caller asks for
+    # their preemption through the log, and tells `others_flex.ask`, which then counts their
+    # KV as being freed.
+    preempt_remote: tuple[str, ...] = ()
 
     @property
     def replica_id(self) -> str:
@@ -144,6 +150,19 @@ class ReplicaState:
         return ReplicaLoad(self.replica_id, occupancy, self.reserved_only, flex)
 
 
+class OthersFlex(Protocol):
+    """Flex work that other edges serve on the replicas (`domain.remote_flex.RemoteFlex`, folded
+    from the shared log): consulted only when an interactive request found no room."""
+
+    def preemptible(self, replica_id: str) -> tuple[tuple[str, int], ...]:
+        """(request id, estimated KV tokens) of those no edge asked to preempt, oldest first."""
+        ...
+
+    def asked_tokens(self, replica_id: str) -> int:
+        """The KV tokens of those asked to preempt that have not ended yet."""
+        ...
+
+
 class Fleet:
     """Registry, scraper and router. One per gateway process; all methods run on one event loop."""
 
@@ -171,6 +190,9 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
         self._tick = 0
         self._tpot: dict[str, tuple[int, int, float]] = {}  # model -> (p95_us, samples, at)
+        # Flex work of other edges sharing these replicas (set by the wiring when edges share a
+        # store); None: this router's own flex work is all it may preempt.
+        self.others_flex: OthersFlex | None = None
 
     # -- registry
 
@@ -356,11 +378,17 @@ class Fleet:
             else place(tier, loads, rng.sample)
         )
         victims: tuple[str, ...] = ()
+        remote: tuple[str, ...] = ()
         if isinstance(decision, CapacityRefusal) and not flex:
             plan = preemption_plan(tier, loads)
+            if plan is None and self.others_flex is not None:
+                decision, plan = self._with_others_flex(tier, routable, rng, decision)
             if plan is not None:
                 victims = plan.victims
-                self._free(routable[plan.replica_id], set(victims), now)
+                s = routable[plan.replica_id]
+                own = {rid for rid, _ in s.flex.values()}
+                remote = tuple(v for v in victims if v not in own)
+                self._free(s, own.intersection(victims), now)
                 decision = Placement(plan.replica_id, plan.occupancy_ppm)
         if isinstance(decision, CapacityRefusal):
             return Refusal(
@@ -378,7 +406,38 @@ class Fleet:
         s.inflight_tokens += tokens
         if flex:
             s.flex[dispatch_id] = (request_id, tokens)
-        return Choice(s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims)
+        return Choice(s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims, remote)
+
+    def _with_others_flex(
+        self, tier: str, routable: dict[str, ReplicaState], rng: random.Random,
+        refused: CapacityRefusal,
+    ) -> tuple[Placement | CapacityRefusal, Preemption | None]:
+        """The interactive request again, with the flex work other edges serve counted: the KV
+        of what some edge already asked to preempt as free (it is being aborted), and the rest
+        as preemptible behind this router's own flex work (which is aborted first: at once,
+        where another edge's takes a trip through the log)."""
+        others = self.others_flex
+        assert others is not None
+        loads, widened = [], False
+        for s in routable.values():
+            load = s.load()
+            theirs = others.preemptible(s.replica_id)
+            asked = others.asked_tokens(s.replica_id)
+            cap = s.capacity_tokens
+            if (theirs or asked) and cap > 0:
+                widened = True
+                load = ReplicaLoad(
+                    load.replica_id, max(0, load.occupancy_ppm - asked * PPM // cap),
+                    load.reserved_only,
+                    (*((rid, tokens * PPM // cap) for rid, tokens in theirs), *load.flex),
+                )
+            loads.append(load)
+        if not widened:
+            return refused, None
+        placed = place(tier, loads, rng.sample)
+        if isinstance(placed, Placement):
+            return placed, None
+        return refused, preemption_plan(tier, loads)
 
     def _free(self, s: ReplicaState, victims: set[str], now: float) -> None:
         """Stop counting the victims as flex work there, and count their KV as free until a

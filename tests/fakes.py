@@ -202,6 +202,7 @@ class FakeFleet:
         self.full_models: set[str] = set()  # these models do
         self.flex_full = False  # no idle capacity for flex work
         self.preempt_next: tuple[str, ...] = ()  # the next Choice preempts these requests
+        self.preempt_remote_next: tuple[str, ...] = ()  # ... of which another edge serves these
         self.released: list[Choice] = []
         self._ids = itertools.count(1)
 
@@ -224,7 +225,8 @@ class FakeFleet:
         if service_tier == "flex" and self.flex_full:
             return Refusal(model, "over_ceiling", 500_000, 600_000)
         preempt, self.preempt_next = self.preempt_next, ()
-        return Choice(replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt)  # type: ignore[arg-type]
+        remote, self.preempt_remote_next = self.preempt_remote_next, ()
+        return Choice(replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt, remote)  # type: ignore[arg-type]
 
     def release(self, choice: Choice) -> None:
         self.released.append(choice)
