@@ -151,13 +151,15 @@ def test_an_interactive_request_on_one_edge_preempts_flex_work_another_edge_serv
 
         # The bound: A decides without waiting (its request goes to the engine at once, ahead
         # of flex work by priority); the flex KV is freed one log poll plus an abort later.
+        # (Instants are the deciders' clocks: A's admission, A's ask before its append, B's
+        # RequestPreempted after the engine confirmed the abort.)
         ask_s = (asked_at - admitted_a_at).total_seconds()
-        abort_s = (preempted_at - asked_at).total_seconds()
-        print(f"\nask appended {ask_s * 1000:.0f} ms after A's admission; B preempted "
-              f"{abort_s * 1000:.0f} ms after the ask; A's client waited {waited_s:.2f} s")
-        # Loose on purpose (a shared, loaded test machine): the design bound is 50 ms + two
-        # store round trips + the abort; a second would mean polling or waiting went wrong.
-        assert 0 <= ask_s < 1.0 and 0 <= abort_s < 1.0
+        total_s = (preempted_at - admitted_a_at).total_seconds()
+        print(f"\nask decided {ask_s * 1000:.0f} ms after A's admission; B recorded the "
+              f"preemption {total_s * 1000:.0f} ms after it; A's client waited {waited_s:.2f} s")
+        # Loose on purpose (a shared, loaded test machine): the design bound is one 50 ms poll
+        # + the ask's append + the abort; a second would mean something polled or waited.
+        assert 0 <= ask_s <= total_s < 1.0
 
         flex_bill = poll("the flex request's bill", lambda: _bill(engine, flex_id), timeout=30)
         assert flex_bill.terminal == "preempted" and flex_bill.amount_micros == 0
