@@ -299,3 +299,17 @@ def test_the_edge_needing_the_room_admits_at_once_and_asks_on_the_flex_stream() 
         assert h.edge.others_flex.asked_tokens("replica-1") > 0
 
     run(t)
+
+
+def test_support_sees_the_ask_in_the_replay_of_the_flex_request() -> None:
+    from domain.replay import replay
+
+    preempted = RequestPreempted(b.RID, 812, 40, 0, "replica-1", "req-interactive")
+    records = b.stream(*FLEX_ROUTED, ASKED, preempted, b.refunded(refunded_tokens=1800,
+                                                                  used_tokens=0))  # fmt: skip
+    timeline = replay(b.RID, records, None, b.at(60))
+    (step,) = [s for s in timeline.steps if s.type == "PreemptionRequested"]
+    assert "edge-a" in step.note and "req-interactive" in step.note
+    assert step.status_after == "routed"
+    assert timeline.state.status == "preempted"
+    assert [a.kind for a in timeline.anomalies] == ["not_billed"]  # no bill in this stream yet
