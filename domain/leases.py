@@ -28,6 +28,10 @@ LEASE_RENEW_S: Final = 0.5
 LEASE_TTL_S: Final = 15
 
 _TERMINALS: Final = frozenset(TERMINAL_EVENTS)
+# The only event types `LeaseBook.apply` folds: a tail feeding it reads nothing else.
+LEASE_EVENT_TYPES: Final = frozenset(
+    cls.EVENT_TYPE for cls in (RequestAdmitted, LeasesRenewed, *TERMINAL_EVENTS)
+)
 
 
 def edge_stream(edge_id: str) -> str:

@@ -26,7 +26,9 @@ _READ = sa.text(
     "tenant_id, occurred_at, type, version, payload FROM events "
     "WHERE (txid, position) > (CAST(CAST(:txid AS text) AS xid8), :position) "
     "AND txid < pg_snapshot_xmin(pg_current_snapshot()) "
-    "ORDER BY txid, position LIMIT :limit"
+    # By the columns, not the output's bigint `txid`: that alias would sort every row after the
+    # key instead of reading the index in order up to the limit.
+    "ORDER BY events.txid, events.position LIMIT :limit"
 )
 _BACKLOG = sa.text(
     "SELECT count(*) FROM events WHERE (txid, position) > "

@@ -185,6 +185,21 @@ class ProjectionRunner:
             else:
                 self._replace(conn, rows)
 
+    def insert_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
+        """Like `apply_claimed`, for records each creating a row the caller knows is absent
+        (one per key): one INSERT, no read and no delete. A row that exists fails the
+        caller's transaction (the key's UNIQUE index) rather than being replaced."""
+        spec = self._spec
+        rows = []
+        for record in records:
+            key = spec.key(record)
+            row = None if key is None else spec.project(None, record)
+            if key is not None and row is not None:
+                self._check_row(key, row, record)
+                rows.append(row)
+        if rows:
+            conn.execute(self._table.insert(), rows)
+
     def _fold(self, conn: sa.Connection, fresh: Sequence[Recorded]) -> dict[Key, Row | None]:
         spec = self._spec
         keyed = [(k, r) for r in fresh if (k := spec.key(r)) is not None]

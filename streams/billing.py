@@ -20,7 +20,7 @@ from domain import lifecycle
 from domain.billing import Bill, bill_terminal
 from domain.control import ControlView
 from domain.errors import DomainError
-from domain.events import TERMINAL_TYPES, Event, Recorded, RequestAdmitted
+from domain.events import TERMINAL_TYPES, Event, Recorded, RequestAdmitted, UsageBilled
 from ledger import faults
 from ledger.checkpoints import Checkpoints
 from ledger.commands import CommandHandler, Decision, Handled, request_stream
@@ -83,6 +83,12 @@ class BillingFold:
         """Fold `fresh` (each request's events in its order; position order across requests
         is not needed: a Kafka worker hands in several partitions) and commit a bill for every
         request they end; returns how many bills were decided. No checkpoint moves here."""
+        return self.bill_recorded(fresh)[0]
+
+    def bill_recorded(self, fresh: list[Recorded]) -> tuple[int, list[Recorded]]:
+        """`bill`, also answering the bills as stored (with their positions): those just
+        appended and those the store already held (a redelivered terminal event), so a caller
+        can write their ledger rows without waiting for the bills to come back through a log."""
         # The whole batch is folded before anything is decided: a terminal event is appended
         # with its refund after it, so a bill decided at the terminal record would be one event
         # behind its stream, lose the version race and cost a read of the stream to decide again.
@@ -96,10 +102,12 @@ class BillingFold:
             decision = self._decide(rid, self.states.pop(rid, None))
             if decision is not None:
                 decisions.append(decision)
+        stored: list[Recorded] = []
         if decisions:
-            self.commands.append_decided(decisions)
+            for handled in self.commands.append_decided(decisions):
+                stored.extend(r for r in handled.records if type(r.event) is UsageBilled)
             faults.point("billing.after_append", position=fresh[-1].position)
-        return len(decisions)
+        return len(decisions), stored
 
     def _track(self, record: Recorded) -> None:
         rid = record.stream_id

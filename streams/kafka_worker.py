@@ -9,12 +9,15 @@ worker that holds that tenant). Each batch:
 2. bills the requests they end (`BillingFold.bill`: deterministic bill ids and the request
    stream's expected version make a repeated bill a no-op in the store);
 3. in one PostgreSQL transaction: claims the batch (locks this group's offsets of its partitions
-   and drops records already applied), writes the read models' rows for what is left, and saves
-   the offsets — rows and offsets commit together, so no redelivery applies a row twice.
+   and drops records already applied), writes the read models' rows for what is left, posts
+   the bills of the requests it ends (their ledger rows and usage_hourly shares, from the bills
+   as stored), and saves the offsets — rows and offsets commit together, so no redelivery
+   applies a row twice.
 
-The bills a batch appends come back through the relay and are projected into `ledger_entries`
-by whichever worker holds their tenant. A worker killed at any point repeats at most its batch:
-bills already in the store are answered as already there, rows not committed are written once.
+The bills a batch appends also come back through the relay; the worker holding their tenant
+posts one only if its ledger row does not exist yet (a row exists only once its bill is posted).
+A worker killed at any point repeats at most its batch: bills already in the store are answered
+as already there, rows not committed are written once.
 
 The sweeper needs every edge's renewals, which are one stream per edge, not per tenant, so it
 cannot be split by tenant partition: each worker runs it over the store through `SqlTail`
@@ -36,7 +39,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from domain.control import ControlView
-from domain.leases import LEASE_TTL_S
+from domain.events import TERMINAL_TYPES, Recorded, UsageBilled
+from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
 from ledger import faults
 from ledger.checkpoints import Checkpoints
@@ -44,6 +48,7 @@ from ledger.control import ControlLog
 from ledger.engine import WRITE, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
+from ledger.schema import ledger_entries
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.consumer import Batch, EventConsumer
@@ -80,14 +85,18 @@ class KafkaFoldWorker:
         self.control = ControlView()
         self.control_log = ControlLog(self.store, self.control)
         self.billing = BillingFold(self.store, Checkpoints(engine), self.control)
-        self.runners = [
-            ProjectionRunner(engine, self.store, spec)
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
-        ]
+        self.request_log = ProjectionRunner(engine, self.store, REQUEST_LOG)
+        self.usage_hourly = ProjectionRunner(engine, self.store, USAGE_HOURLY)
+        self.ledger = ProjectionRunner(engine, self.store, LEDGER_ENTRIES)
         self.sweeper = LeaseSweeper(
             self.store, ttl_s=lease_ttl_s, on_expired=IdempotencyStore(engine).release_request
         )
-        self.leases = SqlTail(self.store, engine, f"{name}-leases")
+        # Only what the lease book folds: the sweeper's tail is every worker's read of the whole
+        # store, and decoding the rest of it (routing, first tokens, bills) was most of a worker's
+        # CPU at load.
+        self.leases = SqlTail(
+            self.store, engine, f"{name}-leases", event_types=LEASE_EVENT_TYPES
+        )
         self.folded = 0  # records applied by this process
         self.bills = 0
         self.errors: dict[str, str] = {}
@@ -115,19 +124,47 @@ class KafkaFoldWorker:
     def _apply(self, batch: Batch) -> int:
         self.control_log.follow()  # prices in force at admission, before billing with them
         records = [d.record for d in batch.deliveries]
-        self.bills += self.billing.bill(records)
+        billed, bills = self.billing.bill_recorded(records)
+        self.bills += billed
         if records:
             faults.point("kafka.after_bills", records=len(records))
         with self.engine.connect() as conn:
             conn.execution_options(**{WRITE: True})
             with conn.begin():
                 fresh = [d.record for d in self.consumer.claim(conn, batch)]
-                for runner in self.runners:
-                    runner.apply_claimed(conn, fresh)
+                ended = {r.stream_id for r in fresh if r.type in TERMINAL_TYPES}
+                # The bills of the requests this transaction ends, and the bills the topic
+                # brings back, posted once each: a ledger row is written in the transaction
+                # that adds its bill to usage_hourly, so "the row exists" is "it was posted".
+                posted = self._unposted(
+                    conn,
+                    [bill for bill in bills if bill.stream_id in ended]
+                    + [r for r in fresh if type(r.event) is UsageBilled],
+                )
+                self.request_log.apply_claimed(conn, fresh)
+                self.usage_hourly.apply_claimed(conn, posted)
+                self.ledger.insert_claimed(conn, posted)
                 self.consumer.commit(conn, batch)
                 faults.point("kafka.before_commit", records=len(fresh))
-        self.metrics.observe_ledger_rows(fresh, datetime.now(UTC))
+        self.metrics.observe_ledger_rows(posted, datetime.now(UTC))
         return len(fresh)
+
+    @staticmethod
+    def _unposted(conn: sa.Connection, bills: list[Recorded]) -> list[Recorded]:
+        """`bills` (one per request) whose ledger row does not exist yet. Inside the claim's
+        transaction: a bill and its terminal event share a partition, whose offsets row the
+        claim locked, so no other worker posts one of these meanwhile."""
+        first = {bill.stream_id: bill for bill in reversed(bills)}
+        if not first:
+            return []
+        posted = set(
+            conn.execute(
+                sa.select(ledger_entries.c.request_id).where(
+                    ledger_entries.c.request_id.in_(list(first))
+                )
+            ).scalars()
+        )
+        return [bill for rid, bill in first.items() if rid not in posted]
 
     def sweep(self) -> None:
         """Follow the store's new events into the lease book, then expire the silent leases."""
@@ -135,7 +172,8 @@ class KafkaFoldWorker:
             batch = self.leases.poll(2000, 0)
             for d in batch.deliveries:
                 self.sweeper.apply(d.record)
-                self.sweeper.position = d.record.position
+            if 0 in batch.next_offsets:
+                self.sweeper.position = batch.next_offsets[0]
             if len(batch) < 2000:
                 break
         self.sweeper.sweep(datetime.now(UTC))

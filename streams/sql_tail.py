@@ -5,6 +5,7 @@ positions; the checkpoint is a row of `projection_checkpoints` named after the c
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
@@ -26,8 +27,12 @@ class SqlTail:
 
     dead_letters = 0
 
-    def __init__(self, store: EventStore, engine: sa.Engine, name: str) -> None:
+    def __init__(
+        self, store: EventStore, engine: sa.Engine, name: str, *, event_types: Iterable[str] = ()
+    ) -> None:
         self.store = store
+        # Only these types are read (empty: all); the rest are skipped by the store's query.
+        self.event_types = tuple(sorted(event_types))
         self.engine = engine
         self.name = name
         self.position = Checkpoints(engine).get(name)
@@ -37,18 +42,29 @@ class SqlTail:
         self.position = position
 
     def poll(self, max_records: int = 500, timeout_s: float = 0.5) -> Batch:
+        """The next records after the position. With `event_types`, a poll that reads to the end
+        also moves the position past the skipped events before it: to the store's last position
+        read before the query (every event at or below it was visible to the query, since
+        positions become visible in order), so the position, and the lag read from it, does not
+        stay behind at the last event of a followed type."""
         deadline = time.monotonic() + timeout_s
         while True:
-            records = self.store.read_all(self.position, max_records)
+            head = self.store.last_position() if self.event_types else 0
+            records = self.store.read_all(
+                self.position, max_records, event_types=self.event_types
+            )
             if records or time.monotonic() >= deadline:
                 break
+            if head > self.position:
+                break
             time.sleep(_IDLE_POLL_S)
-        if not records:
+        end = records[-1].position if records else self.position
+        if len(records) < max_records:
+            end = max(end, head)
+        if end == self.position:
             return Batch()
-        self.position = records[-1].position
-        return Batch(
-            [Delivery(r, 0, r.position) for r in records], {0: records[-1].position}, {0: 0}
-        )
+        self.position = end
+        return Batch([Delivery(r, 0, r.position) for r in records], {0: end}, {0: 0})
 
     def claim(self, conn: sa.Connection, batch: Batch) -> list[Delivery]:
         saved = read_position(conn, self.name, for_update=True)

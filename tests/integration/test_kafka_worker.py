@@ -202,3 +202,57 @@ def test_two_workers_killed_mid_batch_bill_every_request_once(
         from_topic = runner.table_digest()
         runner.rebuild()
         assert runner.table_digest() == from_topic, spec.name
+
+
+def test_a_ledger_row_commits_with_its_terminal_event_not_after_the_bills_trip(
+    engine: sa.Engine, kafka_broker, kafka_topic: str
+) -> None:
+    """The worker posts a bill's ledger row (and its usage_hourly share) in the transaction that
+    claims the terminal event, before the relay has published the bill; the bill coming back
+    through the topic then changes nothing."""
+    from streams.kafka_consumer import KafkaEventConsumer
+    from streams.kafka_worker import KafkaFoldWorker, group_for
+
+    store = SqlEventStore(engine)
+    _price(store)
+    truth = _requests(store, 60, random.Random(7))
+    relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
+    relay.check_topic()
+    lifecycle_events = 0
+    while n := relay.publish_once():
+        lifecycle_events += n
+    group = group_for(kafka_topic)
+    consumer = KafkaEventConsumer(engine, kafka_broker.bootstrap, kafka_topic, group)
+    worker = KafkaFoldWorker(engine, consumer)
+    usage = ProjectionRunner(engine, store, USAGE_HOURLY)
+    try:
+        deadline = time.monotonic() + 60
+        while worker.folded < lifecycle_events and time.monotonic() < deadline:
+            worker.run_batch(5000, 0.5)
+        assert worker.bills == len(truth)
+        assert relay.lag() == len(truth)  # every bill is in the store, none on the topic yet
+        with engine.connect() as conn:
+            posted = {
+                r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.recorded_at)
+                for r in conn.execute(sa.select(ledger_entries))
+            }
+        assert {rid: row[:3] for rid, row in posted.items()} == truth
+        before = usage.table_digest()
+        while relay.publish_once():
+            pass
+        deadline = time.monotonic() + 60
+        while worker.folded < lifecycle_events + len(truth) and time.monotonic() < deadline:
+            worker.run_batch(5000, 0.5)
+        assert worker.folded == lifecycle_events + len(truth)  # the bills came back, claimed
+        with engine.connect() as conn:
+            again = {
+                r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.recorded_at)
+                for r in conn.execute(sa.select(ledger_entries))
+            }
+        assert again == posted  # not written again
+        assert usage.table_digest() == before  # not added twice
+        usage.rebuild()
+        assert usage.table_digest() == before  # = every bill in the store, once
+    finally:
+        consumer.close()
+        relay.close()
