@@ -18,6 +18,9 @@ from domain.leases import LEASE_TTL_S
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The embedded fold worker runs at this lower CPU priority than the edge (nice(2) steps).
+EMBEDDED_WORKER_NICENESS = 10
+
 database_option = click.option(
     "--database-url",
     envvar="TOLLGATE_DATABASE_URL",
@@ -1226,6 +1229,10 @@ def worker(
     from streams.worker import run_worker
 
     url = _start_process(database_url)
+    if parent_pid:
+        # `tollgate serve`'s child shares the machine with the edge it serves: billing, the read
+        # models and the batch runner can lag a little, a client's first token should not.
+        os.nice(EMBEDDED_WORKER_NICENESS)
     # The embedded fold worker (`tollgate serve`'s child, --parent-pid) always tails the SQL
     # log, whatever the environment says.
     if kafka_bootstrap and not parent_pid:

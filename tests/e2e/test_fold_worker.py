@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from api.cli import EMBEDDED_WORKER_NICENESS
 from tests.e2e.conftest import FAST, MODEL, Server, auth, poll, running_server, short_body
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +59,14 @@ def test_a_killed_worker_is_restarted_and_billing_carries_on(lone_server: Server
     server.wait_billed(request_id, timeout=30)
     ready = httpx.get(f"{server.base}/readyz", timeout=10)
     assert ready.status_code == 200, ready.text
+
+
+def test_the_worker_runs_at_a_lower_cpu_priority_than_its_edge(lone_server: Server) -> None:
+    server = lone_server
+    server.wait_billed(_completed(server))
+    edge = os.getpriority(os.PRIO_PROCESS, server.proc.pid)  # type: ignore[union-attr]
+    worker = os.getpriority(os.PRIO_PROCESS, _worker_pid(server))
+    assert worker == min(19, edge + EMBEDDED_WORKER_NICENESS)
 
 
 def test_an_edge_killed_with_9_takes_its_worker_with_it(lone_server: Server) -> None:
