@@ -5,6 +5,7 @@ microseconds and micro-units of currency, never floats.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ PROFILES: dict[str, ModelProfile] = {
 _VERSION_SUFFIX = re.compile(r"-(\d{4})-(\d{2})$")
 
 
+@functools.lru_cache(maxsize=1024)  # a handful of model names, asked ~10 times per request
 def base_model(model: str) -> str:
     """`llama-3.1-8b-2026-05` -> `llama-3.1-8b`; a base name maps to itself."""
     match = _VERSION_SUFFIX.search(model)

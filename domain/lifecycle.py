@@ -722,15 +722,27 @@ def evolve(state: RequestState, recorded: Recorded) -> RequestState:
         return state
     if version != state.version + 1:
         raise DomainError("stream_gap", f"stream at v{state.version} got v{version}")
+    return _apply(state, event, version, recorded.occurred_at)
+
+
+def _apply(state: RequestState, event: Event, version: int, at: datetime) -> RequestState:
+    """Apply `event` as the stream's next version `version`; the checks shared by `evolve` and
+    `evolve_event`."""
     request_id: str | None = getattr(event, "request_id", None)
     if request_id is None:
-        raise DomainError("unknown_event", f"{recorded.type} does not belong to a request stream")
+        raise _not_a_request_event(event)
     if state.request_id and request_id != state.request_id:
-        raise DomainError("wrong_stream", f"{recorded.type} for {request_id} on {state.request_id}")
+        raise DomainError(
+            "wrong_stream", f"{event.EVENT_TYPE} for {request_id} on {state.request_id}"
+        )
     evolver = _EVOLVERS.get(type(event))
     if evolver is None:  # exhaustive: every request event has an evolver, anything else is loud
-        raise DomainError("unknown_event", f"{recorded.type} does not belong to a request stream")
-    return evolver(state, event, version, recorded.occurred_at)
+        raise _not_a_request_event(event)
+    return evolver(state, event, version, at)
+
+
+def _not_a_request_event(event: Event) -> DomainError:
+    return DomainError("unknown_event", f"{event.EVENT_TYPE} does not belong to a request stream")
 
 
 # One evolver per request event type, dispatched by exact type: a dict lookup instead of a chain
@@ -936,16 +948,12 @@ def _renewed(state: RequestState, event: LeasesRenewed) -> RequestState:
 
 def evolve_event(state: RequestState, event: Event, occurred_at: datetime) -> RequestState:
     """Apply a fact just decided, before the store has recorded it (an edge keeping its
-    in-flight state current): it is taken as the stream's next version."""
-    recorded = Recorded(
-        event_id="",
-        stream_id=getattr(event, "request_id", state.request_id),
-        stream_version=state.version + 1,
-        tenant_id=state.tenant_id,
-        occurred_at=occurred_at,
-        event=event,
-    )
-    return evolve(state, recorded)
+    in-flight state current): it is taken as the stream's next version. (What `evolve` does
+    with that version, without building the Recorded envelope: the edge applies about six
+    events per request.)"""
+    if type(event) is LeasesRenewed:
+        return _renewed(state, event)
+    return _apply(state, event, state.version + 1, occurred_at)
 
 
 def fold(records: Iterable[Recorded], state: RequestState = INITIAL) -> RequestState:

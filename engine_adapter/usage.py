@@ -2,7 +2,10 @@
 
 The upstream is always streamed with cumulative usage on every chunk, so whatever ends the
 request (completion, client disconnect, replica death) the last engine-reported counts are known.
-Per-chunk work is one dict edit and one orjson.dumps: this is the hot path.
+Per-chunk work is one dict edit and one orjson.dumps: this is the hot path. Usage reports are
+cumulative, so only the newest one a relay has seen is taken into the Progress, once, when the
+relay ends (a mid-flight reader, the lease renewal or an abort, takes the exchange's
+`last_usage` itself, which is never older).
 """
 
 from __future__ import annotations
@@ -73,43 +76,51 @@ async def relay_stream(
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE frames, each naming the `service_tier` that serves it (as OpenAI's
     do) when given. Stops after an engine error object (which it yields)."""
-    async for chunk in chunks:
-        if service_tier is not None:
-            chunk["service_tier"] = service_tier
-        if "error" in chunk:
-            progress.error = chunk["error"]
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            return
-        usage = chunk.get("usage")
-        if usage is not None:
-            progress.absorb_usage(usage)
-        choices = chunk.get("choices")
-        if not choices:
-            if include_usage:
+    last_usage: dict[str, Any] | None = None
+    try:
+        async for chunk in chunks:
+            if service_tier is not None:
+                chunk["service_tier"] = service_tier
+            if "error" in chunk:
+                progress.error = chunk["error"]
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            continue
-        now = time.perf_counter_ns()
-        if not progress.first_token_ns:
-            progress.first_token_ns = now
-            on_first_token()
-        progress.last_token_ns = now
-        first = choices[0]
-        finish = first.get("finish_reason")
-        if finish:
-            progress.finish_reason = finish
-        delta = first.get("delta")
-        if delta and "tool_calls" in delta:
-            progress.count_tool_calls(delta["tool_calls"] or ())
-        if not continuous_usage and usage is not None:
-            del chunk["usage"]
-        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                return
+            usage = chunk.get("usage")
+            if usage is not None:
+                last_usage = usage
+            choices = chunk.get("choices")
+            if not choices:
+                if include_usage:
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                continue
+            now = time.perf_counter_ns()
+            if not progress.first_token_ns:
+                progress.first_token_ns = now
+                on_first_token()
+            progress.last_token_ns = now
+            first = choices[0]
+            finish = first.get("finish_reason")
+            if finish:
+                progress.finish_reason = finish
+            delta = first.get("delta")
+            if delta and "tool_calls" in delta:
+                progress.count_tool_calls(delta["tool_calls"] or ())
+            if not continuous_usage and usage is not None:
+                del chunk["usage"]
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    finally:
+        if last_usage is not None:
+            progress.absorb_usage(last_usage)
 
 
 class Collector:
     """Assembles a non-streaming chat.completion. `feed` is the exchange's sink: it runs as each
-    chunk arrives (no task wakes up per chunk); `completion()` builds the answer at the end."""
+    chunk arrives (no task wakes up per chunk); `completion()` takes the newest usage report into
+    the Progress and builds the answer at the end."""
 
-    __slots__ = ("progress", "_on_first_token", "_parts", "_tool_calls", "_head", "_logprobs")
+    __slots__ = (
+        "progress", "_on_first_token", "_parts", "_tool_calls", "_head", "_logprobs", "_usage"
+    )
 
     def __init__(self, progress: Progress, on_first_token: Any) -> None:
         self.progress = progress
@@ -118,6 +129,7 @@ class Collector:
         self._logprobs: list[Any] = []  # the streamed chunks' logprobs.content, in order
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self._head: dict[str, Any] = {}
+        self._usage: dict[str, Any] | None = None  # the newest report, absorbed at the end
 
     def feed(self, chunk: dict[str, Any]) -> None:
         progress = self.progress
@@ -128,7 +140,7 @@ class Collector:
             return
         usage = chunk.get("usage")
         if usage is not None:
-            progress.absorb_usage(usage)
+            self._usage = usage
         choices = chunk.get("choices")
         if not choices:
             return
@@ -157,6 +169,8 @@ class Collector:
 
     def completion(self) -> dict[str, Any]:
         progress, head, tool_calls = self.progress, self._head, self._tool_calls
+        if self._usage is not None:
+            progress.absorb_usage(self._usage)
         # OpenAI's schema requires `refusal` (null unless the model refused), as vLLM sends it.
         message: dict[str, Any] = {
             "role": "assistant", "content": "".join(self._parts), "refusal": None

@@ -121,10 +121,8 @@ class GroupCommitWriter:
                 results: list[AppendResult] = self._store.try_append_many(batches)  # type: ignore[attr-defined]
             except StoreBusy:
                 return None
-            committed = sorted(
-                (r for res in results if res.ok and not res.duplicate for r in res.records),
-                key=lambda r: r.position,
-            )
+            # Nothing to sort for nobody: an edge's writer has no callbacks.
+            committed = _committed(results) if self.on_committed else None
             if committed:
                 try:
                     for callback in self.on_committed:
@@ -225,10 +223,7 @@ class GroupCommitWriter:
             for _, future in live:
                 future.set_exception(exc)
             return
-        committed = sorted(
-            (r for result in results if result.ok and not result.duplicate for r in result.records),
-            key=lambda r: r.position,
-        )
+        committed = _committed(results) if self.on_committed else None
         try:
             if committed:
                 for callback in self.on_committed:
@@ -255,3 +250,11 @@ class GroupCommitWriter:
                 _, future = item  # type: ignore[misc]
                 if future.set_running_or_notify_cancel():
                     future.set_exception(error)
+
+
+def _committed(results: Sequence[AppendResult]) -> list[Recorded]:
+    """The newly written records of a commit, in position order (repeats are not)."""
+    return sorted(
+        (r for result in results if result.ok and not result.duplicate for r in result.records),
+        key=lambda r: r.position,
+    )
