@@ -169,6 +169,11 @@ class Metrics:
         self.append_failures = Counter(
             "tollgate_event_append_failures", "Event appends that failed.", registry=r
         )
+        self.append_retries = Counter(
+            "tollgate_event_append_retries",
+            "A request's events sent again after the store was unavailable for them.",
+            registry=r,
+        )
         self.append_conflicts = Counter(
             "tollgate_event_append_conflicts",
             "Appends that lost to another writer of the stream (the lease sweeper) and were "

@@ -30,11 +30,16 @@ from engine_adapter.exchange import ChatExchange
 from engine_adapter.fleet import Choice
 from engine_adapter.usage import Progress
 from ledger.commands import CommandHandler, request_stream
-from ledger.errors import WrongExpectedVersion
+from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
 from ledger.ids import Clock, IdSource
 from ledger.store import AppendBatch, AppendResult, NewEvent
+from ledger.writer import WriterOverloaded
 
 log = logging.getLogger("tollgate.edge")
+
+# A request's events the store could not take are sent again, at most this long apart.
+APPEND_RETRY_MAX_S = 2.0
+_STORE_AWAY = (StoreUnavailable, StoreBusy, WriterOverloaded)
 
 
 @dataclass(slots=True)
@@ -117,8 +122,14 @@ class Recorder:
         """Submit what is staged (nothing when nothing is)."""
         if flight.pending:
             commands = tuple(flight.pending_commands)
-            future = self.sink.later(self._take(flight))
-            future.add_done_callback(lambda f: self._committed(f, flight, commands))
+            self._submit(flight, self._take(flight), commands, 0.0)
+
+    def _submit(
+        self, flight: Flight, batch: AppendBatch, commands: Sequence[lifecycle.Command],
+        waited_s: float,
+    ) -> None:  # fmt: skip
+        future = self.sink.later(batch)
+        future.add_done_callback(lambda f: self._committed(f, flight, batch, commands, waited_s))
 
     def _take(self, flight: Flight) -> AppendBatch:
         batch = AppendBatch(flight.request_id, flight.pending_from, tuple(flight.pending))
@@ -241,8 +252,23 @@ class Recorder:
         self,
         future: asyncio.Future[AppendResult],
         flight: Flight,
+        batch: AppendBatch,
         commands: Sequence[lifecycle.Command],
+        waited_s: float,
     ) -> None:
+        if future.cancelled():
+            return
+        error = future.exception() or future.result().error
+        if isinstance(error, _STORE_AWAY) and waited_s < leases.LEASE_TTL_S:
+            # The store was away (a dropped connection, a failover): the same batch again, as
+            # it was decided. If it had committed after all, the store answers it as the exact
+            # retry it is. Given up once the sweeper would have expired the request anyway.
+            delay = min(max(0.1, waited_s), APPEND_RETRY_MAX_S)
+            self.metrics.append_retries.inc()
+            asyncio.get_running_loop().call_later(
+                delay, self._submit, flight, batch, commands, waited_s + delay
+            )
+            return
         result = self._result(future)
         if result is None:
             return

@@ -121,8 +121,13 @@ class FoldWorker:
                 self.control_position, self.sweeper.position, self.billing.position,
                 self.projection_position,
             )
-            self.tail.seek(start)
-            records = [d.record for d in self.tail.poll(batch, 0).deliveries]
+            try:
+                self.tail.seek(start)
+                records = [d.record for d in self.tail.poll(batch, 0).deliveries]
+            except Exception as exc:  # the database went away: report, and read again later
+                log.exception("reading the log failed")
+                errors["read"] = f"{type(exc).__name__}: {exc}"
+                break
             read += len(records)
             if records:
                 self.read_position = max(self.read_position, records[-1].position)
@@ -348,7 +353,14 @@ def run_worker(
     serve_metrics(metrics_port, worker.metrics.registry)
     runner = _batch_runner(engine, worker, stop)
     try:
-        worker.catch_up()
+        while True:  # a database that is away at start (or drops us meanwhile) is waited for
+            try:
+                worker.catch_up()
+                break
+            except Exception:
+                log.exception("catching up failed; trying again in 1 s")
+                if stop.wait(1.0):
+                    return
         log.info("fold worker %d caught up at position %d", os.getpid(), worker.billing.position)
         if runner is not None:
             runner.start()

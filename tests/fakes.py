@@ -22,6 +22,7 @@ from domain.prediction import Prediction, RequestShape, Skip
 from engine_adapter.exchange import ChatExchange, IteratorExchange
 from engine_adapter.fleet import Choice, Refusal, TpotEstimate, UnknownModel
 from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
+from ledger.errors import StoreUnavailable
 from ledger.idempotency import IdempotencyConflict, StoredResponse
 from ledger.store import AppendBatch, AppendResult, EventStore, NewEvent
 from ledger.store.planning import Stored, finish_appends, plan_appends, prepare_batches
@@ -242,11 +243,21 @@ class FakeSink:
     def __init__(self, store: InMemoryEventStore | None = None) -> None:
         self.store = store or InMemoryEventStore()
         self.batches: list[AppendBatch] = []
+        # The next `later` calls that fail as a dropped database connection does: before the
+        # append ("refuse") or after it committed, its answer lost ("lose_answer").
+        self.faults: list[str] = []
 
     def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         return self._append(batch)
 
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
+        if self.faults:
+            fault = self.faults.pop(0)
+            if fault == "lose_answer":
+                self.store.append_many([batch])
+            future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+            future.set_exception(StoreUnavailable(f"event store unavailable ({fault})"))
+            return future
         return self._append(batch)
 
     def _append(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:

@@ -260,6 +260,30 @@ def test_a_request_the_sweeper_expired_meanwhile_ends_once() -> None:
     run(t)
 
 
+@pytest.mark.parametrize("fault", ["refuse", "lose_answer"])
+def test_a_requests_end_the_store_dropped_is_sent_again_and_recorded_once(fault: str) -> None:
+    """A dropped database connection under the append that ends a request (before it
+    committed, or after, with the answer lost): the same batch goes again, so the request ends
+    as it did, billed what the client was shown, not by lease expiry 15 s later."""
+
+    async def t(h: Harness) -> None:
+        h.sink.faults = [fault, "refuse"]  # the end's append, then its first retry
+        out = await h.chat()
+        assert isinstance(out, JsonOutcome) and out.status == 200
+        for _ in range(500):  # two retries, 0.1 s apart, then the one that is taken
+            ends = [b for b in h.sink.batches
+                    if any(type(e.event) is RequestCompleted for e in b.events)]  # fmt: skip
+            if ends and h.value("tollgate_event_append_retries_total") == 2.0:
+                break
+            await asyncio.sleep(0.01)
+        types = h.types()
+        assert types.count(RequestCompleted) == 1 and LeaseExpired not in types
+        assert h.value("tollgate_event_append_retries_total") == 2.0
+        assert h.value("tollgate_event_append_failures_total") == 0.0
+
+    run(t)
+
+
 def test_lease_renewal_is_one_event_with_every_request_in_flight() -> None:
     async def t(h: Harness) -> None:
         hold = h.replica.script.hold = asyncio.Event()
