@@ -193,7 +193,7 @@ class OutboxRelay:
             try:
                 if not self.publish_once():
                     stop.wait(idle_s)
-            except RelayError as exc:
+            except (RelayError, sa.exc.DBAPIError) as exc:  # the broker or the database
                 log.warning("relay step failed: %s; retrying", exc)
                 self._checked_at = 0.0
                 stop.wait(0.5)
@@ -222,7 +222,14 @@ def run_relay(
     metrics.add_relay(topic, relay.lag, lambda: relay.state.last_position)
     serve_metrics(metrics_port, metrics.registry)
     try:
-        relay.check_topic()
+        while True:  # a broker or a database that is away at start is waited for
+            try:
+                relay.check_topic()
+                break
+            except (RelayError, sa.exc.DBAPIError) as exc:
+                log.warning("relay start failed: %s; retrying", exc)
+                if stop.wait(1.0):
+                    return
         log.info(
             "relay publishing %s to %s (epoch %d, %d published)",
             topic, bootstrap, relay.state.epoch, relay.state.published,

@@ -27,7 +27,7 @@ from tests.faults.proxy import FaultyProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.slow]
 
-# (edge's proxy, worker's proxy, seconds)
+# (the edge's proxy, the pipeline's proxies: the worker's and the relay's, seconds)
 SCHEDULE = (
     ("pass", "pass", 2.0), ("latency", "pass", 1.5), ("reset", "pass", 0.3),
     ("pass", "reset", 0.3), ("pass", "pass", 1.5), ("blackhole", "pass", 2.0),
@@ -93,12 +93,20 @@ def _one(base: str, secret: str, op: Operation, i: int) -> None:
         op.outcome = "unknown"
 
 
+@pytest.mark.parametrize("pipeline", ["sql", pytest.param("kafka", marks=pytest.mark.kafka)])
 def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothing(
-    postgres_url: str, tmp_path: Path
+    pipeline: str, postgres_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    """`sql`: the worker tails the SQL log. `kafka`: `tollgate relay` and a Kafka worker, each
+    through a proxy of its own to PostgreSQL (the broker reached directly)."""
     pg_port = make_url(postgres_url).port or 5432
     edge_proxy, worker_proxy = FaultyProxy(pg_port), FaultyProxy(pg_port)
+    relay_proxy = FaultyProxy(pg_port)  # used by the kafka pipeline only
     env = {"TOLLGATE_DATA_DIR": str(tmp_path / "data")}
+    if pipeline == "kafka":
+        broker = request.getfixturevalue("kafka_broker")
+        env["TOLLGATE_KAFKA_BOOTSTRAP"] = broker.bootstrap
+        env["TOLLGATE_KAFKA_TOPIC"] = request.getfixturevalue("kafka_topic")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     edge_log, worker_log = tmp_path / "edge.log", tmp_path / "worker.log"
@@ -106,11 +114,16 @@ def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothi
                   _through(postgres_url, edge_proxy.port), "--simulated-replicas", "1",
                   "--sim-speed", "20"], edge_log, env=env)  # fmt: skip
     worker: subprocess.Popen[bytes] | None = None
+    relay: subprocess.Popen[bytes] | None = None
     ops: list[Operation] = []
     try:
         wait_http(f"{base}/healthz", edge, edge_log, timeout=60)
         worker_url = _through(postgres_url, worker_proxy.port)
         worker = spawn([*TOLLGATE, "worker", "--database-url", worker_url], worker_log, env=env)
+        if pipeline == "kafka":
+            relay_url = _through(postgres_url, relay_proxy.port)
+            relay = spawn([*TOLLGATE, "relay", "--database-url", relay_url],
+                          tmp_path / "relay.log", env=env)  # fmt: skip
         secret = json.loads((tmp_path / "data" / "demo-keys.json").read_text())[
             "demo-enterprise"
         ]
@@ -132,9 +145,10 @@ def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothi
         for edge_mode, worker_mode, seconds in SCHEDULE:
             edge_proxy.set_mode(edge_mode)
             worker_proxy.set_mode(worker_mode)
+            relay_proxy.set_mode(worker_mode)
             time.sleep(seconds)
-        edge_proxy.set_mode("pass")
-        worker_proxy.set_mode("pass")
+        for proxy in (edge_proxy, worker_proxy, relay_proxy):
+            proxy.set_mode("pass")
         done.set()
         for t in threads:
             t.join(60)
@@ -171,11 +185,11 @@ def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothi
         retries = sum(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("tollgate_event_append_retries_total"))  # fmt: skip
     finally:
-        for proc in (edge, worker):
+        for proc in (edge, worker, relay):
             if proc is not None:
                 _stop_process(proc)
-        edge_proxy.close()
-        worker_proxy.close()
+        for proxy in (edge_proxy, worker_proxy, relay_proxy):
+            proxy.close()
 
     lost_acks = [
         (op.request_id, op.completion_tokens, ledger.get(op.request_id or ""))
@@ -186,9 +200,9 @@ def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothi
     unresolved = [op.request_id for op in ops if op.outcome == "unknown"
                   and op.request_id in admitted and op.request_id not in ledger]  # fmt: skip
     counts = {k: sum(op.outcome == k for op in ops) for k in ("ok", "failed", "unknown")}
-    resets = edge_proxy.resets + worker_proxy.resets
+    resets = edge_proxy.resets + worker_proxy.resets + relay_proxy.resets
     print(
-        f"service network faults: operations {len(ops)} ({counts}) / faults injected "
+        f"service network faults ({pipeline}): operations {len(ops)} ({counts}) / faults injected "
         f"{len(SCHEDULE)} phases, {resets} connections reset / lost {len(lost_acks)} / "
         f"duplicated {sum(' 2' in p for p in problems)} / invariant violations "
         f"{len(problems) + len(unresolved)}; {len(admitted)} admitted, {retries:.0f} appends "
