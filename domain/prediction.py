@@ -8,10 +8,10 @@ exported file); nothing here imports torch, reads a clock or keeps more than a b
 
 No tenant's data reaches another tenant's prediction: the shared weights see only coarse
 features of the request itself (sizes, hour) and statistics of the *same* tenant's own recent
-outputs; the one per-tenant parameter (a calibration offset) is learned from that tenant alone
-and used only for it. The system prompt enters as a bucket of a hash keyed by the tenant, so the
-same bucket number means unrelated prompts for two tenants, and only the tenant's own history
-of that bucket is ever read.
+outputs; the per-tenant parameters (a calibration scale and offset, and the online adjustment
+of `Forecaster`) are learned from that tenant alone and used only for it. The system prompt
+enters as a bucket of a hash keyed by the tenant, so the same bucket number means unrelated
+prompts for two tenants, and only the tenant's own history of that bucket is ever read.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ FEATURES: Final = (
     "bucket_mean",  # the same for this system-prompt bucket (the tenant's mean when unseen)
     "bucket_weight",  # min(seen, 20) / 20: how much the bucket mean is worth
     "key_mean",  # the same for this API key (the tenant's mean when unseen)
+    # The tenant's own recent outputs regressed on its prompt sizes (least squares over the
+    # same window), read at this request's prompt: where a tenant's answers follow its prompts
+    # (summaries of documents) this is the answer's expected size, where they do not (chat) it
+    # is the tenant's mean. The shared weights cannot learn that per tenant from the raw size.
+    "tenant_prompt_fit",
+    "tenant_prompt_fit_std",  # ... and the spread of the tenant's outputs around that fit
 )
 _LOG_SCALE: Final = 10.0
 _HISTORY_WINDOW: Final = 256  # recent outputs kept per (tenant, model)
@@ -59,6 +65,7 @@ _HISTORY_WINDOW: Final = 256  # recent outputs kept per (tenant, model)
 # 0.91-0.92 where this gives 0.93.
 _EWMA_ALPHA: Final = 0.03
 _BUCKET_FULL: Final = 20
+_MAX_SLOPE: Final = 2.0  # of the prompt fit: answers growing faster than prompt² are noise
 
 Skip = Literal["no_model", "unknown_tenant", "little_history", "low_coverage"]
 
@@ -101,33 +108,53 @@ class _Ewma:
 
 
 class _Window:
-    __slots__ = ("values", "total", "squares", "_stats")
+    """The last `_HISTORY_WINDOW` (x, y) pairs of a (tenant, model): y the log output, x the log
+    prompt size, with running sums for their moments."""
+
+    __slots__ = ("values", "total", "squares", "xs", "xy", "xx", "_stats")
 
     def __init__(self) -> None:
-        self.values: deque[float] = deque()
+        self.values: deque[tuple[float, float]] = deque()
         self.total = 0.0
         self.squares = 0.0
-        self._stats: tuple[float, float] | None = None
+        self.xs = 0.0
+        self.xy = 0.0
+        self.xx = 0.0
+        self._stats: tuple[float, float, float, float, float] | None = None
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, x: float = 0.0) -> None:
         self._stats = None
         values = self.values
         if len(values) == _HISTORY_WINDOW:
-            old = values.popleft()
+            old, old_x = values.popleft()
             self.total -= old
             self.squares -= old * old
-        values.append(value)
+            self.xs -= old_x
+            self.xy -= old_x * old
+            self.xx -= old_x * old_x
+        values.append((value, x))
         self.total += value
         self.squares += value * value
+        self.xs += x
+        self.xy += x * value
+        self.xx += x * x
 
-    def stats(self) -> tuple[float, float]:
-        """(mean, standard deviation), kept until the next value: requests far outnumber the
-        answers that change them."""
+    def stats(self) -> tuple[float, float, float, float, float]:
+        """(mean, standard deviation, mean x, slope on x, residual standard deviation), kept
+        until the next value: requests far outnumber the answers that change them."""
         found = self._stats
         if found is None:
             n = len(self.values)
             mean = self.total / n
-            found = self._stats = (mean, math.sqrt(max(0.0, self.squares / n - mean * mean)))
+            var = max(0.0, self.squares / n - mean * mean)
+            mean_x = self.xs / n
+            var_x = self.xx / n - mean_x * mean_x
+            slope = 0.0
+            if var_x > 1e-6:  # prompts that vary: about 1 % in size, or more
+                cov = self.xy / n - mean_x * mean
+                slope = min(_MAX_SLOPE, max(-_MAX_SLOPE, cov / var_x))
+            residual = max(0.0, var - slope * slope * max(0.0, var_x))
+            found = self._stats = (mean, math.sqrt(var), mean_x, slope, math.sqrt(residual))
         return found
 
 
@@ -148,13 +175,15 @@ class History:
 
     def observe(
         self, tenant_id: str, key_id: str, model: str, system_prompt_bucket: int,
-        output_tokens: int,
+        output_tokens: int, *, prompt_tokens: int = 0,
     ) -> None:
+        """One completed request: its engine output count, and the prompt size its shape had
+        at admission (the estimate the features read, not the engine's count)."""
         value = math.log1p(max(0, output_tokens)) / _LOG_SCALE
         window = self._tenants.get((tenant_id, model))
         if window is None:
             window = self._tenants[(tenant_id, model)] = _Window()
-        window.add(value)
+        window.add(value, math.log1p(max(0, prompt_tokens)) / _LOG_SCALE)
         bucket = self._buckets.get((tenant_id, model, system_prompt_bucket))
         if bucket is None:
             bucket = self._buckets[(tenant_id, model, system_prompt_bucket)] = _Ewma()
@@ -174,7 +203,8 @@ class History:
         window = self._tenants.get((shape.tenant_id, shape.model))
         if window is None or len(window.values) < self.min_history:
             return None
-        tenant_mean, tenant_std = window.stats()
+        tenant_mean, tenant_std, mean_x, slope, fit_std = window.stats()
+        x = math.log1p(max(0, shape.prompt_tokens)) / _LOG_SCALE
         bucket = self._buckets.get((shape.tenant_id, shape.model, shape.system_prompt_bucket))
         if bucket is None:
             bucket_mean, bucket_weight = tenant_mean, 0.0
@@ -186,7 +216,7 @@ class History:
         # minute as a proxy for *when* it was trained, which says nothing of tomorrow.
         angle = shape.at.hour * (2 * math.pi / 24)
         return [
-            math.log1p(max(0, shape.prompt_tokens)) / _LOG_SCALE,
+            x,
             math.log1p(max(0, shape.output_cap_tokens)) / _LOG_SCALE,
             math.log1p(max(0, shape.message_count)) / 5.0,
             math.sin(angle),
@@ -197,6 +227,8 @@ class History:
             bucket_mean,
             bucket_weight,
             tenant_mean if key is None else key.mean,
+            tenant_mean + slope * (x - mean_x),
+            fit_std,
         ]
 
 
@@ -215,8 +247,11 @@ class Layer:
 class ExportedModel:
     """A trained quantile model as plain arithmetic: layers over `FEATURES` (one: linear in log
     space; more: ReLU between them) whose output is ln(1 + output tokens) / 10 at the
-    `quantile`, plus each tenant's calibration offset (in the same units). A tenant without an
-    offset was not calibrated: no prediction.
+    `quantile`, and each tenant's calibration: the tenant's quantile is `scale × output +
+    offset` (same units; a tenant without a scale has 1). A tenant without an offset was not
+    calibrated: no prediction. The scale lets one tenant lean on the shared score less than
+    another: where nothing in a request's shape tells its answer (an agent's step), the best
+    p95 is nearly the tenant's own constant p95, scale ≈ 0.
 
     Evaluating it is C-level `sum(map(mul, ...))` calls, one per unit: about a microsecond for
     the linear model, ten for 16 hidden units (bench/output_prediction.py times the whole
@@ -227,6 +262,7 @@ class ExportedModel:
     layers: tuple[Layer, ...]
     tenant_offsets: Mapping[str, float]
     features: tuple[str, ...] = FEATURES
+    tenant_scales: Mapping[str, float] = field(default_factory=dict)
     # (row, bias) pairs per hidden layer, and the last layer's: laid out once, read per call.
     _hidden: tuple[tuple[tuple[tuple[float, ...], float], ...], ...] = field(
         init=False, repr=False, compare=False
@@ -257,11 +293,16 @@ class ExportedModel:
         row, b = self._last
         return sum(map(mul, row, xs), b)
 
-    def output_tokens(self, tenant_id: str, features: Sequence[float]) -> int | None:
+    def output_tokens(
+        self, tenant_id: str, features: Sequence[float], adjustment: float = 0.0
+    ) -> int | None:
+        """The tenant's quantile, its offset (plus an online `adjustment`, same units)
+        applied; None for a tenant the model has no offset for."""
         offset = self.tenant_offsets.get(tenant_id)
         if offset is None:
             return None
-        scaled = (self.score(features) + offset) * _LOG_SCALE
+        scale = self.tenant_scales.get(tenant_id, 1.0)
+        scaled = (scale * self.score(features) + offset + adjustment) * _LOG_SCALE
         if scaled > 20.0:  # e^20 tokens: beyond any cap; the cap decides
             return 1 << 30
         # Rounded up, less a hair: expm1(log1p(n)) may come back as n + 1e-13.
@@ -334,22 +375,50 @@ class CoverageTracker:
 # --- the whole rule --------------------------------------------------------------------------
 
 
+# Online calibration step, in the model's units (ln(1 + tokens) / 10): a miss raises the
+# tenant's prediction by 0.95 × 0.05 in ln (~5 %), a covered request lowers it by 0.05 × that.
+ADJUST_STEP: Final = 0.005
+ADJUST_BOUND: Final = 0.1  # at most ×e (or ÷e) from what training calibrated
+
+
 class Forecaster:
     """Whether and what to predict for one request: a prediction when a model is loaded, knows
     the tenant, the tenant has enough history and its realised coverage holds; otherwise the
     reason it is skipped (the request then reserves its cap). `observe` feeds both the history
-    and the coverage with each completed request's engine count."""
+    and the coverage with each completed request's engine count.
+
+    Each tenant's calibration is also kept up online (adaptive conformal inference): every
+    predicted request that completes moves that tenant's adjustment by `step × (miss − (1 −
+    q))`, up by a miss and down a little by a covered answer, so that over any long stretch its
+    realised coverage converges to the quantile q: no less (a model drifting away from a
+    tenant is corrected before the coverage fallback has to latch), and no more (a tenant the
+    training offset over-covered is reserved less). Only the tenant's own outcomes move it; a
+    new model starts again from its trained offsets. `step=0` turns it off."""
 
     def __init__(
-        self, model: ExportedModel | None, history: History, coverage: CoverageTracker
+        self,
+        model: ExportedModel | None,
+        history: History,
+        coverage: CoverageTracker,
+        *,
+        step: float = ADJUST_STEP,
+        bound: float = ADJUST_BOUND,
     ) -> None:
         self.model = model
         self.history = history
         self.coverage = coverage
+        self.step = step
+        self.bound = bound
+        self._adjust: dict[str, float] = {}
 
     def replace_model(self, model: ExportedModel | None) -> None:
         self.model = model
         self.coverage.reset()
+        self._adjust.clear()
+
+    def adjustment(self, tenant_id: str) -> float:
+        """The tenant's online calibration adjustment (0 before any outcome)."""
+        return self._adjust.get(tenant_id, 0.0)
 
     def predict(self, shape: RequestShape) -> Prediction | Skip:
         model = self.model
@@ -362,7 +431,9 @@ class Forecaster:
         features = self.history.features(shape)
         if features is None:
             return "little_history"
-        tokens = model.output_tokens(shape.tenant_id, features)
+        tokens = model.output_tokens(
+            shape.tenant_id, features, self._adjust.get(shape.tenant_id, 0.0)
+        )
         assert tokens is not None  # the tenant's offset is there
         return Prediction(tokens, model.version)
 
@@ -372,7 +443,14 @@ class Forecaster:
         """A completed request: its engine count, and the output it reserved when a prediction
         did (None: it reserved its cap, which says nothing of the model's coverage)."""
         self.history.observe(
-            shape.tenant_id, shape.key_id, shape.model, shape.system_prompt_bucket, output_tokens
-        )
+            shape.tenant_id, shape.key_id, shape.model, shape.system_prompt_bucket, output_tokens,
+            prompt_tokens=shape.prompt_tokens,
+        )  # fmt: skip
         if reserved_output_tokens is not None:
             self.coverage.observe(shape.tenant_id, reserved_output_tokens, output_tokens)
+            model = self.model
+            if self.step and model is not None:
+                miss = 1.0 if output_tokens > reserved_output_tokens else 0.0
+                tenant = shape.tenant_id
+                moved = self._adjust.get(tenant, 0.0) + self.step * (miss - (1 - model.quantile))
+                self._adjust[tenant] = min(self.bound, max(-self.bound, moved))

@@ -153,8 +153,9 @@ def examples(requests: list[LoggedRequest], min_history: int) -> list[Example]:
         if is_end:
             if q.terminal == "completed":
                 history.observe(
-                    s.tenant_id, s.key_id, s.model, s.system_prompt_bucket, q.completion_tokens
-                )
+                    s.tenant_id, s.key_id, s.model, s.system_prompt_bucket, q.completion_tokens,
+                    prompt_tokens=s.prompt_tokens,
+                )  # fmt: skip
             continue
         if q.terminal not in ("completed", "cancelled"):
             continue

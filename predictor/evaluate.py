@@ -51,6 +51,7 @@ class Outcome:
     covered: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
     over_admission_peak: float = 0.0  # deepest shadow debt / limit
+    over_admission_by_tenant: dict[str, float] = field(default_factory=dict)
     by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
@@ -80,12 +81,16 @@ class Outcome:
             "predicted": self.predicted,
             "fallbacks": dict(sorted(self.fallbacks.items())),
             "peak_over_admission": round(self.over_admission_peak, 4),
+            "peak_over_admission_by_tenant": {
+                t: round(v, 4) for t, v in sorted(self.over_admission_by_tenant.items())
+            },
             "by_tenant": {
                 t: {
                     **v,
                     "reserved_per_actual": _round(v["reserved"] / v["produced"])
                     if v["produced"]
                     else None,
+                    "coverage": _round(v["covered"] / v["predicted"]) if v["predicted"] else None,
                 }
                 for t, v in sorted(self.by_tenant.items())
             },  # fmt: skip
@@ -156,8 +161,9 @@ def run(replay: Replay, policy: Policy, model: ModelFile | None = None) -> Outco
             if is_end and q.terminal == "completed":
                 s = q.shape
                 forecaster.history.observe(
-                    s.tenant_id, s.key_id, s.model, s.system_prompt_bucket, q.completion_tokens
-                )
+                    s.tenant_id, s.key_id, s.model, s.system_prompt_bucket, q.completion_tokens,
+                    prompt_tokens=s.prompt_tokens,
+                )  # fmt: skip
     view = QuotaView()
     shadow: dict[tuple[str, str], Bucket] = {}
     ends: list[tuple[datetime, int, LoggedRequest, int | None]] = []
@@ -216,11 +222,14 @@ def run(replay: Replay, policy: Policy, model: ModelFile | None = None) -> Outco
         if bucket.level < 0 and limits.tpm:
             debt = -bucket.level / limits.tpm
             outcome.over_admission_peak = max(outcome.over_admission_peak, debt)
+            was = outcome.over_admission_by_tenant.get(s.tenant_id, 0.0)
+            outcome.over_admission_by_tenant[s.tenant_id] = max(was, debt)
         if q.terminal == "completed":
             outcome.reserved_output_tokens += reserved
             outcome.produced_output_tokens += q.completion_tokens
             tenant = outcome.by_tenant.setdefault(
-                s.tenant_id, {"admitted": 0, "reserved": 0, "produced": 0}
+                s.tenant_id,
+                {"admitted": 0, "reserved": 0, "produced": 0, "predicted": 0, "covered": 0},
             )
             tenant["admitted"] += 1
             tenant["reserved"] += reserved
@@ -228,6 +237,8 @@ def run(replay: Replay, policy: Policy, model: ModelFile | None = None) -> Outco
             if was_predicted:
                 outcome.predicted += 1
                 outcome.covered += q.completion_tokens <= reserved
+                tenant["predicted"] += 1
+                tenant["covered"] += q.completion_tokens <= reserved
     return outcome
 
 

@@ -15,7 +15,8 @@ from domain.events import parse_instant
 from domain.prediction import ExportedModel, Layer
 
 FORMAT = "tollgate-output-predictor"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-tenant scales; a version-1 file (no scales) is still read
+_READS = (1, 2)
 # Offsets for ~100k tenants fit; anything bigger is not one of ours.
 MAX_FILE_BYTES = 16 * 1024 * 1024
 PREFIX = "output-predictor-"
@@ -67,6 +68,7 @@ def to_json(mf: ModelFile) -> dict[str, Any]:
         ],
         "activation": "relu between layers, none after the last",
         "tenant_offsets": dict(sorted(m.tenant_offsets.items())),
+        "tenant_scales": dict(sorted(m.tenant_scales.items())),
         "trained_at": _instant(mf.trained_at),
         "window": {"from": _instant(mf.window_from), "to": _instant(mf.window_to)},
         "holdout_from": _instant(mf.holdout_from) if mf.holdout_from else None,
@@ -81,9 +83,9 @@ def to_json(mf: ModelFile) -> dict[str, Any]:
 def from_json(data: Any) -> ModelFile:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ModelFileError(f"not a {FORMAT} file")
-    if data.get("format_version") != FORMAT_VERSION:
+    if data.get("format_version") not in _READS:
         raise ModelFileError(
-            f"format_version {data.get('format_version')!r}; this code reads {FORMAT_VERSION}"
+            f"format_version {data.get('format_version')!r}; this code reads {_READS}"
         )
     try:
         layers = tuple(
@@ -94,9 +96,10 @@ def from_json(data: Any) -> ModelFile:
             for layer in data["layers"]
         )
         offsets = {str(t): float(o) for t, o in data["tenant_offsets"].items()}
+        scales = {str(t): float(s) for t, s in (data.get("tenant_scales") or {}).items()}
         model = ExportedModel(
             str(data["version"]), float(data["quantile"]), layers, offsets,
-            tuple(data["features"]),
+            tuple(data["features"]), scales,
         )  # fmt: skip
         window = data["window"]
         holdout = data.get("holdout_from")

@@ -84,8 +84,9 @@ class LoadedPredictor:
             if is_end and q.terminal == "completed":
                 s = q.shape
                 self.forecaster.history.observe(
-                    s.tenant_id, s.key_id, s.model, s.system_prompt_bucket, q.completion_tokens
-                )
+                    s.tenant_id, s.key_id, s.model, s.system_prompt_bucket, q.completion_tokens,
+                    prompt_tokens=s.prompt_tokens,
+                )  # fmt: skip
                 fed += 1
         return fed
 

@@ -12,8 +12,11 @@
   26-33 µs with 8, on this shared 2-core machine), which is what the admission path pays.
 - Calibration: a `calibration` share of the training examples (every fifth) is not fitted on; each
   tenant's offset is the conformal quantile of its residuals there, so its coverage on fresh
-  traffic is the target. A tenant with fewer than `min_calibration` such requests gets no
-  offset, and so no predictions (it reserves its cap).
+  traffic is the target, after a per-tenant scale of the shared score (`SCALES`, the one that
+  reserves least there at that coverage: a tenant whose answers its shape does not announce
+  keeps ~0, its own constant quantile, rather than the shared score's noise). A tenant with
+  fewer than `min_calibration` such requests gets no offset, and so no predictions (it
+  reserves its cap).
 - Bounded and reproducible: at most `max_requests` requests are read and `max_seconds` spent
   fitting (whichever of that and `max_epochs` comes first); one thread, a fixed seed and
   deterministic algorithms give the same weights from the same log.
@@ -106,10 +109,10 @@ def train(
               tuple(float(b) for b in spec["bias"]))
         for spec in layers
     )  # fmt: skip
-    offsets, tenants = _calibrate(exported, calibrate, fit, config)
+    offsets, scales, tenants = _calibrate(exported, calibrate, fit, config)
     trained_at = (now or datetime.now(UTC)).replace(microsecond=0)
     version = model_file.new_version(trained_at, layers)
-    model = ExportedModel(version, config.quantile, exported, offsets)
+    model = ExportedModel(version, config.quantile, exported, offsets, FEATURES, scales)
     return model_file.ModelFile(
         model=model,
         trained_at=trained_at,
@@ -178,40 +181,61 @@ def _fit(
     return net, epochs, loss_value
 
 
+# The scales tried per tenant: from "ignore the shared score" (the tenant's constant quantile)
+# to leaning on it harder than it was fitted.
+SCALES = tuple(round(0.1 * i, 1) for i in range(16))
+
+
 def _calibrate(
     layers: tuple[Layer, ...], calibrate: list[Example], fit: list[Example], config: TrainConfig
-) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
-    """Each tenant's offset: the conformal `quantile` of its calibration residuals (the
+) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, Any]]]:
+    """Each tenant's scale and offset, on its calibration requests only. For each scale s in
+    `SCALES`, the offset is the conformal `quantile` of the residuals y − s·score (the
     ⌈(n + 1)·q'⌉-th smallest, q' = q + √(q(1 − q)/n)), so that P(actual ≤ prediction) ≥ q on
-    exchangeable traffic with a standard error to spare. Only its own requests decide it."""
+    exchangeable traffic with a standard error to spare; of those equally safe pairs, the
+    tenant keeps the one that reserves the fewest tokens there (each capped at the request's
+    own cap). Only its own requests decide them."""
     raw = ExportedModel("calibrating", config.quantile, layers, {})
-    by_tenant: dict[str, list[float]] = {}
+    cap_at = FEATURES.index("log_output_cap_tokens")
+    by_tenant: dict[str, list[tuple[float, float, float]]] = {}
     for e in calibrate:
         if e.censored:
             continue
-        base = raw.score(e.features)
-        by_tenant.setdefault(e.tenant_id, []).append(e.target - base)
+        by_tenant.setdefault(e.tenant_id, []).append(
+            (e.target, raw.score(e.features), e.features[cap_at])
+        )
     fitted: dict[str, int] = {}
     for e in fit:
         fitted[e.tenant_id] = fitted.get(e.tenant_id, 0) + 1
     offsets: dict[str, float] = {}
+    scales: dict[str, float] = {}
     tenants: dict[str, dict[str, Any]] = {}
-    for tenant, residuals in sorted(by_tenant.items()):
-        n = len(residuals)
+    for tenant, rows in sorted(by_tenant.items()):
+        n = len(rows)
         info: dict[str, Any] = {"fit_examples": fitted.get(tenant, 0), "calibration_examples": n}
         if n >= config.min_calibration:
-            residuals.sort()
             # One binomial standard error above the quantile: the offset is an estimate from
             # n residuals, and one that falls short trips the coverage fallback (the tenant
             # then reserves its cap until the next training) far more often than one above.
             q = config.quantile
             rank = min(n, math.ceil((n + 1) * (q + math.sqrt(q * (1 - q) / n))))
-            offsets[tenant] = residuals[rank - 1]
+            best: tuple[float, float, float] | None = None  # (reserved, scale, offset)
+            for scale in SCALES:
+                residuals = sorted(y - scale * s for y, s, _ in rows)
+                offset = residuals[rank - 1]
+                reserved = sum(
+                    math.expm1(min(cap, scale * s + offset) * 10.0) for _, s, cap in rows
+                )
+                if best is None or reserved < best[0] - 1e-9 * best[0]:
+                    best = (reserved, scale, offset)
+            assert best is not None
+            _, scales[tenant], offsets[tenant] = best
             info["offset"] = round(offsets[tenant], 6)
+            info["scale"] = scales[tenant]
         else:
             info["offset"] = None  # too few: this tenant reserves its cap
         tenants[tenant] = info
-    return offsets, tenants
+    return offsets, scales, tenants
 
 
 def train_and_save(

@@ -134,3 +134,71 @@ def test_the_forecaster_says_why_it_does_not_predict() -> None:
     assert f.predict(SHAPE) == "low_coverage"
     f.replace_model(model)  # retrained: trusted again
     assert isinstance(f.predict(SHAPE), Prediction)
+
+
+def test_the_prompt_fit_follows_prompts_only_where_the_tenants_answers_do() -> None:
+    follows, ignores = History(min_history=5), History(min_history=5)
+    for prompt in (1000, 2000, 4000, 8000) * 5:
+        follows.observe("acme", "key-1", SHAPE.model, 7, prompt // 10, prompt_tokens=prompt)
+        ignores.observe("acme", "key-1", SHAPE.model, 7, 300, prompt_tokens=prompt)
+    for history_, want in ((follows, 300), (ignores, 300)):
+        f = dict(zip(FEATURES, history_.features(replace(SHAPE, prompt_tokens=3000)) or [],
+                     strict=True))  # fmt: skip
+        # ln(1 + out) tracks ln(1 + prompt) − ln 10 closely: the fit reads 3000 → ~300
+        assert math.expm1(f["tenant_prompt_fit"] * 10) == pytest.approx(want, rel=0.02)
+    f = dict(zip(FEATURES, follows.features(replace(SHAPE, prompt_tokens=1000)) or [],
+                 strict=True))  # fmt: skip
+    assert math.expm1(f["tenant_prompt_fit"] * 10) == pytest.approx(100, rel=0.02)
+    assert f["tenant_prompt_fit_std"] < 0.01 < f["tenant_std"]  # the fit explains the spread
+    g = dict(zip(FEATURES, ignores.features(replace(SHAPE, prompt_tokens=1000)) or [],
+                 strict=True))  # fmt: skip
+    assert g["tenant_prompt_fit"] == pytest.approx(g["tenant_mean"])
+
+
+def test_online_calibration_moves_only_the_tenant_whose_outcomes_miss() -> None:
+    weights = [0.0] * len(FEATURES)
+    weights[FEATURES.index("tenant_mean")] = 1.0
+    model = linear(weights, 0.0, {"acme": 0.0, "globex": 0.0})
+    f = Forecaster(model, History(min_history=3), CoverageTracker(0.95, min_samples=1000))
+    other = replace(SHAPE, tenant_id="globex", key_id="key-9")
+    for _ in range(3):
+        f.observe(SHAPE, None, 100)
+        f.observe(other, None, 100)
+    before = f.predict(SHAPE)
+    assert isinstance(before, Prediction) and before.output_tokens == 100
+    for _ in range(20):
+        f.observe(SHAPE, 100, 200)  # misses: acme's answers outgrew its predictions
+    raised = f.predict(SHAPE)
+    assert isinstance(raised, Prediction) and raised.output_tokens > 100
+    assert f.adjustment("acme") == pytest.approx(min(0.1, 20 * 0.005 * 0.95))
+    assert f.adjustment("globex") == 0.0 and f.predict(other) == before
+    for _ in range(1000):
+        f.observe(other, 100, 10)  # always covered: globex is reserved less, within the bound
+    lowered = f.predict(other)
+    assert f.adjustment("globex") == pytest.approx(-0.1)
+    assert isinstance(lowered, Prediction) and lowered.output_tokens < 100
+    f.replace_model(model)
+    assert f.adjustment("acme") == 0.0 and f.adjustment("globex") == 0.0
+
+
+def test_online_calibration_holds_coverage_at_the_quantile() -> None:
+    import random
+
+    weights = [0.0] * len(FEATURES)
+    weights[FEATURES.index("tenant_mean")] = 1.0
+    # Trained offset far too low: the raw prediction is the median-ish mean of the history.
+    model = linear(weights, 0.0, {"acme": 0.0})
+    f = Forecaster(model, History(min_history=3), CoverageTracker(0.95, min_samples=10**6))
+    rng = random.Random(3)
+    for _ in range(3):
+        f.observe(SHAPE, None, 100)
+    covered = total = 0
+    for i in range(20_000):
+        answer = f.predict(SHAPE)
+        assert isinstance(answer, Prediction)
+        out = max(1, round(100 * math.exp(rng.gauss(0.0, 0.4))))
+        if i >= 5_000:
+            total += 1
+            covered += out <= answer.output_tokens
+        f.observe(SHAPE, answer.output_tokens, out)
+    assert covered / total == pytest.approx(0.95, abs=0.01)

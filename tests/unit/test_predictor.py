@@ -140,7 +140,14 @@ def test_the_model_file_round_trips_and_a_foreign_file_is_refused(
     assert model_file.load(path) == trained
     assert model_file.latest(tmp_path) == path
     data = json.loads(path.read_text())
-    assert data["format"] == "tollgate-output-predictor" and data["format_version"] == 1
+    assert data["format"] == "tollgate-output-predictor" and data["format_version"] == 2
+    assert set(data["tenant_scales"]) == set(data["tenant_offsets"])
+    # A version-1 file (before per-tenant scales) is read, every tenant at scale 1.
+    v1 = {k: v for k, v in data.items() if k != "tenant_scales"}
+    (tmp_path / "v1.json").write_text(json.dumps({**v1, "format_version": 1}))
+    old = model_file.load(tmp_path / "v1.json")
+    assert old.model.tenant_scales == {}
+    assert old.model.tenant_offsets == trained.model.tenant_offsets
     for broken, why in (
         ({**data, "format": "other"}, "not a tollgate-output-predictor"),
         ({**data, "format_version": 9}, "format_version 9"),
@@ -242,3 +249,31 @@ def test_the_simulated_model_answers_about_as_long_as_it_is_asked() -> None:
         for i in range(400)
     )  # fmt: skip
     assert 185 <= eos[200] <= 215 and eos[20] > 120 and eos[380] < 330  # σ 0.15 around 200
+
+
+def test_calibration_picks_per_tenant_how_much_to_lean_on_the_shared_score() -> None:
+    """`flat`'s answers ignore the score (its best p95 is a constant: scale 0); `follows`'s
+    track it exactly (scale 1). Each keeps the pair that reserves least at the same rank."""
+    from domain.prediction import FEATURES, Layer
+    from predictor.dataset import Example
+    from predictor.train import _calibrate
+
+    n = len(FEATURES)
+    weights = [0.0] * n
+    weights[0] = 1.0  # score = the first feature
+    layers = (Layer((tuple(weights),), (0.0,)),)
+    rng = random.Random(5)
+    cap = math.log1p(CAP) / 10
+    rows = []
+    for i in range(400):
+        x = rng.uniform(0.2, 0.6)
+        feats = [x] + [0.0] * (n - 1)
+        feats[FEATURES.index("log_output_cap_tokens")] = cap
+        noise = rng.gauss(0.0, 0.01)
+        flat = 0.4 + noise
+        rows.append(Example("flat", b.at(i), feats, flat, False, None))  # type: ignore[arg-type]
+        rows.append(Example("follows", b.at(i), feats, x + noise, False, None))  # type: ignore[arg-type]
+    offsets, scales, tenants = _calibrate(layers, rows, rows, FAST)
+    assert scales == {"flat": 0.0, "follows": 1.0}
+    assert tenants["flat"]["scale"] == 0.0 and offsets["flat"] == pytest.approx(0.416, abs=0.01)
+    assert offsets["follows"] == pytest.approx(0.016, abs=0.01)
