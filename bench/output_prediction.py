@@ -203,11 +203,113 @@ def main() -> None:
         "examples": first.examples,
         "by_tpm_per_offered": {x: summarise(runs) for x, runs in per_seed.items()},
         "kv_cap": summarise(kv_runs),
+        "ceiling": ceiling(requests),
         "inference": timing, "targets": TARGETS,
     }  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+
+
+def _p95(values: list[int]) -> float:
+    """The empirical 0.95 quantile (linear interpolation, as numpy's default)."""
+    v = sorted(values)
+    pos = 0.95 * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def ceiling(requests: list[Any], bin_size: int = 200) -> dict[str, Any]:
+    """What an ideal p95 reservation could reach with the shape's features: every completed
+    request of the log reserves the empirical p95 of its group, for finer and finer groups of
+    what admission knows: the tenant; the tenant and its system-prompt bucket; and those with
+    the prompt size (equal-count bins of `bin_size` requests within each bucket). In-sample, so
+    each group's coverage is its p95 by construction: a lower bound on reserved/actual for any
+    p95 predictor with these features (a finer grouping would fit noise). Per tenant and
+    overall: Σ reserved / Σ produced."""
+    done = [q for q in requests if q.terminal == "completed"]
+    groupings = {
+        "tenant": lambda q: (),
+        "tenant_bucket": lambda q: (q.shape.system_prompt_bucket,),
+    }
+    out: dict[str, Any] = {"completed_requests": len(done), "bin_size": bin_size}
+
+    def ratio(groups: dict[Any, list[Any]]) -> dict[str, Any]:
+        reserved: dict[str, float] = {}
+        produced: dict[str, int] = {}
+        for members in groups.values():
+            p = _p95([q.completion_tokens for q in members])
+            t = members[0].shape.tenant_id
+            reserved[t] = reserved.get(t, 0.0) + p * len(members)
+            produced[t] = produced.get(t, 0) + sum(q.completion_tokens for q in members)
+        return {
+            "overall": round(sum(reserved.values()) / max(1, sum(produced.values())), 3),
+            "by_tenant": {t: round(reserved[t] / max(1, produced[t]), 3) for t in sorted(reserved)},
+        }
+
+    for name, key in groupings.items():
+        groups: dict[Any, list[Any]] = {}
+        for q in done:
+            groups.setdefault((q.shape.tenant_id, *key(q)), []).append(q)
+        out[name] = ratio(groups)
+    by_bucket: dict[Any, list[Any]] = {}
+    for q in done:
+        by_bucket.setdefault((q.shape.tenant_id, q.shape.system_prompt_bucket), []).append(q)
+    binned: dict[Any, list[Any]] = {}
+    for k, members in by_bucket.items():
+        members.sort(key=lambda q: q.shape.prompt_tokens)
+        bins = max(1, len(members) // bin_size)
+        for i, q in enumerate(members):
+            binned.setdefault((*k, i * bins // len(members)), []).append(q)
+    out["tenant_bucket_prompt"] = ratio(binned)
+    out["generator_latent"] = _generator_ceiling()
+    return out
+
+
+def _generator_ceiling(draws: int = 100_000, seed: int = 1) -> dict[str, Any]:
+    """The same from the generator's own distributions (predictor/generate.py and the simulated
+    model's σ 0.15 following), by drawing requests: `observable` conditions on what a shape
+    tells (the assistant of a chat, the document of a summary; nothing for an agent's step),
+    `asked_length` on the length the prompt text asks for, which no feature carries (σ 0.15
+    alone)."""
+    import math
+    import random
+
+    from predictor.generate import SHARES, plan_request
+
+    rng, follow = random.Random(seed), random.Random(seed + 1)
+    kinds = list(SHARES)
+    weights = [SHARES[k] for k in kinds]
+    rows = []
+    for _ in range(draws):
+        kind = rng.choices(kinds, weights)[0]
+        p = plan_request(kind, rng)
+        out = max(1, round(follow.lognormvariate(math.log(max(1, p.asked_tokens)), 0.15)))
+        shown: tuple[Any, ...] = (p.messages[0]["content"][:40],)
+        if kind == "summarisation":  # the document's size, in 2.5 % bins of its words
+            shown += (int(40 * math.log(len(p.messages[-1]["content"].split()))),)
+        rows.append((kind, shown, out))
+
+    def ratio(key: Any) -> dict[str, Any]:
+        groups: dict[Any, list[int]] = {}
+        for r in rows:
+            groups.setdefault((r[0], key(r)), []).append(r[2])
+        reserved: dict[str, float] = {}
+        produced: dict[str, int] = {}
+        for (kind, _), outs in groups.items():
+            reserved[kind] = reserved.get(kind, 0.0) + _p95(outs) * len(outs)
+            produced[kind] = produced.get(kind, 0) + sum(outs)
+        return {
+            "overall": round(sum(reserved.values()) / sum(produced.values()), 3),
+            "by_kind": {k: round(reserved[k] / produced[k], 3) for k in kinds},
+        }
+
+    # Knowing the asked length leaves only the simulated model's lognormal σ 0.15: p95 / mean
+    # = e^(1.645 σ − σ²/2), whatever the length.
+    sigma = 0.15
+    return {"draws": draws, "seed": seed, "observable": ratio(lambda r: r[1]),
+            "asked_length": round(math.exp(1.6449 * sigma - sigma * sigma / 2), 3)}  # fmt: skip
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -237,6 +339,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "by_tenant": {
                 t: med(policy, "by_tenant", t, "reserved_per_actual")
                 for t in runs[0]["policies"][policy]["by_tenant"]
+            },
+            "coverage_by_tenant": {
+                t: med(policy, "by_tenant", t, "coverage")
+                for t in runs[0]["policies"][policy]["by_tenant"]
+            },
+            "peak_over_admission_by_tenant": {
+                t: med(policy, "peak_over_admission_by_tenant", t)
+                for t in runs[0]["policies"][policy]["peak_over_admission_by_tenant"]
             },
             "fallbacks": runs[0]["policies"][policy]["fallbacks"],
         }
