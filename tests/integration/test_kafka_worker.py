@@ -256,3 +256,100 @@ def test_a_ledger_row_commits_with_its_terminal_event_not_after_the_bills_trip(
     finally:
         consumer.close()
         relay.close()
+
+
+def test_kafka_workers_killed_again_and_again_at_named_points_lose_and_double_nothing(
+    engine: sa.Engine, postgres_url: str, kafka_broker, kafka_topic: str, tmp_path: Path
+) -> None:
+    """The issue's consumer-kill row on Kafka: two workers in one group, each restarted with its
+    next crash point armed (bills appended, offsets not: `kafka.after_bills`; read models and
+    offsets written, not committed: `kafka.before_commit`; the n-th batch, n in 1..3) until
+    `kills` SIGKILLs (6 in the fast tier: each costs the group a rebalance), while requests
+    keep arriving (at least 3,400: about 20,000 events); then clean workers to the end."""
+    from tests.faults.tier import pick
+
+    rng = random.Random(20)
+    kills, per_round = pick(6, 20), 150
+    store = SqlEventStore(engine)
+    _price(store)
+    relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
+    relay.check_topic()
+    stop = threading.Event()
+    relaying = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    relaying.start()
+    logs = [tmp_path / "worker-a.log", tmp_path / "worker-b.log"]
+    boot, topic = kafka_broker.bootstrap, kafka_topic
+    armed = 0
+
+    def start(i: int) -> subprocess.Popen[bytes]:
+        nonlocal armed
+        fault = ""
+        if armed < kills:
+            armed += 1
+            point = ("kafka.after_bills", "kafka.before_commit")[rng.randrange(2)]
+            fault = f"{point}@{rng.randint(1, 3)}"
+        return _worker(postgres_url, boot, topic, logs[i], fault)
+
+    workers = [start(0), start(1)]
+    died = 0
+    truth: dict[str, tuple[int, int, int]] = {}
+
+    def restart_the_dead() -> None:
+        nonlocal died
+        for i, worker in enumerate(workers):
+            if worker.poll() is not None:
+                assert worker.returncode == -9, logs[i].read_text()[-2000:]
+                died += 1
+                workers[i] = start(i)
+
+    try:
+        # Requests keep arriving while workers die and come back (an armed worker dies at its
+        # n-th batch, so it needs new ones), then the clean ones fold to the end.
+        deadline = time.monotonic() + pick(240, 900)
+        while (died < kills or len(truth) < pick(3_400, 3_400)) and time.monotonic() < deadline:
+            truth.update(_requests(store, per_round, rng))
+            time.sleep(0.5)
+            restart_the_dead()
+        while _ledger_count(engine) < len(truth) and time.monotonic() < deadline + 120:
+            restart_the_dead()
+            time.sleep(0.3)
+        time.sleep(2)  # late redeliveries must change nothing
+    finally:
+        stop.set()
+        relaying.join(10)
+        relay.close()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    with engine.connect() as conn:
+        ledger = {
+            r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            for r in conn.execute(sa.select(ledger_entries))
+        }
+        bills = dict(
+            conn.execute(
+                sa.select(events.c.stream_id, sa.func.count())
+                .where(events.c.type == "UsageBilled")
+                .group_by(events.c.stream_id)
+            ).all()
+        )
+        stored = int(conn.execute(sa.select(sa.func.count()).select_from(events)).scalar())
+    lost = set(truth) - set(ledger)
+    doubled = [rid for rid, n in bills.items() if n > 1]
+    wrong = [rid for rid in truth if rid in ledger and ledger[rid] != truth[rid]]
+    print(
+        f"kafka worker kills: {stored} events, {len(truth)} requests / {died} kills / "
+        f"{len(lost)} lost / {len(doubled)} billed twice / {len(wrong)} wrong counts"
+    )
+    assert died >= kills
+    assert lost == set() and doubled == [] and wrong == []
+    assert set(ledger) == set(truth)
+    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+        runner = ProjectionRunner(engine, store, spec)
+        from_topic = runner.table_digest()
+        runner.rebuild()
+        assert runner.table_digest() == from_topic, spec.name
