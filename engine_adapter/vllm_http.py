@@ -161,7 +161,7 @@ class _HttpExchange(ChatExchange):
             self._deliver(chunk)
             delivered = True
         if delivered:
-            self._wake()
+            self._arrived()
 
     def on_complete(self) -> None:
         if self._error_body is not None:
