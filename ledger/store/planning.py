@@ -173,6 +173,8 @@ def plan_appends(
     def decide(
         rows: list[StoredRow], stored: dict[str, Stored]
     ) -> list[Stored] | StoreError | None:
+        if not stored and pending.keys().isdisjoint([row.event_id for row in rows]):
+            return None  # nothing of it is recorded (the usual case): no lookup per event
         return _resolve_recorded(rows, lambda i: pending.get(i) or stored.get(i))
 
     for batch, rows in zip(batches, prepared, strict=True):
