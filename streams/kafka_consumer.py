@@ -194,8 +194,17 @@ class KafkaEventConsumer:
 def _epoch(headers: list[tuple[str, bytes]] | None) -> int:
     for name, value in headers or ():
         if name == EPOCH_HEADER:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                return 0
+            epoch = _EPOCHS.get(value)
+            if epoch is None:
+                try:
+                    epoch = int(value)
+                except (TypeError, ValueError):
+                    epoch = 0
+                if len(_EPOCHS) < 64:
+                    _EPOCHS[value] = epoch
+            return epoch
     return 0
+
+
+# Every message of an epoch carries the same header value: parsed once, not per message.
+_EPOCHS: dict[bytes, int] = {}

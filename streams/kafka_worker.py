@@ -107,7 +107,7 @@ class KafkaFoldWorker:
         resume_sweeper(self.engine, self.store, self.sweeper)
         self.leases.seek(self.sweeper.position)
 
-    def run_batch(self, max_records: int = 2000, timeout_s: float = 0.2) -> int:
+    def run_batch(self, max_records: int = 5000, timeout_s: float = 0.2) -> int:
         """One batch from the topic; returns how many records it applied."""
         batch = self.consumer.poll(max_records, timeout_s)
         if not batch.next_offsets:
@@ -169,12 +169,12 @@ class KafkaFoldWorker:
     def sweep(self) -> None:
         """Follow the store's new events into the lease book, then expire the silent leases."""
         while True:
-            batch = self.leases.poll(2000, 0)
+            batch = self.leases.poll(5000, 0)
             for d in batch.deliveries:
                 self.sweeper.apply(d.record)
             if 0 in batch.next_offsets:
                 self.sweeper.position = batch.next_offsets[0]
-            if len(batch) < 2000:
+            if len(batch) < 5000:
                 break
         self.sweeper.sweep(datetime.now(UTC))
 
