@@ -145,7 +145,12 @@ def test_two_workers_killed_mid_batch_bill_every_request_once(
     killed = [False, False]
     truth: dict[str, tuple[int, int, int]] = {}
     try:
-        for _ in range(8):  # requests keep arriving while workers die and come back
+        # Requests keep arriving while workers die and come back: at least 8 rounds, and until
+        # both were killed (a ledger row no longer waits for its bill's trip through the relay,
+        # so the ledger can be complete before a worker's armed batch comes).
+        rounds = 0
+        while rounds < 8 or (not all(killed) and rounds < 60):
+            rounds += 1
             truth.update(_requests(store, 150, rng))
             time.sleep(0.5)
             for i, worker in enumerate(workers):
