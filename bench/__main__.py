@@ -313,12 +313,13 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
             "",
             f"Whole pipeline: {sus.get('runs')} runs, each a fresh schema and topic; `tollgate "
             f"relay` and {sus.get('workers')} × `tollgate worker` as processes while the bench "
-            f"appends completed requests (3 lifecycle events each, in group commits of what is "
+            f"appends completed requests ({sus.get('events_per_request', 5)} lifecycle events "
+            "each, in group commits of what is "
             f"due every 20 ms) at {_fmt(round(sus.get('offered_events_per_s') or 0))} lifecycle "
             "events/s "
             f"for {_fmt(sus.get('duration_s'), 0)} s; each request's bill makes a second trip "
-            "through relay and worker (4 events per request on the topic). Events/s = lifecycle "
-            "events appended ÷ (first append → last ledger row); lag = the ledger row's "
+            "through relay and worker (one event more per request on the topic). Events/s = "
+            "lifecycle events appended ÷ (first append → last ledger row); lag = the ledger row's "
             "`recorded_at` (database clock at the insert, just before the worker's commit; "
             "migration 0014) − the terminal event's `occurred_at`. Offered events/s below the "
             "stated rate means the appender itself could not commit that fast.",
