@@ -97,8 +97,15 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
     pytest.fail(f"{url} not ready after {timeout}s (last: {last}):\n{log.read_text()[-3000:]}")
 
 
-def poll(what: str, fn: Callable[[], Any], timeout: float = 15.0, every: float = 0.1) -> Any:
-    """Call fn until it returns something truthy; fail with `what` after `timeout` seconds."""
+def poll(
+    what: str,
+    fn: Callable[[], Any],
+    timeout: float = 15.0,
+    every: float = 0.1,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """Call fn until it returns something truthy; fail with `what` after `timeout` seconds (and
+    what `detail` tells then, e.g. the end of an engine's log)."""
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
@@ -106,7 +113,8 @@ def poll(what: str, fn: Callable[[], Any], timeout: float = 15.0, every: float =
         if value:
             return value
         time.sleep(every)
-    pytest.fail(f"timed out after {timeout}s waiting for {what} (last value: {value!r})")
+    told = f"\n{detail()}" if detail is not None else ""
+    pytest.fail(f"timed out after {timeout}s waiting for {what} (last value: {value!r}){told}")
 
 
 # --- replicas --------------------------------------------------------------------------------
