@@ -37,8 +37,10 @@ from ledger.writer import WriterOverloaded
 
 log = logging.getLogger("tollgate.edge")
 
-# A request's events the store could not take are sent again, at most this long apart.
+# A request's events the store could not take are sent again, at most this long apart, for as
+# long as the sweeper would leave the request open (tests/faults/edge_child.py sets it to 0).
 APPEND_RETRY_MAX_S = 2.0
+APPEND_RETRY_FOR_S = leases.LEASE_TTL_S
 _STORE_AWAY = (StoreUnavailable, StoreBusy, WriterOverloaded)
 
 
@@ -259,7 +261,7 @@ class Recorder:
         if future.cancelled():
             return
         error = future.exception() or future.result().error
-        if isinstance(error, _STORE_AWAY) and waited_s < leases.LEASE_TTL_S:
+        if isinstance(error, _STORE_AWAY) and waited_s < APPEND_RETRY_FOR_S:
             # The store was away (a dropped connection, a failover): the same batch again, as
             # it was decided. If it had committed after all, the store answers it as the exact
             # retry it is. Given up once the sweeper would have expired the request anyway.

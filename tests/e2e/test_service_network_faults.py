@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from sqlalchemy.engine import make_url
 
 from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, auth, free_port, spawn, wait_http
 from tests.faults.proxy import FaultyProxy
+from tests.faults.tier import LONG
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.slow]
 
@@ -93,12 +95,26 @@ def _one(base: str, secret: str, op: Operation, i: int) -> None:
         op.outcome = "unknown"
 
 
-@pytest.mark.parametrize("pipeline", ["sql", pytest.param("kafka", marks=pytest.mark.kafka)])
+# (pipeline, safeguard): the safeguard-off twin, an edge that never sends a batch again once the
+# store dropped it, in the long tier only (tests/faults/tier.py).
+CASES = [
+    pytest.param("sql", "on", id="sql"),
+    pytest.param("kafka", "on", id="kafka", marks=pytest.mark.kafka),
+    *([pytest.param("sql", "off", id="sql-safeguard-off")] if LONG else []),
+]
+
+
+@pytest.mark.parametrize(("pipeline", "safeguard"), CASES)
 def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothing(
-    pipeline: str, postgres_url: str, tmp_path: Path, request: pytest.FixtureRequest
+    pipeline: str,
+    safeguard: str,
+    postgres_url: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     """`sql`: the worker tails the SQL log. `kafka`: `tollgate relay` and a Kafka worker, each
-    through a proxy of its own to PostgreSQL (the broker reached directly)."""
+    through a proxy of its own to PostgreSQL (the broker reached directly). Safeguard off: the
+    same run must find answers billed other than as shown (their ends lost, then expired)."""
     pg_port = make_url(postgres_url).port or 5432
     edge_proxy, worker_proxy = FaultyProxy(pg_port), FaultyProxy(pg_port)
     relay_proxy = FaultyProxy(pg_port)  # used by the kafka pipeline only
@@ -110,7 +126,8 @@ def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothi
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     edge_log, worker_log = tmp_path / "edge.log", tmp_path / "worker.log"
-    edge = spawn([*TOLLGATE, "api", "--port", str(port), "--database-url",
+    cli = TOLLGATE if safeguard == "on" else [sys.executable, "-m", "tests.faults.edge_child"]
+    edge = spawn([*cli, "api", "--port", str(port), "--database-url",
                   _through(postgres_url, edge_proxy.port), "--simulated-replicas", "1",
                   "--sim-speed", "20"], edge_log, env=env)  # fmt: skip
     worker: subprocess.Popen[bytes] | None = None
@@ -202,13 +219,17 @@ def test_faults_between_the_edge_the_worker_and_postgresql_lose_and_double_nothi
     counts = {k: sum(op.outcome == k for op in ops) for k in ("ok", "failed", "unknown")}
     resets = edge_proxy.resets + worker_proxy.resets + relay_proxy.resets
     print(
-        f"service network faults ({pipeline}): operations {len(ops)} ({counts}) / faults injected "
+        f"service network faults ({pipeline}, safeguard {safeguard}): operations {len(ops)} "
+        f"({counts}) / faults injected "
         f"{len(SCHEDULE)} phases, {resets} connections reset / lost {len(lost_acks)} / "
         f"duplicated {sum(' 2' in p for p in problems)} / invariant violations "
         f"{len(problems) + len(unresolved)}; {len(admitted)} admitted, {retries:.0f} appends "
         f"sent again after the store dropped them"
     )
     assert counts["ok"] > 0 and resets > 0, (counts, resets)
+    if safeguard == "off":
+        assert lost_acks or problems or unresolved, "the unsafe edge lost nothing: a blind test"
+        return
     assert problems == [], problems[:10]
     assert lost_acks == [], lost_acks[:10]
     assert unresolved == []
