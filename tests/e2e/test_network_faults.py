@@ -8,16 +8,14 @@ received complete is billed exactly the engine count it was shown (0 lost acknow
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import FAST, MODEL, Server, auth, start_replica
+from tests.faults.clients import Operation, chat
 from tests.faults.proxy import FaultyProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,12 +25,6 @@ SCHEDULE = (("pass", 2.0), ("latency", 2.0), ("blackhole", 3.0), ("pass", 1.5), 
 CLIENTS = 6
 
 
-@dataclass
-class Operation:
-    stream: bool
-    outcome: str = "unknown"  # ok / failed / unknown
-    request_id: str | None = None
-    completion_tokens: int | None = None  # the engine count the client was shown
 
 
 @pytest.fixture(scope="module")
@@ -55,40 +47,9 @@ def behind_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ser
 
 
 def _one(server: Server, secret: str, op: Operation, i: int) -> None:
-    body = {
-        "model": MODEL,
-        "max_tokens": 40 + i % 50,
-        "stream": op.stream,
-        "messages": [{"role": "user", "content": f"Count to {i}."}],
-    }
-    if op.stream:
-        body["stream_options"] = {"include_usage": True}
-    try:
-        with (
-            httpx.Client(timeout=httpx.Timeout(30, connect=5)) as client,
-            client.stream(
-                "POST", f"{server.base}/v1/chat/completions", headers=auth(secret), json=body
-            ) as r,
-        ):
-            op.request_id = r.headers.get("x-request-id")
-            if r.status_code != 200:
-                r.read()
-                op.outcome = "failed"
-                return
-            if not op.stream:
-                r.read()
-                op.completion_tokens = r.json()["usage"]["completion_tokens"]
-                op.outcome = "ok"
-                return
-            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-            if lines[-1] != "data: [DONE]" or any('"error"' in x[:20] for x in lines):
-                op.outcome = "failed"
-                return
-            usage = json.loads(lines[-2][6:]).get("usage") or {}
-            op.completion_tokens = usage.get("completion_tokens")
-            op.outcome = "ok"
-    except httpx.HTTPError:
-        op.outcome = "unknown"
+    body = {"model": MODEL, "max_tokens": 40 + i % 50,
+            "messages": [{"role": "user", "content": f"Count to {i}."}]}  # fmt: skip
+    chat(server.base, auth(secret), op, body)
 
 
 def test_latency_black_holes_and_resets_lose_and_double_nothing(

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, auth, free_port, spawn, wait_http
+from tests.faults.clients import Operation, chat
 from tests.faults.proxy import FaultyProxy
 from tests.faults.tier import LONG
 
@@ -41,12 +41,6 @@ TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpi
              "RequestPreempted")  # fmt: skip
 
 
-@dataclass
-class Operation:
-    stream: bool
-    outcome: str = "unknown"  # ok / failed / unknown
-    request_id: str | None = None
-    completion_tokens: int | None = None  # the engine count the client was shown
 
 
 def _through(url: str, port: int) -> str:
@@ -61,38 +55,9 @@ def _conninfo(url: str) -> str:
 
 
 def _one(base: str, secret: str, op: Operation, i: int) -> None:
-    body = {
-        "model": MODEL, "max_tokens": 20 + i % 30, "stream": op.stream,
-        "messages": [{"role": "user", "content": f"Count to {i}."}],
-    }  # fmt: skip
-    if op.stream:
-        body["stream_options"] = {"include_usage": True}
-    try:
-        with (
-            httpx.Client(timeout=httpx.Timeout(30, connect=5)) as client,
-            client.stream("POST", f"{base}/v1/chat/completions", headers=auth(secret),
-                          json=body) as r,  # fmt: skip
-        ):
-            op.request_id = r.headers.get("x-request-id")
-            if r.status_code != 200:
-                r.read()
-                op.outcome = "failed"
-                return
-            if not op.stream:
-                r.read()
-                op.completion_tokens = r.json()["usage"]["completion_tokens"]
-                op.outcome = "ok"
-                return
-            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-            if lines[-1] != "data: [DONE]" or any('"error"' in x[:20] for x in lines):
-                op.outcome = "failed"
-                return
-            op.completion_tokens = (json.loads(lines[-2][6:]).get("usage") or {}).get(
-                "completion_tokens"
-            )
-            op.outcome = "ok"
-    except httpx.HTTPError:
-        op.outcome = "unknown"
+    body = {"model": MODEL, "max_tokens": 20 + i % 30,
+            "messages": [{"role": "user", "content": f"Count to {i}."}]}  # fmt: skip
+    chat(base, auth(secret), op, body)
 
 
 # (pipeline, safeguard): the safeguard-off twin, an edge that never sends a batch again once the
