@@ -1211,6 +1211,16 @@ metrics_port_option = click.option(
 )
 @click.option("--parent-pid", default=0, type=int, hidden=True)
 @with_kafka
+@click.option(
+    "--kafka-client",
+    envvar="TOLLGATE_WORKER_KAFKA_CLIENT",
+    type=click.Choice(["confluent", "faust"]),
+    default="confluent",
+    show_default=True,
+    help="the library that reads the topic (env TOLLGATE_WORKER_KAFKA_CLIENT): confluent-kafka "
+    "or faust-streaming; the same folds and the same exactly-once transaction either way "
+    "(streams/README.md)",
+)
 @metrics_port_option
 @one_line_errors
 def worker(
@@ -1219,6 +1229,7 @@ def worker(
     parent_pid: int,
     kafka_bootstrap: str | None,
     topic: str,
+    kafka_client: str,
     metrics_port: int,
 ) -> None:
     """Run the folds: billing, the read models and the lease sweeper (until SIGTERM).
@@ -1241,7 +1252,8 @@ def worker(
         if not url.startswith("postgresql"):
             raise click.UsageError("the Kafka worker needs the PostgreSQL store (--database-url)")
         run_kafka_worker(
-            url, kafka_bootstrap, topic, lease_ttl_s=lease_ttl, metrics_port=metrics_port
+            url, kafka_bootstrap, topic, lease_ttl_s=lease_ttl, metrics_port=metrics_port,
+            client=kafka_client,
         )
         return
     run_worker(url, lease_ttl_s=lease_ttl, parent_pid=parent_pid, metrics_port=metrics_port)

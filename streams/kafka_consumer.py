@@ -27,18 +27,14 @@ from streams.topics import client_settings, confluent, dead_letter_topic
 log = logging.getLogger("tollgate.kafka_consumer")
 
 
-class KafkaEventConsumer:
-    """A member of consumer group `name` on `topic` (see EventConsumer for the contract)."""
+class SavedOffsets:
+    """What every consumer of the event topic keeps in PostgreSQL, whichever client reads the
+    topic (confluent-kafka here, faust-streaming in `streams/faust_worker.py`): where each
+    partition resumes, `claim` and `commit` inside the effect's transaction, and the dead-letter
+    topic. A subclass reads the messages and seeks its client to `_seek_targets` on every
+    assignment."""
 
-    def __init__(
-        self,
-        engine: sa.Engine,
-        bootstrap: str,
-        topic: str,
-        name: str,
-        *,
-        settings: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, engine: sa.Engine, bootstrap: str, topic: str, name: str) -> None:
         ck = confluent()
         self._ck = ck
         self.engine = engine
@@ -50,7 +46,77 @@ class KafkaEventConsumer:
         # Per partition, the relay epoch of the messages being read (None: reading from the
         # start, whatever epoch that is).
         self._epochs: dict[int, int | None] = {}
-        self._consumer = ck.Consumer(
+        self._producer = ck.Producer(client_settings(bootstrap, {"enable.idempotence": True}))
+
+    def _seek_targets(self, partitions: list[int], beginning: int) -> dict[int, int]:
+        epoch = current_epoch(self.engine, self.topic)
+        places = read_places(self.engine, self.name, self.topic, partitions)
+        targets = {}
+        for p in partitions:
+            if p in places and places[p].epoch == epoch:
+                targets[p], self._epochs[p] = places[p].next_offset, epoch
+            else:  # never read, or the offsets of an epoch whose messages are gone
+                targets[p], self._epochs[p] = beginning, None
+        return targets
+
+    def claim(self, conn: sa.Connection, batch: Batch) -> list[Delivery]:
+        self._claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
+        return [d for d in batch.deliveries if d.key > self._claimed[d.partition].key]
+
+    def commit(self, conn: sa.Connection, batch: Batch) -> None:
+        if not batch.next_offsets:
+            return
+        claimed = self._claimed
+        if not set(batch.next_offsets) <= set(claimed):
+            claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
+        last: dict[int, tuple[int, int]] = {}
+        for d in batch.deliveries:
+            last[d.partition] = max(last.get(d.partition, (0, 0)), d.key)
+        places = {}
+        for partition, end in batch.next_offsets.items():
+            old = claimed[partition]
+            epoch = batch.epochs.get(partition, 0)
+            # Another member may have committed further meanwhile (a rebalance): never go back.
+            offset = max(end, old.next_offset) if epoch == old.epoch else end
+            txid, position = max(old.key, last.get(partition, (0, 0)))
+            places[partition] = PartitionPlace(offset, epoch, txid, position)
+        save_places(conn, self.name, self.topic, places)
+        self._claimed = {}
+
+    def _dead_letter(
+        self, partition: int, offset: int, key: bytes | None, value: bytes | None, reason: str
+    ) -> None:
+        self.dead_letters += 1
+        log.error(
+            "%s: dead-lettered %s[%d]@%d: %s",
+            self.name, self.topic, partition, offset, reason,
+        )
+        self._producer.produce(
+            dead_letter_topic(self.topic),
+            key=key,
+            value=value,
+            headers=[
+                (REASON_HEADER, reason[:500].encode()),
+                ("tollgate-source", f"{self.topic}/{partition}/{offset}"),
+                ("tollgate-consumer", self.name.encode()),
+            ],
+        )
+
+
+class KafkaEventConsumer(SavedOffsets):
+    """A member of consumer group `name` on `topic` (see EventConsumer for the contract)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        bootstrap: str,
+        topic: str,
+        name: str,
+        *,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(engine, bootstrap, topic, name)
+        self._consumer = self._ck.Consumer(
             client_settings(
                 bootstrap,
                 {
@@ -68,24 +134,12 @@ class KafkaEventConsumer:
                 },
             )
         )
-        self._producer = ck.Producer(client_settings(bootstrap, {"enable.idempotence": True}))
         self._consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
     # --- assignment -------------------------------------------------------------------------
 
-    def _seek_targets(self, partitions: list[int]) -> dict[int, int]:
-        epoch = current_epoch(self.engine, self.topic)
-        places = read_places(self.engine, self.name, self.topic, partitions)
-        targets = {}
-        for p in partitions:
-            if p in places and places[p].epoch == epoch:
-                targets[p], self._epochs[p] = places[p].next_offset, epoch
-            else:  # never read, or the offsets of an epoch whose messages are gone
-                targets[p], self._epochs[p] = self._ck.OFFSET_BEGINNING, None
-        return targets
-
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
-        targets = self._seek_targets([tp.partition for tp in partitions])
+        targets = self._seek_targets([tp.partition for tp in partitions], self._ck.OFFSET_BEGINNING)
         for tp in partitions:
             tp.offset = targets[tp.partition]
         consumer.assign(partitions)
@@ -129,7 +183,9 @@ class KafkaEventConsumer:
             try:
                 record, txid = decode(message.value())
             except BadRecord as exc:
-                self._dead_letter(message, exc.reason)
+                self._dead_letter(
+                    partition, offset, message.key(), message.value(), exc.reason
+                )
                 dead = True
                 continue
             batch.deliveries.append(Delivery(record, partition, offset, txid))
@@ -138,33 +194,11 @@ class KafkaEventConsumer:
             self._producer.flush(30)
         return batch
 
-    def claim(self, conn: sa.Connection, batch: Batch) -> list[Delivery]:
-        self._claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
-        return [d for d in batch.deliveries if d.key > self._claimed[d.partition].key]
-
-    def commit(self, conn: sa.Connection, batch: Batch) -> None:
-        if not batch.next_offsets:
-            return
-        claimed = self._claimed
-        if not set(batch.next_offsets) <= set(claimed):
-            claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
-        last: dict[int, tuple[int, int]] = {}
-        for d in batch.deliveries:
-            last[d.partition] = max(last.get(d.partition, (0, 0)), d.key)
-        places = {}
-        for partition, end in batch.next_offsets.items():
-            old = claimed[partition]
-            epoch = batch.epochs.get(partition, 0)
-            # Another member may have committed further meanwhile (a rebalance): never go back.
-            offset = max(end, old.next_offset) if epoch == old.epoch else end
-            txid, position = max(old.key, last.get(partition, (0, 0)))
-            places[partition] = PartitionPlace(offset, epoch, txid, position)
-        save_places(conn, self.name, self.topic, places)
-        self._claimed = {}
-
     def rewind(self) -> None:
         assignment = self._consumer.assignment()
-        targets = self._seek_targets([tp.partition for tp in assignment])
+        targets = self._seek_targets(
+            [tp.partition for tp in assignment], self._ck.OFFSET_BEGINNING
+        )
         for tp in assignment:
             tp.offset = targets[tp.partition]
             self._consumer.seek(tp)
@@ -172,23 +206,6 @@ class KafkaEventConsumer:
     def close(self) -> None:
         self._producer.flush(10)
         self._consumer.close()
-
-    def _dead_letter(self, message: Any, reason: str) -> None:
-        self.dead_letters += 1
-        log.error(
-            "%s: dead-lettered %s[%d]@%d: %s",
-            self.name, self.topic, message.partition(), message.offset(), reason,
-        )
-        self._producer.produce(
-            dead_letter_topic(self.topic),
-            key=message.key(),
-            value=message.value(),
-            headers=[
-                (REASON_HEADER, reason[:500].encode()),
-                ("tollgate-source", f"{self.topic}/{message.partition()}/{message.offset()}"),
-                ("tollgate-consumer", self.name.encode()),
-            ],
-        )
 
 
 def _epoch(headers: list[tuple[str, bytes]] | None) -> int:

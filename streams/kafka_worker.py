@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -57,6 +57,9 @@ from streams.sql_tail import SqlTail
 from streams.sweeper import LeaseSweeper
 from streams.topics import DEFAULT_TOPIC
 from streams.worker import WORKER_NAME, resume_sweeper, write_status_row
+
+if TYPE_CHECKING:
+    from streams.faust_worker import FaustEventConsumer
 
 log = logging.getLogger("tollgate.kafka_worker")
 
@@ -227,9 +230,11 @@ def run_kafka_worker(
     group: str | None = None,
     lease_ttl_s: float = LEASE_TTL_S,
     metrics_port: int = 0,
+    client: str = "confluent",
 ) -> None:
     """`tollgate worker` with a Kafka cluster: fold until SIGTERM/SIGINT (its /metrics on
-    `metrics_port`, 0: off)."""
+    `metrics_port`, 0: off), reading the topic through `client`: confluent-kafka, or
+    faust-streaming (`streams/faust_worker.py`), the same batches either way."""
     from streams.kafka_consumer import KafkaEventConsumer
     from streams.status import BrokerWatermarks
 
@@ -238,7 +243,13 @@ def run_kafka_worker(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     group = group or group_for(topic)
-    consumer = KafkaEventConsumer(engine, bootstrap, topic, group)
+    consumer: KafkaEventConsumer | FaustEventConsumer
+    if client == "faust":
+        from streams.faust_worker import FaustEventConsumer
+
+        consumer = FaustEventConsumer(engine, bootstrap, topic, group)
+    else:
+        consumer = KafkaEventConsumer(engine, bootstrap, topic, group)
     worker = KafkaFoldWorker(engine, consumer, lease_ttl_s=lease_ttl_s)
     # Watermarks through a client of their own: the scrape runs on another thread than the
     # consumer's loop.
@@ -250,7 +261,7 @@ def run_kafka_worker(
     serve_metrics(metrics_port, worker.metrics.registry)
     try:
         worker.start()
-        log.info("kafka fold worker %d reading %s as %s", os.getpid(), topic, group)
+        log.info("kafka fold worker %d reading %s as %s (%s)", os.getpid(), topic, group, client)
         worker.run(stop)
     finally:
         consumer.close()

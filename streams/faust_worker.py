@@ -1,0 +1,271 @@
+"""`FaustEventConsumer`: the consumer port over the event topic read by a faust-streaming app, so
+that `KafkaFoldWorker` runs its same batches (the same folds, the same PostgreSQL transaction
+with the offsets) on faust (`tollgate worker --kafka-client faust`).
+
+The app runs on an asyncio loop of its own thread: its agent takes up to `max_records` events
+(or what came within `within_s`) and hands them to the worker's thread, where the synchronous
+folds and the transaction run, so a batch never blocks the loop that sends faust's heartbeats.
+
+Faust's own offsets never decide what is applied. The app commits nothing to Kafka (`commit` is
+a no-op), and where faust would seek its partitions to their committed offsets after every
+rebalance (`seek_to_committed`), it seeks them to the offsets saved in PostgreSQL instead. A
+seek does not empty faust's queues, so after one a partition's messages are taken only from the
+one at the offset sought: what was queued before the seek is dropped, whatever its offset
+(taking a message queued beyond the seek target would move the saved order key past records
+never applied). `claim` still drops every record at or below the saved key, as on confluent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import shutil
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from streams.codec import BadRecord, decode
+from streams.consumer import Batch, Delivery
+from streams.kafka_consumer import SavedOffsets, _epoch
+
+log = logging.getLogger("tollgate.faust_worker")
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    partition: int
+    offset: int
+    epoch: int
+    key: bytes | None
+    value: bytes | None
+
+
+class FaustEventConsumer(SavedOffsets):
+    """A member of consumer group `name` on `topic` through faust-streaming (see EventConsumer
+    for the contract)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        bootstrap: str,
+        topic: str,
+        name: str,
+        *,
+        max_records: int = 5000,
+        within_s: float = 0.2,
+    ) -> None:
+        super().__init__(engine, bootstrap, topic, name)
+        self._bootstrap = bootstrap
+        self._max_records = max_records
+        self._within_s = within_s
+        # Two batches ahead of the worker at most: faust pauses fetching behind them.
+        self._handoff: queue.Queue[list[_Message]] = queue.Queue(maxsize=2)
+        self._pending: list[_Message] = []  # taken from the hand-off, not yet polled
+        # Batches polled since the checkpoint, in order: `rewind` hands them out again (faust
+        # cannot seek back without the queue problem above). Those passed to `commit` are
+        # forgotten at the next poll: the worker polls again only once their transaction
+        # committed, and after a failure it rewinds first.
+        self._uncommitted: list[Batch] = []
+        self._committing: list[Batch] = []
+        self._replay: deque[Batch] = deque()
+        # Loop thread only: per partition, the offset a seek went to, until its message comes;
+        # then the next offset expected.
+        self._resume: dict[int, int] = {}
+        self._expected: dict[int, int] = {}
+        self._datadir = tempfile.mkdtemp(prefix="tollgate-faust-")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._app: Any = None
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_app, name=f"faust-{name}", daemon=True)
+        self._thread.start()
+        self._started.wait(60)
+        if self._failure is not None or self._app is None:
+            raise RuntimeError(f"the faust app did not start: {self._failure!r}")
+
+    # --- the app, on its own thread ---------------------------------------------------------
+
+    def _run_app(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            self._app = _build_app(self)
+            loop.run_until_complete(self._app.start())
+        except BaseException as exc:
+            self._failure = exc
+            self._started.set()
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _agent(self, stream: Any) -> None:
+        async for events in stream.take_events(self._max_records, within=self._within_s):
+            messages = await self._take(events)
+            while messages:
+                try:
+                    self._handoff.put_nowait(messages)
+                    messages = []
+                except queue.Full:
+                    await asyncio.sleep(0.01)
+
+    async def _take(self, events: Sequence[Any]) -> list[_Message]:
+        taken = []
+        for event in events:
+            message = event.message
+            if message.topic != self.topic:
+                continue
+            p, offset = message.partition, message.offset
+            resume = self._resume.get(p)
+            if resume is not None:
+                if offset != resume:
+                    continue  # queued before the seek, or the sought one is still to come
+                del self._resume[p]
+            elif offset < self._expected.get(p, 0):
+                continue  # taken already (read again after a rebalance)
+            headers = message.headers
+            epoch = _epoch(list(headers.items()) if isinstance(headers, Mapping) else headers)
+            known = self._epochs.get(p)
+            if known is not None and epoch > known and offset > 0:
+                # The relay re-published the topic (a broker loss): read the partition's new
+                # epoch from its start.
+                log.warning("%s: partition %d re-published (epoch %d)", self.name, p, epoch)
+                await self._app.consumer.seek(_tp(self.topic, p), 0)
+                self._epochs[p], self._resume[p] = None, 0
+                continue
+            self._epochs[p] = epoch
+            self._expected[p] = offset + 1
+            taken.append(_Message(p, offset, epoch, message.key, message.value))
+        return taken
+
+    async def _seek_saved(self, consumer: Any) -> dict[Any, int]:
+        """Every assigned partition of the topic to its offset saved in PostgreSQL."""
+        mine = {tp for tp in consumer.assignment() if tp.topic == self.topic}
+        targets = await asyncio.to_thread(
+            self._seek_targets, sorted(tp.partition for tp in mine), 0
+        )
+        placed = {tp: targets[tp.partition] for tp in mine}
+        if placed:
+            await consumer.seek_wait(placed)
+        self._resume = {tp.partition: offset for tp, offset in placed.items()}
+        self.assigned = set(self._resume)
+        log.info("%s assigned %s", self.name, sorted(self.assigned))
+        return placed
+
+    # --- the port ---------------------------------------------------------------------------
+
+    def poll(self, max_records: int = 500, timeout_s: float = 0.5) -> Batch:
+        if self._committing:
+            self._uncommitted = [
+                b for b in self._uncommitted if not any(b is c for c in self._committing)
+            ]
+            self._committing.clear()
+        if self._replay:
+            return self._replay.popleft()
+        if not self._pending:
+            try:
+                self._pending = self._handoff.get(timeout=timeout_s)
+            except queue.Empty:
+                return Batch()
+        messages, self._pending = self._pending[:max_records], self._pending[max_records:]
+        batch = self._batch(messages)
+        self._uncommitted.append(batch)
+        return batch
+
+    def _batch(self, messages: list[_Message]) -> Batch:
+        batch = Batch()
+        dead = False
+        for m in messages:
+            batch.next_offsets[m.partition] = m.offset + 1
+            batch.epochs[m.partition] = m.epoch
+            try:
+                record, txid = decode(m.value)
+            except BadRecord as exc:
+                self._dead_letter(m.partition, m.offset, m.key, m.value, exc.reason)
+                dead = True
+                continue
+            batch.deliveries.append(Delivery(record, m.partition, m.offset, txid))
+        if dead:
+            self._producer.flush(30)  # on the broker before the checkpoint moves past them
+        return batch
+
+    def commit(self, conn: sa.Connection, batch: Batch) -> None:
+        super().commit(conn, batch)
+        self._committing.append(batch)
+
+    def rewind(self) -> None:
+        self._replay = deque(self._uncommitted)
+        self._committing.clear()
+
+    def close(self) -> None:
+        loop, app = self._loop, self._app
+        if loop is not None and app is not None and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(app.stop(), loop).result(30)
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                self._thread.join(30)
+        self._producer.flush(10)
+        shutil.rmtree(self._datadir, ignore_errors=True)
+
+
+def _tp(topic: str, partition: int) -> Any:
+    from faust.types import TP
+
+    return TP(topic, partition)
+
+
+def _build_app(owner: FaustEventConsumer) -> Any:
+    """The faust app of one worker: one agent on the event topic, no web server, no tables, no
+    topic it may create (the relay creates the event topic with its partitions)."""
+    import faust
+    from faust.transport.drivers import aiokafka as driver
+
+    class Consumer(driver.Consumer):  # type: ignore[misc]
+        async def commit(self, *args: Any, **kwargs: Any) -> bool:
+            return False  # the offsets live in PostgreSQL only
+
+        async def seek_to_committed(self) -> Mapping[Any, int]:
+            return await owner._seek_saved(self)
+
+    class Transport(driver.Transport):  # type: ignore[misc]
+        pass
+
+    Transport.Consumer = Consumer
+
+    class App(faust.App):  # type: ignore[misc]
+        def _new_transport(self) -> Any:
+            return Transport(self.conf.broker_consumer, self)
+
+    app = App(
+        owner.name,
+        broker=";".join(f"kafka://{host}" for host in owner._bootstrap.split(",")),
+        autodiscover=False,
+        web_enabled=False,
+        store="memory://",
+        datadir=owner._datadir,
+        topic_allow_declare=False,
+        topic_disable_leader=True,
+        consumer_auto_offset_reset="earliest",
+        # A dead member's partitions move within seconds (faust joins a group on the
+        # development broker in ~3 s with this, ~30 s with its default).
+        broker_session_timeout=6.0,
+        broker_heartbeat_interval=1.0,
+        # A rebalance does not wait for the worker to finish what it was handed: whatever it
+        # does not commit is read again by the partition's next owner.
+        stream_wait_empty=False,
+    )
+    topic = app.topic(owner.topic, key_type=bytes, value_type=bytes, key_serializer="raw",
+                      value_serializer="raw")
+    app.agent(topic, name="folds")(owner._agent)
+    return app
