@@ -157,23 +157,31 @@ def _stop(workers: list[subprocess.Popen[bytes]]) -> None:
             worker.kill()
 
 
+def _ledger_and_bills(
+    conn: sa.Connection,
+) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
+    """Each request's ledger counts (prompt, completion, cached), and its UsageBilled events."""
+    ledger = {
+        r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+        for r in conn.execute(sa.select(ledger_entries))
+    }
+    bills = dict(
+        conn.execute(
+            sa.select(events.c.stream_id, sa.func.count())
+            .where(events.c.type == "UsageBilled")
+            .group_by(events.c.stream_id)
+        ).all()
+    )
+    return ledger, bills
+
+
 def _assert_billed_once(
     engine: sa.Engine, store: SqlEventStore, truth: dict[str, tuple[int, int, int]]
 ) -> None:
     """One ledger row per request with the engine's counts, one bill each, and the read models
     folded from the topic equal to a rebuild from the store."""
     with engine.connect() as conn:
-        ledger = {
-            r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens)
-            for r in conn.execute(sa.select(ledger_entries))
-        }
-        bills = dict(
-            conn.execute(
-                sa.select(events.c.stream_id, sa.func.count())
-                .where(events.c.type == "UsageBilled")
-                .group_by(events.c.stream_id)
-            ).all()
-        )
+        ledger, bills = _ledger_and_bills(conn)
     assert ledger == truth  # exactly the requests, each with the engine's counts
     assert set(bills) == set(truth) and set(bills.values()) == {1}
     for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
@@ -415,17 +423,7 @@ def test_kafka_workers_killed_again_and_again_at_named_points_lose_and_double_no
             except subprocess.TimeoutExpired:
                 worker.kill()
     with engine.connect() as conn:
-        ledger = {
-            r.request_id: (r.prompt_tokens, r.completion_tokens, r.cached_tokens)
-            for r in conn.execute(sa.select(ledger_entries))
-        }
-        bills = dict(
-            conn.execute(
-                sa.select(events.c.stream_id, sa.func.count())
-                .where(events.c.type == "UsageBilled")
-                .group_by(events.c.stream_id)
-            ).all()
-        )
+        ledger, bills = _ledger_and_bills(conn)
         stored = int(conn.execute(sa.select(sa.func.count()).select_from(events)).scalar())
     lost = set(truth) - set(ledger)
     doubled = [rid for rid, n in bills.items() if n > 1]
