@@ -61,6 +61,7 @@ class BatchRunner:
         concurrency: int = 8,
         clock: Clock = utcnow,
         poll_s: float = 0.2,
+        idle_poll_s: float = 1.0,
     ) -> None:
         self.files = BatchStore(engine)
         self.events = events
@@ -70,6 +71,7 @@ class BatchRunner:
         self.concurrency = concurrency
         self.clock = clock
         self.poll_s = poll_s
+        self.idle_poll_s = idle_poll_s
         self._inflight: dict[str, dict[str, asyncio.Task[None]]] = {}
         self._inputs: dict[str, list[b.InputLine]] = {}
         # Each open batch as last folded: a pass reads only its stream's version when nothing
@@ -77,6 +79,7 @@ class BatchRunner:
         # would otherwise be read n times over).
         self._states: dict[str, b.BatchState] = {}
         self._wake: asyncio.Event | None = None  # set when an item ends: feed the next at once
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pause_until = 0.0
         self._backoff_s = 0.0
         self._purged_at = 0.0
@@ -91,17 +94,22 @@ class BatchRunner:
     async def _run(self, stop: threading.Event) -> None:
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         async with httpx.AsyncClient(base_url=self.edge_url, timeout=timeout) as client:
             while not stop.is_set():
+                open_batches = 0
                 try:
-                    await self.tick(client)
+                    open_batches = await self.tick(client)
                 except Exception:  # the next pass tries again; the error is said, not hidden
                     log.exception("batch runner pass failed")
                     await asyncio.sleep(1.0)
-                # The next pass after `poll_s`, or as soon as an item ends (its slot is free).
+                # The next pass after `poll_s` (`idle_poll_s` with no batch open), or as soon
+                # as an item ends (its slot is free) or a batch is created (`nudge`).
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.poll_s)
+                    await asyncio.wait_for(
+                        self._wake.wait(), self.poll_s if open_batches else self.idle_poll_s
+                    )
             for tasks in self._inflight.values():
                 for task in tasks.values():
                     task.cancel()  # the edge cancels them; they are billed nothing, tried later
@@ -110,15 +118,25 @@ class BatchRunner:
                 return_exceptions=True,
             )
 
-    async def tick(self, client: httpx.AsyncClient) -> None:
+    def nudge(self) -> None:
+        """From any thread: a batch was created, pass now instead of at the idle poll."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                loop.call_soon_threadsafe(wake.set)
+
+    async def tick(self, client: httpx.AsyncClient) -> int:
+        """One pass over the open batches; returns how many are open."""
         now = self.clock()
         if time.monotonic() - self._purged_at > PURGE_EVERY_S:
             self._purged_at = time.monotonic()
             purged = await asyncio.to_thread(self.files.purge_expired, now)
             if purged:
                 log.info("deleted %d expired batch file(s)", purged)
-        for batch_id in await asyncio.to_thread(self.files.open_batches):
+        open_batches = await asyncio.to_thread(self.files.open_batches)
+        for batch_id in open_batches:
             await self._step(batch_id, client, now)
+        return len(open_batches)
 
     # --- one batch ------------------------------------------------------------------------------
 

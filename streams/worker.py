@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -28,7 +29,7 @@ import orjson
 import sqlalchemy as sa
 
 from domain.control import ControlView
-from domain.events import Recorded, RequestAdmitted
+from domain.events import BatchCreated, Recorded, RequestAdmitted
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
 from ledger import faults
@@ -54,6 +55,7 @@ WORKER_NAME = "folds"
 HEARTBEAT_STALE_S = DEFAULT_STALE_S
 # Between two steps of a pass that is behind: time for an edge's append to take the write lock.
 CATCH_UP_PAUSE_S = 0.002
+BATCH_CREATED = BatchCreated.EVENT_TYPE
 
 
 class FoldWorker:
@@ -89,6 +91,8 @@ class FoldWorker:
         self.read_position = 0  # the last position a pass read
         self._reported: tuple[Any, ...] | None = None  # the problems last written
         self._reported_at = 0.0
+        # Told when a pass reads a BatchCreated (the batch runner beside the folds, if any).
+        self.on_batch_created: Callable[[], None] | None = None
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class FoldWorker:
             )
             try:
                 self.tail.seek(start)
-                records = [d.record for d in self.tail.poll(batch, 0).deliveries]
+                records = self.tail.read(batch, 0)
             except Exception as exc:  # the database went away: report, and read again later
                 log.exception("reading the log failed")
                 errors["read"] = f"{type(exc).__name__}: {exc}"
@@ -132,6 +136,10 @@ class FoldWorker:
             if records:
                 self.read_position = max(self.read_position, records[-1].position)
                 faults.point("fold.after_read", position=self.read_position)
+                if self.on_batch_created is not None and any(
+                    r.event.EVENT_TYPE == BATCH_CREATED for r in records
+                ):
+                    self.on_batch_created()
             for name, step in (
                 ("control", self._follow_control),
                 ("billing", self._bill),
@@ -388,4 +396,5 @@ def _batch_runner(
         engine, worker.store, edge_url=edge_url, token=token,
         concurrency=int(os.environ.get("TOLLGATE_BATCH_CONCURRENCY", "8")),
     )
+    worker.on_batch_created = runner.nudge  # idle, it polls once a second: start a new one now
     return threading.Thread(target=runner.run, args=(stop,), name="batch-runner", daemon=True)
