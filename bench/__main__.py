@@ -33,6 +33,13 @@ ARCHITECTURE_AB = [
     "--output", "bench/results/architecture_ab.json",
 ]
 
+# Issue 15: a key on a four-level path with limits and budgets at every level, beside a key of
+# the organization, in one run.
+BUDGETS_AB = [
+    "--budgets", "--closed-targets", "tollgate,budgets", "--no-litellm", "--no-open-loop",
+    "--connections", "16", "--output", "bench/results/budgets_ab.json",
+]
+
 DISTRIBUTED_AB = [
     "--distributed", "--closed-targets", "tollgate,distributed", "--no-litellm", "--no-open-loop",
     "--connections", "16", "--output", "bench/results/distributed_ab.json",
@@ -78,6 +85,13 @@ BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
         [*ARCHITECTURE_AB, "--runs", "5"],
         [*ARCHITECTURE_AB, "--quick"],
         "architecture_ab.json",
+    ),
+    (
+        "budgets_ab",
+        "bench.gateway",
+        [*BUDGETS_AB, "--runs", "5"],
+        [*BUDGETS_AB, "--quick"],
+        "budgets_ab.json",
     ),
     ("output_prediction", "bench.output_prediction", [], ["--quick"], "output_prediction.json"),
     ("edges", "bench.edges", [], ["--runs", "1", "--duration", "5"], "edges.json"),
@@ -413,6 +427,15 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
                 f"| CPU/request against the baseline, {key.removeprefix('ab_cpu_')} | "
                 f"{_fmt(v['tollgate_ms'], 3)} ms | baseline {_fmt(v['baseline_ms'], 3)} ms "
                 f"(paired ratio {v['tollgate_over_baseline']}; per run {per_run}) "
+                f"| ≤ {v['target'].removeprefix('<= ')} | {_verdict(v['met'])} |"
+            )
+        elif key.startswith("budgets_cpu"):
+            per_run = ", ".join(f"{r:.3f}" for r in v["budgets_over_plain_per_run"])
+            rows.append(
+                f"| CPU/request, four-level path with budgets ÷ an organization key, "
+                f"{key.removeprefix('budgets_cpu_')} | {_fmt(v['budgets_ms'], 3)} ms | "
+                f"organization key {_fmt(v['plain_ms'], 3)} ms (paired ratio "
+                f"{v['budgets_over_plain']}; per run {per_run}) "
                 f"| ≤ {v['target'].removeprefix('<= ')} | {_verdict(v['met'])} |"
             )
         elif key.startswith("distributed_cpu"):
@@ -763,6 +786,7 @@ RENDERERS = {
     "store_append": render_store,
     "gateway": render_gateway,
     "architecture_ab": render_gateway,
+    "budgets_ab": render_gateway,
     "distributed_ab": render_gateway,
     "fleet_ops": render_fleet_ops,
     "output_prediction": render_output_prediction,

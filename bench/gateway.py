@@ -61,6 +61,9 @@ TARGET_CPU_RATIO = 10  # Tollgate CPU/request <= LiteLLM's / 10
 TARGET_P99_ADDED_MS = 5.0  # at 200 req/s open loop
 # A restructuring must not cost more than this of the CPU per request (issue 11), A/B in one run.
 AB_MAX_RATIO = 1.05
+# Issue 15: the gateway's CPU per request with a four-level path and budgets on, against a key
+# of the organization in the same run.
+BUDGETS_MAX_RATIO = 1.10
 ISSUE_LITELLM_CPU_MS = {"json": 21.0, "stream": 50.0}
 CALIBRATION_CPU_MS = {
     "bare aiohttp pass-through": {"json": 0.36, "stream": 0.49},
@@ -561,6 +564,43 @@ def start_tollgate(
     return proc, url, key
 
 
+BUDGET_PATH = ("bench-ws", "bench-project")
+
+
+def add_budget_path(tree: Path, data_dir: Path, tenant: str = "demo-enterprise") -> str:
+    """A four-level path for `tenant` in the store under `data_dir`: workspace, project, and a
+    key of that project, with requests/min, tokens/min and KV limits at every level and a day
+    and a month budget at each (all far above what a run spends: the decisions are taken, none
+    refuses). Returns the new key: its requests are admitted on the whole path."""
+    env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
+    env.pop("TOLLGATE_DATABASE_URL", None)
+    env.pop("PYTHONPATH", None)
+    tollgate = str(tree / ".venv" / "bin" / "tollgate")
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [tollgate, *args], env=env, cwd=tree, capture_output=True, text=True, check=True
+        )
+        return done.stdout
+
+    workspace, project = BUDGET_PATH
+    cli("workspaces", "create", workspace, "--tenant", tenant)
+    cli("projects", "create", project, "--tenant", tenant, "--workspace", workspace)
+    issued = cli("keys", "issue", "--tenant", tenant, "--project", project).split()
+    key_id = next(w for w in issued if w.startswith("key_"))
+    secret = issued[-1]
+    levels = [[], ["--workspace", workspace], ["--project", project], ["--key", key_id]]
+    for level in levels:
+        if level:  # the organization's limits are set by start_tollgate
+            cli("limits", "set", "--tenant", tenant, *level, "--model", "*", "--rpm", "10000000",
+                "--tpm", "1000000000", "--kv-seconds", "100000000")  # fmt: skip
+        for period in ("day", "month"):
+            cli("budgets", "set", "--tenant", tenant, *level, "--period", period,
+                "--usd", "1000000000")  # fmt: skip
+    time.sleep(1.5)  # the control-plane follower picks the hierarchy up within 0.5 s
+    return secret
+
+
 def start_distributed(
     upstream: str, work: Path, stack: contextlib.ExitStack
 ) -> tuple[Proc, str, str, list[Proc], tuple[int, ...]]:
@@ -962,6 +1002,13 @@ def main(argv: list[str] | None = None) -> None:
         help="like --baseline, on a checkout of this commit built under the temp dir",
     )
     ap.add_argument(
+        "--budgets",
+        action="store_true",
+        help="also serve target 'budgets': a second `tollgate serve` whose key sits on a "
+        "four-level path (organization, workspace, project, key) with limits and day and month "
+        "budgets at every level; its CPU per request is paired with 'tollgate' (issue 15)",
+    )
+    ap.add_argument(
         "--distributed",
         action="store_true",
         help="also serve the distributed mode (one `tollgate api` edge on a fresh PostgreSQL "
@@ -1032,6 +1079,10 @@ def main(argv: list[str] | None = None) -> None:
             procs.append(base)
             targets["baseline"] = (base_url, base_key, base.pid)
             result["baseline"] = {"tree": str(tree), "commit": _commit(tree)}
+        if args.budgets:
+            bud, bud_url, _ = start_tollgate(up_url, work / "data-budgets", work, name="budgets")
+            procs.append(bud)
+            targets["budgets"] = (bud_url, add_budget_path(ROOT, work / "data-budgets"), bud.pid)
         if args.distributed:
             edge, edge_url, edge_key, _, pids = start_distributed(up_url, work, stack)
             procs.append(edge)  # the relay and worker stop with `stack`
@@ -1191,6 +1242,29 @@ def main(argv: list[str] | None = None) -> None:
                         "tollgate_over_baseline": round(ratio, 3) if ratio else None,
                         "target": f"<= {AB_MAX_RATIO}",
                         "met": bool(ratio <= AB_MAX_RATIO) if ratio else None,
+                    }
+        if "budgets" in closed and "tollgate" in closed:
+            for mode in modes:
+                for c in conns:
+                    # Edge and fold worker together (budgets are decided on the edge and trued
+                    # up by the bills), paired within each run.
+                    pairs = [
+                        (b["cpu_ms_per_req"], t["cpu_ms_per_req"])
+                        for b, t in zip(
+                            raw_runs[("budgets", mode, c)],
+                            raw_runs[("tollgate", mode, c)],
+                            strict=True,
+                        )
+                        if b["cpu_ms_per_req"] and t["cpu_ms_per_req"]
+                    ]
+                    ratio = med([a / b for a, b in pairs]) if pairs else None
+                    verdicts[f"budgets_cpu_{mode}_c{c}"] = {
+                        "budgets_ms": closed["budgets"][mode][str(c)]["cpu_ms_per_req"],
+                        "plain_ms": closed["tollgate"][mode][str(c)]["cpu_ms_per_req"],
+                        "budgets_over_plain_per_run": [round(a / b, 3) for a, b in pairs],
+                        "budgets_over_plain": round(ratio, 3) if ratio else None,
+                        "target": f"<= {BUDGETS_MAX_RATIO}",
+                        "met": bool(ratio <= BUDGETS_MAX_RATIO) if ratio else None,
                     }
         if "distributed" in closed and "tollgate" in closed:
             for mode in modes:
