@@ -1,6 +1,7 @@
-"""The consumer port's contract (streams/consumer.py), run on the SQL tail and on the Kafka
-consumer over the real Kafka-protocol broker, both against real PostgreSQL: ordering per tenant,
-redelivery after a crash, a checkpoint that moves only with its effect, dead letters."""
+"""The consumer port's contract (streams/consumer.py), run on the SQL tail and on both Kafka
+consumers (confluent-kafka, faust-streaming) over the real Kafka-protocol broker, all against real
+PostgreSQL: ordering per tenant, redelivery after a crash, a checkpoint that moves only with its
+effect, rewind, dead letters."""
 
 from __future__ import annotations
 
@@ -65,14 +66,19 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
 
         publish: Callable[[], None] = lambda: None  # noqa: E731 - the log is the transport
     else:
+        from streams.faust_worker import FaustEventConsumer
         from streams.kafka_consumer import KafkaEventConsumer
 
+        client = FaustEventConsumer if kind == "faust" else KafkaEventConsumer
         bootstrap = request.getfixturevalue("kafka_broker").bootstrap
         topic = request.getfixturevalue("kafka_topic")
         ensure_topic(bootstrap, topic, PARTITIONS)
 
         def open_(name: str) -> EventConsumer:
-            consumer = KafkaEventConsumer(engine, bootstrap, topic, name)
+            # A group of its own per test: the session's one broker keeps a group's protocol
+            # and members across tests, and the two clients' protocols differ (a faust member
+            # joining a group that confluent members formed is refused).
+            consumer = client(engine, bootstrap, topic, f"{topic}.{name}")
             opened.append(consumer)
             return consumer
 
@@ -86,7 +92,7 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
     engine.dispose()
 
 
-@pytest.fixture(params=["sql_tail", "kafka"])
+@pytest.fixture(params=["sql_tail", "kafka", "faust"])
 def harness(request: pytest.FixtureRequest, postgres_url: str) -> Iterator[Harness]:
     yield from _harness(request, request.param, postgres_url)
 
@@ -265,3 +271,31 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     # The checkpoint moved past them: a new member of the group reads nothing again.
     consumer.close()
     assert _read(h.open("dead-letters"), 1, wait_s=8.0) == []
+
+
+def test_a_faust_member_that_its_group_refuses_fails_its_poll(kafka_harness: Harness) -> None:
+    """faust only: aiokafka keeps a fatal group error for a fetch that faust never makes, so
+    the consumer raises it itself instead of waiting, silent, for an assignment."""
+    from streams.faust_worker import FaustEventConsumer
+    from streams.kafka_consumer import KafkaEventConsumer
+
+    h = kafka_harness
+    h.publish()
+    group = f"{h.topic}.mixed"
+    # A confluent member forms the group with its own protocol.
+    formed = KafkaEventConsumer(h.engine, h.bootstrap, h.topic, group)
+    refused = None
+    try:
+        deadline = time.monotonic() + 30
+        while not formed.assigned and time.monotonic() < deadline:
+            formed.poll(100, 0.5)
+        assert formed.assigned
+        refused = FaustEventConsumer(h.engine, h.bootstrap, h.topic, group)
+        with pytest.raises(RuntimeError, match="refused"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                refused.poll(100, 0.5)
+    finally:
+        if refused is not None:
+            refused.close()
+        formed.close()
