@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import streams.worker as worker_mod
 from ledger.engine import create_engine_from_url
@@ -55,6 +56,16 @@ class _Clock(datetime):
     @classmethod
     def now(cls, tz=None):  # type: ignore[override]
         return cls.at
+
+
+def _embedded_worker(engine: Any) -> FoldWorker:
+    """The worker as `tollgate serve` starts it: no /metrics port, so no billing-lag histogram
+    (a tree from before the pipeline metrics takes no such argument)."""
+    try:
+        from streams.metrics import PipelineMetrics
+    except ImportError:
+        return FoldWorker(engine)
+    return FoldWorker(engine, metrics=PipelineMetrics(billing=False))
 
 
 def _template(workdir: str, fixture_path: str, history: int) -> str:
@@ -206,7 +217,7 @@ def run_once(
         engine = create_engine_from_url(f"sqlite:///{db}", **engine_kw)
         # Start-up as `tollgate worker` does, once the control plane is in the log.
         feed_chunk(*chunks[0])
-        w = FoldWorker(engine)
+        w = _embedded_worker(engine)
         w.catch_up()
         cpu = 0.0
         wall = 0.0

@@ -357,7 +357,11 @@ def run_worker(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker = FoldWorker(engine, lease_ttl_s=lease_ttl_s)
+    # The billing-lag histogram only where it is served: observing every bill costs the
+    # embedded worker (`tollgate serve`'s child, no /metrics of its own) ~10 us per request.
+    worker = FoldWorker(
+        engine, lease_ttl_s=lease_ttl_s, metrics=PipelineMetrics(billing=bool(metrics_port))
+    )
     serve_metrics(metrics_port, worker.metrics.registry)
     runner = _batch_runner(engine, worker, stop)
     try:

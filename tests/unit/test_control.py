@@ -212,3 +212,25 @@ def test_plan_defaults_are_ordered() -> None:
     for name in c.LIMIT_FIELDS[:5]:
         assert getattr(free, name) < getattr(std, name) < getattr(ent, name), name
     assert ent.reserved_kv_gib_seconds > 0 == std.reserved_kv_gib_seconds
+
+
+def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() -> None:
+    # apply() returns before its match for any type outside CONTROL_EVENTS: a case added
+    # without adding its type there would never run.
+    import ast
+    import inspect
+    import textwrap
+
+    from domain.control import CONTROL_EVENTS, ControlView
+    from domain.hierarchy import HIERARCHY_EVENTS
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ControlView.apply)))
+    cased = {
+        case.pattern.cls.id
+        for node in ast.walk(tree) if isinstance(node, ast.Match)
+        for case in node.cases if isinstance(case.pattern, ast.MatchClass)
+    }
+    assert cased, "the view folds by a match on the event's class"
+    assert {cls.__name__ for cls in CONTROL_EVENTS} == cased | {
+        cls.__name__ for cls in HIERARCHY_EVENTS
+    }
