@@ -213,8 +213,9 @@ def render_path_admission(d: dict[str, Any]) -> list[str]:
         "",
         f"{d.get('runs')} runs of {_fmt(d.get('decisions_per_run'))} decisions; organization → "
         "workspace → project → key with a project rate limit, a budget at every level and one "
-        f"call in ten in a run; the path policy is built per decision, as the edge does. Path "
-        f"p99 per run: {d.get('path_p99_us_runs')}; 1-minute load average before and after: "
+        f"call in ten in a run; the path policy is looked up per decision, as the edge does; "
+        f"garbage collector: {d.get('gc', 'defaults')}. Path p99 per run: "
+        f"{d.get('path_p99_us_runs')}; 1-minute load average before and after: "
         f"{d.get('load_avg_1m')} (the tail is the scheduler's as much as the decision's when "
         "the machine is shared).",
     ]

@@ -129,7 +129,7 @@ def decide(
 ) -> Admitted | Rejected:
     """Admit `cmd` under `limits` and charge `view` at once, or refuse it (charging nothing).
     `stale` says the folded view is behind: tokens/min then fails open and KV·s fails closed."""
-    granted = _admit(view, cmd, limits, stale, policy)
+    granted = _admit(view, cmd, limits, stale, policy, cmd.now.timestamp())
     if isinstance(granted, Rejected):
         return granted
     estimate, rpm, tpm, clamped = granted
@@ -143,9 +143,11 @@ _Granted = tuple[Estimate, Bucket, Bucket, bool]
 
 
 def _admit(
-    view: QuotaView, cmd: ReserveQuota, limits: Limits, stale: bool, policy: AdmissionPolicy
-) -> _Granted | Rejected:
-    """`decide`'s rules, answering what its Admitted would be built from."""
+    view: QuotaView, cmd: ReserveQuota, limits: Limits, stale: bool, policy: AdmissionPolicy,
+    now_s: float,
+) -> _Granted | Rejected:  # fmt: skip
+    """`decide`'s rules, answering what its Admitted would be built from (`now_s`: `cmd.now` as
+    epoch seconds)."""
     backoff = policy.backoff
     jitter = cmd.jitter
     if not 0.0 <= jitter < 1.0:
@@ -153,7 +155,6 @@ def _admit(
     rid = cmd.request_id
     if view.knows(rid):
         raise DomainError("duplicate_request", f"request {rid} was already admitted")
-    now_s = cmd.now.timestamp()
     key = (cmd.tenant_id, cmd.model)
     windows = view.windows(key, limits, now_s)
     rpm, tpm = windows
@@ -275,18 +276,24 @@ def decide_on_path(
     output cap (the engine's max_tokens), never on a predicted output: a prediction narrows
     the tokens/min and KV·s charges, but a budget must hold whatever the engine produces."""
     narrowed = budgets.narrow(limits, path)
-    granted = _admit(view, cmd, narrowed, stale, policy)
+    now_s = cmd.now.timestamp()
+    granted = _admit(view, cmd, narrowed, stale, policy, now_s)
     if isinstance(granted, Rejected):
         return replace(granted, level="organization") if granted.reason != "invalid" else granted
     est, rpm, tpm, clamped = granted
+    # What the organization has left after this decision's charge, as `decide` answers it
+    # (read before a refusal's void gives the charge back): a level's figures are worked out
+    # only where it has less.
+    level = rpm.level
+    requests_left = int(level) if level > 0 else 0  # max(0, int(level)), without two calls
+    level = tpm.level
+    tokens_left = int(level) if level > 0 else 0
     outcome = budgets.reserve(
         paths, path, cmd.request_id, cmd.model, est.reserved_tokens, est.kv_byte_seconds,
         budgets.max_cost_micros(price, est.prompt_tokens, est.max_output_tokens), cmd.now,
-        cmd.jitter,
+        cmd.jitter, now_s=now_s, requests_left=requests_left, tokens_left=tokens_left,
     )  # fmt: skip
-    # Before a refusal's void gives the organization's charge back: the figures are those
-    # after this decision's charge, as `decide` answers them.
-    rate_limits = _tightest(rpm, tpm, outcome.requests, outcome.tokens)
+    rate_limits = _tightest(rpm, tpm, requests_left, tokens_left, outcome.requests, outcome.tokens)
     if isinstance(outcome, budgets.PathRefused):
         view.void(cmd.request_id)
         return Rejected(
@@ -298,20 +305,23 @@ def decide_on_path(
 
 
 def _tightest(
-    rpm: Bucket, tpm: Bucket, requests: budgets.Rate | None, tokens: budgets.Rate | None
-) -> RateLimitInfo:
+    rpm: Bucket, tpm: Bucket, org_requests: int, org_tokens: int, requests: budgets.Rate | None,
+    tokens: budgets.Rate | None,
+) -> RateLimitInfo:  # fmt: skip
     """Requests and tokens each from the level with the least remaining (the organization's,
     from its buckets as `_info` reads them, unless a level below it has less). Built once,
     from whichever level wins, rather than the organization's first and then again."""
-    org_requests = max(0, int(rpm.level))
-    org_tokens = max(0, int(tpm.level))
     req = requests if requests is not None and requests[1] < org_requests else (
         rpm.capacity, org_requests, rpm.reset_ms()
     )
     tok = tokens if tokens is not None and tokens[1] < org_tokens else (
         tpm.capacity, org_tokens, tpm.reset_ms()
     )
-    return RateLimitInfo(req[0], req[1], req[2], tok[0], tok[1], tok[2])
+    # What the named tuple's constructor does, without the Python frame it adds.
+    return _new_tuple(RateLimitInfo, req + tok)
+
+
+_new_tuple = tuple.__new__
 
 
 def _info(rpm: Bucket, tpm: Bucket) -> RateLimitInfo:

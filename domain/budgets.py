@@ -142,7 +142,8 @@ class _PathState:
     instead of one dict lookup (and key tuple) per level, dimension and budget."""
 
     __slots__ = ("plan", "model", "day", "month", "periods", "checks", "levels", "kv_levels",
-                 "rate_keys", "kv_keys", "cells", "rpms", "tpms", "buckets_seen")  # fmt: skip
+                 "rate_keys", "kv_keys", "cells", "rpms", "tpms", "buckets_seen", "rated",
+                 "kv_caps", "spends", "amount_min")  # fmt: skip
 
     def __init__(
         self, view: PathView, plan: PathPlan, path: PathPolicy, model: str, now_s: float
@@ -169,6 +170,20 @@ class _PathState:
                 ),
             ))  # fmt: skip
         self.checks = tuple(checks)
+        # The same checks by kind, flat, for the decision that passes them all (`_fits`).
+        self.rated = tuple(
+            (rpm_limit, tpm_limit, rpm, tpm)
+            for _, rpm_limit, tpm_limit, _, rpm, tpm, _, _ in self.checks
+            if rpm is not None or tpm is not None
+        )
+        self.kv_caps = tuple(
+            (key, kv_limit * GIB) for _, _, _, kv_limit, _, _, key, _ in self.checks
+            if kv_limit is not None
+        )
+        self.spends = tuple(
+            (amount, spent) for *_, budgets in self.checks for amount, spent, _, _ in budgets
+        )
+        self.amount_min = min((amount for amount, _ in self.spends), default=None)
         self.levels = path.level_keys
         self.kv_levels = path.kv_keys
         self.rate_keys = tuple((level, model) for level in path.level_keys)
@@ -575,7 +590,8 @@ class PathView:
 
 def reserve(
     view: PathView, path: PathPolicy, request_id: str, model: str, reserved_tokens: int,
-    kv_byte_seconds: int, micros: int, now: datetime, jitter: float,
+    kv_byte_seconds: int, micros: int, now: datetime, jitter: float, *,
+    now_s: float | None = None, requests_left: int | None = None, tokens_left: int | None = None,
 ) -> PathAdmitted | PathRefused:  # fmt: skip
     """Admit a request (already admitted by the organization's limits, with `reserved_tokens`
     and `kv_byte_seconds` charged there and `micros` its maximum cost) at every level of its
@@ -585,15 +601,107 @@ def reserve(
     help, so the ancestor is the one to name.
 
     Positional arguments and named tuples, not a command dataclass: this runs on every
-    governed request, and a frozen dataclass costs more to build than a level's checks."""
+    governed request, and a frozen dataclass costs more to build than a level's checks.
+    `now_s` is `now` as epoch seconds, when the caller has it already. `requests_left` and
+    `tokens_left`, the organization's remaining after its charge: a level's figures are then
+    answered only where that level has less (else None), as the caller would discard them."""
     tenant = path.tenant_id
-    now_s = now.timestamp()
+    if now_s is None:
+        now_s = now.timestamp()
+    backoff = view.backoff
+    state = view._state(path, model, now_s)
+    least = (requests_left, tokens_left)
+    figures = _fits(view, state, reserved_tokens, kv_byte_seconds, micros, now_s, least)
+    if figures is None:
+        # Some check has no room: walk them in order, to name the first.
+        walked = _walk(view, path, state, model, reserved_tokens, kv_byte_seconds, micros, now,
+                       now_s, jitter, least)  # fmt: skip
+        if isinstance(walked, PathRefused):
+            return walked
+        figures = walked
+    requests, tokens = figures
+    run = path.run
+    starts_run = False
+    if run is not None:
+        refusal = _run_refusal(view, run, now, micros)
+        if refusal is not None:
+            dimension, detail = refusal
+            # Room comes back only while calls are in flight (in_flight, cost); the rest never.
+            retry_after = (
+                backoff.retry_after_s(jitter) if dimension in ("in_flight", "cost") else 0
+            )
+            return PathRefused(
+                "run_budget", f"run {run.run_id!r}", dimension, retry_after, detail, requests,
+                tokens,
+            )  # fmt: skip
+        starts_run = (tenant, run.run_id) not in view._runs
+    event = BudgetReserved(
+        request_id, tenant, path.key_id, path.workspace_id, path.project_id,
+        run.run_id if run else None, model, path.day, path.month, micros, reserved_tokens,
+        kv_byte_seconds,
+    )  # fmt: skip
+    view._take_on_path(event, now_s, state)
+    if run is not None:
+        view.note_run(run)
+    return PathAdmitted(event, requests, tokens, starts_run)
+
+
+def _fits(
+    view: PathView, state: _PathState, reserved_tokens: int, kv_byte_seconds: int, micros: int,
+    now_s: float, least: tuple[int | None, int | None],
+) -> tuple[Rate | None, Rate | None] | None:  # fmt: skip
+    """The tightest level's figures (requests, tokens) when every check of the path has room,
+    else None (`_walk` then names the check that has not). When all pass, the order they are
+    checked in does not matter, so each kind is one flat loop over what the state found: the
+    decision that admits, the common one, walks no level that has nothing of that kind."""
+    amount_min = state.amount_min
+    if amount_min is not None and micros > amount_min:
+        return None
+    for amount, spent in state.spends:
+        if spent.reserved + spent.posted + micros > amount:
+            return None
+    kv_of = view._kv
+    for key, cap in state.kv_caps:
+        in_flight = kv_of.get(key, 0)
+        if in_flight and in_flight + kv_byte_seconds > cap:
+            return None
+    requests: Rate | None = None
+    tokens: Rate | None = None
+    requests_least, tokens_least = least
+    # A refill at an instant is idempotent: `_walk` refilling these again changes nothing.
+    for rpm_limit, tpm_limit, rpm, tpm in state.rated:
+        if rpm is not None and rpm_limit is not None:
+            rpm.refill(now_s, rpm_limit)
+            if rpm.level < 1.0:
+                return None
+            left = max(0, int(rpm.level) - 1)
+            if requests_least is None or left < requests_least:
+                requests = (rpm.capacity, left, rpm.reset_ms())
+                requests_least = left
+        if tpm is not None and tpm_limit is not None:
+            tpm.refill(now_s, tpm_limit)
+            if reserved_tokens > tpm.capacity or tpm.level < reserved_tokens:
+                return None
+            left = max(0, int(tpm.level) - reserved_tokens)
+            if tokens_least is None or left < tokens_least:
+                tokens = (tpm.capacity, left, tpm.reset_ms())
+                tokens_least = left
+    return requests, tokens
+
+
+def _walk(
+    view: PathView, path: PathPolicy, state: _PathState, model: str, reserved_tokens: int,
+    kv_byte_seconds: int, micros: int, now: datetime, now_s: float, jitter: float,
+    least: tuple[int | None, int | None],
+) -> PathRefused | tuple[Rate | None, Rate | None]:  # fmt: skip
+    """The path's checks in order, from the organization down (at a level: requests/min,
+    tokens/min, KV·s, its budgets): the first without room, as a refusal, else the figures
+    (`_fits`')."""
     backoff = view.backoff
     requests: Rate | None = None
     tokens: Rate | None = None
+    requests_least, tokens_least = least
     kv_of = view._kv
-    state = view._state(path, model, now_s)
-    # Only the levels that limit or budget something, with what they read found already.
     for rule, rpm_limit, tpm_limit, kv_limit, rpm, tpm, key, budgets in state.checks:
         if rpm is not None and rpm_limit is not None:  # (a bucket only where a limit is)
             rpm.refill(now_s, rpm_limit)
@@ -603,9 +711,9 @@ def reserve(
                     f"{rpm_limit} requests/min for {model} at {rule.level.label}", requests,
                     tokens,
                 )  # fmt: skip
-            left = max(0, int(rpm.level) - 1)
-            if requests is None or left < requests[1]:
-                requests = (rpm.capacity, left, rpm.reset_ms())
+            requests, requests_least = _least(
+                requests, requests_least, rpm, max(0, int(rpm.level) - 1)
+            )
         if tpm is not None and tpm_limit is not None:
             tpm.refill(now_s, tpm_limit)
             if reserved_tokens > tpm.capacity:
@@ -623,9 +731,9 @@ def reserve(
                     f"{max(0, int(tpm.level))} left of {tpm_limit} tokens/min for {model} at "
                     f"{rule.level.label}", requests, tokens,
                 )  # fmt: skip
-            left = max(0, int(tpm.level) - reserved_tokens)
-            if tokens is None or left < tokens[1]:
-                tokens = (tpm.capacity, left, tpm.reset_ms())
+            tokens, tokens_least = _least(
+                tokens, tokens_least, tpm, max(0, int(tpm.level) - reserved_tokens)
+            )
         if kv_limit is not None:
             in_flight = kv_of.get(key, 0)
             if in_flight and in_flight + kv_byte_seconds > kv_limit * GIB:
@@ -660,30 +768,17 @@ def reserve(
                     f"{_PERIODLY[budget.period]} budget ({period_key}); this request may cost "
                     f"up to {_usd(micros)} USD", requests, tokens,
                 )  # fmt: skip
-    run = path.run
-    starts_run = False
-    if run is not None:
-        refusal = _run_refusal(view, run, now, micros)
-        if refusal is not None:
-            dimension, detail = refusal
-            # Room comes back only while calls are in flight (in_flight, cost); the rest never.
-            retry_after = (
-                backoff.retry_after_s(jitter) if dimension in ("in_flight", "cost") else 0
-            )
-            return PathRefused(
-                "run_budget", f"run {run.run_id!r}", dimension, retry_after, detail, requests,
-                tokens,
-            )  # fmt: skip
-        starts_run = (tenant, run.run_id) not in view._runs
-    event = BudgetReserved(
-        request_id, tenant, path.key_id, path.workspace_id, path.project_id,
-        run.run_id if run else None, model, path.day, path.month, micros, reserved_tokens,
-        kv_byte_seconds,
-    )  # fmt: skip
-    view._take_on_path(event, now_s, state)
-    if run is not None:
-        view.note_run(run)
-    return PathAdmitted(event, requests, tokens, starts_run)
+    return requests, tokens
+
+
+def _least(
+    figure: Rate | None, least: int | None, bucket: Bucket, left: int
+) -> tuple[Rate | None, int | None]:
+    """A level's figures and what it leaves, when it leaves less than `least` (None: nothing
+    yet), else those it is compared with (`_fits` does the same inline)."""
+    if least is None or left < least:
+        return (bucket.capacity, left, bucket.reset_ms()), left
+    return figure, least
 
 
 def _run_refusal(view: PathView, run: Run, now: datetime, micros: int) -> tuple[str, str] | None:
