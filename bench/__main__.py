@@ -765,8 +765,8 @@ def render_edges(d: dict[str, Any]) -> list[str]:
         "longest admission-view lag an edge reported: (N − 1)/N × flood req/s × lag.",
         "",
         "| client | edges | admitted ÷ allowed (median) | over-admitted (median) | bound "
-        "(median) | per run: admitted / allowed (in the store) | flood req/s per run | "
-        "admission-view lag at the end, s | ratio target | over-admitted ≤ bound |",
+        "(median) | per run: admitted (in the store) / allowed (answered 200) | flood req/s "
+        "per run | admission-view lag at the end, s | ratio target | over-admitted ≤ bound |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for per in floods:
@@ -779,7 +779,7 @@ def render_edges(d: dict[str, Any]) -> list[str]:
             f"{_fmt(per.get('over_admitted_median'), 1)} | {bound} | "
             + "; ".join(
                 f"{r['admitted']} / {r['allowed']}"
-                + (f" ({r['admitted_in_store']})" if "admitted_in_store" in r else "")
+                + (f" ({r['answered_200']})" if "answered_200" in r else "")
                 for r in runs
             )
             + " | "

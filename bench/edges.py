@@ -13,8 +13,8 @@ minute: up to N times.
 
 The flood comes from the Python client (httpx, ~150 req/s here) and from wrk (one per edge,
 thousands of requests a second, most of them refused): the faster the flood, the more the other
-edges answer within one propagation delay, so the bound is checked at both. Admitted is what the
-clients saw answered 200 (`admitted_in_store` counts the store's RequestAdmitted beside it).
+edges answer within one propagation delay, so the bound is checked at both. Admitted is the
+store's count of the tenant's RequestAdmitted (`answered_200`, what the clients saw, beside it).
 
     python -m bench.edges [--edges 2,4] [--rpm 120] [--duration 10] [--concurrency 16] [--runs 3]
         [--clients httpx,wrk]
@@ -184,7 +184,9 @@ def one_run(
                 except subprocess.TimeoutExpired:
                     proc.kill()
     allowed = rpm + rpm * took / 60
-    admitted = counts.get("200", 0)
+    # What the store admitted: a wrk connection stopped mid-answer at the flood's end leaves an
+    # admitted (then cancelled) request the client never counted as a 200.
+    admitted = stored
     flood_rps = sum(counts.values()) / took
     known = [x for x in lags if x is not None]
     # The stated bound: what the other edges can admit within one propagation delay, at most
@@ -196,7 +198,7 @@ def one_run(
         "flood_s": round(took, 2),
         "answers": counts,
         "admitted": admitted,
-        "admitted_in_store": stored,
+        "answered_200": counts.get("200", 0),
         "allowed": round(allowed, 1),
         "ratio": round(admitted / allowed, 3),
         "over_admitted": round(admitted - allowed, 1),
