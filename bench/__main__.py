@@ -206,10 +206,17 @@ def render_path_admission(d: dict[str, Any]) -> list[str]:
         f"| CPU time per decision p99 | {_fmt(d.get('path_cpu_p99_us_median'))} µs | "
         f"{_fmt(d.get('single_cpu_p99_us_median'))} µs | ≤ {t} µs | "
         f"{_verdict(_le(d.get('path_cpu_p99_us_median'), t))} |",
+        f"| CPU time of a fixed loop as long as the path's p50, p50 / p99 (the machine's floor) "
+        f"| {_fmt(d.get('reference_cpu_p50_us_median'))} / "
+        f"{_fmt(d.get('reference_cpu_p99_us_median'))} µs | | | |",
         "",
         "The wall-clock rows include the time the process was preempted (a decision that "
         "straddles a preemption takes milliseconds); the CPU-time rows are this thread's CPU "
-        "time per decision (`time.thread_time_ns`), what an idle core would take.",
+        "time per decision (`time.thread_time_ns`), what an idle core would take. The last row "
+        "times a plain loop of additions the same way, sized in each run to the path "
+        "decision's p50: nothing allocated, nothing collected, so its p99 is what the machine "
+        "alone adds to work of that length (interrupts are billed to the thread, and other "
+        "work cools its caches).",
         "",
         f"{d.get('runs')} runs of {_fmt(d.get('decisions_per_run'))} decisions; organization → "
         "workspace → project → key with a project rate limit, a budget at every level and one "

@@ -122,6 +122,32 @@ def run_once(
     return samples, cpu
 
 
+def fixed_work(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def reference_once(target_ns: float, samples: int) -> list[int]:
+    """This thread's CPU ns for a fixed loop as long as `target_ns`, timed as a decision is:
+    what the machine itself adds to a piece of work of that length (interrupts, other work
+    cooling the caches), with nothing allocated and nothing to collect."""
+    cpu_clock = time.thread_time_ns
+    probe = []
+    for _ in range(200):
+        started = cpu_clock()
+        fixed_work(1000)
+        probe.append(cpu_clock() - started)
+    n = max(1, round(1000 * target_ns / sorted(probe)[100]))
+    cpu = []
+    for _ in range(samples):
+        started = cpu_clock()
+        fixed_work(n)
+        cpu.append(cpu_clock() - started)
+    return cpu
+
+
 def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -135,15 +161,21 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
-    figures: dict[str, dict[str, list[float]]] = {"path": {}, "single": {}}
+    figures: dict[str, dict[str, list[float]]] = {"path": {}, "single": {}, "reference": {}}
+
+    def add(name: str, prefix: str, samples: list[int]) -> None:
+        samples.sort()
+        n = len(samples)
+        for label, q in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999)):
+            figures[name].setdefault(prefix + label, []).append(samples[int(n * q)] / 1000)
+
     for _ in range(RUNS):
         for name in ("single", "path"):
             wall, cpu = run_once(view, cmds, path=name == "path")
-            for prefix, samples in (("", sorted(wall)), ("cpu_", sorted(cpu))):
-                n = len(samples)
-                for label, q in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999)):
-                    key = prefix + label
-                    figures[name].setdefault(key, []).append(samples[int(n * q)] / 1000)
+            add(name, "", wall)
+            add(name, "cpu_", cpu)
+        # The machine's floor for the same run: a fixed loop of the path decision's p50.
+        add("reference", "cpu_", reference_once(figures["path"]["cpu_p50"][-1] * 1000, DECISIONS))
     result = {
         "benchmark": "path_admission",
         "python": platform.python_version(),

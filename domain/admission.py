@@ -52,6 +52,11 @@ __all__ = [
 ]  # fmt: skip
 
 
+# What a named tuple's constructor does, without the Python frame it adds (RateLimitInfo is
+# built on every decision).
+_new_tuple = tuple.__new__
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionPolicy:
     stale_kv_gib_seconds: int = 256  # the conservative KV·s cap when the view is stale
@@ -97,8 +102,10 @@ class RateLimitInfo(NamedTuple):
     reset_tokens_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
+class Admitted(NamedTuple):
+    """A named tuple, as RateLimitInfo: one is built per admission, and a frozen dataclass
+    costs several times more to build (0.64 against 0.13 µs here)."""
+
     estimate: Estimate
     rate_limits: RateLimitInfo
     clamped_output: bool = False
@@ -221,7 +228,7 @@ def _admit(
         )
 
     kv = est_kv_byte_seconds(prompt, reserved_out, cmd.kv_bytes_per_token, cmd.tpot_us)
-    in_flight = view.kv_in_flight(*key)
+    in_flight = view.kv_in_flight(cmd.tenant_id, cmd.model)
     if in_flight:
         cap_gib_s = limits.kv_gib_seconds
         if stale and policy.stale_kv_gib_seconds < cap_gib_s:
@@ -317,11 +324,7 @@ def _tightest(
     tok = tokens if tokens is not None and tokens[1] < org_tokens else (
         tpm.capacity, org_tokens, tpm.reset_ms()
     )
-    # What the named tuple's constructor does, without the Python frame it adds.
     return _new_tuple(RateLimitInfo, req + tok)
-
-
-_new_tuple = tuple.__new__
 
 
 def _info(rpm: Bucket, tpm: Bucket) -> RateLimitInfo:
