@@ -113,7 +113,12 @@ class Edge:
         self.slow_reader_s = slow_reader_s  # 0: slow readers are never cancelled
         self.stream_buffer_chunks = stream_buffer_chunks
         # Every level below the organization, and the runs (domain.budgets).
-        self.paths = paths or PathView(backoff=policy.backoff)
+        # Its buckets of levels it has not decided on yet are sized from the hierarchy when
+        # another edge's admission there is folded (`observe`).
+        self.paths = paths or PathView(
+            backoff=policy.backoff,
+            rates_for=lambda *level: self.control.hierarchy.level_rates(*level),
+        )
         # Flex work other edges serve (from the log): what this edge may ask them to preempt.
         self.others_flex = RemoteFlex(edge_id)
         self.auth = Authenticator(control)

@@ -20,6 +20,7 @@ first instant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final, Literal, NamedTuple
@@ -88,6 +89,8 @@ def narrow(limits: Limits, path: PathPolicy) -> Limits:
 # The tightest level's X-RateLimit-* figures after a decision: (limit, remaining, reset ms) for
 # requests and for tokens; None where no level below the organization limits that dimension.
 Rate = tuple[int, int, int]
+# (tenant, level kind, level id, model) -> that level's (requests/min, tokens/min); None: unlimited.
+RatesFor = Callable[[str, str, str, str], tuple[int | None, int | None]]
 
 
 class PathAdmitted(NamedTuple):
@@ -238,9 +241,15 @@ class _Req:
 
 class PathView:
     def __init__(
-        self, *, backoff: BackoffPolicy | None = None, tombstone_ttl_s: int = TOMBSTONE_TTL_S
+        self, *, backoff: BackoffPolicy | None = None, tombstone_ttl_s: int = TOMBSTONE_TTL_S,
+        rates_for: RatesFor | None = None,
     ) -> None:
         self.backoff = backoff or BackoffPolicy()
+        # (tenant, level kind, level id, model) -> that level's (requests/min, tokens/min), e.g.
+        # Hierarchy.level_rates: sizes the buckets of levels this view has not decided on yet
+        # when it folds another edge's admission there. Without it, only buckets this view
+        # already has are charged from the log.
+        self._rates_for = rates_for
         self.tombstone_ttl_s = tombstone_ttl_s
         self._rpm: dict[tuple[_LevelKey, str], Bucket] = {}
         self._tpm: dict[tuple[_LevelKey, str], Bucket] = {}
@@ -368,9 +377,32 @@ class PathView:
         event = recorded.event
         assert isinstance(event, BudgetReserved)
         if event.request_id not in self._requests:
-            # From the log the rate buckets are not charged: they refill within a minute and are
-            # this edge's own (like domain.quota's without limits to size them).
-            self._take(event, recorded.occurred_at.timestamp(), rate=False)
+            at_s = recorded.occurred_at.timestamp()
+            self._take(event, at_s, rate=False)
+            self._charge_from_log(self._requests[event.request_id], event, at_s)
+
+    def _charge_from_log(self, req: _Req, event: BudgetReserved, at_s: float) -> None:
+        """Another edge's admission at its levels' requests/min and tokens/min buckets, so the
+        edges share a level's rates as they share the organization's (domain.quota; its own
+        bucket is not here). A bucket is made, full at the admission's instant, where the level
+        has a limit and this view has none yet; a charge a minute old would have refilled."""
+        rates_for = self._rates_for
+        rpms, tpms = self._rpm, self._tpm
+        for level in req.levels:
+            if level[1] == "org":
+                continue
+            key = (level, req.model)
+            rpm, tpm = rpms.get(key), tpms.get(key)
+            if (rpm is None or tpm is None) and rates_for is not None:
+                rpm_limit, tpm_limit = rates_for(level[0], level[1], level[2], req.model)
+                if rpm is None and rpm_limit is not None:
+                    rpm = self._found_bucket(rpms, key, rpm_limit, at_s)
+                if tpm is None and tpm_limit is not None:
+                    tpm = self._found_bucket(tpms, key, tpm_limit, at_s)
+            if rpm is not None and at_s + _MINUTE_S > rpm.at:
+                rpm.level -= 1.0
+            if tpm is not None and at_s + _MINUTE_S > tpm.at:
+                tpm.level -= event.reserved_tokens
 
     def _on_terminal(self, recorded: Recorded) -> None:
         req = self._requests.get(recorded.stream_id)

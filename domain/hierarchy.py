@@ -312,6 +312,9 @@ class Hierarchy:
         # ... and the policy of the last run a call of the key belonged to (one per key, so
         # a tenant's many runs do not pile up): the next call of the same run reuses it.
         self._run_policies: dict[tuple[str, str, str], PathPolicy] = {}
+        # (tenant, kind, level id, model) -> the level's (requests/min, tokens/min): what sizes
+        # its buckets when another edge's admission there is folded (`level_rates`).
+        self._rates: dict[tuple[str, str, str, str], tuple[int | None, int | None]] = {}
         # Tenants with anything set below or beside their plan: only their requests are
         # decided over a path (the others pay nothing for this feature).
         self._governed: set[str] = set()
@@ -376,6 +379,7 @@ class Hierarchy:
         self._rules.clear()
         self._policies.clear()
         self._run_policies.clear()
+        self._rates.clear()
 
     # --- questions ----------------------------------------------------------------------------
 
@@ -425,6 +429,18 @@ class Hierarchy:
         for scope in scopes:
             values.update(t.limits.get((level, level_id, scope), {}))
         return LevelLimits(**values)
+
+    def level_rates(
+        self, tenant_id: str, level: str, level_id: str, model: str
+    ) -> tuple[int | None, int | None]:
+        """A level's own (requests/min, tokens/min) for a model (None: not limited there),
+        kept until the next hierarchy event: asked for every other edge's admission folded."""
+        cache_key = (tenant_id, level, level_id, model)
+        found = self._rates.get(cache_key)
+        if found is None:
+            limits = self.level_limits(tenant_id, level, level_id, model)
+            found = self._rates[cache_key] = (limits.rpm, limits.tpm)
+        return found
 
     def run_policy(
         self, tenant_id: str, project_id: str | None, at: datetime | None = None

@@ -488,6 +488,59 @@ def test_a_view_folded_from_the_log_holds_what_the_deciding_edge_holds() -> None
         )
 
 
+def _edge(*, rates: bool = True, rpm: int = 3, tpm: int = 1_000) -> Org:
+    """Another edge of the same organization: the same tree, its own views."""
+    org = tree()
+    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=rpm, tpm=tpm))
+    if rates:
+        org.paths = budgets.PathView(rates_for=org.view.hierarchy.level_rates)
+    return org
+
+
+def _two_edges(*, rates: bool = True, rpm: int = 3) -> tuple[Org, Org]:
+    one, two = _edge(rpm=rpm), _edge(rates=rates, rpm=rpm)
+    two._rid = 1_000  # its request ids are its own
+    return one, two
+
+
+def test_edges_share_a_levels_requests_per_minute_through_the_log() -> None:
+    one, two = _two_edges()
+    for _ in range(2):
+        ok = admitted(one.ask())
+        assert ok.reserved is not None
+        two.paths.apply(b.record(ok.reserved, version=3))
+    admitted(two.ask())  # the third of the project's minute, wherever it is asked
+    no = refused(two.ask(), "requests")
+    assert no.level == 'project "search-bot"' and no.dimension == "rpm"
+
+
+def test_edges_share_a_levels_tokens_per_minute_and_its_refunds() -> None:
+    # 200 tokens reserved per request (100 prompt + 100 output) against 1,000 a minute.
+    one, two = _two_edges(rpm=100)
+    reserved = []
+    for _ in range(4):
+        ok = admitted(one.ask())
+        assert ok.reserved is not None
+        reserved.append(ok.reserved)
+        two.paths.apply(b.record(ok.reserved, version=3))
+    admitted(two.ask())
+    assert refused(two.ask(), "tokens").dimension == "tpm"
+    # One of the first edge's requests used 50 of its 200: the 150 back make room again.
+    rid = reserved[0].request_id
+    two.paths.apply(b.record(b.refunded(request_id=rid, refunded_tokens=150), version=5))
+    admitted(two.ask(prompt=50, max_tokens=50))
+
+
+def test_without_the_levels_rates_only_buckets_it_has_are_charged_from_the_log() -> None:
+    # (the view as it was before: each edge gave a level its whole minute)
+    one, two = _two_edges(rates=False)
+    for _ in range(3):
+        ok = admitted(one.ask())
+        assert ok.reserved is not None
+        two.paths.apply(b.record(ok.reserved, version=3))
+    admitted(two.ask())
+
+
 def test_a_capacity_refusal_after_the_reservation_voids_it_everywhere() -> None:
     org = tree()
     org.do(h.SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
