@@ -30,6 +30,7 @@ from domain.control import Limits
 from domain.cost import GIB, TOKENS_PER_MTOK, Price
 from domain.events import (
     BudgetReserved,
+    Event,
     LeaseExpired,
     QuotaRefunded,
     Recorded,
@@ -262,7 +263,7 @@ class PathView:
         self._runs: dict[tuple[str, str], RunUsage] = {}
         self._run_defs: dict[tuple[str, str], Run] = {}  # runs this edge started itself
         self._requests: dict[str, _Req] = {}
-        self._handlers = {
+        self._handlers: dict[type[Event], Callable[[Recorded], None]] = {
             BudgetReserved: self._on_reserved,
             RequestCompleted: self._on_terminal,
             RequestCancelled: self._on_terminal,

@@ -16,7 +16,14 @@ from datetime import datetime, timedelta
 from typing import Final
 
 from domain.errors import DomainError
-from domain.events import TERMINAL_EVENTS, LeaseProgress, LeasesRenewed, Recorded, RequestAdmitted
+from domain.events import (
+    TERMINAL_EVENTS,
+    Event,
+    LeaseProgress,
+    LeasesRenewed,
+    Recorded,
+    RequestAdmitted,
+)
 
 # The renewal interval and the time without one after which a lease expires. The renewal is one
 # event per edge whatever the number of its streams, so renewing often costs two small events a
@@ -29,9 +36,8 @@ LEASE_TTL_S: Final = 15
 
 _TERMINALS: Final = frozenset(TERMINAL_EVENTS)
 # The only event types `LeaseBook.apply` folds: a tail feeding it reads nothing else.
-LEASE_EVENT_TYPES: Final = frozenset(
-    cls.EVENT_TYPE for cls in (RequestAdmitted, LeasesRenewed, *TERMINAL_EVENTS)
-)
+_LEASE_EVENTS: Final[tuple[type[Event], ...]] = (RequestAdmitted, LeasesRenewed, *TERMINAL_EVENTS)
+LEASE_EVENT_TYPES: Final = frozenset(cls.EVENT_TYPE for cls in _LEASE_EVENTS)
 
 
 def edge_stream(edge_id: str) -> str:

@@ -18,6 +18,7 @@ from typing import Final, TypeAlias
 
 from domain.control import Limits
 from domain.events import (
+    Event,
     LeaseExpired,
     QuotaRefunded,
     Recorded,
@@ -146,7 +147,7 @@ class QuotaView:
         self._window_requests = 0
         self._window_retries = 0
         self._seen: dict[str, float] = {}  # request id -> first seen (epoch s), for the window
-        self._handlers: dict[type, Callable[[Recorded], None]] = {
+        self._handlers: dict[type[Event], Callable[[Recorded], None]] = {
             RequestAdmitted: self._on_admitted,
             RequestEstimated: self._on_estimated,
             RequestCompleted: self._on_terminal,

@@ -53,3 +53,16 @@ def test_import_linter_contracts_hold() -> None:
     ):
         assert f"{contract} KEPT" in result.stdout, out
     assert result.returncode == 0 and " 0 broken" in result.stdout, out
+
+
+def test_domain_type_checks_strictly() -> None:
+    # domain/README.md says the pure core is strictly typed ([tool.mypy] in pyproject.toml): held
+    # here, or it drifts (three errors had crept in unnoticed).
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental"],
+        cwd=DOMAIN.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
