@@ -772,7 +772,7 @@ def render_edges(d: dict[str, Any]) -> list[str]:
         "longest admission-view lag an edge reported: (N − 1)/N × flood req/s × lag.",
         "",
         "| client | edges | admitted ÷ allowed (median) | over-admitted (median) | bound "
-        "(median) | per run: admitted (in the store) / allowed (answered 200) | flood req/s "
+        "(median) | per run: admitted in the store / allowed (the clients' 200s) | flood req/s "
         "per run | admission-view lag at the end, s | ratio target | over-admitted ≤ bound |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
