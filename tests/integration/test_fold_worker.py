@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from domain import lifecycle as lc
 from domain.cost import Estimate
-from domain.events import PriceSet
+from domain.events import BatchCreated, PriceSet
 from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
 from ledger.idempotency import IdempotencyConflict, IdempotencyStore
@@ -96,6 +96,33 @@ def test_one_pass_bills_projects_and_reports(engine: sa.Engine) -> None:
     # Silent for longer than the staleness limit: the edges say so.
     later = read_fold_status(engine, datetime.now(UTC) + timedelta(seconds=11))
     assert later.problems and "last reported" in later.problems[0]
+
+
+def test_a_pass_that_reads_a_new_batch_wakes_the_batch_runner(sqlite_url: str) -> None:
+    # The runner beside the folds polls once a second while no batch is open; a BatchCreated
+    # read by a pass starts it at once (streams/worker.py `on_batch_created`).
+    upgrade(sqlite_url)
+    engine = create_engine_from_url(sqlite_url)
+    try:
+        store = SqlEventStore(engine)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        woken: list[int] = []
+        worker.on_batch_created = lambda: woken.append(worker.read_position)
+        _request(store)
+        worker.run_pass()
+        assert woken == []  # no batch in what it read
+        at = datetime.now(UTC)
+        created = BatchCreated(
+            "batch_1", "acme", "key-1", "file_1", "/v1/chat/completions", "24h", 2,
+            at + timedelta(hours=24),
+        )  # fmt: skip
+        store.append("batch-batch_1", 0, [NewEvent(str(uuid.uuid4()), "batch-batch_1", "acme",
+                                                   at, created)])  # fmt: skip
+        worker.run_pass()
+        assert woken == [store.last_position()]
+    finally:
+        engine.dispose()
 
 
 def test_an_expired_lease_frees_its_idempotency_key(engine: sa.Engine) -> None:
