@@ -368,6 +368,19 @@ def render_store(d: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _paired_row(
+    figure: str, ms: float, reference: str, ratio: float, per_run: list[float],
+    verdict: dict[str, Any],
+) -> str:  # fmt: skip
+    """A Targets row of a paired A/B: the figure, its reference, the median of the per-run
+    ratios and each run's."""
+    runs = ", ".join(f"{r:.3f}" for r in per_run)
+    return (
+        f"| {figure} | {_fmt(ms, 3)} ms | {reference} (paired ratio {ratio}; per run {runs}) "
+        f"| ≤ {verdict['target'].removeprefix('<= ')} | {_verdict(verdict['met'])} |"
+    )
+
+
 def render_gateway(d: dict[str, Any]) -> list[str]:
     rows: list[str] = []
     up = d.get("upstream", {})
@@ -430,22 +443,18 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
     ]
     for key, v in (d.get("verdicts") or {}).items():
         if key.startswith("ab_cpu"):
-            per_run = ", ".join(f"{r:.3f}" for r in v["tollgate_over_baseline_per_run"])
-            rows.append(
-                f"| CPU/request against the baseline, {key.removeprefix('ab_cpu_')} | "
-                f"{_fmt(v['tollgate_ms'], 3)} ms | baseline {_fmt(v['baseline_ms'], 3)} ms "
-                f"(paired ratio {v['tollgate_over_baseline']}; per run {per_run}) "
-                f"| ≤ {v['target'].removeprefix('<= ')} | {_verdict(v['met'])} |"
-            )
+            rows.append(_paired_row(
+                f"CPU/request against the baseline, {key.removeprefix('ab_cpu_')}",
+                v["tollgate_ms"], f"baseline {_fmt(v['baseline_ms'], 3)} ms",
+                v["tollgate_over_baseline"], v["tollgate_over_baseline_per_run"], v,
+            ))  # fmt: skip
         elif key.startswith("budgets_cpu"):
-            per_run = ", ".join(f"{r:.3f}" for r in v["budgets_over_plain_per_run"])
-            rows.append(
-                f"| CPU/request, four-level path with budgets ÷ an organization key, "
-                f"{key.removeprefix('budgets_cpu_')} | {_fmt(v['budgets_ms'], 3)} ms | "
-                f"organization key {_fmt(v['plain_ms'], 3)} ms (paired ratio "
-                f"{v['budgets_over_plain']}; per run {per_run}) "
-                f"| ≤ {v['target'].removeprefix('<= ')} | {_verdict(v['met'])} |"
-            )
+            rows.append(_paired_row(
+                "CPU/request, four-level path with budgets ÷ an organization key, "
+                + key.removeprefix("budgets_cpu_"),
+                v["budgets_ms"], f"organization key {_fmt(v['plain_ms'], 3)} ms",
+                v["budgets_over_plain"], v["budgets_over_plain_per_run"], v,
+            ))  # fmt: skip
         elif key.startswith("distributed_cpu"):
             per_run = ", ".join(f"{r:.3f}" for r in v["distributed_over_embedded_per_run"])
             rows.append(

@@ -850,6 +850,22 @@ def med(xs: list[float | None]) -> float:
     return round(statistics.median(xs), 3) if xs else float("nan")
 
 
+def paired_ratios(
+    raw_runs: dict[tuple[str, str, int], list[dict[str, Any]]], target: str, reference: str,
+    mode: str, conns: int, field: str = "cpu_ms_per_req",
+) -> list[float]:  # fmt: skip
+    """`field` of `target` over `reference`, run by run. Each run's cells are back to back, so
+    the ratio within a run shares its noise; the median of these ratios is an A/B figure (the
+    ratio of two medians mixes runs measured minutes apart on a noisy machine)."""
+    return [
+        a[field] / b[field]
+        for a, b in zip(
+            raw_runs[(target, mode, conns)], raw_runs[(reference, mode, conns)], strict=True
+        )
+        if a[field] and b[field]
+    ]
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = (
         "rps",
@@ -1222,18 +1238,7 @@ def main(argv: list[str] | None = None) -> None:
                 for c in conns:
                     t = closed["tollgate"][mode][str(c)]["cpu_ms_per_req"]
                     base_ms = closed["baseline"][mode][str(c)]["cpu_ms_per_req"]
-                    # Each run's cells are back to back, so the ratio within a run shares its
-                    # noise; the median of those ratios is the A/B figure (the ratio of the
-                    # two medians mixes runs measured minutes apart on a noisy machine).
-                    paired = [
-                        a["cpu_ms_per_req"] / b["cpu_ms_per_req"]
-                        for a, b in zip(
-                            raw_runs[("tollgate", mode, c)],
-                            raw_runs[("baseline", mode, c)],
-                            strict=True,
-                        )
-                        if a["cpu_ms_per_req"] and b["cpu_ms_per_req"]
-                    ]
+                    paired = paired_ratios(raw_runs, "tollgate", "baseline", mode, c)
                     ratio = med(paired) if paired else None
                     verdicts[f"ab_cpu_{mode}_c{c}"] = {
                         "tollgate_ms": t,
@@ -1247,21 +1252,13 @@ def main(argv: list[str] | None = None) -> None:
             for mode in modes:
                 for c in conns:
                     # Edge and fold worker together (budgets are decided on the edge and trued
-                    # up by the bills), paired within each run.
-                    pairs = [
-                        (b["cpu_ms_per_req"], t["cpu_ms_per_req"])
-                        for b, t in zip(
-                            raw_runs[("budgets", mode, c)],
-                            raw_runs[("tollgate", mode, c)],
-                            strict=True,
-                        )
-                        if b["cpu_ms_per_req"] and t["cpu_ms_per_req"]
-                    ]
-                    ratio = med([a / b for a, b in pairs]) if pairs else None
+                    # up by the bills).
+                    paired = paired_ratios(raw_runs, "budgets", "tollgate", mode, c)
+                    ratio = med(paired) if paired else None
                     verdicts[f"budgets_cpu_{mode}_c{c}"] = {
                         "budgets_ms": closed["budgets"][mode][str(c)]["cpu_ms_per_req"],
                         "plain_ms": closed["tollgate"][mode][str(c)]["cpu_ms_per_req"],
-                        "budgets_over_plain_per_run": [round(a / b, 3) for a, b in pairs],
+                        "budgets_over_plain_per_run": [round(r, 3) for r in paired],
                         "budgets_over_plain": round(ratio, 3) if ratio else None,
                         "target": f"<= {BUDGETS_MAX_RATIO}",
                         "met": bool(ratio <= BUDGETS_MAX_RATIO) if ratio else None,
@@ -1269,23 +1266,17 @@ def main(argv: list[str] | None = None) -> None:
         if "distributed" in closed and "tollgate" in closed:
             for mode in modes:
                 for c in conns:
-                    # The edge process alone in both modes, paired within each run as above.
-                    pairs = [
-                        (d["edge_cpu_ms_per_req"], e["edge_cpu_ms_per_req"])
-                        for d, e in zip(
-                            raw_runs[("distributed", mode, c)],
-                            raw_runs[("tollgate", mode, c)],
-                            strict=True,
-                        )
-                        if d["edge_cpu_ms_per_req"] and e["edge_cpu_ms_per_req"]
-                    ]
+                    # The edge process alone in both modes.
+                    paired = paired_ratios(
+                        raw_runs, "distributed", "tollgate", mode, c, "edge_cpu_ms_per_req"
+                    )
                     dist = closed["distributed"][mode][str(c)]
                     emb = closed["tollgate"][mode][str(c)]
-                    ratio = med([a / b for a, b in pairs]) if pairs else None
+                    ratio = med(paired) if paired else None
                     verdicts[f"distributed_cpu_{mode}_c{c}"] = {
                         "distributed_edge_ms": dist["edge_cpu_ms_per_req"],
                         "embedded_edge_ms": emb["edge_cpu_ms_per_req"],
-                        "distributed_over_embedded_per_run": [round(a / b, 3) for a, b in pairs],
+                        "distributed_over_embedded_per_run": [round(r, 3) for r in paired],
                         "distributed_over_embedded": ratio,
                         "distributed_pipeline_ms": dist["pipeline_cpu_ms_per_req"],
                         "embedded_total_ms": emb["cpu_ms_per_req"],
