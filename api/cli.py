@@ -1046,6 +1046,14 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
     help="bytes of kernel send buffer per client connection (0: the kernel's autotuning)",
 )
 @click.option(
+    "--keep-alive-s",
+    default=ServeSettings.keep_alive_s,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="seconds an idle client connection is kept open (keep it above the clients' own idle "
+    "expiry, or a client may reuse a connection just as it is closed)",
+)
+@click.option(
     "--no-fold-worker",
     is_flag=True,
     help="do not start the fold worker (billing, read models, leases) as a child process; "
@@ -1084,6 +1092,7 @@ def serve(
     slow_reader_s: float,
     stream_buffer_chunks: int,
     client_send_buffer_bytes: int,
+    keep_alive_s: int,
     lease_renew_s: float,
     no_fold_worker: bool,
     predictor_path: str | None,
@@ -1107,6 +1116,7 @@ def serve(
         slow_reader_s=slow_reader_s,
         stream_buffer_chunks=stream_buffer_chunks,
         client_send_buffer_bytes=client_send_buffer_bytes,
+        keep_alive_s=keep_alive_s,
         lease_renew_s=lease_renew_s,
         fold_worker=not no_fold_worker,
         autoscale=autoscale,

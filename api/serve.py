@@ -237,6 +237,7 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
         loop="none",
         http="httptools",
         access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
         log_level="warning",
         lifespan="off",
         proxy_headers=False,  # no proxy in front by default; the client address is unused

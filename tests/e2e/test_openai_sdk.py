@@ -3,8 +3,10 @@ recorded and what the ledger bills, to the token."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
+import time
 
 import pytest
 from openai import OpenAI
@@ -140,3 +142,27 @@ def test_curl_streaming_ends_with_done(server: Server) -> None:
     entry = server.wait_billed(request_id)
     assert entry["completion_tokens"] == usage["completion_tokens"]
     assert entry["prompt_tokens"] == usage["prompt_tokens"]
+
+
+def test_a_connection_idle_past_the_clients_keep_alive_expiry_is_still_open(
+    server: Server,
+) -> None:
+    """httpx (and so the openai SDK) reuses an idle connection for up to 5 s. An edge that closes
+    idle connections at 5 s too races it: the client sends on a connection being closed and gets
+    a ReadError. The edge keeps them open well past every usual client's expiry."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    headers = {"Authorization": f"Bearer {server.keys['demo-standard']}"}
+    try:
+        conn.request("GET", "/v1/models", headers=headers)
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200
+        sock = conn.sock
+        time.sleep(6.0)  # past httpx's 5 s (and uvicorn's default keep-alive)
+        conn.request("GET", "/v1/models", headers=headers)
+        again = conn.getresponse()  # RemoteDisconnected if the edge closed it
+        again.read()
+        assert again.status == 200
+        assert conn.sock is sock, "the second request went over a new connection"
+    finally:
+        conn.close()
