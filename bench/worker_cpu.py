@@ -20,6 +20,10 @@ Run it against a code tree with PYTHONPATH (the script imports whatever tree is 
         [--profile /tmp/prof.out] [--chunk 300] [--wal-autocheckpoint N]
 
 Prints JSON lines: one per run (cpu_us_per_request, wall, passes) and a summary (median).
+
+CPU time on this machine varies by ±15 % from run to run; instruction counts do not. For an A/B
+of the passes alone, run each tree under `valgrind --tool=callgrind` twice, with and without
+`--no-passes`, and subtract the totals (the feeding, the imports and the start-up cancel out).
 """
 
 from __future__ import annotations
@@ -178,6 +182,7 @@ def run_once(
     profile: cProfile.Profile | None,
     history: int,
     engine_kw: dict | None = None,
+    passes_on: bool = True,
 ) -> dict[str, float]:
     engine_kw = engine_kw or {}
     db = os.path.join(workdir, "run.db")
@@ -229,7 +234,7 @@ def run_once(
             c0, t0 = time.process_time(), time.perf_counter()
             if profile is not None:
                 profile.enable()
-            read += w.run_pass()
+            read += w.run_pass() if passes_on else 0
             if profile is not None:
                 profile.disable()
             cpu += time.process_time() - c0
@@ -272,6 +277,12 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="cProfile output path (all runs)")
     p.add_argument("--label", default="")
     p.add_argument(
+        "--no-passes",
+        action="store_true",
+        help="feed the log but run no pass: under an instruction counter (valgrind "
+        "--tool=callgrind), a run with passes minus this one is the passes' exact cost",
+    )
+    p.add_argument(
         "--wal-autocheckpoint",
         type=int,
         default=None,
@@ -289,7 +300,9 @@ def main() -> None:
             if args.wal_autocheckpoint is None
             else {"wal_autocheckpoint": args.wal_autocheckpoint}
         )
-        r = run_once(args.fixture, workdir, args.chunk, profile, args.history, kw)
+        r = run_once(
+            args.fixture, workdir, args.chunk, profile, args.history, kw, not args.no_passes
+        )
         results.append(r)
         print(json.dumps({"label": args.label, **{k: round(v, 2) for k, v in r.items()}}))
     if profile is not None:
