@@ -181,9 +181,8 @@ def edge(tree: Path, label: str, stream: bool, requests: int, work_root: Path) -
 def record_fixture(baseline: Path, work: Path) -> Path:
     """3,000 JSON requests through the baseline's edge with no fold worker: a log both trees read
     (the newer one upcasts; the older would refuse the newer's event versions)."""
+    work.mkdir(parents=True, exist_ok=True)
     fixture = work / "fixture.db"
-    if fixture.exists():
-        return fixture
     upstream, upstream_url = start_upstream("cheap", 1.0, work)
     proc = None
     try:
