@@ -105,7 +105,8 @@ def _serve(
     log = open(work / "serve.log", "ab")  # noqa: SIM115 - the process writes it until stopped
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/readyz", 900, proc)
+    # Without a fold worker /readyz stays 503 (no heartbeat): then the edge's liveness.
+    wait_http(url + ("/healthz" if "--no-fold-worker" in extra else "/readyz"), 900, proc)
     key = json.loads((data / "demo-keys.json").read_text())["demo-enterprise"]
     subprocess.run(
         [str(bin_dir / "tollgate"), "limits", "set", "--tenant", "demo-enterprise", "--model",
