@@ -505,9 +505,11 @@ def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
 def start_tollgate(
     upstream: str, data_dir: Path, log_dir: Path, tree: Path = ROOT, name: str = "tollgate",
     command: str = "serve", env_extra: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (), wrapper: tuple[str, ...] = (), ready_timeout_s: float = 90,
 ) -> tuple[Proc, str, str]:
     """`tollgate serve` of the checkout `tree` (its own .venv: for an A/B, another commit);
-    `command` "api" with TOLLGATE_DATABASE_URL in `env_extra`: an edge of the distributed mode."""
+    `command` "api" with TOLLGATE_DATABASE_URL in `env_extra`: an edge of the distributed mode.
+    `wrapper`: a command the edge runs under (e.g. valgrind), given the tree's python."""
     port = free_port()
     env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
     env.pop("TOLLGATE_DATABASE_URL", None)
@@ -516,25 +518,30 @@ def start_tollgate(
     # and the fold worker child (`python -m ...`) imports from its working directory.
     env.pop("PYTHONPATH", None)
     bin_dir = tree / ".venv" / "bin"
+    # extra serve flags for experiments, e.g. "--no-fold-worker"
+    args = (*extra_args, *os.environ.get("TOLLGATE_BENCH_SERVE_ARGS", "").split())
+    launcher = [*wrapper, str(bin_dir / "python")] if wrapper else []
     proc = Proc(
         name,
         [
+            *launcher,
             str(bin_dir / "tollgate"),
             command,
             "--replica",
             f"{MODEL}={upstream}",
             "--port",
             str(port),
-            # extra serve flags for experiments, e.g. "--no-fold-worker"
-            *os.environ.get("TOLLGATE_BENCH_SERVE_ARGS", "").split(),
+            *args,
         ],
         env,
         log_dir,
         cwd=tree,
     )
     url = f"http://127.0.0.1:{port}"
+    # Without a fold worker /readyz stays 503 (no heartbeat): then the edge's liveness.
+    ready = "/healthz" if "--no-fold-worker" in args else "/readyz"
     try:
-        wait_http(url + "/readyz", 90, proc.p)
+        wait_http(url + ready, ready_timeout_s, proc.p)
     except BaseException:
         proc.stop()  # not handed to the caller yet: it would outlive the run
         raise

@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -45,18 +44,16 @@ from typing import Any
 import httpx
 
 from bench.gateway import (
-    MODEL,
     ROOT,
+    Proc,
     baseline_checkout,
     body_for,
-    free_port,
     machine,
+    start_tollgate,
     start_upstream,
-    wait_http,
 )
 
 RESULTS = ROOT / "bench" / "results" / "instructions.json"
-LIMITS = ["--rpm", "10000000", "--tpm", "1000000000", "--kv-seconds", "100000000"]
 FIXTURE_REQUESTS = 3_000
 
 
@@ -86,44 +83,11 @@ def _drive(url: str, key: str, n: int, stream: bool, concurrency: int = 16) -> d
     return asyncio.run(run())
 
 
-def _serve(
-    tree: Path, work: Path, upstream: str, *extra: str, valgrind: list[str] | None = None
-) -> tuple[subprocess.Popen[bytes], str, str, dict[str, str]]:
-    """`tollgate serve` of `tree` (under `valgrind`, if given); its process, URL, the enterprise
-    demo key (limits lifted) and its environment."""
+def _serve(tree: Path, work: Path, upstream: str, **options: Any) -> tuple[Proc, str, str]:
+    """`tollgate serve` of `tree` on a fresh data directory in `work` (limits lifted)."""
     data = work / "data"
     shutil.rmtree(data, ignore_errors=True)
-    env = {**os.environ, "TOLLGATE_DATA_DIR": str(data)}
-    env.pop("PYTHONPATH", None)
-    env.pop("TOLLGATE_DATABASE_URL", None)
-    bin_dir = tree / ".venv" / "bin"
-    port = free_port()
-    cmd = [
-        *(valgrind or []), str(bin_dir / "python"), str(bin_dir / "tollgate"), "serve",
-        "--replica", f"{MODEL}={upstream}", "--port", str(port), *extra,
-    ]  # fmt: skip
-    log = open(work / "serve.log", "ab")  # noqa: SIM115 - the process writes it until stopped
-    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    # Without a fold worker /readyz stays 503 (no heartbeat): then the edge's liveness.
-    wait_http(url + ("/healthz" if "--no-fold-worker" in extra else "/readyz"), 900, proc)
-    key = json.loads((data / "demo-keys.json").read_text())["demo-enterprise"]
-    subprocess.run(
-        [str(bin_dir / "tollgate"), "limits", "set", "--tenant", "demo-enterprise", "--model",
-         "*", *LIMITS],
-        env=env, cwd=tree, check=True, capture_output=True,
-    )  # fmt: skip
-    time.sleep(3)  # the control-plane follower picks the limits up
-    return proc, url, key, env
-
-
-def _stop(proc: subprocess.Popen[bytes], grace: float = 180) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_tollgate(upstream, data, work, tree, ready_timeout_s=900, **options)
 
 
 def _summary(path: Path) -> int:
@@ -141,12 +105,12 @@ def edge(tree: Path, label: str, stream: bool, requests: int, work_root: Path) -
     for old in work.glob("callgrind.out*"):
         old.unlink()
     upstream, upstream_url = start_upstream("cheap", 1.0, work)
-    valgrind = [
+    valgrind = (
         "valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
-    ]  # fmt: skip
+    )  # fmt: skip
     proc = None
     try:
-        proc, url, key, _ = _serve(tree, work, upstream_url, valgrind=valgrind)
+        proc, url, key = _serve(tree, work, upstream_url, wrapper=valgrind)
         warm = _drive(url, key, 200, stream)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
         started = time.monotonic()
@@ -159,7 +123,7 @@ def edge(tree: Path, label: str, stream: bool, requests: int, work_root: Path) -
         time.sleep(2)
     finally:
         if proc is not None:
-            _stop(proc)
+            proc.stop()  # what was measured is already dumped
         upstream.stop()
     # The dump after zeroing is part 1: one file per thread, the event loop's first.
     parts = sorted(work.glob("callgrind.out.1-*"))
@@ -187,13 +151,13 @@ def record_fixture(baseline: Path, work: Path) -> Path:
     upstream, upstream_url = start_upstream("cheap", 1.0, work)
     proc = None
     try:
-        proc, url, key, _ = _serve(baseline, work, upstream_url, "--no-fold-worker")
+        proc, url, key = _serve(baseline, work, upstream_url, extra_args=("--no-fold-worker",))
         codes = _drive(url, key, FIXTURE_REQUESTS, False)
         if codes != {200: FIXTURE_REQUESTS}:
             raise RuntimeError(f"fixture requests answered {codes}")
     finally:
         if proc is not None:
-            _stop(proc)
+            proc.stop()
         upstream.stop()
     db = sqlite3.connect(work / "data" / "tollgate.db")
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
