@@ -1261,10 +1261,15 @@ def worker(
 
         if not url.startswith("postgresql"):
             raise click.UsageError("the Kafka worker needs the PostgreSQL store (--database-url)")
-        run_kafka_worker(
-            url, kafka_bootstrap, topic, lease_ttl_s=lease_ttl, metrics_port=metrics_port,
-            client=kafka_client,
-        )
+        from streams.topics import KafkaSettingError
+
+        try:
+            run_kafka_worker(
+                url, kafka_bootstrap, topic, lease_ttl_s=lease_ttl, metrics_port=metrics_port,
+                client=kafka_client,
+            )
+        except KafkaSettingError as exc:
+            raise click.UsageError(str(exc)) from exc
         return
     run_worker(url, lease_ttl_s=lease_ttl, parent_pid=parent_pid, metrics_port=metrics_port)
 

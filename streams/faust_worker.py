@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from streams.codec import BadRecord, decode
 from streams.consumer import Batch, Delivery
 from streams.kafka_consumer import SavedOffsets, _epoch
+from streams.topics import KafkaSettingError, client_settings
 
 log = logging.getLogger("tollgate.faust_worker")
 
@@ -64,6 +65,8 @@ class FaustEventConsumer(SavedOffsets):
     ) -> None:
         super().__init__(engine, bootstrap, topic, name)
         self._bootstrap = bootstrap
+        # Refused here, before any thread, when a setting cannot be taken.
+        self._credentials = faust_credentials(client_settings(bootstrap))
         self._max_records = max_records
         self._within_s = within_s
         # Two batches ahead of the worker at most: faust pauses fetching behind them.
@@ -259,11 +262,90 @@ async def _leave_group(coordinator: Any) -> None:
     coordinator.reset_generation()
 
 
+def _never_create_topics() -> None:
+    """aiokafka's metadata requests, with topic auto-creation off. aiokafka asks the broker to
+    create every topic it asks about that does not exist (the request's default, which faust's
+    `topic_allow_declare` does not reach), so a worker started before the relay, or running
+    through a broker loss, created the event topic with the broker's own partition count (4 on
+    the development broker, 1 on Kafka's defaults) instead of the relay's. A tenant's events
+    then moved to another partition when the relay re-created the topic with its own count, and
+    the partition's saved order key no longer told what had been applied: events were applied
+    twice. Only the relay creates the event topic. Set once per process, for every aiokafka
+    client in it (a faust worker's process has no other)."""
+    import aiokafka.client
+    from aiokafka.protocol.metadata import MetadataRequest  # type: ignore[import-untyped]
+
+    if getattr(aiokafka.client.MetadataRequest, "_tollgate_no_create", False):
+        return
+
+    class NoAutoCreate(MetadataRequest):  # type: ignore[misc]
+        _tollgate_no_create = True
+
+        def __init__(
+            self, topics: list[str] | None = None, allow_auto_topic_creation: bool = False
+        ) -> None:
+            super().__init__(topics, allow_auto_topic_creation)
+
+    aiokafka.client.MetadataRequest = NoAutoCreate
+
+
+# librdkafka's names (TOLLGATE_KAFKA_<SETTING>, streams/topics.py) that faust's client takes.
+_SECURITY_SETTINGS = {
+    "security.protocol", "sasl.mechanism", "sasl.mechanisms", "sasl.username", "sasl.password",
+    "ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "ssl.key.password",
+}
+
+
+def faust_credentials(settings: Mapping[str, Any]) -> Any:
+    """faust's broker credentials from the librdkafka settings the confluent clients take (a
+    production cluster's TLS/SASL, `TOLLGATE_KAFKA_SECURITY_PROTOCOL=SASL_SSL` and the rest),
+    or None for a plaintext cluster. A security setting faust's client cannot take is refused
+    by name (connecting without what was asked for is not an option); other librdkafka tuning
+    (`linger.ms`, ...) does not apply to it and is left to the confluent clients."""
+    import ssl
+
+    import faust
+
+    unknown = sorted(
+        k for k in settings
+        if k.startswith(("security.", "sasl.", "ssl.")) and k not in _SECURITY_SETTINGS
+    )
+    if unknown:
+        raise KafkaSettingError(
+            f"the faust worker cannot take the Kafka setting(s) {', '.join(unknown)}: use "
+            "the confluent client (--kafka-client confluent)"
+        )
+    protocol = str(settings.get("security.protocol", "plaintext")).upper()
+    if protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
+        raise KafkaSettingError(f"security.protocol {protocol!r}: one of plaintext, ssl, "
+                         "sasl_plaintext, sasl_ssl")
+    context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=settings.get("ssl.ca.location"))
+        if "ssl.certificate.location" in settings:
+            context.load_cert_chain(
+                settings["ssl.certificate.location"], settings.get("ssl.key.location"),
+                settings.get("ssl.key.password"),
+            )
+    if protocol.startswith("SASL"):
+        mechanism = settings.get("sasl.mechanism", settings.get("sasl.mechanisms", "PLAIN"))
+        if str(mechanism).upper() not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            raise KafkaSettingError(f"sasl.mechanism {mechanism!r}: one of PLAIN, SCRAM-SHA-256, "
+                             "SCRAM-SHA-512 on the faust worker")
+        return faust.SASLCredentials(
+            username=settings.get("sasl.username"), password=settings.get("sasl.password"),
+            ssl_context=context, mechanism=str(mechanism).upper(),
+        )
+    return faust.SSLCredentials(context) if context is not None else None
+
+
 def _build_app(owner: FaustEventConsumer) -> Any:
     """The faust app of one worker: one agent on the event topic, no web server, no tables, no
     topic it may create (the relay creates the event topic with its partitions)."""
     import faust
     from faust.transport.drivers import aiokafka as driver
+
+    _never_create_topics()
 
     class ConsumerThread(driver.AIOKafkaConsumerThread):
         async def on_start(self) -> None:
@@ -299,6 +381,7 @@ def _build_app(owner: FaustEventConsumer) -> Any:
     app = App(
         owner.name,
         broker=";".join(f"kafka://{host}" for host in owner._bootstrap.split(",")),
+        broker_credentials=owner._credentials,
         autodiscover=False,
         web_enabled=False,
         store="memory://",
@@ -317,6 +400,9 @@ def _build_app(owner: FaustEventConsumer) -> Any:
         # once, it waits for no batch (below): 10 s, not faust's 60 s, so a member that hangs
         # holds the group back 10 s at most.
         broker_rebalance_timeout=10.0,
+        # A worker started before the relay created the topic (it never creates it) finds it
+        # within seconds: aiokafka's default re-reads metadata every 5 minutes.
+        consumer_metadata_max_age_ms=3000,
         # A rebalance does not wait for the worker to finish what it was handed: whatever it
         # does not commit is read again by the partition's next owner.
         stream_wait_empty=False,

@@ -37,6 +37,8 @@ from streams.topics import (
     client_settings,
     confluent,
     ensure_topic,
+    partition_count,
+    replace_topic,
 )
 
 log = logging.getLogger("tollgate.relay")
@@ -44,6 +46,12 @@ log = logging.getLogger("tollgate.relay")
 
 class RelayError(Exception):
     """A step's messages were not all acknowledged: nothing was checkpointed, retry."""
+
+
+class TopicMismatch(RelayError):
+    """The topic has another partition count than the relay publishes to. Consumers tell what
+    they applied by each partition's order key, which holds only while every tenant stays on
+    its partition; the relay refuses to publish rather than move tenants between partitions."""
 
 
 class OutboxRelay:
@@ -82,6 +90,10 @@ class OutboxRelay:
                 {
                     "enable.idempotence": True,
                     "acks": "all",
+                    # Only check_topic creates the topic, with the relay's partition count
+                    # (librdkafka's producer would otherwise have a missing topic created with
+                    # the broker's count when it produces after a broker loss).
+                    "allow.auto.create.topics": False,
                     "linger.ms": 5,
                     "batch.num.messages": 10_000,
                     "queue.buffering.max.messages": 500_000,
@@ -98,10 +110,27 @@ class OutboxRelay:
         """Make sure the topic holds what this epoch published; start a new epoch (re-publish
         from the store) if it does not. True if a new epoch started."""
         self._checked_at = time.monotonic()
-        lost = self._lost()
-        if lost is None and self.state.published:
+        lost, count = self._lost()
+        if lost is None and self.state.published and count == self.partitions:
             return False
         created = ensure_topic(self.bootstrap, self.topic, self.partitions)
+        if not created:  # it was there, or another client's creation came first
+            count = partition_count(self.bootstrap, self.topic)
+        if count is not None and count != self.partitions:
+            if lost is None or not self.state.published:
+                raise TopicMismatch(
+                    f"topic {self.topic} has {count} partitions and the relay publishes to "
+                    f"{self.partitions}: start the relay with --partitions {count} "
+                    f"(TOLLGATE_KAFKA_PARTITIONS={count}), or delete the topic"
+                )
+            # Lost, and created again behind the relay's back (a client whose metadata request
+            # may create topics) with the broker's count: what it holds is to be re-published
+            # anyway.
+            log.warning(
+                "topic %s came back with %d partitions, not %d: creating it again",
+                self.topic, count, self.partitions,
+            )
+            replace_topic(self.bootstrap, self.topic, self.partitions)
         if lost is None or (created and not self.state.published):
             if self.state.published == 0 and self.state.last_txid == 0:
                 self.reader.save_state(self.state)  # the first epoch, on record for consumers
@@ -117,24 +146,31 @@ class OutboxRelay:
         self._producer = self._new_producer()
         return True
 
-    def _lost(self) -> str | None:
-        """Why the topic no longer holds this epoch's messages, or None if it does."""
+    def _lost(self) -> tuple[str | None, int | None]:
+        """Why the topic no longer holds this epoch's messages (None if it does), and its
+        partition count (None if it is missing)."""
         try:
             metadata = self._probe.list_topics(self.topic, timeout=10)
         except self._ck.KafkaException as exc:
             raise RelayError(f"cannot reach the cluster: {exc}") from exc
         found = metadata.topics.get(self.topic)
         if found is None or found.error is not None or not found.partitions:
-            return "the topic is missing"
+            return "the topic is missing", None
+        count = len(found.partitions)
         for partition, end in self.state.partition_ends.items():
+            if partition >= count:  # created again with fewer partitions
+                return f"partition {partition} is missing", count
             tp = self._ck.TopicPartition(self.topic, partition)
             try:
                 _low, high = self._probe.get_watermark_offsets(tp, timeout=10, cached=False)
             except self._ck.KafkaException as exc:
                 raise RelayError(f"cannot read partition {partition}: {exc}") from exc
             if high < end:
-                return f"partition {partition} ends at {high}, offset {end - 1} was acknowledged"
-        return None
+                return (
+                    f"partition {partition} ends at {high}, offset {end - 1} was acknowledged",
+                    count,
+                )
+        return None, count
 
     # --- publishing -----------------------------------------------------------------------
 

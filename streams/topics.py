@@ -12,6 +12,10 @@ DEFAULT_TOPIC = "tollgate.events"
 DEFAULT_PARTITIONS = 8
 
 
+class KafkaSettingError(ValueError):
+    """A `TOLLGATE_KAFKA_<SETTING>` value the chosen client cannot take."""
+
+
 def dead_letter_topic(topic: str) -> str:
     return f"{topic}.dead-letters"
 
@@ -41,23 +45,25 @@ def client_settings(bootstrap: str, extra: Mapping[str, Any] | None = None) -> d
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS) -> bool:
-    """Create `topic` (and its dead-letter topic) if missing; True if the event topic was
-    missing."""
+    """Create `topic` (and its dead-letter topic) if missing; True if this call created the
+    event topic (not when another client's creation came first)."""
     ck = confluent()
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient(client_settings(bootstrap))
     present = set(admin.list_topics(timeout=10).topics)
     wanted = [t for t in (topic, dead_letter_topic(topic)) if t not in present]
+    created = False
     if wanted:
         futures = admin.create_topics([NewTopic(t, partitions, 1) for t in wanted])
         for name, future in futures.items():
             try:
                 future.result(10)
+                created = created or name == topic
             except ck.KafkaException as exc:
                 if exc.args[0].code() != ck.KafkaError.TOPIC_ALREADY_EXISTS:
                     raise RuntimeError(f"could not create topic {name}: {exc}") from exc
-    return topic in wanted
+    return created
 
 
 def partition_count(bootstrap: str, topic: str) -> int | None:
@@ -70,3 +76,33 @@ def partition_count(bootstrap: str, topic: str) -> int | None:
     if found is None or found.error is not None or not found.partitions:
         return None
     return len(found.partitions)
+
+
+def replace_topic(bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:
+    """Delete `topic` and create it again with `partitions` (the relay's own count), for a topic
+    that another client created behind the relay's back after a broker loss. A deletion can take
+    a moment to finish on a real cluster: the creation is retried until it does."""
+    ck = confluent()
+    import time
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient(client_settings(bootstrap))
+    for future in admin.delete_topics([topic], operation_timeout=timeout_s).values():
+        try:
+            future.result(timeout_s)
+        except ck.KafkaException as exc:
+            if exc.args[0].code() != ck.KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise RuntimeError(f"could not delete topic {topic}: {exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    while True:
+        future = admin.create_topics([NewTopic(topic, partitions, 1)])[topic]
+        try:
+            future.result(timeout_s)
+            return
+        except ck.KafkaException as exc:
+            if exc.args[0].code() != ck.KafkaError.TOPIC_ALREADY_EXISTS:
+                raise RuntimeError(f"could not create topic {topic}: {exc}") from exc
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"topic {topic} is still being deleted") from exc
+            time.sleep(0.2)

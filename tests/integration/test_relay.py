@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -25,7 +26,8 @@ from ledger.schema import events as events_table
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from ledger.store.planning import encode as encode_row
-from streams.relay import OutboxRelay
+from streams.relay import OutboxRelay, TopicMismatch
+from streams.topics import partition_count
 from tests import builders as b
 from tests.kafka_helpers import OnTopic, append_requests, read_topic
 
@@ -194,11 +196,28 @@ def test_a_broker_that_comes_back_empty_is_published_again_from_the_store(
     _check_partitions(messages)
 
 
-def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
-    engine: sa.Engine, kafka_broker, kafka_topic: str
-) -> None:
+def _consumer(client: str, engine: sa.Engine, bootstrap: str, topic: str, name: str) -> Any:
+    if client == "faust":
+        from streams.faust_worker import FaustEventConsumer
+
+        return FaustEventConsumer(engine, bootstrap, topic, name)
     from streams.kafka_consumer import KafkaEventConsumer
 
+    return KafkaEventConsumer(engine, bootstrap, topic, name)
+
+
+@pytest.mark.parametrize(
+    ("client", "squatter"),
+    [("confluent", False), ("faust", False), ("confluent", True)],
+    ids=["confluent", "faust", "topic-created-again-by-another-client"],
+)
+def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
+    engine: sa.Engine, kafka_broker, kafka_topic: str, client: str, squatter: bool
+) -> None:
+    """`squatter`: after the loss another client creates the topic first, with another
+    partition count (as a client whose metadata requests may create topics does, with the
+    broker's count). The relay creates it again with its own: a tenant that moved to another
+    partition would be applied twice, or skipped, by the partitions' order keys."""
     effects = sa.Table(
         "effects", sa.MetaData(), sa.Column("event_id", sa.String(36), primary_key=True),
         sa.Column("applied", sa.Integer, nullable=False),
@@ -206,7 +225,7 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
     effects.create(engine)
     store = SqlEventStore(engine)
     relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=3)
-    consumer = KafkaEventConsumer(engine, kafka_broker.bootstrap, kafka_topic, "folds")
+    consumer = _consumer(client, engine, kafka_broker.bootstrap, kafka_topic, f"folds-{client}")
 
     def pump(want: int) -> None:
         deadline = time.monotonic() + 90
@@ -235,6 +254,12 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
     relay.check_topic()
     pump(len(before))
     kafka_broker.restart()
+    if squatter:
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+        for future in admin.create_topics([NewTopic(kafka_topic, 5, 1)]).values():
+            future.result(10)
     after = append_requests(store, ["a", "e"], 25, group=10)
     pump(len(before) + len(after))
     # Let it run on a little: late copies of the re-published epoch must change nothing.
@@ -248,6 +273,35 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
     assert sorted(rows) == sorted(before + after)
     assert set(rows.values()) == {1}
     assert relay.state.epoch == 2
+    assert partition_count(kafka_broker.bootstrap, kafka_topic) == 3
+
+
+def test_a_topic_with_another_partition_count_is_refused_with_the_count_named(
+    engine: sa.Engine, kafka_broker, kafka_topic: str
+) -> None:
+    """Found at the first start (made by hand, or by another client): the relay publishes
+    nothing rather than spread tenants over another count than it was started with."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    for future in admin.create_topics([NewTopic(kafka_topic, 2, 1)]).values():
+        future.result(10)
+    append_requests(SqlEventStore(engine), ["a"], 3)
+    relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=3)
+    try:
+        with pytest.raises(TopicMismatch, match="has 2 partitions.*--partitions 2"):
+            relay.check_topic()
+        relay._checked_at = 0.0  # noqa: SLF001 - check again now, not within a second
+        with pytest.raises(TopicMismatch):
+            relay.publish_once()
+        assert relay.state.published == 0
+        assert read_topic(kafka_broker.bootstrap, kafka_topic) == []
+        started = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=2)
+        started.check_topic()
+        assert started.publish_once() == 9
+        started.close()
+    finally:
+        relay.close()
 
 
 def test_relay_kills_while_transactions_commit_out_of_position_order(
