@@ -1295,14 +1295,17 @@ def relay(
 
     At least once, keyed by tenant id; resumes from its own place; re-publishes from the store
     when the broker lost the topic."""
-    from streams.relay import run_relay
+    from streams.relay import TopicMismatch, run_relay
 
     if not kafka_bootstrap:
         raise click.UsageError("--kafka-bootstrap (or TOLLGATE_KAFKA_BOOTSTRAP) is required")
     url = _start_process(
         database_url, "the relay needs the PostgreSQL event store (--database-url)"
     )
-    run_relay(url, kafka_bootstrap, topic, partitions, metrics_port=metrics_port)
+    try:
+        run_relay(url, kafka_bootstrap, topic, partitions, metrics_port=metrics_port)
+    except TopicMismatch as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @main.command("status")

@@ -262,6 +262,8 @@ def run_relay(
             try:
                 relay.check_topic()
                 break
+            except TopicMismatch:
+                raise  # not the broker's weather: the operator's to settle
             except (RelayError, sa.exc.DBAPIError) as exc:
                 log.warning("relay start failed: %s; retrying", exc)
                 if stop.wait(1.0):

@@ -277,10 +277,11 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
 
 
 def test_a_topic_with_another_partition_count_is_refused_with_the_count_named(
-    engine: sa.Engine, kafka_broker, kafka_topic: str
+    engine: sa.Engine, postgres_url: str, kafka_broker, kafka_topic: str
 ) -> None:
     """Found at the first start (made by hand, or by another client): the relay publishes
-    nothing rather than spread tenants over another count than it was started with."""
+    nothing rather than spread tenants over another count than it was started with, and
+    `tollgate relay` exits 2 saying which count to start it with."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
@@ -295,6 +296,17 @@ def test_a_topic_with_another_partition_count_is_refused_with_the_count_named(
         with pytest.raises(TopicMismatch):
             relay.publish_once()
         assert relay.state.published == 0
+        command = [
+            sys.executable, "-m", "api.cli", "relay", "--database-url", postgres_url,
+            "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic,
+        ]  # the default count, 8
+        done = subprocess.run(
+            command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "has 2 partitions and the relay publishes to 8" in done.stderr
+        assert "--partitions 2" in done.stderr
         assert read_topic(kafka_broker.bootstrap, kafka_topic) == []
         started = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=2)
         started.check_topic()
