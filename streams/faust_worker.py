@@ -317,8 +317,9 @@ def faust_credentials(settings: Mapping[str, Any]) -> Any:
         )
     protocol = str(settings.get("security.protocol", "plaintext")).upper()
     if protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
-        raise KafkaSettingError(f"security.protocol {protocol!r}: one of plaintext, ssl, "
-                         "sasl_plaintext, sasl_ssl")
+        raise KafkaSettingError(
+            f"security.protocol {protocol!r}: one of plaintext, ssl, sasl_plaintext, sasl_ssl"
+        )
     context = None
     if protocol in ("SSL", "SASL_SSL"):
         context = ssl.create_default_context(cafile=settings.get("ssl.ca.location"))
@@ -328,13 +329,17 @@ def faust_credentials(settings: Mapping[str, Any]) -> Any:
                 settings.get("ssl.key.password"),
             )
     if protocol.startswith("SASL"):
-        mechanism = settings.get("sasl.mechanism", settings.get("sasl.mechanisms", "PLAIN"))
-        if str(mechanism).upper() not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
-            raise KafkaSettingError(f"sasl.mechanism {mechanism!r}: one of PLAIN, SCRAM-SHA-256, "
-                             "SCRAM-SHA-512 on the faust worker")
+        mechanism = str(
+            settings.get("sasl.mechanism", settings.get("sasl.mechanisms", "PLAIN"))
+        ).upper()
+        if mechanism not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            raise KafkaSettingError(
+                f"sasl.mechanism {mechanism!r}: one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 on "
+                "the faust worker"
+            )
         return faust.SASLCredentials(
             username=settings.get("sasl.username"), password=settings.get("sasl.password"),
-            ssl_context=context, mechanism=str(mechanism).upper(),
+            ssl_context=context, mechanism=mechanism,
         )
     return faust.SSLCredentials(context) if context is not None else None
 

@@ -5,6 +5,7 @@ extra still starts (and says what is missing when a Kafka command runs)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,8 +84,6 @@ def replace_topic(bootstrap: str, topic: str, partitions: int, timeout_s: float 
     that another client created behind the relay's back after a broker loss. A deletion can take
     a moment to finish on a real cluster: the creation is retried until it does."""
     ck = confluent()
-    import time
-
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient(client_settings(bootstrap))

@@ -27,7 +27,7 @@ from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from ledger.store.planning import encode as encode_row
 from streams.relay import OutboxRelay, TopicMismatch
-from streams.topics import partition_count
+from streams.topics import ensure_topic, partition_count
 from tests import builders as b
 from tests.kafka_helpers import OnTopic, append_requests, read_topic
 
@@ -255,11 +255,7 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
     pump(len(before))
     kafka_broker.restart()
     if squatter:
-        from confluent_kafka.admin import AdminClient, NewTopic
-
-        admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
-        for future in admin.create_topics([NewTopic(kafka_topic, 5, 1)]).values():
-            future.result(10)
+        ensure_topic(kafka_broker.bootstrap, kafka_topic, 5)
     after = append_requests(store, ["a", "e"], 25, group=10)
     pump(len(before) + len(after))
     # Let it run on a little: late copies of the re-published epoch must change nothing.
@@ -282,11 +278,7 @@ def test_a_topic_with_another_partition_count_is_refused_with_the_count_named(
     """Found at the first start (made by hand, or by another client): the relay publishes
     nothing rather than spread tenants over another count than it was started with, and
     `tollgate relay` exits 2 saying which count to start it with."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
-    for future in admin.create_topics([NewTopic(kafka_topic, 2, 1)]).values():
-        future.result(10)
+    ensure_topic(kafka_broker.bootstrap, kafka_topic, 2)
     append_requests(SqlEventStore(engine), ["a"], 3)
     relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=3)
     try:
