@@ -62,6 +62,7 @@ class Lease:
     edge_id: str
     renewed_at: datetime
     progress: LeaseProgress | None = None  # the last engine counts an edge renewed it with
+    admitted_position: int = 0  # the log position of its admission
 
 
 class LeaseBook:
@@ -75,7 +76,8 @@ class LeaseBook:
             assert isinstance(event, RequestAdmitted)
             if event.request_id not in self._leases:
                 self._leases[event.request_id] = Lease(
-                    event.request_id, event.tenant_id, event.edge_id, recorded.occurred_at
+                    event.request_id, event.tenant_id, event.edge_id, recorded.occurred_at,
+                    admitted_position=recorded.position,
                 )
         elif kind is LeasesRenewed:
             assert isinstance(event, LeasesRenewed)
@@ -96,6 +98,13 @@ class LeaseBook:
             (lease for lease in self._leases.values() if lease.renewed_at <= horizon),
             key=lambda lease: lease.renewed_at,
         )
+
+    def resume_position(self, tail_position: int) -> int:
+        """Where a sweeper that takes over from this book reads the log from to fold the same
+        book again, renewals included: just before the oldest open lease's admission, or the
+        position this book was folded to when none is open."""
+        oldest = min((lease.admitted_position for lease in self._leases.values()), default=None)
+        return tail_position if oldest is None else min(oldest - 1, tail_position)
 
     def forget(self, request_id: str) -> None:
         self._leases.pop(request_id, None)

@@ -60,8 +60,12 @@ class Checkpoints:
         self.engine = engine
 
     def get(self, name: str) -> int:
+        return self.find(name) or 0
+
+    def find(self, name: str) -> int | None:
+        """The saved position of `name`, None if it was never saved."""
         with self.engine.connect() as conn:
-            return read_position(conn, name) or 0
+            return read_position(conn, name)
 
     def set(self, name: str, position: int, conn: sa.Connection | None = None) -> None:
         """Save `position`, in its own transaction or inside the caller's `conn`."""

@@ -20,8 +20,8 @@ A worker killed at any point repeats at most its batch: bills already in the sto
 as already there, rows not committed are written once.
 
 The sweeper needs every edge's renewals, which are one stream per edge, not per tenant, so it
-cannot be split by tenant partition: each worker runs it over the store through `SqlTail`
-(every worker sweeps; the command handler's expected version lets exactly one expiry win).
+cannot be split by tenant partition: it follows the store through `SqlTail`, in one worker of
+the group at a time, which hands over to another when it dies (`streams.sweeper.GroupSweeper`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import sqlalchemy as sa
 
 from domain.control import ControlView
 from domain.events import TERMINAL_TYPES, Recorded, UsageBilled
-from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S
+from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
 from ledger import faults
 from ledger.checkpoints import Checkpoints
@@ -53,10 +53,9 @@ from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.consumer import Batch, EventConsumer
 from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
-from streams.sql_tail import SqlTail
-from streams.sweeper import LeaseSweeper
+from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC
-from streams.worker import WORKER_NAME, resume_sweeper, write_status_row
+from streams.worker import WORKER_NAME, write_status_row
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer
@@ -91,15 +90,10 @@ class KafkaFoldWorker:
         self.request_log = ProjectionRunner(engine, self.store, REQUEST_LOG)
         self.usage_hourly = ProjectionRunner(engine, self.store, USAGE_HOURLY)
         self.ledger = ProjectionRunner(engine, self.store, LEDGER_ENTRIES)
-        self.sweeper = LeaseSweeper(
-            self.store, ttl_s=lease_ttl_s, on_expired=IdempotencyStore(engine).release_request
-        )
-        # Only what the lease book folds: the sweeper's tail is every worker's read of the whole
-        # store, and decoding the rest of it (routing, first tokens, bills) was most of a worker's
-        # CPU at load.
-        self.leases = SqlTail(
-            self.store, engine, f"{name}-leases", event_types=LEASE_EVENT_TYPES
-        )
+        self.sweeper = GroupSweeper(
+            engine, self.store, name=name, ttl_s=lease_ttl_s,
+            on_expired=IdempotencyStore(engine).release_request,
+        )  # fmt: skip
         self.folded = 0  # records applied by this process
         self.bills = 0
         self.errors: dict[str, str] = {}
@@ -107,8 +101,8 @@ class KafkaFoldWorker:
         self.last_billed_at: datetime | None = None
 
     def start(self) -> None:
-        resume_sweeper(self.engine, self.store, self.sweeper)
-        self.leases.seek(self.sweeper.position)
+        """Take the sweeper's lead if it is free (a standby tries again at every sweep)."""
+        self.sweeper.lead()
 
     def run_batch(self, max_records: int = 5000, timeout_s: float = 0.2) -> int:
         """One batch from the topic; returns how many records it applied."""
@@ -170,29 +164,27 @@ class KafkaFoldWorker:
         return [bill for rid, bill in first.items() if rid not in posted]
 
     def sweep(self) -> None:
-        """Follow the store's new events into the lease book, then expire the silent leases."""
-        while True:
-            batch = self.leases.poll(5000, 0)
-            for d in batch.deliveries:
-                self.sweeper.apply(d.record)
-            if 0 in batch.next_offsets:
-                self.sweeper.position = batch.next_offsets[0]
-            if len(batch) < 5000:
-                break
-        self.sweeper.sweep(datetime.now(UTC))
+        """As the sweeper's leader: follow the store into the lease book and expire the silent
+        leases (a standby only checks whether the lead is free)."""
+        self.sweeper.step(datetime.now(UTC))
 
     def status(self) -> dict[str, Any]:
-        return {
+        """This worker's `worker_status` row. Its `position` is the sweeper's, so only the
+        sweeper's leader reports one: the group shares the row, and a standby's position (it
+        follows nothing) would read as a stalled worker."""
+        row: dict[str, Any] = {
             "name": self.name,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "heartbeat_at": datetime.now(UTC),
-            "position": self.sweeper.position,
             "billing_lag": 0,
             "error": "; ".join(f"{k}: {v}" for k, v in self.errors.items()) or None,
             "dead_letters": self.consumer.dead_letters + len(self.billing.dead_letters),
             "dead_letter_sample": None,
         }
+        if self.sweeper.leading:
+            row["position"] = self.sweeper.position
+        return row
 
     def run(self, stop: threading.Event, *, sweep_every_s: float = 0.5) -> None:
         """Batch after batch until `stop`; the sweeper and the status row on their own beat."""
@@ -264,6 +256,7 @@ def run_kafka_worker(
         log.info("kafka fold worker %d reading %s as %s (%s)", os.getpid(), topic, group, client)
         worker.run(stop)
     finally:
+        worker.sweeper.release()
         consumer.close()
         if probe is not None:
             probe.close()

@@ -1,7 +1,10 @@
 """The lease sweeper: a request whose edge stopped renewing it for `LEASE_TTL_S` is expired and
 billed at its last known progress, so a dead edge holds a tenant's concurrency for seconds, not
 for ever. The leases are `domain.leases.LeaseBook`'s fold; the verdict is `lifecycle.decide`'s,
-recorded through the command handler (an edge that ended the request meanwhile wins)."""
+recorded through the command handler (an edge that ended the request meanwhile wins).
+
+`GroupSweeper` runs it in a group of workers (the distributed mode's Kafka workers): one leads
+at a time and hands over to another when it dies."""
 
 from __future__ import annotations
 
@@ -9,14 +12,25 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 
+import sqlalchemy as sa
+
 from domain import lifecycle
-from domain.events import Event, Recorded
-from domain.leases import LEASE_TTL_S, Lease, LeaseBook
+from domain.events import Event, Recorded, RequestAdmitted
+from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S, Lease, LeaseBook
 from ledger import faults
+from ledger.checkpoints import Checkpoints
 from ledger.commands import CommandHandler, request_stream
-from ledger.store import EventStore
+from ledger.leadership import Leadership
+from ledger.schema import request_log
+from ledger.store import EventStore, SqlEventStore
+from streams.sql_tail import SqlTail
 
 log = logging.getLogger("tollgate.sweeper")
+
+LIVE_STATUSES = ("admitted", "routed", "streaming")
+# The job one worker of a group leads, and the checkpoint where its successor resumes.
+SWEEPER_JOB = "lease-sweeper"
+SWEEPER_RESUME = "lease-sweeper.resume"
 
 
 class LeaseSweeper:
@@ -88,3 +102,109 @@ class LeaseSweeper:
             lease.renewed_at.isoformat(),
         )
         return True
+
+
+def resume_sweeper(engine: sa.Engine, store: SqlEventStore, sweeper: LeaseSweeper) -> None:
+    """Start the sweeper from the requests that have not ended (an edge may have died with
+    requests in flight): their admissions, and the log from the oldest of them."""
+    with engine.connect() as conn:
+        live = [
+            r[0]
+            for r in conn.execute(
+                sa.select(request_log.c.request_id).where(request_log.c.status.in_(LIVE_STATUSES))
+            )
+        ]
+    admissions = [
+        record
+        for request_id in live
+        for record in store.read_stream(request_id)
+        if isinstance(record.event, RequestAdmitted)
+    ]
+    start = min((r.position for r in admissions), default=store.last_position())
+    sweeper.start_from(start - 1 if admissions else start, admissions)
+
+
+class GroupSweeper:
+    """The lease sweeper of a group of workers over one store, led by one of them at a time
+    (`ledger.leadership`): with each worker following the whole store, the group's reads and
+    decoding of it grew with every worker added.
+
+    The leader saves where a successor must read the log from to fold its lease book again
+    (`LeaseBook.resume_position`: just before the oldest open lease's admission; the group's
+    first leader starts from the read models' requests that have not ended). So a worker that
+    takes over after the leader died holds the same leases, renewed at the same instants with
+    the same progress, and expires them as the leader would have. Two leading at once (one
+    whose session was lost and who has not noticed yet) only repeats work: the command handler
+    lets exactly one expiry of a request win."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        store: SqlEventStore,
+        *,
+        name: str,
+        ttl_s: float = LEASE_TTL_S,
+        on_expired: Callable[[str], object] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.ttl_s = ttl_s
+        self.on_expired = on_expired
+        self.leadership = Leadership(engine, SWEEPER_JOB)
+        self.checkpoints = Checkpoints(engine)
+        # Only what the lease book folds: decoding the rest of the store (routing, first tokens,
+        # bills) was most of a worker's CPU at load.
+        self.tail = SqlTail(store, engine, f"{name}-leases", event_types=LEASE_EVENT_TYPES)
+        self.sweeper = LeaseSweeper(store, ttl_s, on_expired=on_expired)
+        self.leading = False
+        self._saved: int | None = None
+
+    @property
+    def position(self) -> int:
+        return self.sweeper.position
+
+    def lead(self) -> bool:
+        """Whether this worker leads the sweeper now; on taking the lead, fold the book again
+        from where the last leader left it."""
+        if not self.leadership.held():
+            self.leading = False
+            return False
+        if not self.leading:
+            saved = self.checkpoints.find(SWEEPER_RESUME)
+            self.sweeper = LeaseSweeper(self.store, self.ttl_s, on_expired=self.on_expired)
+            if saved is None:
+                resume_sweeper(self.engine, self.store, self.sweeper)
+            else:
+                self.sweeper.start_from(saved, [])
+            self.tail.seek(self.sweeper.position)
+            self._saved = saved
+            self.leading = True
+        return True
+
+    def step(self, now: datetime) -> list[str]:
+        """As the leader: follow the store's new events into the lease book, expire the silent
+        leases, save where a successor would resume; returns the request ids it expired. A
+        standby does nothing."""
+        if not self.lead():
+            return []
+        self.follow()
+        expired = self.sweeper.sweep(now)
+        resume = self.sweeper.leases.resume_position(self.sweeper.position)
+        if resume != self._saved:
+            self.checkpoints.set(SWEEPER_RESUME, resume)
+            self._saved = resume
+        return expired
+
+    def follow(self) -> None:
+        while True:
+            batch = self.tail.poll(5000, 0)
+            for d in batch.deliveries:
+                self.sweeper.apply(d.record)
+            if 0 in batch.next_offsets:
+                self.sweeper.position = batch.next_offsets[0]
+            if len(batch) < 5000:
+                break
+
+    def release(self) -> None:
+        self.leadership.release()
+        self.leading = False

@@ -29,7 +29,7 @@ import orjson
 import sqlalchemy as sa
 
 from domain.control import ControlView
-from domain.events import BatchCreated, Recorded, RequestAdmitted
+from domain.events import BatchCreated, Recorded
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
 from ledger import faults
@@ -38,17 +38,16 @@ from ledger.control import ControlLog
 from ledger.engine import WRITE, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
-from ledger.schema import request_log, worker_status
+from ledger.schema import worker_status
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.metrics import PipelineMetrics, serve_metrics
 from streams.sql_tail import SqlTail
 from streams.status import DEFAULT_STALE_S
-from streams.sweeper import LeaseSweeper
+from streams.sweeper import LeaseSweeper, resume_sweeper
 
 log = logging.getLogger("tollgate.worker")
 
-LIVE_STATUSES = ("admitted", "routed", "streaming")
 WORKER_NAME = "folds"
 # An edge calls the folds dead when the heartbeat is older than this (by default: the edge's
 # TOLLGATE_PIPELINE_STALE_S sets it).
@@ -280,35 +279,17 @@ class FoldWorker:
 
 
 def write_status_row(engine: sa.Engine, row: dict[str, Any]) -> None:
-    """Upsert one worker's `worker_status` row (keyed by `row["name"]`)."""
+    """Upsert one worker's `worker_status` row (keyed by `row["name"]`). A row without a
+    `position` (a Kafka worker that does not lead the sweeper) only refreshes an existing row:
+    the row is created by a worker that knows its position."""
     with engine.connect() as conn:
         conn.execution_options(**{WRITE: True})
         with conn.begin():
             updated = conn.execute(
                 worker_status.update().where(worker_status.c.name == row["name"]).values(**row)
             ).rowcount
-            if not updated:
+            if not updated and "position" in row:
                 conn.execute(worker_status.insert().values(**row))
-
-
-def resume_sweeper(engine: sa.Engine, store: SqlEventStore, sweeper: LeaseSweeper) -> None:
-    """Start the sweeper from the requests that have not ended (an edge may have died with
-    requests in flight): their admissions, and the log from the oldest of them."""
-    with engine.connect() as conn:
-        live = [
-            r[0]
-            for r in conn.execute(
-                sa.select(request_log.c.request_id).where(request_log.c.status.in_(LIVE_STATUSES))
-            )
-        ]
-    admissions = [
-        record
-        for request_id in live
-        for record in store.read_stream(request_id)
-        if isinstance(record.event, RequestAdmitted)
-    ]
-    start = min((r.position for r in admissions), default=store.last_position())
-    sweeper.start_from(start - 1 if admissions else start, admissions)
 
 
 @dataclass(frozen=True, slots=True)
