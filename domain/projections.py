@@ -38,6 +38,10 @@ class ProjectionSpec:
     key: Callable[[Recorded], tuple[Any, ...] | None]  # None: this event does not touch the view
     project: Callable[[Row | None, Recorded], Row | None]  # the new row; None deletes it
     runs: str = "async"  # "inline" (same transaction as the append) or "async" (a worker)
+    # True for a record no earlier event can have made a row for (its row's first), so a runner
+    # that has not applied it yet need not look its row up: most rows are made and finished
+    # within one batch, and their reads were most of a runner's queries.
+    opens_row: Callable[[Recorded], bool] = lambda _recorded: False
 
 
 # --- request_log: one row per request, for support -----------------------------------------------
@@ -85,6 +89,12 @@ def _request_log_key(recorded: Recorded) -> tuple[Any, ...] | None:
     if isinstance(event, _LOGGED):
         return (event.request_id,)
     return None
+
+
+def _opens_request_log_row(recorded: Recorded) -> bool:
+    # Only a request's own events touch its row (keyed by the request id, which is the stream
+    # id), so the first event of the stream comes before every other.
+    return recorded.stream_version == 1 and _request_log_key(recorded) == (recorded.stream_id,)
 
 
 def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
@@ -179,6 +189,7 @@ REQUEST_LOG: Final = ProjectionSpec(
     columns=REQUEST_LOG_COLUMNS,
     key=_request_log_key,
     project=project_request_log,
+    opens_row=_opens_request_log_row,
 )
 
 

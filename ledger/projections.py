@@ -46,6 +46,9 @@ class ProjectionSpec(Protocol):
     @property
     def project(self) -> Callable[[Row | None, Recorded], Row | None]: ...
 
+    @property
+    def opens_row(self) -> Callable[[Recorded], bool]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
@@ -54,6 +57,7 @@ class Prepared:
     after: int  # the checkpoint they were computed from
     last_position: int  # the checkpoint once written
     rows: dict[Key, Row | None]  # every key the records touched; None: delete the row
+    stored: frozenset[Key]  # the keys whose rows exist in the table
 
 
 # Keys per IN (...) query: well under SQLite's bind-parameter cap even for 3-column keys.
@@ -112,6 +116,7 @@ class ProjectionRunner:
         self._sqlite = _SqliteRows(table, spec.columns, spec.key_columns, engine.dialect) if (
             engine.dialect.name == "sqlite"
         ) else None
+        self._copy = _PgCopy(table, spec.columns, engine.dialect) if self._pg else None
 
     @property
     def name(self) -> str:
@@ -170,7 +175,7 @@ class ProjectionRunner:
         positions = [r.position for r in fresh]
         if any(map(operator.ge, positions, positions[1:])):
             raise ProjectionError(f"{self.name}: records must come in increasing position order")
-        return Prepared(after, fresh[-1].position, self._fold(conn, fresh))
+        return Prepared(after, fresh[-1].position, *self._fold(conn, fresh))
 
     def apply_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Apply `records` inside the caller's transaction without a position checkpoint: the
@@ -179,11 +184,11 @@ class ProjectionRunner:
         must come in their stream's order; records of different tenants may interleave (a
         Kafka worker's partitions), since every row belongs to one tenant."""
         if records:
-            rows = self._fold(conn, records)
+            rows, stored = self._fold(conn, records)
             if self._sqlite is not None:
                 self._sqlite.write(conn, rows)
             else:
-                self._replace(conn, rows)
+                self._replace(conn, rows, stored)
 
     def insert_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Like `apply_claimed`, for records each creating a row the caller knows is absent
@@ -197,21 +202,31 @@ class ProjectionRunner:
             if key is not None and row is not None:
                 self._check_row(key, row, record)
                 rows.append(row)
-        if rows:
-            conn.execute(self._table.insert(), rows)
+        self._insert(conn, rows)
 
-    def _fold(self, conn: sa.Connection, fresh: Sequence[Recorded]) -> dict[Key, Row | None]:
+    def _fold(
+        self, conn: sa.Connection, fresh: Sequence[Recorded]
+    ) -> tuple[dict[Key, Row | None], frozenset[Key]]:
+        """The new rows of the keys `fresh` touches, and which of those keys have a stored row.
+        A key whose first record here opens its row (`spec.opens_row`) has none: it is not
+        looked up."""
         spec = self._spec
         keyed = [(k, r) for r in fresh if (k := spec.key(r)) is not None]
-        touched = list(dict.fromkeys(k for k, _ in keyed))
-        rows: dict[Key, Row | None] = dict.fromkeys(touched)
-        rows.update(self._load(conn, touched))
+        rows: dict[Key, Row | None] = {}
+        lookup = []
+        for key, record in keyed:
+            if key not in rows:
+                rows[key] = None
+                if not spec.opens_row(record):
+                    lookup.append(key)
+        loaded = dict(self._load(conn, lookup)) if lookup else {}
+        rows.update(loaded)
         for key, record in keyed:
             new = spec.project(rows[key], record)
             if new is not None:
                 self._check_row(key, new, record)
             rows[key] = new
-        return rows
+        return rows, frozenset(loaded)
 
     def write(self, conn: sa.Connection, prepared: Prepared) -> bool:
         """Inside the caller's write transaction: write what `prepare` computed, unless the
@@ -228,15 +243,26 @@ class ProjectionRunner:
             # for: the driver alone, with SQLAlchemy's own conversions, is ~5x shorter.
             self._sqlite.write(conn, prepared.rows)
         else:
-            self._replace(conn, prepared.rows)
+            self._replace(conn, prepared.rows, prepared.stored)
         save_position(conn, self.name, prepared.last_position)
 
-    def _replace(self, conn: sa.Connection, rows: dict[Key, Row | None]) -> None:
-        if rows:
-            self._delete(conn, list(rows))
-            alive = [row for row in rows.values() if row is not None]
-            if alive:
-                conn.execute(self._table.insert(), alive)
+    def _replace(
+        self, conn: sa.Connection, rows: dict[Key, Row | None], stored: frozenset[Key]
+    ) -> None:
+        # Delete then insert is the portable upsert; the rows are ours alone while we hold the
+        # checkpoint lock (or the caller's claim), so only the rows found by the fold's read
+        # can be there.
+        if stored:
+            self._delete(conn, [key for key in rows if key in stored])
+        self._insert(conn, [row for row in rows.values() if row is not None])
+
+    def _insert(self, conn: sa.Connection, rows: list[Row]) -> None:
+        if not rows:
+            return
+        if self._copy is not None:
+            self._copy.insert(conn, rows)
+        else:
+            conn.execute(self._table.insert(), rows)
 
     def table_digest(self) -> str:
         """sha256 over every row in key order, in a canonical text form: equal digests mean
@@ -296,8 +322,6 @@ class ProjectionRunner:
                 yield tuple(r[:width]), dict(zip(names, r, strict=True))
 
     def _delete(self, conn: sa.Connection, keys: list[Key]) -> None:
-        # Delete then insert is the portable upsert; the rows are ours alone while we hold the
-        # checkpoint lock.
         for start in range(0, len(keys), _KEYS_PER_QUERY):
             chunk = keys[start : start + _KEYS_PER_QUERY]
             conn.execute(self._delete_rows, self._key_params(chunk))
@@ -393,6 +417,38 @@ class _SqliteRows:
                 cursor.executemany(self._upsert, live)
         finally:
             cursor.close()
+
+
+class _PgCopy:
+    """A projection's new rows written with PostgreSQL's COPY: one statement for the batch,
+    where an executemany of INSERTs was a statement per row on the server (and ~4x the client's
+    CPU, measured on 2,000 request_log rows). Values pass through the columns' bind processors,
+    as SQLAlchemy's INSERT would; a column left out takes its server default, as with INSERT."""
+
+    def __init__(self, table: sa.Table, columns: Sequence[str], dialect: sa.Dialect) -> None:
+        self._columns = tuple(columns)
+        convert = [_processor(table.c[n], dialect) for n in columns]
+        self._convert = tuple((i, fn) for i, fn in enumerate(convert) if fn is not None)
+        names = ", ".join(f'"{n}"' for n in columns)
+        self._sql = f'COPY "{table.name}" ({names}) FROM STDIN'
+
+    def insert(self, conn: sa.Connection, rows: Iterable[Row]) -> None:
+        import psycopg
+
+        columns, convert = self._columns, self._convert
+        dbapi = conn.connection.driver_connection
+        assert isinstance(dbapi, psycopg.Connection)
+        try:
+            with dbapi.cursor() as cursor, cursor.copy(self._sql) as copy:
+                for row in rows:
+                    values = [row[n] for n in columns]
+                    for i, fn in convert:
+                        if values[i] is not None:
+                            values[i] = fn(values[i])
+                    copy.write_row(values)
+        except psycopg.Error as exc:
+            # COPY runs on the driver directly; present its failure like SQLAlchemy's.
+            raise sa.exc.DBAPIError.instance(self._sql, None, exc, psycopg.Error) from exc
 
 
 def _processor(column: sa.Column[Any], dialect: sa.Dialect) -> Callable[[Any], Any] | None:

@@ -148,3 +148,12 @@ def test_rows_hold_only_primitives() -> None:
                 assert value is None or isinstance(value, int | str | datetime)
                 if isinstance(value, datetime):
                     assert value.tzinfo is not None
+
+
+def test_only_a_requests_first_event_opens_its_log_row() -> None:
+    admitted, routed = b.stream(b.admitted(), b.routed())
+    assert REQUEST_LOG.opens_row(admitted) and not REQUEST_LOG.opens_row(routed)
+    # A first event whose request is not its stream's does not vouch for that request's row.
+    elsewhere = b.record(b.admitted(request_id="req-other"), version=1, stream_id="req-mine")
+    assert not REQUEST_LOG.opens_row(elsewhere)
+    assert not any(spec.opens_row(admitted) for spec in PROJECTIONS if spec is not REQUEST_LOG)
