@@ -43,6 +43,7 @@ from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
 from ledger.engine import create_engine_from_url
+from ledger.ids import new_event_id, new_request_id
 from ledger.schema import upgrade
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.dev_broker import DevBroker
@@ -76,7 +77,8 @@ def _price(store: SqlEventStore) -> None:
 
 def _decided_request(i: int) -> tuple[str, str, list[Any]]:
     """One completed request's events (admitted, routed, completed), not yet stamped."""
-    rid, tenant = "req_" + uuid.uuid4().hex, f"tenant-{i % 50}"
+    # The edges' own ids (UUIDv7: later ids sort later, so the indexes grow at their right edge).
+    rid, tenant = new_request_id(), f"tenant-{i % 50}"
     events = _decided(
         lc.AdmitRequest(
             rid, tenant, "key-1", MODEL, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
@@ -97,7 +99,7 @@ def _stamped(decided: tuple[str, str, list[Any]]) -> AppendBatch:
     """The request's append, its events stamped now (the instant the billing lag starts at)."""
     rid, tenant, events = decided
     now = datetime.now(UTC)
-    return AppendBatch(rid, 0, [NewEvent(str(uuid.uuid4()), rid, tenant, now, e) for e in events])
+    return AppendBatch(rid, 0, [NewEvent(new_event_id(), rid, tenant, now, e) for e in events])
 
 
 def _request(i: int) -> AppendBatch:
@@ -172,6 +174,18 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _postgres_cpu_s() -> dict[int, float]:
+    """CPU seconds of every PostgreSQL server process now (the machine runs no other database
+    load during a bench), by pid: a backend that starts later counts from zero."""
+    out: dict[int, float] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (proc / "comm").read_text().strip() == "postgres":
+                    out[int(proc.name)] = _cpu_s(int(proc.name))
+    return out
+
+
 def _load_1m() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -221,6 +235,7 @@ def sustained_run(
             todo = [_decided_request(warm + i) for i in range(round(per_s * duration_s) + 1)]
             started = datetime.now(UTC)
             cpu0 = {name: _cpu_s(p.pid) for name, p in procs.items()}
+            pg0, broker0 = _postgres_cpu_s(), _cpu_s(broker.pid or 0)
             load_before = _load_1m()
             sent, tick_s, t0 = 0, 0.02, time.perf_counter()
             own_cpu0 = time.process_time()
@@ -238,6 +253,9 @@ def sustained_run(
             while _billed(engine) < warm + sent and time.monotonic() < deadline:
                 time.sleep(0.2)
             cpu = {name: _cpu_s(p.pid) - cpu0[name] for name, p in procs.items()}
+            pg1 = _postgres_cpu_s()
+            cpu["postgresql"] = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
+            cpu["broker"] = _cpu_s(broker.pid or 0) - broker0
             load_after = _load_1m()
         finally:
             for p in procs.values():
