@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from domain.events import Recorded
+from domain.events import Recorded, from_payload
 from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
 from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
 from ledger.schema import events as events_table
@@ -69,6 +70,17 @@ _TAIL_WINDOW = 20_000
 def _prefixed(prefixes: Sequence[str]) -> sa.ColumnElement[bool]:
     c = events_table.c
     return sa.or_(sa.false(), *(c.stream_id.startswith(p, autoescape=True) for p in prefixes))
+
+
+def _recorded_from_row(
+    position: int, event_id: str, stream_id: str, stream_version: int, tenant_id: str,
+    occurred_at: datetime, type_: str, version: int, payload: str,
+) -> Recorded:  # fmt: skip
+    """A row of COLUMNS (through SQLAlchemy's result processing) straight to the envelope the
+    folds read: by position, without the stored form in between (a tail decodes every row;
+    this was a third of a read's CPU)."""
+    event = from_payload(type_, version, orjson.loads(payload))
+    return Recorded(event_id, stream_id, stream_version, tenant_id, occurred_at, event, position)
 
 
 def _stored_from_row(r: Any) -> Stored:
@@ -415,7 +427,7 @@ class SqlEventStore(EventStore):
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
         with self._connect() as conn:
             rows = conn.execute(query).all()  # one fetch, not a driver call per row
-        return [_stored_from_row(r).recorded() for r in rows]
+        return [_recorded_from_row(*r) for r in rows]
 
     def _connect(self) -> Any:
         return _Reading(self._engine)
