@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import orjson
 import sqlalchemy as sa
@@ -30,15 +31,23 @@ _READ = sa.text(
     # key instead of reading the index in order up to the limit.
     "ORDER BY events.txid, events.position LIMIT :limit"
 )
+# The same on the driver (psycopg placeholders), as the relay runs it.
+_READ_SQL = (
+    str(_READ)
+    .replace(":txid", "%s", 1)
+    .replace(":position", "%s", 1)
+    .replace(":limit", "%s", 1)
+)
 _BACKLOG = sa.text(
     "SELECT count(*) FROM events WHERE (txid, position) > "
     "(CAST(CAST(:txid AS text) AS xid8), :position)"
 )
 
 
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    """A committed event as stored (payload still JSON text: the relay forwards it as is)."""
+class OutboxRow(NamedTuple):
+    """A committed event as stored (payload still JSON text: the relay forwards it as is). A
+    named tuple read straight from the driver: the relay reads thousands a second, and a
+    dataclass built from SQLAlchemy's rows was a fifth of its CPU."""
 
     txid: int
     position: int
@@ -81,10 +90,14 @@ class OutboxReader:
         """Events after the key `after` whose transactions have ended, in `(txid, position)`
         order: what a relay can publish now without ever skipping a late commit."""
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                _READ, {"txid": after[0], "position": after[1], "limit": limit}
-            ).all()
-        return [OutboxRow(*r) for r in rows]
+            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            try:
+                # (The pool's rollback on return ends the read's transaction.)
+                rows = cursor.execute(_READ_SQL, (after[0], after[1], limit)).fetchall()
+            finally:
+                cursor.close()
+        make = OutboxRow._make
+        return [make(r) for r in rows]
 
     def backlog(self, after: tuple[int, int]) -> int:
         """How many stored events lie after `after` (committed or not yet visible)."""
@@ -108,13 +121,22 @@ class OutboxReader:
             "partition_ends": orjson.dumps({str(k): v for k, v in state.partition_ends.items()})
             .decode(),
             "updated_at": datetime.now(UTC),
-        }
-        insert = pg_insert(t).values(**values)
-        upsert = insert.on_conflict_do_update(
-            index_elements=[t.c.topic], set_={k: insert.excluded[k] for k in values if k != "topic"}
-        )
+        }  # fmt: skip
         with self.engine.begin() as conn:
-            conn.execute(upsert)
+            conn.execute(_SAVE, values)
+
+
+def _save_statement() -> sa.Insert:
+    """The relay's state upsert, built once (constructing it per step cost more than running
+    it)."""
+    columns = ("epoch", "last_txid", "last_position", "published", "partition_ends", "updated_at")
+    insert = pg_insert(t).values({c: sa.bindparam(c) for c in ("topic", *columns)})
+    return insert.on_conflict_do_update(
+        index_elements=[t.c.topic], set_={c: insert.excluded[c] for c in columns}
+    )
+
+
+_SAVE = _save_statement()
 
 
 def backlog_after(conn: sa.Connection, after: tuple[int, int]) -> int:
