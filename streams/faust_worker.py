@@ -196,6 +196,13 @@ class FaustEventConsumer(SavedOffsets):
                 self._pending = self._handoff.get(timeout=timeout_s)
             except queue.Empty:
                 return Batch()
+        # And what the agent handed over meanwhile (a busy worker finds several takes waiting):
+        # one batch of them, not a batch per take.
+        while len(self._pending) < max_records:
+            try:
+                self._pending += self._handoff.get_nowait()
+            except queue.Empty:
+                break
         messages, self._pending = self._pending[:max_records], self._pending[max_records:]
         batch = self._batch(messages)
         self._uncommitted.append(batch)
