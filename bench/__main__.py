@@ -297,7 +297,8 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
             f"| ≤ {tl} | {_verdict(_le(lag99, tl))} |",
             "",
             "| run | offered events/s | requests | offering s | drain after s | lag max s | "
-            "CPU s (appender, relay, workers) | load 1 min before → after |",
+            "CPU s of each part (the appender over the offered window; the others over offering "
+            "and drain) | load 1 min before → after |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for i, r in enumerate(per_run, start=1):
@@ -310,6 +311,7 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
     for other in d.get("sustained_other_loads") or []:
         runs_ = other.get("per_run") or []
         lag99, tl = other.get("lag_p99_s_median"), other.get("target_lag_p99_s")
+        both = bool(_le(lag99, tl)) and (other.get("events_per_s_median") or 0) >= (t or 0)
         rows += [
             "",
             f"The same at {_fmt(round(other.get('offered_events_per_s') or 0))} lifecycle events/s "
@@ -329,7 +331,11 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
             f"| billing lag p99, s | {_fmt(lag99, 3)} | "
             f"{', '.join(_fmt(r['lag_p99_s'], 3) for r in runs_)} | ≤ {tl} | "
             f"{_verdict(_le(lag99, tl))} |",
-            "| CPU s per run: appender, relay, workers | | "
+            *(
+                [f"| sustained ≥ {_fmt(t)} events/s with that lag | | | | {_verdict(both)} |"]
+                if t is not None and (other.get("offered_events_per_s") or 0) >= t else []
+            ),
+            "| CPU s per run: appender, relay, workers, PostgreSQL, broker | | "
             + "; ".join(", ".join(str(v) for v in r["cpu_s"].values()) for r in runs_)
             + " | | |",
         ]
@@ -356,7 +362,7 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
             "stated rate means the appender itself could not commit that fast.",
             "",
             f"Machine load: `{d.get('uptime_before')}` before, `{d.get('uptime_after')}` after "
-            "(2 cores, shared with a running test suite).",
+            "(2 cores).",
         ]
     note = d.get("bottleneck")
     if note:
@@ -731,6 +737,72 @@ def render_output_prediction(d: dict[str, Any]) -> list[str]:
             f"| {_fmt(p.get('refused_kv'), 0)} ({_fmt(p.get('false_refused_kv'), 0)}) |"
         )
     rows += ["", "| target | figure | verdict |", "| --- | --- | --- |"]
+    rows += _prediction_targets(by_x, q, t)
+    inf = d.get("inference") or {}
+    p99 = inf.get("p99_us_median")
+    rows += [
+        f"| inference p99 ≤ {t.get('inference_p99_us_max')} µs | {_fmt(p99)} µs (p50 "
+        f"{_fmt(inf.get('p50_us_median'))}; {inf.get('runs')} runs × "
+        f"{_fmt(inf.get('calls_per_run'))} calls, p99 per run {inf.get('p99_us_runs')}) | "
+        f"{_verdict(None if p99 is None else p99 <= t['inference_p99_us_max'])} |",
+        "",
+        "reserved/actual per tenant (predicted policy):",
+        "",
+    ]
+    for x, s in by_x.items():
+        model = s.get("predicted") or {}
+        per = model.get("by_tenant") or {}
+        fallbacks = model.get("fallbacks") or {}
+        rows.append(
+            f"- X={x}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in per.items())
+            + (f"; reserved the cap instead (first seed): {fallbacks}" if fallbacks else "")
+        )
+    ceiling = (d.get("ceiling") or {}).get("generator_latent") or {}
+    if ceiling:
+        rows += [
+            "",
+            f"The bound this traffic sets at p{round(q * 100):g}: a predictor that knew the "
+            "generator's own distribution for every shape (the assistant of a chat, the size of "
+            f"a document; nothing tells an agent's final answer from a tool call) reserves "
+            f"{_fmt((ceiling.get('observable') or {}).get('overall'))}× what is produced "
+            f"({(ceiling.get('observable') or {}).get('by_kind')}; "
+            f"{_fmt(ceiling.get('draws'))} draws); only the length the prompt's text asks for "
+            f"would take it to {_fmt(ceiling.get('asked_length'))}×, and no feature carries the "
+            "prompt's text.",
+        ]
+    for other in d.get("other_quantiles") or []:
+        oq = other.get("quantile") or 0.0
+        bound = (other.get("generator_ceiling") or {}).get("overall")
+        rows += [
+            "",
+            f"Trained at p{round(oq * 100):g} (`tollgate predictor train --quantile {oq}`), the "
+            f"same slice and seeds; the generator's bound at p{round(oq * 100):g} is "
+            f"{_fmt(bound)}×:",
+            "",
+            "| X | admitted (predicted) | reserved/actual | coverage | tokens/min 429 (false) | "
+            "peak over-admission |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        other_x = other.get("by_tpm_per_offered") or {}
+        for x, s in other_x.items():
+            p = s.get("predicted") or {}
+            cov, over = p.get("coverage"), p.get("peak_over_admission")
+            rows.append(
+                f"| {x} | {_fmt(p.get('admitted'), 0)} | {_fmt(p.get('reserved_per_actual'))} | "
+                f"{'–' if cov is None else _fmt(cov, 3)} | {_fmt(p.get('refused_tokens'), 0)} "
+                f"({_fmt(p.get('false_refused_tokens'), 0)}) | "
+                f"{'–' if over is None else _fmt(over * 100, 1) + ' %'} |"
+            )
+        rows += ["", "| target | figure | verdict |", "| --- | --- | --- |"]
+        rows += _prediction_targets(other_x, oq, t)
+    return rows
+
+
+def _prediction_targets(
+    by_x: dict[str, Any], q: float, t: dict[str, Any]
+) -> list[str]:
+    """The issue's four targets for each tokens/min setting, judged for a model of quantile q."""
+    rows = []
     for x, s in by_x.items():
         cap, model = s.get("max_tokens") or {}, s.get("predicted") or {}
         ratio, cap_ratio = model.get("reserved_per_actual"), cap.get("reserved_per_actual")
@@ -752,25 +824,6 @@ def render_output_prediction(d: dict[str, Any]) -> list[str]:
             f" % | {_fmt(over * 100, 1)} % | "
             f"{_verdict(over <= t.get('peak_over_admission_max', 0))} |",
         ]
-    inf = d.get("inference") or {}
-    p99 = inf.get("p99_us_median")
-    rows += [
-        f"| inference p99 ≤ {t.get('inference_p99_us_max')} µs | {_fmt(p99)} µs (p50 "
-        f"{_fmt(inf.get('p50_us_median'))}; {inf.get('runs')} runs × "
-        f"{_fmt(inf.get('calls_per_run'))} calls, p99 per run {inf.get('p99_us_runs')}) | "
-        f"{_verdict(None if p99 is None else p99 <= t['inference_p99_us_max'])} |",
-        "",
-        "reserved/actual per tenant (predicted policy):",
-        "",
-    ]
-    for x, s in by_x.items():
-        model = s.get("predicted") or {}
-        per = model.get("by_tenant") or {}
-        fallbacks = model.get("fallbacks") or {}
-        rows.append(
-            f"- X={x}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in per.items())
-            + (f"; reserved the cap instead (first seed): {fallbacks}" if fallbacks else "")
-        )
     return rows
 
 

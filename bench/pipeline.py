@@ -235,6 +235,7 @@ def sustained_run(
             todo = [_decided_request(warm + i) for i in range(round(per_s * duration_s) + 1)]
             started = datetime.now(UTC)
             cpu0 = {name: _cpu_s(p.pid) for name, p in procs.items()}
+            window0 = time.perf_counter()
             pg0, broker0 = _postgres_cpu_s(), _cpu_s(broker.pid or 0)
             load_before = _load_1m()
             sent, tick_s, t0 = 0, 0.02, time.perf_counter()
@@ -256,6 +257,7 @@ def sustained_run(
             pg1 = _postgres_cpu_s()
             cpu["postgresql"] = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
             cpu["broker"] = _cpu_s(broker.pid or 0) - broker0
+            window_s = time.perf_counter() - window0
             load_after = _load_1m()
         finally:
             for p in procs.values():
@@ -301,6 +303,8 @@ def sustained_run(
             "appender (this process, offered window)": round(appender_cpu_s, 1),
             **{name: round(v, 1) for name, v in cpu.items()},
         },
+        # The wall-clock seconds those CPU seconds were counted over (offering and drain).
+        "cpu_window_s": round(window_s, 2),
         "load_1m_before": load_before,
         "load_1m_after": load_after,
     }
@@ -327,13 +331,18 @@ def bottleneck(r: dict[str, Any]) -> str:
         for name, seconds in run["cpu_s"].items():
             kind = "the workers" if name.startswith("worker") else name.split(" ")[0]
             cpu[kind] = cpu.get(kind, 0.0) + seconds
+    window_s = sum(run.get("cpu_window_s", 0.0) for run in sus["per_run"])
+    requests = sum(run["requests"] for run in sus["per_run"])
     line += " CPU seconds over the runs: " + ", ".join(
         f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])
-    ) + (
-        f"; {max(cpu, key=cpu.__getitem__)} used the most, yet none of these processes kept one"
-        " core busy, so no stage was CPU-bound on its own: they waited on the shared CPU (see the"
-        " load) or on each other through PostgreSQL, which these figures do not separate."
     )
+    if window_s:
+        used = sum(cpu.values())
+        line += (
+            f"; together {used:.0f} of the {2 * window_s:.0f} core-seconds the runs lasted "
+            f"({100 * used / (2 * window_s):.0f} %), {1000 * used / requests:.2f} ms of CPU per "
+            f"request, of which {1000 * cpu['the workers'] / requests:.2f} ms in the workers."
+        )
     for other in r.get("sustained_other_loads") or []:
         drain = statistics.median(x["drain_s"] for x in other["per_run"])
         line += (
