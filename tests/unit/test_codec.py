@@ -68,7 +68,8 @@ def test_a_record_that_cannot_be_an_event_is_refused_naming_why(
 
 
 def test_what_is_not_a_json_object_is_refused() -> None:
-    for value, reason in [(None, "empty record"), (b"{", "not JSON"), (b"[1]", "not a JSON object")]:
+    refused_values = [(None, "empty record"), (b"{", "not JSON"), (b"[1]", "not a JSON object")]
+    for value, reason in refused_values:
         with pytest.raises(BadRecord) as refused:
             decode(value)
         assert refused.value.reason.startswith(reason)
