@@ -52,6 +52,7 @@ from ledger.schema import ledger_entries
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.consumer import Batch, EventConsumer
+from streams.gc_settings import settle_for_batches
 from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
 from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC
@@ -253,6 +254,7 @@ def run_kafka_worker(
     serve_metrics(metrics_port, worker.metrics.registry)
     try:
         worker.start()
+        settle_for_batches()
         log.info("kafka fold worker %d reading %s as %s (%s)", os.getpid(), topic, group, client)
         worker.run(stop)
     finally:

@@ -31,6 +31,7 @@ import sqlalchemy as sa
 
 from ledger.outbox import OutboxReader, RelayState
 from streams.codec import EPOCH_HEADER, encode
+from streams.gc_settings import settle_for_batches
 from streams.topics import (
     DEFAULT_PARTITIONS,
     DEFAULT_TOPIC,
@@ -272,6 +273,7 @@ def run_relay(
             "relay publishing %s to %s (epoch %d, %d published)",
             topic, bootstrap, relay.state.epoch, relay.state.published,
         )
+        settle_for_batches()
         relay.run(stop)
     finally:
         relay.close()

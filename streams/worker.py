@@ -41,6 +41,7 @@ from ledger.projections import ProjectionRunner
 from ledger.schema import worker_status
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
+from streams.gc_settings import settle_for_batches
 from streams.metrics import PipelineMetrics, serve_metrics
 from streams.sql_tail import SqlTail
 from streams.status import DEFAULT_STALE_S
@@ -357,6 +358,7 @@ def run_worker(
         log.info("fold worker %d caught up at position %d", os.getpid(), worker.billing.position)
         if runner is not None:
             runner.start()
+        settle_for_batches()
         worker.run(stop, parent_pid=parent_pid)
     finally:
         stop.set()
