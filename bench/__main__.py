@@ -297,14 +297,16 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
             f"| ≤ {tl} | {_verdict(_le(lag99, tl))} |",
             "",
             "| run | offered events/s | requests | offering s | drain after s | lag max s | "
+            "group commit ms p50 / p99 | "
             "CPU s of each part (the appender over the offered window; the others over offering "
             "and drain) | load 1 min before → after |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for i, r in enumerate(per_run, start=1):
             rows.append(
                 f"| {i} | {_fmt(r['offered_events_per_s'])} | {_fmt(r['requests'])} | "
                 f"{r['offered_s']} | {r['drain_s']} | {_fmt(r['lag_max_s'], 3)} | "
+                f"{r.get('group_commit_ms_p50', '–')} / {r.get('group_commit_ms_p99', '–')} | "
                 f"{', '.join(f'{k} {v}' for k, v in r['cpu_s'].items())} | "
                 f"{r['load_1m_before']} → {r['load_1m_after']} |"
             )
@@ -335,6 +337,12 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
                 [f"| sustained ≥ {_fmt(t)} events/s with that lag | | | | {_verdict(both)} |"]
                 if t is not None and (other.get("offered_events_per_s") or 0) >= t else []
             ),
+            "| group commit ms p50 / p99 per run | | "
+            + "; ".join(
+                f"{r.get('group_commit_ms_p50', '–')} / {r.get('group_commit_ms_p99', '–')}"
+                for r in runs_
+            )
+            + " | | |",
             "| CPU s per run: appender, relay, workers, PostgreSQL, broker | | "
             + "; ".join(", ".join(str(v) for v in r["cpu_s"].values()) for r in runs_)
             + " | | |",
@@ -359,7 +367,10 @@ def render_pipeline(d: dict[str, Any]) -> list[str]:
             "lifecycle events appended ÷ (first append → last ledger row); lag = the ledger row's "
             "`recorded_at` (database clock at the insert, just before the worker's commit; "
             "migration 0014) − the terminal event's `occurred_at`. Offered events/s below the "
-            "stated rate means the appender itself could not commit that fast.",
+            "stated rate means the appender itself could not commit that fast. A group commit "
+            "is one `append_many` of what was due (the edges' appends): its wall time includes "
+            "the wait for the store's append lock, which the workers' bills take in turn (the "
+            "store keeps the lock: positions follow commit order, which the SQL tails rely on).",
             "",
             f"Machine load: `{d.get('uptime_before')}` before, `{d.get('uptime_after')}` after "
             "(2 cores).",

@@ -239,12 +239,17 @@ def sustained_run(
             pg0, broker0 = _postgres_cpu_s(), _cpu_s(broker.pid or 0)
             load_before = _load_1m()
             sent, tick_s, t0 = 0, 0.02, time.perf_counter()
+            # Each group commit's wall time: what the edges' appends pay at this load, the wait
+            # for the store's append lock (held in turn by the workers' bills) included.
+            commits_ms: list[float] = []
             own_cpu0 = time.process_time()
             while (elapsed := time.perf_counter() - t0) < duration_s:
                 due = min(int(elapsed * per_s) - sent, 1000, len(todo) - sent)
                 if due > 0:
                     batch = [_stamped(todo[sent + i]) for i in range(due)]
+                    began = time.perf_counter()
                     [r.unwrap() for r in store.append_many(batch)]
+                    commits_ms.append(1000 * (time.perf_counter() - began))
                     sent += due
                 else:
                     time.sleep(tick_s)
@@ -303,6 +308,9 @@ def sustained_run(
             "appender (this process, offered window)": round(appender_cpu_s, 1),
             **{name: round(v, 1) for name, v in cpu.items()},
         },
+        "group_commits": len(commits_ms),
+        "group_commit_ms_p50": round(statistics.median(commits_ms), 2),
+        "group_commit_ms_p99": round(sorted(commits_ms)[int(0.99 * (len(commits_ms) - 1))], 2),
         # The wall-clock seconds those CPU seconds were counted over (offering and drain).
         "cpu_window_s": round(window_s, 2),
         "load_1m_before": load_before,
