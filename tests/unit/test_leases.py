@@ -65,3 +65,16 @@ def test_a_renewal_is_one_event_for_every_request_and_none_for_no_request() -> N
     assert leases.edge_stream("edge-1") == "edge-edge-1"
     with pytest.raises(DomainError):
         leases.renewal("edge-1", [b.lease_progress(completion_tokens=-1)])
+
+
+def test_a_successor_resumes_just_before_the_oldest_open_leases_admission() -> None:
+    def at(rid: str, position: int) -> object:
+        return b.record(b.admitted(request_id=rid), stream_id=rid, position=position)
+
+    lb = book(at("a", 10), at("b", 12), at("c", 15))
+    assert lb.resume_position(20) == 9
+    lb.apply(b.record(b.completed(request_id="a"), version=5, stream_id="a", position=16))
+    assert lb.resume_position(20) == 11  # b is now the oldest open lease
+    for rid in ("b", "c"):
+        lb.forget(rid)
+    assert lb.resume_position(20) == 20  # none open: where the book was folded to
