@@ -90,12 +90,10 @@ class OutboxReader:
         """Events after the key `after` whose transactions have ended, in `(txid, position)`
         order: what a relay can publish now without ever skipping a late commit."""
         with self.engine.connect() as conn:
-            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            try:
-                # (The pool's rollback on return ends the read's transaction.)
-                rows = cursor.execute(_READ_SQL, (after[0], after[1], limit)).fetchall()
-            finally:
-                cursor.close()
+            # The driver's SQL as is (no statement to compile), through SQLAlchemy all the same:
+            # a connection the network broke is invalidated, and its error is a DBAPIError,
+            # which the relay's loop waits out and retries.
+            rows = conn.exec_driver_sql(_READ_SQL, (after[0], after[1], limit)).all()
         make = OutboxRow._make
         return [make(r) for r in rows]
 
