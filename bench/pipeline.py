@@ -39,6 +39,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
+from bench.gateway import machine
 from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
@@ -425,6 +426,7 @@ def main() -> None:
         "benchmark": "pipeline",
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench.pipeline", *sys.argv[1:]]),
+        "machine": machine(),
         "uptime_before": uptime_before,
         "uptime_after": uptime_after,
         "requests": args.requests,
