@@ -211,6 +211,11 @@ class DevCluster:
                 f"'{{\"model\": \"{s.models[0]}\", \"messages\": [{{\"role\": \"user\", "
                 f"\"content\": \"Hello!\"}}]}}'"
             )
+        lines.append("lags (relay, consumer group per partition, workers):")
+        lines.append(
+            f"  tollgate status --database-url '{db}' --kafka-bootstrap "
+            f"{self.bootstrap} --topic {s.topic}"
+        )
         lines.append("Ctrl-C (or SIGTERM) stops every part.")
         self.say("\n".join(lines))
 

@@ -323,7 +323,11 @@ def cluster_status(
 
 def render_table(status: ClusterStatus) -> str:
     """`tollgate status`'s text: one section per part, then what is stale."""
-    out = [f"mode: {status.mode}    store head position: {status.head_position}", ""]
+    mode = status.mode
+    if mode == "embedded" and status.relays:
+        # A relay reported, so this is the distributed mode asked without its broker.
+        mode = "kafka, broker not asked (give --kafka-bootstrap for the high watermarks)"
+    out = [f"mode: {mode}    store head position: {status.head_position}", ""]
     if status.relays:
         out += _table(
             ("RELAY TOPIC", "EPOCH", "PUBLISHED POS", "HEAD", "LAG (EVENTS)", "LAST PUBLISH"),

@@ -131,6 +131,9 @@ def test_relay_and_consumer_lags_are_exact_and_zero_after_catch_up(
             p["partition"]: p["lag_messages"] for p in body["partitions"] if p["group"] == group
         }
         assert sum(lags.values()) == stored and len(lags) == PARTITIONS
+        # Without the broker the table still tells the distributed mode, and what to give it.
+        _, text = status_cli(postgres_url)
+        assert text.startswith("mode: kafka, broker not asked (give --kafka-bootstrap"), text
 
         # The worker folds everything, its bills go round through the relay: all lags zero.
         worker.start()
