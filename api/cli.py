@@ -14,6 +14,7 @@ import click
 
 from api import control_service as control
 from api.config import DEFAULT_MODELS, ServeSettings, default_database_url
+from domain.errors import MAX_AMOUNT_MICROS
 from domain.leases import LEASE_TTL_S
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -364,7 +365,7 @@ def budgets_set(
         raise click.UsageError("give --usd AMOUNT or --clear")
     level = _level(tenant, workspace, project, key_id, org=True)
     assert level is not None
-    amount = None if clear else _micros(usd or "")
+    amount = None if clear else _micros(usd or "", "--usd")
     with control.ControlService.open(database_url) as service:
         service.set_budget(tenant, *level, period, amount)
     shown = "cleared" if amount is None else f"{usd} USD"
@@ -409,7 +410,7 @@ def run_limits(
 
     return RunLimits(
         max_calls, max_tool_calls, None if max_wall_s is None else max_wall_s * 1000,
-        None if max_usd is None else _micros(max_usd), max_in_flight,
+        None if max_usd is None else _micros(max_usd, "--max-usd"), max_in_flight,
     )  # fmt: skip
 
 
@@ -431,16 +432,25 @@ def runs_policy(tenant: str, project: str, database_url: str | None, **limits: A
     click.echo(f"run policy of project {project} recorded")
 
 
-def _micros(text: str) -> int:
+def _micros(text: str, option: str) -> int:
+    """A decimal amount of dollars as micro-dollars, or a usage error naming `option`."""
     try:
         value = Decimal(text)
     except InvalidOperation:
-        raise click.BadParameter(f"{text!r} is not a decimal amount") from None
+        value = Decimal("NaN")
+    if not value.is_finite():
+        raise click.BadParameter(f"{text!r} is not a decimal amount", param_hint=option)
     if value < 0:
-        raise click.BadParameter("prices cannot be negative")
+        raise click.BadParameter(f"{text} is negative", param_hint=option)
+    if value > MAX_AMOUNT_MICROS // 1_000_000:  # before any arithmetic: 1e999999999 overflows
+        raise click.BadParameter(
+            f"{text} is over {MAX_AMOUNT_MICROS // 1_000_000:,} dollars", param_hint=option
+        )
     micros = value * 1_000_000
     if micros != micros.to_integral_value():
-        raise click.BadParameter(f"{text} has more precision than a micro-unit")
+        raise click.BadParameter(
+            f"{text} has more precision than a micro-dollar", param_hint=option
+        )
     return int(micros)
 
 
@@ -475,7 +485,10 @@ def prices_set(
 ) -> None:
     at = _instant(effective_at) if effective_at else None
     with control.ControlService.open(database_url) as service:
-        at = service.set_price(model, _micros(prompt_), _micros(completion), _micros(cached), at)
+        at = service.set_price(
+            model, _micros(prompt_, "--prompt"), _micros(completion, "--completion"),
+            _micros(cached, "--cached"), at,
+        )  # fmt: skip
     click.echo(f"price for {model} effective {at.isoformat()}")
 
 

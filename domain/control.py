@@ -15,7 +15,7 @@ from typing import Final, TypeVar
 
 from domain import hierarchy
 from domain.cost import PROFILES, ModelProfile, Price, base_model, check_profile
-from domain.errors import DomainError
+from domain.errors import DomainError, check_quantity
 from domain.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -647,10 +647,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 raise DomainError("bad_model", f"model {command.model!r}", field="model")
             values = {name: getattr(command, name) for name in LIMIT_FIELDS}
             for name, value in values.items():
-                if value is not None and value < 0:
-                    raise DomainError(
-                        "negative_limit", f"{name} must be non-negative, got {value}", field=name
-                    )
+                check_quantity(name, value)
             if all(value is None for value in values.values()):
                 raise DomainError("empty_limits", "SetLimits sets no limit")
             return (LimitsSet(command.tenant_id, command.model, **values),)
@@ -704,8 +701,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 "completion_micros_per_mtok",
                 "cached_micros_per_mtok",
             ):
-                if getattr(command, name) < 0:
-                    raise DomainError("negative_price", f"{name} is negative", field=name)
+                check_quantity(name, getattr(command, name), negative="negative_price")
             if command.effective_at < command.now:
                 raise DomainError(
                     "price_backdated",

@@ -17,7 +17,7 @@ from typing import Any, Final, Literal, NamedTuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from domain.cost import base_model
-from domain.errors import DomainError
+from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
 from domain.events import (
     BudgetSet,
     Event,
@@ -685,10 +685,7 @@ def decide(
                 raise DomainError("bad_model", f"model {command.model!r}", field="model")
             values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
             for name, value in values.items():
-                if value is not None and value < 0:
-                    raise DomainError(
-                        "negative_limit", f"{name} must be non-negative, got {value}", field=name
-                    )
+                check_quantity(name, value)
             if all(value is None for value in values.values()):
                 raise DomainError("empty_limits", "no limit given")
             return (
@@ -703,8 +700,8 @@ def decide(
                     field="period",
                 )
             amount = command.amount_micros
-            if amount is not None and amount < 0:
-                raise DomainError("negative_budget", "a budget is not negative", field="usd")
+            check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
+                           field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
             current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
             if current == amount:
                 return ()
@@ -760,8 +757,7 @@ def _run_fields(limits: RunLimits) -> dict[str, int | None]:
 def _check_run_limits(limits: RunLimits) -> None:
     for name in RUN_LIMIT_FIELDS:
         value = getattr(limits, name)
-        if value is not None and value < 0:
-            raise DomainError("negative_limit", f"{name} must be non-negative", field=name)
+        check_quantity(name, value)
 
 
 def _check_name(name: str) -> None:

@@ -105,6 +105,29 @@ def test_duplicate_tenant_and_negative_limits(url: str) -> None:
     assert done.returncode != 0 and "Traceback" not in done.stderr and "rpm" in done.stderr
 
 
+def test_amounts_that_are_not_amounts_are_refused_naming_the_option(url: str) -> None:
+    ok("tenants", "create", "acme", url=url)
+    ok("workspaces", "create", "ws", "--tenant", "acme", url=url)
+    ok("projects", "create", "bot", "--tenant", "acme", "--workspace", "ws", url=url)
+    budget = ["budgets", "set", "--tenant", "acme", "--project", "bot", "--period", "month"]
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        before = conn.execute(sa.text("SELECT COUNT(*) FROM events")).scalar()
+    for amount in ("nan", "inf", "-1", "1e999999999", "2000000000", "0.0000001", "abc"):
+        done = run(*budget, f"--usd={amount}", url=url)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert "--usd" in done.stderr and "decimal.InvalidOperation" not in done.stderr
+    big = str(10**23)
+    done = run("runs", "policy", "--tenant", "acme", "--project", "bot", "--max-calls", big,
+               url=url)  # fmt: skip
+    one_line_error(done, "max_calls", "at most")
+    with engine.connect() as conn:
+        after = conn.execute(sa.text("SELECT COUNT(*) FROM events")).scalar()
+    engine.dispose()
+    assert after == before
+    assert "25.00 USD" in ok(*budget, "--usd", "25.00", url=url)
+
+
 def test_bad_and_unreachable_databases() -> None:
     one_line_error(run("db", "upgrade", url="nosuchdb://x"), "database URL")
     one_line_error(run("db", "upgrade", url="sqlite:///:memory:"), "file path")

@@ -19,7 +19,7 @@ from domain import hierarchy as h
 from domain import lifecycle as lc
 from domain.admission import Admitted, Rejected, ReserveQuota
 from domain.cost import Price, amount_micros
-from domain.errors import DomainError
+from domain.errors import MAX_AMOUNT_MICROS, DomainError
 from domain.events import BudgetReserved, Event, ToolCallsReturned
 from domain.quota import QuotaView
 from tests import builders as b
@@ -160,6 +160,9 @@ def test_moving_a_project_changes_the_path_of_its_keys() -> None:
         (h.SetBudget(b.TENANT, "project", "nope", "month", 1), "unknown_project"),
         (h.SetBudget(b.TENANT, "org", b.TENANT, "week", 1), "bad_period"),
         (h.SetBudget(b.TENANT, "org", b.TENANT, "month", -1), "negative_budget"),
+        (h.SetBudget(b.TENANT, "org", b.TENANT, "month", MAX_AMOUNT_MICROS + 1), "too_large"),
+        (h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", tpm=10**13), "too_large"),
+        (h.StartRun(b.TENANT, "r", None, h.RunLimits(max_calls=10**13)), "too_large"),
         (h.SetTimeZone(b.TENANT, "Mars/Olympus"), "bad_time_zone"),
         (h.SetLevelLimits(b.TENANT, "key", "key-9", "*", rpm=1), "unknown_key"),
         (h.SetLevelLimits(b.TENANT, "workspace", "research", "*"), "empty_limits"),

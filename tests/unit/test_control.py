@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from domain import control as c
-from domain.errors import DomainError
+from domain.errors import MAX_QUANTITY, DomainError
 from domain.events import Event, LimitsSet, PlanChanged, TenantRegistered
 from tests import builders as b
 
@@ -73,6 +73,15 @@ def test_change_plan_to_the_same_plan_records_nothing() -> None:
 def test_negative_limits_name_the_field() -> None:
     err = refused(view_of(ACME), c.SetLimits("acme", "*", rpm=10, max_output=-1))
     assert (err.rule, err.field) == ("negative_limit", "max_output")
+
+
+def test_limits_and_prices_past_the_quantity_bound_name_the_field() -> None:
+    err = refused(view_of(ACME), c.SetLimits("acme", "*", rpm=MAX_QUANTITY + 1))
+    assert (err.rule, err.field) == ("too_large", "rpm")
+    assert c.decide_control(view_of(ACME), c.SetLimits("acme", "*", rpm=MAX_QUANTITY))
+    price = c.SetPrice("m", 1, MAX_QUANTITY + 1, 0, effective_at=b.at(10), now=b.at(5))
+    err = refused(view_of(ACME), price)
+    assert (err.rule, err.field) == ("too_large", "completion_micros_per_mtok")
 
 
 def test_set_limits_records_only_what_it_sets() -> None:
