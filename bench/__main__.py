@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench.gateway import machine as gateway_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -117,23 +118,7 @@ BENCHES: list[tuple[str, str, list[str], list[str], str | None]] = [
 
 
 def machine() -> dict[str, Any]:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem_gib = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    except OSError:
-        mem_gib = 0.0
-    return {
-        "nproc": os.cpu_count(),
-        "ram_gib": round(mem_gib, 1),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
+    return {**gateway_machine(), "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def run_all(names: list[str], quick: bool) -> dict[str, dict[str, Any]]:

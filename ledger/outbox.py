@@ -31,13 +31,6 @@ _READ = sa.text(
     # key instead of reading the index in order up to the limit.
     "ORDER BY events.txid, events.position LIMIT :limit"
 )
-# The same on the driver (psycopg placeholders), as the relay runs it.
-_READ_SQL = (
-    str(_READ)
-    .replace(":txid", "%s", 1)
-    .replace(":position", "%s", 1)
-    .replace(":limit", "%s", 1)
-)
 _BACKLOG = sa.text(
     "SELECT count(*) FROM events WHERE (txid, position) > "
     "(CAST(CAST(:txid AS text) AS xid8), :position)"
@@ -90,10 +83,10 @@ class OutboxReader:
         """Events after the key `after` whose transactions have ended, in `(txid, position)`
         order: what a relay can publish now without ever skipping a late commit."""
         with self.engine.connect() as conn:
-            # The driver's SQL as is (no statement to compile), through SQLAlchemy all the same:
-            # a connection the network broke is invalidated, and its error is a DBAPIError,
-            # which the relay's loop waits out and retries.
-            rows = conn.exec_driver_sql(_READ_SQL, (after[0], after[1], limit)).all()
+            # Through SQLAlchemy, not the raw driver: a connection the network broke is
+            # invalidated, and its error is a DBAPIError, which the relay's loop retries.
+            params = {"txid": after[0], "position": after[1], "limit": limit}
+            rows = conn.execute(_READ, params).all()
         make = OutboxRow._make
         return [make(r) for r in rows]
 

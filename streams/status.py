@@ -73,7 +73,9 @@ class WorkerLag:
 
 @dataclass(frozen=True, slots=True)
 class ClusterStatus:
-    mode: str  # "kafka" (a broker was asked) or "embedded"
+    # "kafka" (a broker was asked), "kafka-unprobed" (a relay reported, no broker was asked)
+    # or "embedded"
+    mode: str
     head_position: int
     relays: tuple[RelayLag, ...] = ()
     partitions: tuple[PartitionLag, ...] = ()
@@ -195,10 +197,8 @@ def read_status(
         groups = folds_groups(conn)
         partitions = partition_lags(conn, now, groups, watermarks)
         workers = worker_lags(conn, now)
-    status = ClusterStatus(
-        "kafka" if watermarks is not None else "embedded", head, tuple(relays), tuple(partitions),
-        tuple(workers),
-    )
+    mode = "kafka" if watermarks is not None else "kafka-unprobed" if relays else "embedded"
+    status = ClusterStatus(mode, head, tuple(relays), tuple(partitions), tuple(workers))
     return replace(status, stale=stale_parts(status, stale_s, heartbeats=heartbeats))
 
 
@@ -324,9 +324,8 @@ def cluster_status(
 def render_table(status: ClusterStatus) -> str:
     """`tollgate status`'s text: one section per part, then what is stale."""
     mode = status.mode
-    if mode == "embedded" and status.relays:
-        # A relay reported, so this is the distributed mode asked without its broker.
-        mode = "kafka, broker not asked (give --kafka-bootstrap for the high watermarks)"
+    if mode == "kafka-unprobed":
+        mode += " (give --kafka-bootstrap for the high watermarks)"
     out = [f"mode: {mode}    store head position: {status.head_position}", ""]
     if status.relays:
         out += _table(

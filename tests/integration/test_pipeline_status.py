@@ -133,7 +133,9 @@ def test_relay_and_consumer_lags_are_exact_and_zero_after_catch_up(
         assert sum(lags.values()) == stored and len(lags) == PARTITIONS
         # Without the broker the table still tells the distributed mode, and what to give it.
         _, text = status_cli(postgres_url)
-        assert text.startswith("mode: kafka, broker not asked (give --kafka-bootstrap"), text
+        assert text.startswith("mode: kafka-unprobed (give --kafka-bootstrap"), text
+        _, out = status_cli(postgres_url, "--json")
+        assert json.loads(out)["mode"] == "kafka-unprobed"
 
         # The worker folds everything, its bills go round through the relay: all lags zero.
         worker.start()
