@@ -1333,26 +1333,36 @@ def relay(
     type=click.FloatRange(min=0),
     help="seconds a lagging part may go without moving before it is stale",
 )
+@click.option(
+    "--unbilled-alarm-after",
+    envvar="TOLLGATE_UNBILLED_ALARM_S",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="seconds a terminal event may go without its ledger row before it alarms",
+)
 @one_line_errors
 def status(
     database_url: str | None, kafka_bootstrap: str | None, topic: str, as_json: bool,
-    stale_after: float,
+    stale_after: float, unbilled_alarm_after: float,
 ) -> None:
     """Print the pipeline's lags: the relay, each consumer group per partition (with
     --kafka-bootstrap; else the embedded SQL-tail worker), the workers' heartbeats.
 
-    Exits 2 when something is stale (1 on an error)."""
+    Exits 2 when something is stale or an alarm fires (1 on an error): a terminal event
+    without its ledger row past --unbilled-alarm-after, an admitted request past its lease that
+    nothing ended, a reconciliation that stopped."""
     import orjson
 
     from streams.status import cluster_status, render_table
 
     url = database_url or default_database_url()
-    found = cluster_status(url, kafka_bootstrap, stale_after)
+    found = cluster_status(url, kafka_bootstrap, stale_after, unbilled_alarm_after)
     if as_json:
         click.echo(orjson.dumps(found.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
         click.echo(render_table(found))
-    if found.stale:
+    if found.problems:
         raise SystemExit(2)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from domain.goodput import Attainment
+from streams.status import Reconciliation
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
@@ -216,6 +218,41 @@ class Metrics:
             "folded it (edges that share a store: how late another edge's admission counts here).",
             registry=r,
         )
+
+        # The continuous reconciliation's last result (streams/reconciler.py), read from the
+        # store with /readyz's status: the figures an operator pages on (DESIGN §4, 14).
+        self.unbilled_terminals = Gauge(
+            "tollgate_unbilled_terminals",
+            "Terminal events whose ledger row the reconciliation has not found.", registry=r,
+        )
+        self.unbilled_oldest_age = Gauge(
+            "tollgate_unbilled_terminal_oldest_age_seconds",
+            "Age of the oldest terminal event without its ledger row (0: none).", registry=r,
+        )
+        self.overdue_leases = Gauge(
+            "tollgate_overdue_leases",
+            "Admitted requests without a terminal event, unrenewed past the lease TTL + sweep.",
+            registry=r,
+        )
+        self.overdue_oldest_age = Gauge(
+            "tollgate_overdue_lease_oldest_age_seconds",
+            "Time since the oldest overdue request was last renewed (0: none).", registry=r,
+        )
+        self.reconciled_at = Gauge(
+            "tollgate_reconciliation_last_run_timestamp_seconds",
+            "When the reconciliation last checked the ledger against the log (Unix time; 0: "
+            "never).",
+            registry=r,
+        )  # fmt: skip
+
+    def observe_reconciliation(self, found: Reconciliation | None) -> None:
+        if found is None:
+            return
+        self.unbilled_terminals.set(found.unbilled_terminals)
+        self.unbilled_oldest_age.set(found.oldest_unbilled_age_s or 0.0)
+        self.overdue_leases.set(found.overdue_leases)
+        self.overdue_oldest_age.set(found.oldest_overdue_age_s or 0.0)
+        self.reconciled_at.set(time.time() - found.checked_age_s)
 
     def tenant_label(self, tenant_id: str) -> str:
         labels = self._tenant_labels

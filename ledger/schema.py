@@ -179,6 +179,23 @@ worker_status = sa.Table(
     sa.Column("dead_letter_sample", sa.Text),
 )
 
+# The continuous reconciliation's last result (streams/reconciler.py), one row per reconciler
+# (one leads per database): what `tollgate status`, /readyz and /metrics alarm on.
+reconciliation_status = sa.Table(
+    "reconciliation_status",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("checked_at", UTCDateTime, nullable=False),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("unbilled_terminals", sa.BigInteger, nullable=False),
+    sa.Column("oldest_unbilled_at", UTCDateTime),
+    sa.Column("overdue_leases", sa.BigInteger, nullable=False),
+    sa.Column("oldest_overdue_at", UTCDateTime),
+    sa.Column("sample", sa.Text),
+)
+
 # Not event projections: where the distributed mode's Kafka consumers and the outbox relay keep
 # their places (migration 0010 says why they live in the database).
 consumer_offsets = sa.Table(
