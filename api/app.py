@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import re
 from typing import Annotated, Any
 
@@ -61,6 +62,27 @@ def authenticate(
         if exc.status == 401:
             limits.failed_authentication(source)
         raise
+
+
+def metrics_token(runtime: Runtime, limits: RefusalLimits, request: Request) -> None:
+    """With `--metrics-token`, /metrics answers only `Authorization: Bearer <token>` (Prometheus'
+    `authorization` setting); a wrong token counts against the client address like a wrong key."""
+    token = runtime.settings.metrics_token
+    if not token:
+        return
+    source = source_of(request.scope.get("client"))
+    limits.check_source(source)
+    given = request.headers.get("authorization") or ""
+    scheme, _, secret = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        secret.strip().encode(), token.encode()
+    ):
+        limits.failed_authentication(source)
+        raise ApiError(
+            401, "/metrics needs the metrics token: Authorization: Bearer <token>",
+            code="invalid_metrics_token", type="authentication_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )  # fmt: skip
 
 
 async def customer(request: Request) -> Caller:
@@ -241,7 +263,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         )
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        metrics_token(runtime, app.state.limits, request)
         runtime.refresh_gauges()
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -1019,6 +1019,13 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
 )
 @click.option("--no-demo", is_flag=True, help="do not seed the demo tenants and keys")
 @click.option(
+    "--metrics-token",
+    envvar="TOLLGATE_METRICS_TOKEN",
+    default=None,
+    help="/metrics answers only `Authorization: Bearer TOKEN` (env TOLLGATE_METRICS_TOKEN; "
+    "Prometheus: `authorization: {credentials: TOKEN}`)",
+)
+@click.option(
     "--auth-failures-per-minute",
     default=ServeSettings.auth_failures_per_minute,
     show_default=True,
@@ -1101,6 +1108,7 @@ def serve(
     batch_windows: tuple[str, ...],
     batch_concurrency: int,
     no_demo: bool,
+    metrics_token: str | None,
     auth_failures_per_minute: int,
     slow_reader_s: float,
     stream_buffer_chunks: int,
@@ -1125,6 +1133,7 @@ def serve(
         models=models or DEFAULT_MODELS,
         sim_speed=sim_speed,
         seed_demo=not no_demo,
+        metrics_token=metrics_token or None,
         auth_failures_per_minute=auth_failures_per_minute,
         slow_reader_s=slow_reader_s,
         stream_buffer_chunks=stream_buffer_chunks,

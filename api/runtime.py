@@ -163,6 +163,7 @@ class Runtime:
             default_max_model_len={m: p.max_model_len for m, p in profiles.items()},
         )  # fmt: skip
         await self.fleet.start()
+        self.metrics.models.known = frozenset(self.fleet.models())
         self.commits = LoopCommits(self.writer)
         # Each model's own tokenizer and template where discovery found them; the simulator's
         # word count otherwise (exact for simulated replicas, rough in front of a real one).
@@ -394,6 +395,8 @@ class Runtime:
         return problems, warnings
 
     def refresh_gauges(self) -> None:
+        if self.fleet is not None:
+            self.metrics.models.known = frozenset(self.fleet.models())
         self.metrics.refresh_ratios()
         if self.predictor is not None:
             for tenant, (covered, _, _) in self.predictor.coverage().items():
