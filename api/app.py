@@ -30,6 +30,7 @@ from api.backoffice import (
     to_csv,
 )
 from api.batch_routes import add_batch_routes
+from api.body_limits import bounded
 from api.chat_request import too_large
 from api.edge import JsonOutcome
 from api.errors import ApiError, error_body
@@ -289,10 +290,12 @@ class TollgateApp:
         self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+        elif scope["path"] == "/v1/chat/completions":
             await self.chat_completions(scope, receive, send)
         else:
-            await self.api(scope, receive, send)
+            await bounded(self.api, scope, receive, send)
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The few headers this route reads, from one dict (ASGI names are lower-case): Starlette's
