@@ -453,7 +453,7 @@ def run_id_of(value: str | None) -> str | None:
     letters, digits and . _ : -, starting with a letter or digit), or a 400 naming it."""
     if value is None:
         return None
-    if not RUN_ID.match(value):
+    if not RUN_ID.fullmatch(value):
         raise ApiError(
             400, f"X-Tollgate-Run-Id must match {RUN_ID.pattern}", param="X-Tollgate-Run-Id",
             code="invalid_value",

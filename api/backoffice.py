@@ -198,7 +198,7 @@ class Backoffice:
     def timeline(self, request_id: str, scope: str, own_tenant: str, now: datetime) -> Timeline:
         """Re-fold a request's stored events. Another tenant's request answers exactly like an
         unknown one (404), so ids cannot be probed across tenants."""
-        if not REQUEST_ID.match(request_id):
+        if not REQUEST_ID.fullmatch(request_id):
             raise ApiError(400, "request ids look like req_ followed by 32 hex digits",
                            param="request_id", code="invalid_value")
         records = self.store.read_stream(request_id)

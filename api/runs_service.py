@@ -49,7 +49,7 @@ class RunService:
         run_id = body.get("id")
         if run_id is None:
             run_id = "run_" + secrets.token_hex(12)
-        if not isinstance(run_id, str) or not h.RUN_ID.match(run_id):
+        if not isinstance(run_id, str) or not h.RUN_ID.fullmatch(run_id):
             raise ApiError(400, f"'id' must match {h.RUN_ID.pattern}", param="id",
                            code="invalid_value")  # fmt: skip
         project = body.get("project")
@@ -154,7 +154,7 @@ def _usd_micros(value: Any) -> int | None:
     if value is None:
         return None
     amount = None
-    if isinstance(value, str) and _USD_TEXT.match(value) or (
+    if isinstance(value, str) and _USD_TEXT.fullmatch(value) or (
         isinstance(value, (int, float)) and not isinstance(value, bool)
     ):
         try:
