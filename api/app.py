@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from api.auth import Caller
+from api.auth import Caller, single_authorization
 from api.backoffice import (
     ENTRY_COLUMNS,
     FORMATS,
@@ -266,10 +266,17 @@ class TollgateApp:
         self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
-            await self.chat_completions(scope, receive, send)
-        else:
-            await self.api(scope, receive, send)
+        if scope["type"] == "http":
+            # Before any route: two Authorization headers are refused alike everywhere.
+            refused = single_authorization(scope["headers"])
+            if refused is not None:
+                headers = {"X-Request-Id": new_request_id()}
+                await json_response(400, refused.body(), headers)(scope, receive, send)
+                return
+            if scope["path"] == "/v1/chat/completions":
+                await self.chat_completions(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The few headers this route reads, from one dict (ASGI names are lower-case): Starlette's

@@ -22,12 +22,14 @@ from api.auth import Caller
 from api.errors import ApiError, bad_request
 from domain import batch as b
 from domain.errors import DomainError
+from domain.text import check_text
 from ledger.batches import BatchStore, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader
 from ledger.ids import Clock, utcnow
 from ledger.store import EventStore
 
 PURPOSES = frozenset({"batch"})
+MAX_FILENAME_CHARS = 255  # batch_files.filename
 # Multipart framing around the file, on top of the file's own bound.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 MAX_LIST = 100
@@ -68,13 +70,19 @@ class BatchService:
         if purpose not in PURPOSES:
             raise bad_request("'purpose' must be batch", "purpose")
         try:
+            # The file name is stored (a 255-wide column) and shown back: storable, or a 400.
+            check_text(filename, "file.filename", max_chars=MAX_FILENAME_CHARS)
+        except DomainError as exc:
+            raise bad_request(exc.message, exc.field, "invalid_value") from None
+        try:
             b.parse_input(content)
         except DomainError as exc:
-            raise bad_request(exc.message, "file", exc.rule) from None
+            # `line N: <field>` when a line is at fault, else the file.
+            raise bad_request(exc.message, exc.field or "file", exc.rule) from None
         now = self.clock()
         stored = StoredFile(
             file_id="file-" + uuid.uuid4().hex[:24], tenant_id=caller.tenant_id,
-            purpose=purpose, filename=filename[:255], bytes=len(content), created_at=now,
+            purpose=purpose, filename=filename, bytes=len(content), created_at=now,
             # Until a batch uses it; then until that batch ends plus the retention.
             expires_at=now + timedelta(seconds=b.INPUT_RETENTION_S),
         )
@@ -121,7 +129,7 @@ class BatchService:
         try:
             metadata = b.check_metadata(body.get("metadata"))
         except DomainError as exc:
-            raise bad_request(exc.message, "metadata") from None
+            raise bad_request(exc.message, exc.field or "metadata") from None
         stored = self._file(caller, file_id, "input_file_id")
         if stored.purpose != "batch":
             raise bad_request("the input file's purpose must be batch", "input_file_id")

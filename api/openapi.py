@@ -602,7 +602,7 @@ RUN_CREATE = {
         "project": {**nullable(STRING), "description": "default: the calling key's project"},
         "max_calls": _LIMIT,
         "max_tool_calls": _LIMIT,
-        "max_wall_seconds": _LIMIT,
+        "max_wall_seconds": nullable(integer(0, 10**9)),  # seconds: 10**12 ms
         "max_cost_usd": {
             "anyOf": [{"type": "string", "pattern": r"^[0-9]+(\.[0-9]{1,6})?$"},
                       {"type": "number", "minimum": 0}, {"type": "null"}],

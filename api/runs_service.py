@@ -57,7 +57,10 @@ class RunService:
             project = self._tree.project_of_key(caller.tenant_id, caller.key_id)
         elif not isinstance(project, str) or self._tree.project(caller.tenant_id, project) is None:
             raise ApiError(404, f"no project {project!r}", param="project", code="not_found")
-        ints = {name: _limit(body, name) for name in _INT_FIELDS}
+        # Seconds become milliseconds in the domain: bounded here so that a refusal names the
+        # field the client sent (issue 27 item 8), not `max_wall_ms`.
+        most = {name: _MAX_LIMIT for name in _INT_FIELDS} | {"max_wall_seconds": _MAX_LIMIT // 1000}
+        ints = {name: _limit(body, name, most[name]) for name in _INT_FIELDS}
         wall_s = ints["max_wall_seconds"]
         limits = h.RunLimits(
             ints["max_calls"], ints["max_tool_calls"], None if wall_s is None else wall_s * 1000,
@@ -140,12 +143,12 @@ def _object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _limit(body: dict[str, Any], name: str) -> int | None:
+def _limit(body: dict[str, Any], name: str, most: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LIMIT:
-        raise ApiError(400, f"'{name}' must be an integer from 0 to {_MAX_LIMIT}", param=name,
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ApiError(400, f"'{name}' must be an integer from 0 to {most}", param=name,
                        code="invalid_value")  # fmt: skip
     return value
 

@@ -19,10 +19,6 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from domain.errors import DomainError
-from domain.text import MAX_METADATA_KEYS as MAX_METADATA_KEYS
-from domain.text import MAX_METADATA_VALUE_CHARS as MAX_METADATA_CHARS
-from domain.text import check_header_value, check_text, has_surrogate
-from domain.text import check_metadata as _check_metadata
 from domain.events import (
     BatchCancelRequested,
     BatchCreated,
@@ -34,6 +30,8 @@ from domain.events import (
     Event,
     Recorded,
 )
+from domain.text import check_header_value, check_text, has_surrogate
+from domain.text import check_metadata as _check_metadata
 
 BATCH_PREFIX: Final = "batch-"
 ENDPOINT: Final = "/v1/chat/completions"

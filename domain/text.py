@@ -52,12 +52,14 @@ def check_text(value: Any, field: str, *, max_chars: int, min_chars: int = 1) ->
         raise DomainError("invalid_type", f"'{field}' must be a string", field=field)
     if len(value) < min_chars:
         raise DomainError(
-            "string_too_short", f"'{field}' must have at least {min_chars} characters",
+            "string_too_short",
+            f"'{field}' must have at least {min_chars} characters",
             field=field,
         )
     if len(value) > max_chars:
         raise DomainError(
-            "string_above_max_length", f"'{field}' is longer than {max_chars} characters",
+            "string_above_max_length",
+            f"'{field}' is longer than {max_chars} characters",
             field=field,
         )
     reason = unstorable(value)

@@ -68,8 +68,18 @@ def test_check_text_bounds_length_and_type() -> None:
 
 @pytest.mark.parametrize(
     ("value", "ok"),
-    [("item-1", True), ("a b", True), ("x\ny", False), ("x\ry", False), ("x\ty", False),
-     ("é", False), (" a", False), ("a ", False), ("a\x7f", False), ("a" + SURROGATE, False)],
+    [
+        ("item-1", True),
+        ("a b", True),
+        ("x\ny", False),
+        ("x\ry", False),
+        ("x\ty", False),
+        ("é", False),
+        (" a", False),
+        ("a ", False),
+        ("a\x7f", False),
+        ("a" + SURROGATE, False),
+    ],
 )
 def test_a_header_value_is_printable_ascii_without_edge_spaces(value: str, ok: bool) -> None:
     assert text.is_header_value(value) is ok
@@ -99,8 +109,9 @@ def test_metadata_names_the_key_when_it_can() -> None:
 
 
 def chat(**fields: Any) -> bytes:
-    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})\
-        .encode()
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    ).encode()
 
 
 def chat_refused(raw: bytes) -> ApiError:
@@ -123,10 +134,14 @@ TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "
         ({"metadata": {"f\x00o": "b"}}, "metadata"),
         ({"metadata": "x"}, "metadata"),
         # Issue 27 item 8: `$` matched before a final newline.
-        ({"tools": [{**TOOL, "function": {**TOOL["function"], "name": "get\n"}}]},
-         "tools[0].function.name"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "out\n"}}},
-         "response_format.json_schema.name"),
+        (
+            {"tools": [{**TOOL, "function": {**TOOL["function"], "name": "get\n"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "out\n"}}},
+            "response_format.json_schema.name",
+        ),
     ],
 )
 def test_an_unstorable_or_malformed_chat_field_is_a_400_naming_it(
@@ -144,9 +159,13 @@ def test_a_storable_chat_body_with_metadata_and_user_is_accepted() -> None:
 
 
 def line(custom_id: Any = "a", **overrides: Any) -> dict[str, Any]:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "secret prompt"}]},
-            **overrides}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "secret prompt"}]},
+        **overrides,
+    }
 
 
 def batch_refused(raw: bytes) -> DomainError:
@@ -174,20 +193,41 @@ HEAD = '"method": "POST", "url": "/v1/chat/completions"'
         ('{"custom_id": "x\\u0000y", ' + HEAD + ", " + BODY + "}", "line 2: custom_id"),
         ('{"custom_id": "caf\\u00e9", ' + HEAD + ", " + BODY + "}", "line 2: custom_id"),
         ('{"custom_id": "\\ud800", ' + HEAD + ", " + BODY + "}", "line 2: custom_id"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "seed": 18446744073709551616,'
-         ' "messages": []}}', "line 2: body.seed"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "messages": '
-         '[{"role": "user", "content": "\\udc00"}]}}', "line 2: body.messages[0].content"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "\\ud800": 1, '
-         '"messages": []}}', "line 2: body"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "temperature": NaN, '
-         '"messages": []}}', "line 2: body.temperature"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "temperature": 1e999, '
-         '"messages": []}}', "line 2: body.temperature"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "a\\u0000b", "messages": []}}',
-         "line 2: body.model"),
-        ('{"custom_id": "ok2", ' + HEAD + ', "body": {"model": 5, "messages": []}}',
-         "line 2: body.model"),
+        (
+            '{"custom_id": "ok2", '
+            + HEAD
+            + ', "body": {"model": "m", "seed": 18446744073709551616,'
+            ' "messages": []}}',
+            "line 2: body.seed",
+        ),
+        (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "messages": '
+            '[{"role": "user", "content": "\\udc00"}]}}',
+            "line 2: body.messages[0].content",
+        ),
+        (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "\\ud800": 1, '
+            '"messages": []}}',
+            "line 2: body",
+        ),
+        (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "temperature": NaN, '
+            '"messages": []}}',
+            "line 2: body.temperature",
+        ),
+        (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "temperature": 1e999, '
+            '"messages": []}}',
+            "line 2: body.temperature",
+        ),
+        (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "a\\u0000b", "messages": []}}',
+            "line 2: body.model",
+        ),
+        (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": 5, "messages": []}}',
+            "line 2: body.model",
+        ),
     ],
 )
 def test_a_line_the_runner_could_not_send_or_the_store_hold_is_refused(
@@ -199,8 +239,12 @@ def test_a_line_the_runner_could_not_send_or_the_store_hold_is_refused(
 
 
 def test_a_line_with_64_bit_numbers_and_any_prompt_text_is_accepted() -> None:
-    body = {"model": "m", "seed": 2**64 - 1, "logit_bias": {"1": -(2**63)},
-            "messages": [{"role": "user", "content": "a\x00b \x01 é 😀"}]}
+    body = {
+        "model": "m",
+        "seed": 2**64 - 1,
+        "logit_bias": {"1": -(2**63)},
+        "messages": [{"role": "user", "content": "a\x00b \x01 é 😀"}],
+    }
     lines = b.parse_input(json.dumps(line("item-1", body=body)).encode())
     assert lines[0].body == body
 
