@@ -30,7 +30,7 @@ from domain.events import (
     Event,
     Recorded,
 )
-from domain.text import check_header_value, check_text, has_surrogate
+from domain.text import check_header_value, check_text, has_surrogate, is_header_value
 from domain.text import check_metadata as _check_metadata
 
 BATCH_PREFIX: Final = "batch-"
@@ -112,7 +112,9 @@ def parse_input(content: bytes) -> list[InputLine]:
             raise DomainError("too_many_lines", f"a batch file holds at most {MAX_LINES} requests")
         item = _line(number, raw)
         if item.custom_id in seen:
-            raise _bad(number, "duplicate_custom_id", "custom_id is used by an earlier line")
+            raise _bad(
+                number, "duplicate_custom_id", "custom_id is used by an earlier line", "custom_id"
+            )
         seen.add(item.custom_id)
         lines.append(item)
     if not lines:
@@ -225,7 +227,10 @@ def _find(value: Any, path: str, bad: Callable[[Any], bool]) -> str | None:
             for key, child in item.items():
                 if bad(key):
                     return where
-                stack.append((child, f"{where}.{key}"))
+                # The path is shown and may be recorded (a failed batch's message): a key is
+                # named only when it is a plain one, never as arbitrary client text.
+                name = key if len(key) <= 64 and is_header_value(key) else "?"
+                stack.append((child, f"{where}.{name}"))
         elif isinstance(item, list):
             stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
         elif bad(item):

@@ -50,7 +50,7 @@ def test_a_file_is_its_lines_in_order_blank_lines_aside() -> None:
     [
         (content(line("a"), b"{oops"), "invalid_json", "line 2"),
         (content(b"[1, 2]"), "invalid_json", "line 1"),
-        (content(line("a"), line("a")), "duplicate_custom_id", "line 2"),
+        (content(line("a"), line("a")), "duplicate_custom_id", "line 2: custom_id"),
         (content(line("")), "invalid_custom_id", "line 1: custom_id"),
         (content(line("x" * 65)), "invalid_custom_id", "line 1: custom_id"),
         (content(line(method="GET")), "invalid_method", "line 1: method"),

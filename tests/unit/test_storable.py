@@ -225,6 +225,11 @@ HEAD = '"method": "POST", "url": "/v1/chat/completions"'
             "line 2: body.model",
         ),
         (
+            '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": "m", "x\\u0000": [1e999], '
+            '"messages": []}}',
+            "line 2: body.?[0]",  # a key is named only when it is plain text
+        ),
+        (
             '{"custom_id": "ok2", ' + HEAD + ', "body": {"model": 5, "messages": []}}',
             "line 2: body.model",
         ),
