@@ -18,6 +18,7 @@ from domain import control as c
 from domain import hierarchy as h
 from domain.budgets import PathView
 from domain.errors import DomainError
+from domain.text import unstorable
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
 
@@ -55,6 +56,9 @@ class RunService:
         project = body.get("project")
         if project is None:
             project = self._tree.project_of_key(caller.tenant_id, caller.key_id)
+        elif isinstance(project, str) and unstorable(project) is not None:
+            raise ApiError(400, f"'project' {unstorable(project)}", param="project",
+                           code="invalid_value")  # fmt: skip
         elif not isinstance(project, str) or self._tree.project(caller.tenant_id, project) is None:
             raise ApiError(404, f"no project {project!r}", param="project", code="not_found")
         # Seconds become milliseconds in the domain: bounded here so that a refusal names the
