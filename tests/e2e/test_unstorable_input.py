@@ -130,6 +130,7 @@ def upload_cases(server: Server) -> None:
 
 def run_cases(server: Server) -> None:
     assert_400(post(server, "/v1/runs", "demo-standard", json={"id": "run-1\n"}), "id")
+    assert_400(post(server, "/v1/runs", "demo-standard", json={"project": "p\x00"}), "project")
     assert_400(post(server, "/v1/runs", "demo-standard",
                     json={"max_wall_seconds": 999_999_999_999}), "max_wall_seconds")  # fmt: skip
 
