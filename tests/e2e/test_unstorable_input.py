@@ -67,10 +67,14 @@ CHAT_CASES = [
     ({"user": "end-user\x00"}, "user"),
     ({"metadata": {"foo": "a\x00b"}}, "metadata.foo"),
     ({"metadata": {"f\x00o": "b"}}, "metadata"),
-    ({"tools": [{**TOOL, "function": {**TOOL["function"], "name": "get\n"}}]},
-     "tools[0].function.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "out\n"}}},
-     "response_format.json_schema.name"),
+    (
+        {"tools": [{**TOOL, "function": {**TOOL["function"], "name": "get\n"}}]},
+        "tools[0].function.name",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "out\n"}}},
+        "response_format.json_schema.name",
+    ),
 ]
 
 
@@ -92,9 +96,9 @@ def multipart(filename: bytes, content: bytes, purpose: bytes = b"batch") -> tup
     a hostile one need not."""
     boundary = uuid.uuid4().hex
     body = (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n".encode()
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'.encode()
         + purpose
-        + f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"".encode()
+        + f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="'.encode()
         + filename
         + b'"\r\nContent-Type: application/jsonl\r\n\r\n'
         + content
@@ -115,9 +119,11 @@ UPLOAD_CASES = [
     (batch_line('"caf\\u00e9"'), "line 1: custom_id"),
     (batch_line('"\\ud800"'), "line 1: custom_id"),
     (batch_line('"x\\u0000"'), "line 1: custom_id"),
-    (batch_line('"ok"') + batch_line('"ok-2"').replace(b'"max_tokens": 4',
-                                                       b'"seed": 18446744073709551616'),
-     "line 2: body.seed"),
+    (
+        batch_line('"ok"')
+        + batch_line('"ok-2"').replace(b'"max_tokens": 4', b'"seed": 18446744073709551616'),
+        "line 2: body.seed",
+    ),
     (batch_line('"ok"', model="a\\u0000b"), "line 1: body.model"),
 ]
 
