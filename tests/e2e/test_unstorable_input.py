@@ -162,7 +162,23 @@ def filter_cases(server: Server) -> None:
         assert_400(r, param)
 
 
+def id_cases(server: Server) -> None:
+    """Ids and cursors are compared with stored text too (a 500 on PostgreSQL)."""
+    key = auth(server.keys["demo-standard"])
+    for method, path, params, param in [
+        ("GET", "/v1/files/file-a%00b", None, "file_id"),
+        ("GET", "/v1/files/file-a%00b/content", None, "file_id"),
+        ("DELETE", "/v1/files/file-a%00b", None, "file_id"),
+        ("GET", "/v1/batches/batch_a%00b", None, "batch_id"),
+        ("POST", "/v1/batches/batch_a%00b/cancel", None, "batch_id"),
+        ("GET", "/v1/batches", {"after": "batch_a\x00b"}, "after"),
+    ]:
+        r = httpx.request(method, f"{server.base}{path}", params=params, headers=key, timeout=30)
+        assert_400(r, param)
+
+
 def every_bad_input(server: Server) -> None:
+    id_cases(server)
     chat_cases(server)
     filter_cases(server)
     upload_cases(server)
