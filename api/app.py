@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from api.auth import Caller
+from api.auth import Caller, single_authorization
 from api.backoffice import (
     ENTRY_COLUMNS,
     FORMATS,
@@ -292,6 +292,12 @@ class TollgateApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.api(scope, receive, send)
+            return
+        # Before any route: two Authorization headers are refused alike everywhere.
+        refused = single_authorization(scope["headers"])
+        if refused is not None:
+            headers = {"X-Request-Id": new_request_id()}
+            await json_response(400, refused.body(), headers)(scope, receive, send)
         elif scope["path"] == "/v1/chat/completions":
             await self.chat_completions(scope, receive, send)
         else:
@@ -479,7 +485,7 @@ def run_id_of(value: str | None) -> str | None:
     letters, digits and . _ : -, starting with a letter or digit), or a 400 naming it."""
     if value is None:
         return None
-    if not RUN_ID.match(value):
+    if not RUN_ID.fullmatch(value):
         raise ApiError(
             400, f"X-Tollgate-Run-Id must match {RUN_ID.pattern}", param="X-Tollgate-Run-Id",
             code="invalid_value",
