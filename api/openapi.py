@@ -949,12 +949,14 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/v1/files/{file_id}", "get"): {
         "summary": "A file of the caller's tenant",
+        "operationId": "retrieve_file",
         "parameters": [FILE_ID],
         "responses": {"200": ok(ref("File"))},
         "errors": [*AUTHENTICATED, 404],
     },
     ("/v1/files/{file_id}", "delete"): {
         "summary": "Delete a file and its content at once",
+        "operationId": "delete_file",
         "parameters": [FILE_ID],
         "responses": {"200": ok(ref("FileDeleted"))},
         "errors": [*AUTHENTICATED, 404],
@@ -969,6 +971,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/v1/batches", "post"): {
         "summary": "Create a batch: its items run in the flex class, billed at the flex price",
+        "operationId": "create_batch",
         "requestBody": {"required": True,
                         "content": {JSON: {"schema": ref("BatchCreateRequest")}}},
         "responses": {"200": ok(ref("Batch"))},
@@ -976,6 +979,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/v1/batches", "get"): {
         "summary": "The caller's batches, newest first",
+        "operationId": "list_batches",
         "parameters": [
             query("after", STRING, "the last batch id of the previous page"),
             query("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "default 20"),
