@@ -2,17 +2,24 @@
 when it dies, stopped (SIGTERM, then SIGKILL) when the edge stops.
 
 The command is the caller's: which entry point runs the worker is wiring, and this package sits
-below the one that owns the CLI.
+below the one that owns the CLI. The child calls `die_with_parent` first thing, so that an edge
+killed with SIGKILL takes its worker with it at once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import subprocess
+import sys
 import time
 
 log = logging.getLogger("tollgate.supervisor")
+
+# prctl(2): the signal the kernel sends a process when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 # A fold worker that died is started again after this pause.
 WORKER_RESTART_S = 1.0
@@ -67,3 +74,21 @@ class FoldWorkerSupervisor:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a supervised child: be killed (SIGKILL) by the kernel the moment `parent_pid` dies.
+    A parent killed with SIGKILL cannot stop its child, and a child that only looks at its
+    parent between passes folded on for a while beside the next parent's worker (a pass may be
+    long, or blocked on the database). Linux only (prctl); elsewhere, and as a fallback, the
+    worker's own check between passes remains.
+
+    The parent the kernel watches is the thread that started this process: the supervisor
+    starts it from the edge's event-loop thread, which lives as long as the edge."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # it died before the line above took effect
+        log.warning("parent process %d is already gone; exiting", parent_pid)
+        os.kill(os.getpid(), signal.SIGKILL)
