@@ -23,8 +23,36 @@ PR_SET_PDEATHSIG = 1
 
 # A fold worker that died is started again after this pause.
 WORKER_RESTART_S = 1.0
+# A child that keeps dying young waits twice as long each time, up to this.
+RESTART_MAX_S = 30.0
+# A child that ran this long before it died was healthy: its next wait starts over.
+HEALTHY_AFTER_S = 30.0
 # How long a stopping worker may take to fold what the writer flushed last.
 WORKER_STOP_TIMEOUT_S = 30.0
+
+
+class RestartBackoff:
+    """How long after its start a child that exited may be started again: `first_s`, and twice
+    as long for each death in a row within `healthy_after_s` of its start, up to `max_s` — a
+    child that dies at once (a bad setting, a database that refuses it) is not restarted in a
+    tight loop, and one that ran a while is restarted at once."""
+
+    def __init__(
+        self,
+        first_s: float = WORKER_RESTART_S,
+        max_s: float = RESTART_MAX_S,
+        healthy_after_s: float = HEALTHY_AFTER_S,
+    ) -> None:
+        self.first_s, self.max_s, self.healthy_after_s = first_s, max_s, healthy_after_s
+        self.young_deaths = 0
+
+    def after_exit(self, ran_s: float) -> float:
+        """The wait, counted from the child's start, before starting it again; once per exit."""
+        if ran_s >= self.healthy_after_s:
+            self.young_deaths = 0
+            return self.first_s
+        self.young_deaths += 1
+        return min(self.max_s, self.first_s * 2 ** (self.young_deaths - 1))
 
 
 class FoldWorkerSupervisor:
@@ -42,7 +70,9 @@ class FoldWorkerSupervisor:
         self.env = env  # None: this process's
         self.restart_after_s = restart_after_s
         self.process: subprocess.Popen[bytes] | None = None
+        self.backoff = RestartBackoff(restart_after_s)
         self._started = 0.0
+        self._restart_at: float | None = None  # set when its exit was seen
         self._stopping = False
 
     def start(self) -> None:
@@ -57,9 +87,15 @@ class FoldWorkerSupervisor:
         code = self.process.poll()
         if code is None:
             return
-        if time.monotonic() - self._started < self.restart_after_s:
-            return  # a worker that dies at once is not restarted in a tight loop
-        log.error("fold worker exited with %s; starting it again", code)
+        now = time.monotonic()
+        if self._restart_at is None:
+            wait_s = self.backoff.after_exit(now - self._started)
+            self._restart_at = self._started + wait_s
+            log.error("fold worker exited with %s; starting it again %g s after its start",
+                      code, wait_s)  # fmt: skip
+        if now < self._restart_at:
+            return
+        self._restart_at = None
         self.start()
 
     def stop(self) -> None:
