@@ -81,6 +81,9 @@ class DevCluster:
     keys: dict[str, str] = field(default_factory=dict)
     front: FrontDoor | None = None
     _stopping: bool = False
+    _broker_started_at: float = 0.0
+    _broker_restart_at: float | None = None
+    _broker_backoff: RestartBackoff = field(default_factory=RestartBackoff)
 
     @property
     def log_dir(self) -> Path:
@@ -110,6 +113,7 @@ class DevCluster:
             self.broker.start()
         except RuntimeError as exc:
             raise DevClusterError(f"the development broker did not start: {exc}") from exc
+        self._broker_started_at = time.monotonic()
         python = [sys.executable]
         tollgate = [*python, "-m", "api.cli"]
         replicas: list[str] = []
@@ -257,10 +261,27 @@ class DevCluster:
                 child.restarts += 1
                 self._popen(child)
                 self.say(f"dev-cluster: started {child.name} again (pid {child.proc.pid})")
-        if self.broker is not None and self.broker.returncode is not None:
-            self.say(f"dev-cluster: the broker exited with {self.broker.returncode}; the rest "
-                     f"keep running (log: {self.log_dir / 'broker.log'})")
-            self.broker = None
+        broker = self.broker
+        if broker is not None and broker.returncode is not None and not self._stopping:
+            # On its own port again, empty (memory only): the relay finds the topic gone and
+            # publishes the store again as a new epoch, which the workers read from its start.
+            if self._broker_restart_at is None:
+                wait_s = self._broker_backoff.after_exit(now - self._broker_started_at)
+                self._broker_restart_at = self._broker_started_at + wait_s
+                self.say(
+                    f"dev-cluster: kafka (pid {broker.pid}) exited with {broker.returncode}; "
+                    f"starting it again in {max(0.0, self._broker_restart_at - now):.0f} s, "
+                    f"the rest keep running (log: {self.log_dir / 'broker.log'})"
+                )
+            if now >= self._broker_restart_at:
+                self._broker_restart_at = None
+                self._broker_started_at = time.monotonic()
+                try:
+                    broker.start()
+                except RuntimeError as exc:  # seen exited at the next check: backed off
+                    self.say(f"dev-cluster: kafka did not start again: {exc}")
+                else:
+                    self.say(f"dev-cluster: started kafka again (pid {broker.pid})")
         return died
 
     def alive(self) -> bool:

@@ -1,7 +1,8 @@
-"""`tollgate dev-cluster` restarts what dies (issue 26, item 5): a worker, the relay and an edge
-killed with SIGKILL while clients keep sending requests through the front address are started
-again (with back-off), every request through the front succeeds (the front passes over the dead
-edge), and every request is billed once when the killed parts are back."""
+"""`tollgate dev-cluster` restarts what dies (issue 26, item 5): a worker, the relay, an edge and
+the broker killed with SIGKILL while clients keep sending requests through the front address are
+started again (with back-off), every request through the front succeeds (the front passes over
+the dead edge), and every request is billed once when the killed parts are back (the broker
+comes back empty: the relay publishes the store again)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, poll, spawn
 from tests.e2e.test_dev_cluster import _alive, _three_free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
-KILLED = ("worker-1", "relay", "edge-1")
+KILLED = ("worker-1", "relay", "edge-1", "kafka")
 
 
 def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
