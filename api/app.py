@@ -33,7 +33,7 @@ from api.batch_routes import add_batch_routes
 from api.body_limits import bounded
 from api.chat_request import too_large
 from api.edge import JsonOutcome
-from api.errors import ApiError, error_body
+from api.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
 from api.openapi import install as install_openapi
 from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission, source_of
 from api.runtime import Runtime
@@ -129,8 +129,24 @@ def create_app(runtime: Runtime) -> FastAPI:
         headers.update(exc.headers)
         return json_response(exc.status, exc.body(), headers)
 
+    async def _store_away(request: Request, exc: Exception) -> Response:
+        answer = store_unavailable(exc)
+        if answer is None:  # a database error that is not about reaching it: a bug
+            return await _unexpected(request, exc)
+        runtime.log.warning("store unavailable on %s: %s", request.url.path, exc)
+        return await _api_error(request, answer)
+
+    # Registered per class, not only through the Exception handler below: Starlette re-raises
+    # what that one answers, and the server then logs it as a crash (and may drop the
+    # connection) for what is a database restart.
+    for error in STORE_AWAY_ERRORS:
+        app.add_exception_handler(error, _store_away)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
+        answer = store_unavailable(exc)  # raised from a store error, wrapped on the way
+        if answer is not None:
+            return await _api_error(request, answer)
         runtime.log.exception("unhandled error on %s", request.url.path)
         headers = {"X-Request-Id": getattr(request.state, "request_id", "") or new_request_id()}
         return json_response(
@@ -387,7 +403,13 @@ class TollgateApp:
                 limits.refused(caller.key_id, caller.tenant_id)
             headers = {"X-Request-Id": request_id, **exc.headers}
             await json_response(exc.status, exc.body(), headers)(scope, receive, send)
-        except Exception:
+        except Exception as exc:
+            answer = store_unavailable(exc)
+            if answer is not None:
+                runtime.log.warning("store unavailable on /v1/chat/completions: %s", exc)
+                headers = {"X-Request-Id": request_id, **answer.headers}
+                await json_response(answer.status, answer.body(), headers)(scope, receive, send)
+                return
             runtime.log.exception("unhandled error on /v1/chat/completions")
             await json_response(
                 500, error_body("internal error", "server_error", None, "internal_error"),
