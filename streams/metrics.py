@@ -23,6 +23,25 @@ from streams.status import Watermarks, partition_lags
 BILLING_LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+GAP_GAUGES: tuple[tuple[str, str, Callable[[GapReport, datetime], float]], ...] = (
+    ("tollgate_unbilled_terminals",
+     "Terminal events whose ledger row the reconciliation has not found.",
+     lambda g, _at: g.unbilled_terminals),
+    ("tollgate_unbilled_terminal_oldest_age_seconds",
+     "Age of the oldest terminal event without its ledger row (0: none).",
+     lambda g, _at: age_s(datetime.now(UTC), g.oldest_unbilled_at)),
+    ("tollgate_overdue_leases",
+     "Admitted requests without a terminal event, unrenewed past the lease TTL + sweep.",
+     lambda g, _at: g.overdue_leases),
+    ("tollgate_overdue_lease_oldest_age_seconds",
+     "Time since the oldest overdue request was last renewed (0: none).",
+     lambda g, _at: age_s(datetime.now(UTC), g.oldest_overdue_at)),
+    ("tollgate_reconciliation_last_run_timestamp_seconds",
+     "When the reconciliation last checked the ledger against the log (Unix time).",
+     lambda _g, at: at.timestamp()),
+)  # fmt: skip
+
+
 class PipelineMetrics:
     """One process's registry: the billing lag it observes, and what its collectors add."""
 
@@ -36,28 +55,9 @@ class PipelineMetrics:
             registry=r,
         )
 
-        # The continuous reconciliation's figures (streams/reconciler.py), on the worker that
-        # leads it; the ages are read at scrape time, so a gap that nothing clears keeps growing.
+        # The continuous reconciliation's figures, registered by the first report (only a
+        # process that runs the reconciliation has them: not the relay).
         self._gaps: tuple[GapReport, datetime] | None = None
-        gap_gauges = (
-            ("tollgate_unbilled_terminals",
-             "Terminal events whose ledger row the reconciliation has not found.",
-             lambda g, _at: g.unbilled_terminals),
-            ("tollgate_unbilled_terminal_oldest_age_seconds",
-             "Age of the oldest terminal event without its ledger row (0: none).",
-             lambda g, _at: age_s(datetime.now(UTC), g.oldest_unbilled_at)),
-            ("tollgate_overdue_leases",
-             "Admitted requests without a terminal event, unrenewed past the lease TTL + sweep.",
-             lambda g, _at: g.overdue_leases),
-            ("tollgate_overdue_lease_oldest_age_seconds",
-             "Time since the oldest overdue request was last renewed (0: none).",
-             lambda g, _at: age_s(datetime.now(UTC), g.oldest_overdue_at)),
-            ("tollgate_reconciliation_last_run_timestamp_seconds",
-             "When the reconciliation last checked the ledger against the log (Unix time).",
-             lambda _g, at: at.timestamp()),
-        )  # fmt: skip
-        for metric, doc, read in gap_gauges:
-            Gauge(metric, doc, registry=r).set_function(self._gap_reader(read))
 
     def _gap_reader(self, read: Callable[[GapReport, datetime], float]) -> Callable[[], float]:
         def value() -> float:
@@ -66,6 +66,11 @@ class PipelineMetrics:
         return value
 
     def observe_gaps(self, report: GapReport, checked_at: datetime) -> None:
+        """The reconciliation's last result (streams/reconciler.py, on the worker that leads
+        it); the ages are read at scrape time, so a gap that nothing clears keeps growing."""
+        if self._gaps is None:
+            for metric, doc, read in GAP_GAUGES:
+                Gauge(metric, doc, registry=self.registry).set_function(self._gap_reader(read))
         self._gaps = (report, checked_at)
 
     def observe_ledger_rows(self, records: Iterable[Recorded], committed_at: datetime) -> None:
