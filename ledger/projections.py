@@ -190,6 +190,22 @@ class ProjectionRunner:
             else:
                 self._replace(conn, rows, stored)
 
+    def replay(self, conn: sa.Connection, record: Recorded) -> None:
+        """Apply one record the fold moved past (a dead letter, ledger/dead_letters.py) on top
+        of the current rows, inside the caller's transaction, which marks it replayed: the
+        checkpoint's lock orders it with the worker's passes and the checkpoint stays where
+        it is. Right for this module's specs, whose rows take a late fact as an in-order one
+        (request_log never moves a row backwards, usage_hourly adds, a ledger row is posted
+        once)."""
+        self._checkpoint(conn, lock=True)
+        self.apply_claimed(conn, [record])
+
+    def skip(self, conn: sa.Connection, position: int) -> None:
+        """Move the checkpoint past `position` (never back), inside the caller's transaction:
+        the one that records the event there as a dead letter."""
+        if self._checkpoint(conn, lock=True) < position:
+            save_position(conn, self.name, position)
+
     def insert_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Like `apply_claimed`, for records each creating a row the caller knows is absent
         (one per key): one INSERT, no read and no delete. A row that exists fails the
