@@ -191,14 +191,33 @@ class ProjectionRunner:
                 self._replace(conn, rows, stored)
 
     def replay(self, conn: sa.Connection, record: Recorded) -> None:
-        """Apply one record the fold moved past (a dead letter, ledger/dead_letters.py) on top
-        of the current rows, inside the caller's transaction, which marks it replayed: the
-        checkpoint's lock orders it with the worker's passes and the checkpoint stays where
-        it is. Right for this module's specs, whose rows take a late fact as an in-order one
-        (request_log never moves a row backwards, usage_hourly adds, a ledger row is posted
-        once)."""
-        self._checkpoint(conn, lock=True)
-        self.apply_claimed(conn, [record])
+        """Apply one record the fold moved past (a dead letter, ledger/dead_letters.py), inside
+        the caller's transaction (the one that marks it replayed), under the checkpoint's lock,
+        which stays where it is. A row keyed by the record's own stream (request_log, a ledger
+        entry: only that stream's events touch it) is folded again from that stream up to the
+        checkpoint, so the facts that came after the missing one are kept in their order; a
+        row many streams add to (usage_hourly) takes the record on top, which its additive
+        spec makes the same as in order."""
+        spec = self._spec
+        key = spec.key(record)
+        if key is None:
+            return
+        checkpoint = self._checkpoint(conn, lock=True)
+        if key != (record.stream_id,):
+            self.apply_claimed(conn, [record])
+            return
+        row: Row | None = None
+        upto = max(checkpoint, record.position)
+        for stored in self._store.read_stream(record.stream_id):
+            if stored.position <= upto and spec.key(stored) == key:
+                row = spec.project(row, stored)
+                if row is not None:
+                    self._check_row(key, row, stored)
+        exists = frozenset(k for k, _ in self._load(conn, [key]))
+        if self._sqlite is not None:
+            self._sqlite.write(conn, {key: row})
+        else:
+            self._replace(conn, {key: row}, exists)
 
     def skip(self, conn: sa.Connection, position: int) -> None:
         """Move the checkpoint past `position` (never back), inside the caller's transaction:

@@ -24,7 +24,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -186,7 +187,12 @@ class FoldWorker:
                     r.event.EVENT_TYPE == BATCH_CREATED for r in records
                 ):
                     self.on_batch_created()
-            behind = [r for r in self.runners if self.positions[r.name] < start]
+            # Behind the common read: on their own (not again this pass if they failed).
+            behind = [
+                r for r in self.runners
+                if self.positions[r.name] < start
+                and r.name not in errors and "projections" not in errors
+            ]  # fmt: skip
             for name, step in (
                 ("control", self._follow_control),
                 ("billing", self._bill_isolated),
@@ -204,14 +210,20 @@ class FoldWorker:
                 except Exception as exc:
                     log.exception("could not save the billing checkpoint")
                     errors["billing"] = f"{type(exc).__name__}: {exc}"
-            more = len(records) == batch
+            # Another step while the common read or a read model's own came back full and
+            # what must move for it did: a failing fold is retried at the next pass, never
+            # spun on, and never holds back the others.
+            pinned = {"read", "control", "billing", "sweeper"}  # the common read's start
+            if not self.isolate_poison:
+                pinned.add("projections")
+            more = len(records) == batch and not errors.keys() & pinned
             for runner in behind:
                 try:
                     more |= self._catch_up_runner(runner, batch)
                 except Exception as exc:
                     log.exception("read model %s failed catching up", runner.name)
                     errors[runner.name] = f"{type(exc).__name__}: {exc}"
-            if not more or errors:
+            if not more:
                 break
             time.sleep(CATCH_UP_PAUSE_S)
         try:
@@ -577,3 +589,83 @@ def _batch_runner(
     )
     worker.on_batch_created = runner.nudge  # idle, it polls once a second: start a new one now
     return threading.Thread(target=runner.run, args=(stop,), name="batch-runner", daemon=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOutcome:
+    """What `replay_dead_letters` did: the dead letters applied now, and those still failing
+    (each with its new reason)."""
+
+    replayed: tuple[dict[str, Any], ...]
+    failed: tuple[dict[str, Any], ...]
+
+
+def replay_dead_letters(
+    engine: sa.Engine, *, fold: str | None = None,
+    runners: Sequence[ProjectionRunner] | None = None,
+) -> ReplayOutcome:  # fmt: skip
+    """`tollgate dead-letters replay`: apply every unreplayed dead letter (of `fold`, or all)
+    again through its fold's own code: a read model writes the event's rows on top of the
+    current ones (`ProjectionRunner.replay`, in the transaction that marks it replayed), billing
+    bills the request from its stored stream (`BillingFold.replay`; its deterministic bill id
+    makes a second replay a no-op). One that still fails stays, with its new reason.
+    `runners`: the read models' runners to replay through (a worker's; default: new ones)."""
+    store = SqlEventStore(engine)
+    by_name = {
+        r.name: r
+        for r in runners or [
+            ProjectionRunner(engine, store, spec)
+            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+        ]
+    }
+    billing: BillingFold | None = None
+    with engine.connect() as conn:
+        letters = dead_letters.listing(conn, fold=fold)
+    replayed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for letter in letters:
+        name, event_id = letter["fold"], letter["event_id"]
+        try:
+            record = _dead_record(store, letter)
+            if name == BillingFold.name:
+                if billing is None:  # prices as recorded now: the fix may have been a price
+                    control = ControlView()
+                    ControlLog(store, control)
+                    billing = BillingFold(store, Checkpoints(engine), control, engine=engine)
+                billing.replay(record)
+                with _write(engine) as conn:
+                    dead_letters.mark_replayed(conn, name, event_id, datetime.now(UTC))
+            elif name in by_name:
+                with _write(engine) as conn:
+                    by_name[name].replay(conn, record)
+                    dead_letters.mark_replayed(conn, name, event_id, datetime.now(UTC))
+            else:
+                raise LookupError(f"no fold named {name!r}")
+        except Exception as exc:
+            if dead_letters.is_transient(exc):
+                raise  # the database's failure, not the event's: nothing is marked
+            reason = dead_letters.reason_of(exc)
+            with _write(engine) as conn:
+                dead_letters.failed_again(conn, name, event_id, reason, datetime.now(UTC))
+            failed.append({**letter, "reason": reason})
+        else:
+            replayed.append(letter)
+    return ReplayOutcome(tuple(replayed), tuple(failed))
+
+
+def _dead_record(store: SqlEventStore, letter: dict[str, Any]) -> Recorded:
+    """The stored event a dead letter names (by its position; the id is checked)."""
+    position = letter["position"]
+    found = store.read_all(position - 1, 1) if position else []
+    if not found or dead_letters.storable(found[0].event_id, 64) != letter["event_id"]:
+        raise LookupError(f"event {letter['event_id']} is not at position {position}")
+    return found[0]
+
+
+@contextmanager
+def _write(engine: sa.Engine) -> Iterator[sa.Connection]:
+    """A write transaction on a connection of its own (WRITE: SQLite's immediate one)."""
+    with engine.connect() as conn:
+        conn.execution_options(**{WRITE: True})
+        with conn.begin():
+            yield conn
