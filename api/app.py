@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import re
 from typing import Annotated, Any
 
@@ -29,6 +30,7 @@ from api.backoffice import (
     to_csv,
 )
 from api.batch_routes import add_batch_routes
+from api.body_limits import bounded
 from api.chat_request import too_large
 from api.edge import JsonOutcome
 from api.errors import ApiError, error_body
@@ -61,6 +63,27 @@ def authenticate(
         if exc.status == 401:
             limits.failed_authentication(source)
         raise
+
+
+def metrics_token(runtime: Runtime, limits: RefusalLimits, request: Request) -> None:
+    """With `--metrics-token`, /metrics answers only `Authorization: Bearer <token>` (Prometheus'
+    `authorization` setting); a wrong token counts against the client address like a wrong key."""
+    token = runtime.settings.metrics_token
+    if not token:
+        return
+    source = source_of(request.scope.get("client"))
+    limits.check_source(source)
+    given = request.headers.get("authorization") or ""
+    scheme, _, secret = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        secret.strip().encode(), token.encode()
+    ):
+        limits.failed_authentication(source)
+        raise ApiError(
+            401, "/metrics needs the metrics token: Authorization: Bearer <token>",
+            code="invalid_metrics_token", type="authentication_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )  # fmt: skip
 
 
 async def customer(request: Request) -> Caller:
@@ -241,7 +264,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         )
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        metrics_token(runtime, app.state.limits, request)
         runtime.refresh_gauges()
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -266,10 +290,12 @@ class TollgateApp:
         self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+        elif scope["path"] == "/v1/chat/completions":
             await self.chat_completions(scope, receive, send)
         else:
-            await self.api(scope, receive, send)
+            await bounded(self.api, scope, receive, send)
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The few headers this route reads, from one dict (ASGI names are lower-case): Starlette's

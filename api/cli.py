@@ -1019,6 +1019,13 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
 )
 @click.option("--no-demo", is_flag=True, help="do not seed the demo tenants and keys")
 @click.option(
+    "--metrics-token",
+    envvar="TOLLGATE_METRICS_TOKEN",
+    default=None,
+    help="/metrics answers only `Authorization: Bearer TOKEN` (env TOLLGATE_METRICS_TOKEN; "
+    "Prometheus: `authorization: {credentials: TOKEN}`)",
+)
+@click.option(
     "--auth-failures-per-minute",
     default=ServeSettings.auth_failures_per_minute,
     show_default=True,
@@ -1101,6 +1108,7 @@ def serve(
     batch_windows: tuple[str, ...],
     batch_concurrency: int,
     no_demo: bool,
+    metrics_token: str | None,
     auth_failures_per_minute: int,
     slow_reader_s: float,
     stream_buffer_chunks: int,
@@ -1125,6 +1133,7 @@ def serve(
         models=models or DEFAULT_MODELS,
         sim_speed=sim_speed,
         seed_demo=not no_demo,
+        metrics_token=metrics_token or None,
         auth_failures_per_minute=auth_failures_per_minute,
         slow_reader_s=slow_reader_s,
         stream_buffer_chunks=stream_buffer_chunks,
@@ -1333,26 +1342,36 @@ def relay(
     type=click.FloatRange(min=0),
     help="seconds a lagging part may go without moving before it is stale",
 )
+@click.option(
+    "--unbilled-alarm-after",
+    envvar="TOLLGATE_UNBILLED_ALARM_S",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="seconds a terminal event may go without its ledger row before it alarms",
+)
 @one_line_errors
 def status(
     database_url: str | None, kafka_bootstrap: str | None, topic: str, as_json: bool,
-    stale_after: float,
+    stale_after: float, unbilled_alarm_after: float,
 ) -> None:
     """Print the pipeline's lags: the relay, each consumer group per partition (with
     --kafka-bootstrap; else the embedded SQL-tail worker), the workers' heartbeats.
 
-    Exits 2 when something is stale (1 on an error)."""
+    Exits 2 when something is stale or an alarm fires (1 on an error): a terminal event
+    without its ledger row past --unbilled-alarm-after, an admitted request past its lease that
+    nothing ended, a reconciliation that stopped."""
     import orjson
 
     from streams.status import cluster_status, render_table
 
     url = database_url or default_database_url()
-    found = cluster_status(url, kafka_bootstrap, stale_after)
+    found = cluster_status(url, kafka_bootstrap, stale_after, unbilled_alarm_after)
     if as_json:
         click.echo(orjson.dumps(found.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
         click.echo(render_table(found))
-    if found.stale:
+    if found.problems:
         raise SystemExit(2)
 
 

@@ -86,6 +86,14 @@ class ServeSettings:
     pipeline_stale_s: float = field(
         default_factory=lambda: float(os.environ.get("TOLLGATE_PIPELINE_STALE_S", "10"))
     )
+    # With a token, /metrics answers only `Authorization: Bearer <token>` (it names tenants).
+    metrics_token: str | None = field(
+        default_factory=lambda: os.environ.get("TOLLGATE_METRICS_TOKEN") or None
+    )
+    # /readyz alarms when a terminal event has gone this long without its ledger row.
+    unbilled_alarm_s: float = field(
+        default_factory=lambda: float(os.environ.get("TOLLGATE_UNBILLED_ALARM_S", "30"))
+    )
     scrape_interval_s: float = 0.25
     tpot_target_us: int = 40_000
     seed_demo: bool = True

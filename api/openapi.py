@@ -1004,8 +1004,9 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         },
     },
     ("/metrics", "get"): {
-        "summary": "Prometheus metrics",
+        "summary": "Prometheus metrics (with `--metrics-token`: `Authorization: Bearer <token>`)",
         "public": True,
+        "errors": [401, 429],
         "responses": {
             "200": {
                 "description": "Prometheus text format",

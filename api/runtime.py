@@ -50,7 +50,7 @@ from ledger.schema import upgrade
 from ledger.store import SqlEventStore
 from ledger.writer import GroupCommitWriter
 from predictor.runtime import LoadedPredictor
-from streams.status import read_status
+from streams.status import Reconciliation, read_status
 from streams.supervisor import FoldWorkerSupervisor
 from streams.worker import FoldStatus, read_fold_status
 
@@ -125,6 +125,7 @@ class Runtime:
         self.control_error: str | None = None
         self._fold_status: tuple[float, FoldStatus] | None = None
         self._pipeline_stale: tuple[str, ...] = ()
+        self.reconciliation: Reconciliation | None = None
         # Per model version: the engine's name for it, its context and its prompt estimator.
         self.served: dict[str, ServedModel] = {}
         self.predictor: LoadedPredictor | None = None
@@ -162,6 +163,7 @@ class Runtime:
             default_max_model_len={m: p.max_model_len for m, p in profiles.items()},
         )  # fmt: skip
         await self.fleet.start()
+        self.metrics.models.known = frozenset(self.fleet.models())
         self.commits = LoopCommits(self.writer)
         # Each model's own tokenizer and template where discovery found them; the simulator's
         # word count otherwise (exact for simulated replicas, rough in front of a real one).
@@ -362,8 +364,12 @@ class Runtime:
             stale_s = self.settings.pipeline_stale_s
             self._fold_status = (now, read_fold_status(self.engine, at, stale_s=stale_s))
             # The heartbeats are FoldStatus's; the rest of the pipeline's staleness from here.
-            status = read_status(self.engine, at, stale_s=stale_s, heartbeats=False)
-            self._pipeline_stale = status.stale
+            status = read_status(
+                self.engine, at, stale_s=stale_s, heartbeats=False,
+                unbilled_alarm_s=self.settings.unbilled_alarm_s,
+            )  # fmt: skip
+            self._pipeline_stale = status.problems
+            self.reconciliation = status.reconciliation
         return self._fold_status[1]
 
     # --- views for the routes ------------------------------------------------------------------
@@ -389,6 +395,8 @@ class Runtime:
         return problems, warnings
 
     def refresh_gauges(self) -> None:
+        if self.fleet is not None:
+            self.metrics.models.known = frozenset(self.fleet.models())
         self.metrics.refresh_ratios()
         if self.predictor is not None:
             for tenant, (covered, _, _) in self.predictor.coverage().items():
@@ -397,6 +405,7 @@ class Runtime:
         folds = self.fold_status()
         self.metrics.billing_lag.set(folds.billing_lag)
         self.metrics.billing_dead_letters.set(folds.dead_letters)
+        self.metrics.observe_reconciliation(self.reconciliation)
         if self.fleet is None:
             return
         for replica in self.fleet.replicas():

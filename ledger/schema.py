@@ -179,7 +179,7 @@ worker_status = sa.Table(
     sa.Column("dead_letter_sample", sa.Text),
 )
 
-# Not an event projection: the events a fold could not apply and moved past (migration 0015,
+# Not an event projection: the events a fold could not apply and moved past (migration 0017,
 # ledger/dead_letters.py), one row per (fold, event id), replayed in place.
 dead_letters = sa.Table(
     "dead_letters",
@@ -198,6 +198,23 @@ dead_letters = sa.Table(
     sa.Column("first_failed_at", UTCDateTime, nullable=False),
     sa.Column("last_failed_at", UTCDateTime, nullable=False),
     sa.Column("replayed_at", UTCDateTime),
+)
+
+# The continuous reconciliation's last result (streams/reconciler.py), one row per reconciler
+# (one leads per database): what `tollgate status`, /readyz and /metrics alarm on.
+reconciliation_status = sa.Table(
+    "reconciliation_status",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("checked_at", UTCDateTime, nullable=False),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("unbilled_terminals", sa.BigInteger, nullable=False),
+    sa.Column("oldest_unbilled_at", UTCDateTime),
+    sa.Column("overdue_leases", sa.BigInteger, nullable=False),
+    sa.Column("oldest_overdue_at", UTCDateTime),
+    sa.Column("sample", sa.Text),
 )
 
 # Not event projections: where the distributed mode's Kafka consumers and the outbox relay keep

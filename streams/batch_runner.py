@@ -24,8 +24,11 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -48,6 +51,56 @@ BACKOFF_MAX_S = 5.0
 PURGE_EVERY_S = 60.0
 # Statuses after which an attempt is tried again later (not the item's outcome).
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+# A repeated failure of one batch is logged once per this many seconds, with the count since.
+LOG_EVERY_S = 60.0
+
+
+@dataclass(slots=True)
+class _Backoff:
+    """One tenant's back-off: a refusal of its items pauses its items only."""
+
+    backoff_s: float = 0.0
+    pause_until: float = 0.0
+
+
+@dataclass(slots=True)
+class _Ready:
+    """An open batch's items that may be sent this pass."""
+
+    state: b.BatchState
+    lines: list[b.InputLine]
+    kept: dict[str, ItemResult]
+    tasks: dict[str, asyncio.Task[None]]
+    pending: Iterator[b.InputLine] = field(init=False)
+
+    def __post_init__(self) -> None:
+        finished, kept, tasks = self.state.finished, self.kept, self.tasks
+        self.pending = (
+            line for line in self.lines
+            if line.custom_id not in finished and line.custom_id not in kept
+            and line.custom_id not in tasks
+        )  # fmt: skip
+
+
+class _QuietLog:
+    """Warnings keyed by what failed (a batch and a kind of failure): the first at once, then
+    at most one per `LOG_EVERY_S` with the count since. A batch whose items keep failing wrote
+    375 lines a minute, its clients' custom_ids in them."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def warn(self, key: tuple[str, str], message: str, *args: object) -> None:
+        now = time.monotonic()
+        last, suppressed = self._last.get(key, (0.0, 0))
+        if now - last < LOG_EVERY_S:
+            self._last[key] = (last, suppressed + 1)
+            return
+        self._last[key] = (now, 0)
+        if suppressed:
+            message += " (%d more since the last report)"
+            args = (*args, suppressed)
+        log.warning(message, *args)
 
 
 class BatchRunner:
@@ -80,8 +133,10 @@ class BatchRunner:
         self._states: dict[str, b.BatchState] = {}
         self._wake: asyncio.Event | None = None  # set when an item ends: feed the next at once
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pause_until = 0.0
-        self._backoff_s = 0.0
+        # Per tenant: one tenant's refused or failing items never pause another's.
+        self._backoffs: dict[str, _Backoff] = {}
+        self._turn = 0  # rotates which tenant goes first among equals
+        self._log = _QuietLog()
         self._purged_at = 0.0
         self.attempts = 0  # items sent to the edge (a retry counts again)
         self.refusals = 0  # attempts the edge refused or stopped (tried again later)
@@ -134,24 +189,29 @@ class BatchRunner:
             if purged:
                 log.info("deleted %d expired batch file(s)", purged)
         open_batches = await asyncio.to_thread(self.files.open_batches)
+        ready: list[_Ready] = []
         for batch_id in open_batches:
-            await self._step(batch_id, client, now)
+            found = await self._step(batch_id, now)
+            if found is not None:
+                ready.append(found)
+        self._feed(ready, client)
         return len(open_batches)
 
     # --- one batch ------------------------------------------------------------------------------
 
-    async def _step(self, batch_id: str, client: httpx.AsyncClient, now: datetime) -> None:
+    async def _step(self, batch_id: str, now: datetime) -> _Ready | None:
+        """Move one batch on; its items that may be sent, if it has any."""
         state = await self._state(batch_id)
         if state.status == "new":
-            return  # registered, its BatchCreated not committed yet (or never: nothing to do)
+            return None  # registered, its BatchCreated not committed yet (or never)
         if state.ended:
             await asyncio.to_thread(self._close, state, now)
-            return
+            return None
         if state.status == "validating":
             state = await self._decide(state, b.StartBatch(), now)
         lines = await self._lines(state, now)
         if lines is None:
-            return
+            return None
         tasks = self._inflight.setdefault(batch_id, {})
         for custom_id in [c for c, t in tasks.items() if t.done()]:
             del tasks[custom_id]
@@ -167,74 +227,140 @@ class BatchRunner:
             for task in tasks.values():
                 task.cancel()  # expiry and cancel stop what runs: billed nothing, not retried
             if any(not t.done() for t in tasks.values()):
-                return  # the next pass ends it, once they have stopped
+                return None  # the next pass ends it, once they have stopped
             if state.status == "in_progress":
                 state = await self._decide(state, b.FinalizeBatch("expired"), now)
             await asyncio.to_thread(self._end, state, lines, now)
-            return
+            return None
         if state.all_finished:
             state = await self._decide(state, b.FinalizeBatch("completed"), now)
             await asyncio.to_thread(self._end, state, lines, now)
-            return
-        self._feed(state, lines, kept, tasks, client)
+            return None
+        return _Ready(state, lines, kept, tasks)
 
-    def _feed(
-        self, state: b.BatchState, lines: list[b.InputLine], kept: dict[str, ItemResult],
-        tasks: dict[str, asyncio.Task[None]], client: httpx.AsyncClient,
-    ) -> None:
-        if time.monotonic() < self._pause_until:
-            return
-        running = sum(len(t) for t in self._inflight.values())
-        for line in lines:
-            if running >= self.concurrency:
-                return
-            cid = line.custom_id
-            if cid in state.finished or cid in kept or cid in tasks:
+    def _feed(self, ready: list[_Ready], client: httpx.AsyncClient) -> None:
+        """Fill the free slots fairly between tenants: each slot goes to the tenant with the
+        fewest items in flight among those with items to send and not backing off (ties in
+        turn), and a tenant's own batches go oldest first. One tenant's batch of a million
+        items, or one whose items keep failing, takes no slot another tenant could use."""
+        now = time.monotonic()
+        by_tenant: dict[str, list[_Ready]] = {}
+        for r in ready:
+            backoff = self._backoffs.get(r.state.tenant_id)
+            if backoff is None or now >= backoff.pause_until:
+                by_tenant.setdefault(r.state.tenant_id, []).append(r)
+        running: dict[str, int] = {}
+        for batch_id, tasks in self._inflight.items():
+            live = sum(not t.done() for t in tasks.values())
+            cached = self._states.get(batch_id)
+            if live and cached is not None:
+                running[cached.tenant_id] = running.get(cached.tenant_id, 0) + live
+        total = sum(running.values())
+        order = sorted(by_tenant)
+        if order:
+            self._turn = (self._turn + 1) % len(order)
+            order = order[self._turn :] + order[: self._turn]
+        rank = {tenant: i for i, tenant in enumerate(order)}
+        loop = asyncio.get_running_loop()
+        while total < self.concurrency and by_tenant:
+            tenant = min(by_tenant, key=lambda t: (running.get(t, 0), rank[t]))
+            batches = by_tenant[tenant]
+            line = next(batches[0].pending, None)
+            if line is None:
+                batches.pop(0)
+                if not batches:
+                    del by_tenant[tenant]
                 continue
-            tasks[cid] = asyncio.get_running_loop().create_task(
-                self._run_item(state, line, client), name=f"batch-item-{cid}"
+            r = batches[0]
+            r.tasks[line.custom_id] = loop.create_task(
+                self._run_item(r.state, line, client),
+                name=f"batch-item-{r.state.batch_id}-{line.line}",
             )
-            running += 1
+            running[tenant] = running.get(tenant, 0) + 1
+            total += 1
 
     async def _run_item(
         self, state: b.BatchState, line: b.InputLine, client: httpx.AsyncClient
     ) -> None:
+        """One attempt. Whatever goes wrong stays with this item: a body or a header that cannot
+        be sent ends the item as failed (it never could be), a refusal or a lost connection
+        backs off its tenant only, and nothing escapes the task unseen."""
         self.attempts += 1
+        tenant = state.tenant_id
+        where = f"batch {state.batch_id} line {line.line}"  # ids only: never the client's text
+        try:
+            request = self._request(state, line, client)
+        except (TypeError, ValueError) as exc:
+            await self._keep_or_back_off(state, line, "", 400, _unsendable(exc))
+            return
+        try:
+            r = await client.send(request)
+        except httpx.HTTPError as exc:
+            self._log.warn(
+                (state.batch_id, "no_answer"), "%s: the edge did not answer (%s)", where,
+                type(exc).__name__,
+            )  # fmt: skip
+            self._refused(tenant)
+            return
+        except Exception:
+            log.exception("%s: sending failed", where)
+            self._refused(tenant)
+            return
+        if r.status_code in RETRY_STATUSES:
+            self._refused(tenant)  # no idle capacity, preempted, quota, the edge busy: later
+            return
+        request_id = r.headers.get("x-request-id", "")
+        if await self._keep_or_back_off(state, line, request_id, r.status_code, r.content):
+            self._backoffs.pop(tenant, None)
+
+    async def _keep_or_back_off(
+        self, state: b.BatchState, line: b.InputLine, request_id: str, status: int, body: bytes
+    ) -> bool:
+        """Keep and record the item's outcome; a store that fails backs the tenant off (a
+        result kept but not recorded is recorded by a later pass)."""
+        try:
+            await self._keep(state, line, request_id, status, body)
+        except Exception:
+            log.exception("batch %s line %d: keeping its result failed", state.batch_id, line.line)
+            self._refused(state.tenant_id)
+            return False
+        return True
+
+    def _request(
+        self, state: b.BatchState, line: b.InputLine, client: httpx.AsyncClient
+    ) -> httpx.Request:
+        """The attempt as sent. The custom_id is percent-encoded in the header (a client's
+        newline or non-ASCII id cannot break the request line); a body orjson cannot encode
+        (an integer beyond 64 bits) raises TypeError here, before anything is sent."""
         item = f"{state.batch_id}/{line.custom_id}"
         headers = {
             "Authorization": f"Bearer {self.token}",
-            "X-Tollgate-Batch-Item": item,
+            "X-Tollgate-Batch-Item": f"{state.batch_id}/{quote(line.custom_id, safe='')}",
             "X-Tollgate-On-Behalf-Of": state.key_id,
             # The item's identity: an attempt that completed is replayed, never run again.
             "Idempotency-Key": "batch-" + hashlib.sha256(item.encode()).hexdigest()[:48],
             "Content-Type": "application/json",
         }
-        try:
-            r = await client.post(
-                "/v1/chat/completions", content=orjson.dumps(line.body), headers=headers
-            )
-        except httpx.HTTPError as exc:
-            log.warning("batch item %s: the edge did not answer (%s)", item, type(exc).__name__)
-            self._refused()
-            return
-        if r.status_code in RETRY_STATUSES:
-            self._refused()  # no idle capacity, preempted, quota, the edge busy: later
-            return
-        now = self.clock()
-        result = ItemResult(
-            line.custom_id, r.headers.get("x-request-id", ""), r.status_code, r.content
+        return client.build_request(
+            "POST", "/v1/chat/completions", content=orjson.dumps(line.body), headers=headers
         )
+
+    async def _keep(
+        self, state: b.BatchState, line: b.InputLine, request_id: str, status: int, body: bytes
+    ) -> None:
+        now = self.clock()
+        result = ItemResult(line.custom_id, request_id, status, body)
         result = await asyncio.to_thread(self.files.put_result, state.batch_id, result, now)
         fresh = await self._state(state.batch_id)
         await self._record(fresh, result, now)
-        self._backoff_s = 0.0
         if self._wake is not None:
             self._wake.set()
 
-    def _refused(self) -> None:
+    def _refused(self, tenant_id: str) -> None:
         self.refusals += 1
-        self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff_s * 2))
-        self._pause_until = time.monotonic() + self._backoff_s
+        backoff = self._backoffs.setdefault(tenant_id, _Backoff())
+        backoff.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, backoff.backoff_s * 2))
+        backoff.pause_until = time.monotonic() + backoff.backoff_s
 
     # --- its facts ------------------------------------------------------------------------------
 
@@ -342,6 +468,16 @@ class BatchRunner:
         self._inflight.pop(state.batch_id, None)
         self._inputs.pop(state.batch_id, None)
         self._states.pop(state.batch_id, None)
+
+
+def _unsendable(exc: Exception) -> bytes:
+    """The error body of an item whose request cannot be encoded (it fails alone, at once)."""
+    return orjson.dumps(
+        {"error": {
+            "message": f"this request could not be sent: {type(exc).__name__}",
+            "type": "invalid_request_error", "param": "body", "code": "unsendable_request",
+        }}
+    )  # fmt: skip
 
 
 def _json(body: bytes) -> Any:

@@ -54,6 +54,7 @@ from streams.billing import BillingFold
 from streams.consumer import Batch, EventConsumer
 from streams.gc_settings import settle_for_batches
 from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
+from streams.reconciler import start_reconciler
 from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC
 from streams.worker import WORKER_NAME, write_status_row
@@ -252,6 +253,7 @@ def run_kafka_worker(
             ConsumerLagCollector(engine, group, topic, lambda: set(consumer.assigned), probe)
         )
     serve_metrics(metrics_port, worker.metrics.registry)
+    start_reconciler(engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics)
     try:
         worker.start()
         settle_for_batches()

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from domain.events import Recorded, UsageBilled
+from domain.gaps import GapReport, age_s
 from ledger.dead_letters import FOLDS, counts_by_fold
 from streams.status import Watermarks, partition_lags
 
@@ -35,6 +36,38 @@ class PipelineMetrics:
             buckets=BILLING_LAG_BUCKETS_S,
             registry=r,
         )
+
+        # The continuous reconciliation's figures (streams/reconciler.py), on the worker that
+        # leads it; the ages are read at scrape time, so a gap that nothing clears keeps growing.
+        self._gaps: tuple[GapReport, datetime] | None = None
+        gap_gauges = (
+            ("tollgate_unbilled_terminals",
+             "Terminal events whose ledger row the reconciliation has not found.",
+             lambda g, _at: g.unbilled_terminals),
+            ("tollgate_unbilled_terminal_oldest_age_seconds",
+             "Age of the oldest terminal event without its ledger row (0: none).",
+             lambda g, _at: age_s(datetime.now(UTC), g.oldest_unbilled_at)),
+            ("tollgate_overdue_leases",
+             "Admitted requests without a terminal event, unrenewed past the lease TTL + sweep.",
+             lambda g, _at: g.overdue_leases),
+            ("tollgate_overdue_lease_oldest_age_seconds",
+             "Time since the oldest overdue request was last renewed (0: none).",
+             lambda g, _at: age_s(datetime.now(UTC), g.oldest_overdue_at)),
+            ("tollgate_reconciliation_last_run_timestamp_seconds",
+             "When the reconciliation last checked the ledger against the log (Unix time).",
+             lambda _g, at: at.timestamp()),
+        )  # fmt: skip
+        for metric, doc, read in gap_gauges:
+            Gauge(metric, doc, registry=r).set_function(self._gap_reader(read))
+
+    def _gap_reader(self, read: Callable[[GapReport, datetime], float]) -> Callable[[], float]:
+        def value() -> float:
+            return 0.0 if self._gaps is None else float(read(*self._gaps))
+
+        return value
+
+    def observe_gaps(self, report: GapReport, checked_at: datetime) -> None:
+        self._gaps = (report, checked_at)
 
     def observe_ledger_rows(self, records: Iterable[Recorded], committed_at: datetime) -> None:
         """Once the transaction that wrote the ledger rows of `records`' bills has committed."""

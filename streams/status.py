@@ -18,8 +18,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from domain.gaps import OVERDUE_GRACE_S
+from domain.leases import LEASE_TTL_S
 from ledger.outbox import backlog_after
-from ledger.schema import consumer_offsets, events, relay_state, worker_status
+from ledger.schema import (
+    consumer_offsets,
+    events,
+    reconciliation_status,
+    relay_state,
+    worker_status,
+)
 
 # The default threshold, also the edges' limit on a worker's heartbeat.
 DEFAULT_STALE_S = 10.0
@@ -27,6 +35,10 @@ DEFAULT_STALE_S = 10.0
 # suspected of missing it: the relay saves its place a few milliseconds after the broker
 # acknowledged, and a worker may commit those very messages within that window.
 PUBLISH_COMMIT_MARGIN_S = 1.0
+
+# A terminal event without its ledger row for longer than this is an alarm (the billing lag's
+# target is 2 s at p99; a worker restart or a rebalance takes several seconds more).
+DEFAULT_UNBILLED_ALARM_S = 30.0
 
 # Watermarks: (topic, partitions or None for all of the topic's) -> {partition: high watermark}.
 Watermarks = Callable[[str, Iterable[int] | None], Mapping[int, int]]
@@ -72,6 +84,19 @@ class WorkerLag:
 
 
 @dataclass(frozen=True, slots=True)
+class Reconciliation:
+    """The continuous reconciliation's last result (streams/reconciler.py), its ages read now."""
+
+    checked_age_s: float
+    position: int
+    unbilled_terminals: int
+    oldest_unbilled_age_s: float | None
+    overdue_leases: int
+    oldest_overdue_age_s: float | None
+    sample: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterStatus:
     # "kafka" (a broker was asked), "kafka-unprobed" (a relay reported, no broker was asked)
     # or "embedded"
@@ -80,11 +105,19 @@ class ClusterStatus:
     relays: tuple[RelayLag, ...] = ()
     partitions: tuple[PartitionLag, ...] = ()
     workers: tuple[WorkerLag, ...] = ()
+    reconciliation: Reconciliation | None = None
     stale: tuple[str, ...] = field(default=())
+    # Gaps in the money path (DESIGN §4 invariant 14): pages, not lag.
+    alarms: tuple[str, ...] = field(default=())
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return self.stale + self.alarms
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["stale"] = list(self.stale)
+        body["alarms"] = list(self.alarms)
         for row, p in zip(body["partitions"], self.partitions, strict=True):
             row["lag_messages"] = p.lag_messages
         return body
@@ -164,6 +197,26 @@ def worker_lags(conn: sa.Connection, now: datetime) -> list[WorkerLag]:
     return lags
 
 
+def reconciliation(conn: sa.Connection, now: datetime) -> Reconciliation | None:
+    """The freshest reconciler's row (one leads; a row left by an old leader is older)."""
+    row = (
+        conn.execute(
+            sa.select(reconciliation_status).order_by(reconciliation_status.c.checked_at.desc())
+        )
+        .mappings()
+        .first()
+    )
+    if row is None:
+        return None
+    return Reconciliation(
+        _age(now, row["checked_at"]), row["position"], row["unbilled_terminals"],
+        _age(now, row["oldest_unbilled_at"]) if row["oldest_unbilled_at"] else None,
+        row["overdue_leases"],
+        _age(now, row["oldest_overdue_at"]) if row["oldest_overdue_at"] else None,
+        row["sample"],
+    )  # fmt: skip
+
+
 def folds_groups(conn: sa.Connection) -> dict[str, str]:
     """The consumer groups to report: every group with saved offsets, and the folds' group of
     every topic the relay publishes (a group that never committed lags too)."""
@@ -188,18 +241,53 @@ def read_status(
     watermarks: Watermarks | None = None,
     stale_s: float = DEFAULT_STALE_S,
     heartbeats: bool = True,
+    unbilled_alarm_s: float = DEFAULT_UNBILLED_ALARM_S,
 ) -> ClusterStatus:
-    """The whole pipeline's lags, and what is stale at `stale_s`. `heartbeats=False` leaves the
-    workers' heartbeat age out of `stale` (an edge reports it already, from FoldStatus)."""
+    """The whole pipeline's lags, what is stale at `stale_s`, and the alarms. `heartbeats=False`
+    leaves the workers' heartbeat age out of `stale` (an edge reports it already, from
+    FoldStatus)."""
     with engine.connect() as conn:
         head = head_position(conn)
         relays = relay_lags(conn, now) if engine.dialect.name == "postgresql" else []
         groups = folds_groups(conn)
         partitions = partition_lags(conn, now, groups, watermarks)
         workers = worker_lags(conn, now)
+        checked = reconciliation(conn, now)
     mode = "kafka" if watermarks is not None else "kafka-unprobed" if relays else "embedded"
-    status = ClusterStatus(mode, head, tuple(relays), tuple(partitions), tuple(workers))
-    return replace(status, stale=stale_parts(status, stale_s, heartbeats=heartbeats))
+    status = ClusterStatus(mode, head, tuple(relays), tuple(partitions), tuple(workers), checked)
+    return replace(
+        status,
+        stale=stale_parts(status, stale_s, heartbeats=heartbeats),
+        alarms=alarms(status, stale_s, unbilled_alarm_s),
+    )
+
+
+def alarms(status: ClusterStatus, stale_s: float, unbilled_alarm_s: float) -> tuple[str, ...]:
+    """One line per gap an operator is paged for: a terminal event without its ledger row past
+    `unbilled_alarm_s`, an admitted request past its lease that nothing ended, and a
+    reconciliation that stopped checking."""
+    r = status.reconciliation
+    if r is None:
+        return ()
+    found: list[str] = []
+    sample = f" (e.g. {r.sample})" if r.sample else ""
+    if r.unbilled_terminals and (r.oldest_unbilled_age_s or 0.0) > unbilled_alarm_s:
+        found.append(
+            f"billing: {r.unbilled_terminals} terminal event(s) without a ledger row, the oldest "
+            f"{r.oldest_unbilled_age_s:.0f} s old{sample}"
+        )
+    if r.overdue_leases:
+        found.append(
+            f"leases: {r.overdue_leases} admitted request(s) without a terminal event past the "
+            f"lease TTL + sweep ({LEASE_TTL_S:.0f} s + {OVERDUE_GRACE_S:.0f} s), the oldest "
+            f"unrenewed for {r.oldest_overdue_age_s or 0.0:.0f} s{sample}"
+        )
+    if r.checked_age_s > stale_s and status.head_position > r.position:
+        found.append(
+            f"reconciliation: last ran {r.checked_age_s:.0f} s ago, "
+            f"{status.head_position - r.position} event(s) after its position"
+        )
+    return tuple(found)
 
 
 # --- what is stale --------------------------------------------------------------------------------
@@ -302,7 +390,8 @@ class BrokerWatermarks:
 
 
 def cluster_status(
-    database_url: str, bootstrap: str | None, stale_s: float = DEFAULT_STALE_S
+    database_url: str, bootstrap: str | None, stale_s: float = DEFAULT_STALE_S,
+    unbilled_alarm_s: float = DEFAULT_UNBILLED_ALARM_S,
 ) -> ClusterStatus:
     """`tollgate status`: the pipeline behind `database_url`, with the broker's watermarks when
     `bootstrap` is given (the distributed mode), else the embedded SQL-tail worker's lag."""
@@ -311,7 +400,10 @@ def cluster_status(
     engine = create_engine_from_url(database_url)
     watermarks = BrokerWatermarks(bootstrap) if bootstrap else None
     try:
-        return read_status(engine, datetime.now(UTC), watermarks=watermarks, stale_s=stale_s)
+        return read_status(
+            engine, datetime.now(UTC), watermarks=watermarks, stale_s=stale_s,
+            unbilled_alarm_s=unbilled_alarm_s,
+        )  # fmt: skip
     finally:
         if watermarks is not None:
             watermarks.close()
@@ -352,9 +444,21 @@ def render_table(status: ClusterStatus) -> str:
         )
     else:
         out += ["no worker has reported (worker_status is empty)", ""]
+    r = status.reconciliation
+    if r is not None:
+        out += _table(
+            ("RECONCILED", "POSITION", "UNBILLED TERMINALS", "OLDEST UNBILLED", "OVERDUE LEASES",
+             "OLDEST OVERDUE"),
+            [(f"{r.checked_age_s:.1f} s ago", r.position, r.unbilled_terminals,
+              "-" if r.oldest_unbilled_age_s is None else f"{r.oldest_unbilled_age_s:.1f} s",
+              r.overdue_leases,
+              "-" if r.oldest_overdue_age_s is None else f"{r.oldest_overdue_age_s:.1f} s")],
+        )  # fmt: skip
+    if status.alarms:
+        out += ["ALARMS:", *(f"  {line}" for line in status.alarms)]
     if status.stale:
         out += ["STALE:", *(f"  {line}" for line in status.stale)]
-    else:
+    elif not status.alarms:
         out.append("nothing stale")
     return "\n".join(out)
 

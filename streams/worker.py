@@ -49,6 +49,7 @@ from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.gc_settings import settle_for_batches
 from streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
+from streams.reconciler import start_reconciler
 from streams.sql_tail import SqlTail
 from streams.status import DEFAULT_STALE_S
 from streams.sweeper import LeaseSweeper, resume_sweeper
@@ -549,6 +550,7 @@ def run_worker(
     if metrics_port:
         worker.metrics.registry.register(DeadLettersCollector(engine))
     serve_metrics(metrics_port, worker.metrics.registry)
+    start_reconciler(engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics)
     runner = _batch_runner(engine, worker, stop)
     try:
         while True:  # a database that is away at start (or drops us meanwhile) is waited for

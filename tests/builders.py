@@ -310,3 +310,46 @@ class Scenario:
 
 def given(*events: Event) -> Scenario:
     return Scenario(events)
+
+
+# --- straight into a store (integration tests) ----------------------------------------------------
+
+PRICED = MODEL  # priced by `append_price`
+UNPRICED = "llama-3.1-70b-2026-05"  # no price unless a test sets one
+
+
+def append_price(store: Any, model: str = PRICED) -> None:
+    """A price for `model`, in force since yesterday."""
+    import uuid
+
+    from ledger.store import NewEvent
+
+    when = datetime.now(UTC) - timedelta(days=1)
+    new = NewEvent(
+        str(uuid.uuid4()), f"prices-{model}", "", when, PriceSet(model, 150_000, 600_000, 0, when)
+    )
+    store.append(new.stream_id, 0, [new])
+
+
+def append_request(
+    store: Any, model: str = PRICED, *, end: bool = True, age_s: float = 0
+) -> str:
+    """An admitted and routed request `age_s` old, completed unless `end` is False; its id."""
+    import uuid
+
+    from domain.cost import Estimate
+    from ledger.store import NewEvent
+
+    rid = "req_" + uuid.uuid4().hex
+    when = datetime.now(UTC) - timedelta(seconds=age_s)
+    commands: list[lc.Command] = [
+        lc.AdmitRequest(
+            rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
+        ),
+        lc.RouteRequest("replica-1", 0, request_id=rid),
+    ]
+    if end:
+        commands.append(lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid))
+    events = decided(*commands, at=when)
+    store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", when, e) for e in events])
+    return rid

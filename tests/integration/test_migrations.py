@@ -27,6 +27,7 @@ TABLES = {
     "batch_results",
     "relay_state",
     "dead_letters",
+    "reconciliation_status",
 }
 
 

@@ -6,8 +6,8 @@ place (the store's position; on Kafka the topic, partition and offset) and the r
 moves past it. `tollgate status`, /metrics and /readyz show the unreplayed ones per fold;
 `tollgate dead-letters replay` applies them again once fixed (ledger/dead_letters.py).
 
-Revision ID: 0015
-Revises: 0014
+Revision ID: 0017
+Revises: 0016
 Create Date: 2026-12-07
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0015"
-down_revision: str | None = "0014"
+revision: str = "0017"
+down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
