@@ -307,3 +307,89 @@ def test_a_bill_that_cannot_be_decided_is_kept_and_replayed_once_priced(
     assert unpriced in _billed(engine)
     bills = [r for r in store.read_stream(unpriced) if r.type == "UsageBilled"]
     assert len(bills) == 1
+
+
+def _kafka_poisoned(
+    engine: sa.Engine, bootstrap: str, topic: str, *, isolate: bool
+) -> tuple[Any, dict[str, tuple[int, int, int]], Recorded, int]:
+    """Requests of six tenants with the NUL rejection among them, published to `topic`; a
+    Kafka worker (isolation as asked) folds the topic for a while. Returns the worker, the
+    requests' engine counts, the poison and how many records were published."""
+    import random
+    import time
+
+    from streams.kafka_consumer import KafkaEventConsumer
+    from streams.kafka_worker import KafkaFoldWorker, group_for
+    from streams.relay import OutboxRelay
+    from tests.integration.test_kafka_worker import PARTITIONS
+    from tests.integration.test_kafka_worker import _price as price
+    from tests.integration.test_kafka_worker import _requests as requests
+
+    store = SqlEventStore(engine)
+    price(store)
+    rng = random.Random(26)
+    truth = requests(store, 20, rng)
+    _, poison = _poison(store)
+    truth |= requests(store, 20, rng)
+    relay = OutboxRelay(engine, bootstrap, topic, partitions=PARTITIONS)
+    relay.check_topic()
+    published = 0
+    while n := relay.publish_once():
+        published += n
+    relay.close()
+    consumer = KafkaEventConsumer(engine, bootstrap, topic, group_for(topic))
+    worker = KafkaFoldWorker(engine, consumer)
+    worker.isolate_poison = isolate
+    deadline = time.monotonic() + 30
+    tries = 0
+    try:
+        while worker.folded < published and time.monotonic() < deadline and tries < 5:
+            try:
+                worker.run_batch(5000, 0.5)
+            except Exception:
+                tries += 1  # the twin: the batch is rewound and fails again
+    finally:
+        consumer.close()
+    return worker, truth, poison, published
+
+
+@pytest.mark.postgres
+@pytest.mark.kafka
+def test_a_kafka_worker_dead_letters_a_nul_with_its_offset_and_commits_the_rest(
+    postgres_url: str, kafka_broker: Any, kafka_topic: str
+) -> None:
+    engine = next(_engine(postgres_url))
+    try:
+        worker, truth, poison, published = _kafka_poisoned(
+            engine, kafka_broker.bootstrap, kafka_topic, isolate=True
+        )
+        assert worker.folded == published  # every record claimed, the offsets past the poison
+        assert _billed(engine) == set(truth)  # every tenant's ledger row
+        assert _logged(engine) == set(truth)
+        (letter,) = _letters(engine)
+        assert (letter["fold"], letter["event_id"]) == ("request_log", poison.event_id)
+        assert letter["topic"] == kafka_topic and letter["position"] == poison.position
+        assert letter["kafka_partition"] is not None and letter["kafka_offset"] is not None
+        assert "NUL" in letter["reason"]
+        assert _counts(engine) == {"request_log": 1}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.kafka
+def test_with_the_isolation_off_a_kafka_worker_repeats_the_poisoned_batch_forever(
+    postgres_url: str, kafka_broker: Any, kafka_topic: str
+) -> None:
+    """The safeguard-off twin: the batch holding the poison is rewound and fails again, and
+    the ledger rows of the requests that share it never commit."""
+    engine = next(_engine(postgres_url))
+    try:
+        worker, truth, _, published = _kafka_poisoned(
+            engine, kafka_broker.bootstrap, kafka_topic, isolate=False
+        )
+        assert worker.folded < published
+        assert set(truth) - _billed(engine)  # ended, billed in the store, never in the ledger
+        assert _letters(engine) == []
+    finally:
+        engine.dispose()
