@@ -488,7 +488,8 @@ class FoldStatus:
     warnings: tuple[str, ...]
     billing_lag: int
     dead_letters: int
-    # Unreplayed events in the dead-letter table, per fold (ledger/dead_letters.py).
+    # Unreplayed events in the dead-letter table, per fold (ledger/dead_letters.py); their
+    # alarm is streams.status's (read_status), which /readyz and `tollgate status` show.
     dead_letters_by_fold: dict[str, int] = field(default_factory=dict)
 
 
@@ -501,10 +502,8 @@ def read_fold_status(
             sa.select(worker_status).where(worker_status.c.name == name)
         ).mappings().first()
         dead = dead_letters.counts_by_fold(conn)
-    dead_problems = [dead_letter_problem(fold, n) for fold, n in dead.items()]
     if row is None:
-        none = ("folds: no fold worker has reported yet", *dead_problems)
-        return FoldStatus(none, (), 0, 0, dead)
+        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0, dead)
     problems: list[str] = []
     warnings: list[str] = []
     age = (now - row["heartbeat_at"]).total_seconds()
@@ -518,17 +517,8 @@ def read_fold_status(
             f"billing: {row['dead_letters']} request(s) could not be billed, e.g. "
             + "; ".join(f"{k} ({v})" for k, v in sample.items())
         )
-    problems += dead_problems
     return FoldStatus(
         tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"], dead
-    )
-
-
-def dead_letter_problem(fold: str, count: int) -> str:
-    """The line /readyz and `tollgate status` show for a fold's unreplayed dead letters."""
-    return (
-        f"dead letters: {fold} moved past {count} event(s) it could not apply "
-        "(tollgate dead-letters list; replay once fixed: tollgate dead-letters replay)"
     )
 
 
