@@ -25,6 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from domain.errors import DomainError
 from domain.events import Recorded
 from ledger.schema import dead_letters as t
 
@@ -71,7 +72,10 @@ def storable(text: str, limit: int | None = None) -> str:
 
 
 def reason_of(exc: BaseException) -> str:
-    """The reason recorded for `exc`: its type and message, storable, at most REASON_CHARS."""
+    """The reason recorded for `exc`: its type and message (a domain rule: the rule's name and
+    message, as the billing fold records it), storable, at most REASON_CHARS."""
+    if isinstance(exc, DomainError):
+        return storable(f"{exc.rule}: {exc.message}", REASON_CHARS)
     return storable(f"{type(exc).__name__}: {exc}", REASON_CHARS)
 
 
@@ -227,7 +231,8 @@ def listing(
         query = query.where(t.c.fold == fold)
     if not include_replayed:
         query = query.where(t.c.replayed_at.is_(None))
-    return [dict(row) for row in conn.execute(query).mappings()]
+    # str(): the keys are quoted_name, which not every serializer takes for a str
+    return [{str(k): v for k, v in row.items()} for row in conn.execute(query).mappings()]
 
 
 def mark_replayed(conn: sa.Connection, fold: str, event_id: str, now: datetime) -> None:

@@ -399,3 +399,48 @@ def test_with_the_isolation_off_a_kafka_worker_repeats_the_poisoned_batch_foreve
         assert _letters(engine) == []
     finally:
         engine.dispose()
+
+
+def _tollgate(*args: str, url: str) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "api.cli", *args, "--database-url", url],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ),
+    )  # fmt: skip
+
+
+def test_dead_letters_are_listed_alarmed_and_replayed_with_one_command(sqlite_url: str) -> None:
+    import orjson
+
+    engine = next(_engine(sqlite_url))
+    try:
+        store = SqlEventStore(engine)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        unpriced = _request(store)  # no price in force: billing cannot bill it
+        _passes(worker, 3)
+        worker.write_status()
+
+        listed = _tollgate("dead-letters", "list", "--json", url=sqlite_url)
+        assert listed.returncode == 0, listed.stderr
+        (row,) = orjson.loads(listed.stdout)
+        assert (row["fold"], row["stream_id"]) == ("billing", unpriced)
+        status = _tollgate("status", url=sqlite_url)
+        assert status.returncode == 2 and "dead letters: billing" in status.stdout
+
+        still = _tollgate("dead-letters", "replay", url=sqlite_url)
+        assert still.returncode == 2 and "still failing 1" in still.stdout
+        assert "no_price" in still.stdout
+
+        _price(store)
+        done = _tollgate("dead-letters", "replay", "--fold", "billing", url=sqlite_url)
+        assert done.returncode == 0 and "replayed 1, still failing 0" in done.stdout
+        listed = _tollgate("dead-letters", "list", url=sqlite_url)
+        assert listed.stdout.strip() == "no dead letters"
+        assert "dead letters" not in _tollgate("status", url=sqlite_url).stdout
+        assert len([r for r in store.read_stream(unpriced) if r.type == "UsageBilled"]) == 1
+    finally:
+        engine.dispose()
