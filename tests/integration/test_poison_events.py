@@ -444,3 +444,45 @@ def test_dead_letters_are_listed_alarmed_and_replayed_with_one_command(sqlite_ur
         assert len([r for r in store.read_stream(unpriced) if r.type == "UsageBilled"]) == 1
     finally:
         engine.dispose()
+
+
+def test_a_healthy_pass_reads_once_and_dead_letters_show_on_the_worker_metrics(
+    sqlite_url: str,
+) -> None:
+    """The isolation costs nothing while every fold is in step: one read of the log per pass
+    and no read of a fold's own; the worker's /metrics shows every fold's dead letters."""
+    from prometheus_client import generate_latest
+
+    from streams.metrics import DeadLettersCollector, PipelineMetrics
+
+    engine = next(_engine(sqlite_url))
+    try:
+        store = SqlEventStore(engine)
+        _price(store)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        _passes(worker, 1)
+        reads: list[str] = []
+        tail_read, own_read = worker.tail.read, worker._catch_up_runner
+        worker.tail.read = lambda *a, **k: reads.append("tail") or tail_read(*a, **k)  # type: ignore[method-assign]
+        worker._catch_up_runner = lambda *a, **k: reads.append("own") or own_read(*a, **k)  # type: ignore[method-assign]
+        rids = [_request(store) for _ in range(3)]
+        worker.run_pass()
+        assert reads == ["tail"] and worker.errors == {}
+        assert set(rids) <= _bills(store)
+
+        metrics = PipelineMetrics(billing=False)
+        metrics.registry.register(DeadLettersCollector(engine))
+        text = generate_latest(metrics.registry).decode()
+        assert 'tollgate_dead_letters{fold="request_log"} 0.0' in text
+        with engine.begin() as conn:
+            dead_letters.record(
+                conn,
+                [dead_letters.DeadLetter.of("request_log", store.read_stream(rids[0])[0], "x")],
+                datetime.now(UTC),
+            )
+        text = generate_latest(metrics.registry).decode()
+        assert 'tollgate_dead_letters{fold="request_log"} 1.0' in text
+        assert 'tollgate_dead_letters{fold="billing"} 0.0' in text
+    finally:
+        engine.dispose()
