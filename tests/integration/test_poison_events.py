@@ -158,6 +158,11 @@ def test_a_nul_in_a_recorded_string_is_dead_lettered_and_every_fold_goes_on(
     assert len(letter["reason"]) <= dead_letters.REASON_CHARS
     assert letter["replayed_at"] is None and letter["failures"] == 1
     assert _counts(engine) == {"request_log": 1}
+    print(
+        f"\npoison (SQL tail): {len(before + after)} requests around 1 NUL event: "
+        f"{len(_bills(store) & set(after))}/{len(after)} after it billed, "
+        f"{len(_logged(engine))} request_log rows, 1 dead letter ({letter['reason'][:60]})"
+    )
     worker.write_status()
     status = read_fold_status(engine, datetime.now(UTC))
     assert status.dead_letters_by_fold == {"request_log": 1}
@@ -198,6 +203,10 @@ def test_with_the_isolation_off_the_same_nul_stops_billing(pg_engine: sa.Engine)
     _passes(worker)
 
     bills = _bills(store)
+    print(
+        f"\npoison, isolation off (SQL tail): {len(bills & set(after))}/{len(after)} requests "
+        f"after the NUL billed, {len(_billed(engine))} ledger rows"
+    )
     assert set(before) <= bills
     assert set(after) - bills  # billing stopped: these ended and were never billed
     assert not _billed(engine)  # and no ledger row at all: it shares the failing transaction
@@ -369,6 +378,10 @@ def test_a_kafka_worker_dead_letters_a_nul_with_its_offset_and_commits_the_rest(
         worker, truth, poison, published = _kafka_poisoned(
             engine, kafka_broker.bootstrap, kafka_topic, isolate=True
         )
+        print(
+            f"\npoison (Kafka): {published} records, {len(truth)} requests: "
+            f"{len(_billed(engine) & set(truth))} ledger rows, {worker.folded} claimed"
+        )
         assert worker.folded == published  # every record claimed, the offsets past the poison
         assert _billed(engine) == set(truth)  # every tenant's ledger row
         assert _logged(engine) == set(truth)
@@ -393,6 +406,10 @@ def test_with_the_isolation_off_a_kafka_worker_repeats_the_poisoned_batch_foreve
     try:
         worker, truth, _, published = _kafka_poisoned(
             engine, kafka_broker.bootstrap, kafka_topic, isolate=False
+        )
+        print(
+            f"\npoison, isolation off (Kafka): {published} records, {len(truth)} requests: "
+            f"{len(_billed(engine) & set(truth))} ledger rows, {worker.folded} claimed"
         )
         assert worker.folded < published
         assert set(truth) - _billed(engine)  # ended, billed in the store, never in the ledger
