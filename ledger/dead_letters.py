@@ -242,6 +242,24 @@ def mark_replayed(conn: sa.Connection, fold: str, event_id: str, now: datetime) 
     )
 
 
+def unreplayed_streams(conn: sa.Connection, fold: str) -> set[str]:
+    """The streams with an unreplayed dead letter of `fold`."""
+    query = sa.select(t.c.stream_id).where(t.c.fold == fold, t.c.replayed_at.is_(None))
+    return set(conn.execute(query).scalars())
+
+
+def resolve_streams(
+    conn: sa.Connection, fold: str, stream_ids: Iterable[str], now: datetime
+) -> None:
+    """`fold` has since applied these streams' events (a billing fold run again over them):
+    their dead letters count as replayed."""
+    conn.execute(
+        t.update()
+        .where(t.c.fold == fold, t.c.stream_id.in_(list(stream_ids)), t.c.replayed_at.is_(None))
+        .values(replayed_at=now)
+    )
+
+
 def failed_again(conn: sa.Connection, fold: str, event_id: str, reason: str, now: datetime) -> None:
     """A replay failed too: the dead letter stays, with its new reason."""
     conn.execute(

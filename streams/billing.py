@@ -62,6 +62,9 @@ class BillingFold:
         self.dead_letters: dict[str, str] = {}
         self._engine = engine
         self._unbillable: list[dead_letters.DeadLetter] = []
+        # Requests with an unreplayed billing dead letter (read once, at the first batch): one
+        # billed since (the fold run again after a price was set) resolves its dead letter.
+        self._dead_streams: set[str] | None = None
 
     def run_to_end(self, batch: int = 2000) -> int:
         """Catch up by reading the log itself (at start-up, or without a fold pass)."""
@@ -118,7 +121,24 @@ class BillingFold:
                 stored.extend(r for r in handled.records if type(r.event) is UsageBilled)
             faults.point("billing.after_append", position=fresh[-1].position)
         self._keep_unbillable()
+        self._resolve(stored)
         return len(decisions), stored
+
+    def _resolve(self, stored: list[Recorded]) -> None:
+        """Bills of requests that had a dead letter here: it is resolved (marked replayed)."""
+        if self._engine is None:
+            return
+        if self._dead_streams is None:
+            with self._engine.connect() as conn:
+                self._dead_streams = dead_letters.unreplayed_streams(conn, self.name)
+        resolved = {b.stream_id for b in stored} & self._dead_streams
+        if not resolved:
+            return
+        with self._engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                dead_letters.resolve_streams(conn, self.name, resolved, datetime.now(UTC))
+        self._dead_streams -= resolved
 
     def _keep_unbillable(self) -> None:
         """The requests this batch could not bill, into the dead-letter table before the batch
@@ -131,6 +151,8 @@ class BillingFold:
             conn.execution_options(**{WRITE: True})
             with conn.begin():
                 dead_letters.record(conn, self._unbillable, datetime.now(UTC))
+        if self._dead_streams is not None:
+            self._dead_streams.update(d.stream_id for d in self._unbillable)
         self._unbillable.clear()
 
     def replay(self, record: Recorded) -> None:
