@@ -503,3 +503,32 @@ def test_a_healthy_pass_reads_once_and_dead_letters_show_on_the_worker_metrics(
         assert 'tollgate_dead_letters{fold="billing"} 0.0' in text
     finally:
         engine.dispose()
+
+
+def test_an_event_is_not_blamed_while_the_database_does_not_answer(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure that repeats alone is the event's only while the database answers: with the
+    database silent, nothing is dead-lettered and the fold stays where it was."""
+    engine = next(_engine(sqlite_url))
+    try:
+        store = SqlEventStore(engine)
+        _price(store)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        runner = _request_log_runner(worker)
+        spec = runner._spec
+        victim = _request(store)
+        (admitted,) = [r for r in store.read_stream(victim) if r.type == "RequestAdmitted"]
+        runner._spec = replace(spec, project=_raising_on(admitted.event_id))
+        monkeypatch.setattr(dead_letters, "database_answers", lambda engine: False)
+        _passes(worker, 3)
+        assert _letters(engine) == [] and victim not in _logged(engine)
+        assert "cannot fold this" in worker.errors["request_log"]  # retried each pass
+        assert victim in _bills(store)  # billing went on regardless
+
+        monkeypatch.undo()
+        _passes(worker, 3)
+        assert [d["event_id"] for d in _letters(engine)][0] == admitted.event_id
+    finally:
+        engine.dispose()
