@@ -122,6 +122,10 @@ class ProjectionRunner:
     def name(self) -> str:
         return self._spec.name
 
+    def touches(self, record: Recorded) -> bool:
+        """Whether `record` changes a row of this projection (its spec keys it)."""
+        return self._spec.key(record) is not None
+
     def checkpoint(self) -> int:
         with self._engine.connect() as conn:
             return self._checkpoint(conn)

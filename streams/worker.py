@@ -34,7 +34,7 @@ import orjson
 import sqlalchemy as sa
 
 from domain.control import ControlView
-from domain.events import BatchCreated, Recorded
+from domain.events import TERMINAL_TYPES, BatchCreated, Recorded
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
 from ledger import dead_letters, faults
@@ -250,7 +250,7 @@ class FoldWorker:
         are billed one at a time and the one that still fails is dead-lettered."""
         try:
             self._bill(records)
-            self._in_a_row.pop(self.billing.name, None)
+            self._proved(self.billing.name, records, self._bills)
             return
         except Exception as exc:
             if is_transient(exc) or not self.isolate_poison:
@@ -262,6 +262,7 @@ class FoldWorker:
             if not self._apply_alone(
                 self.billing.name, record, lambda r=record: self._bill([r]),  # type: ignore[misc]
                 lambda conn, r=record: self.checkpoints.set(self.billing.name, r.position, conn),  # type: ignore[misc]
+                self._bills,
             ):
                 self.billing.position = self._billing_saved = record.position
 
@@ -298,7 +299,7 @@ class FoldWorker:
         self._billing_saved = billed
         for runner in runners:
             self.positions[runner.name] = records[-1].position
-            self._in_a_row.pop(runner.name, None)
+            self._proved(runner.name, records, runner.touches)
 
     def _project_isolated(self, records: list[Recorded]) -> None:
         """`_project`; when that transaction fails for a reason that is not the database's,
@@ -333,7 +334,7 @@ class FoldWorker:
             return
         try:
             self._write_runner(runner, fresh)
-            self._in_a_row.pop(runner.name, None)
+            self._proved(runner.name, fresh, runner.touches)
             return
         except Exception as exc:
             if is_transient(exc) or not self.isolate_poison:
@@ -343,6 +344,7 @@ class FoldWorker:
                 runner.name, record,
                 lambda r=record: self._write_runner(runner, [r]),  # type: ignore[misc]
                 lambda conn, r=record: runner.skip(conn, r.position),  # type: ignore[misc]
+                runner.touches,
             )  # fmt: skip
             self.positions[runner.name] = record.position
 
@@ -355,9 +357,23 @@ class FoldWorker:
             self.metrics.observe_ledger_rows(records, datetime.now(UTC))
         self.positions[runner.name] = records[-1].position
 
+    def _proved(
+        self, fold: str, records: list[Recorded],
+        touches: Callable[[Recorded], bool] | None = None,
+    ) -> None:  # fmt: skip
+        """`records` applied: the fold works again if one of them did something in it (an event
+        the fold ignores proves nothing), so its count of dead letters in a row starts over.
+        Checked only while it has one (the healthy path pays nothing)."""
+        if self._in_a_row.get(fold) and (touches is None or any(map(touches, records))):
+            del self._in_a_row[fold]
+
+    @staticmethod
+    def _bills(record: Recorded) -> bool:
+        return record.type in TERMINAL_TYPES
+
     def _apply_alone(
         self, fold: str, record: Recorded, apply: Callable[[], None],
-        move_past: Callable[[sa.Connection], None],
+        move_past: Callable[[sa.Connection], None], touches: Callable[[Recorded], bool],
     ) -> bool:  # fmt: skip
         """Apply one event alone, in its own transaction; True if it applied. If it fails twice
         while the database answers, and not because of the database, it is dead-lettered in
@@ -373,7 +389,7 @@ class FoldWorker:
                     raise
                 failure = exc
             else:
-                self._in_a_row.pop(fold, None)
+                self._proved(fold, [record], touches)
                 return True
         assert failure is not None
         if not dead_letters.database_answers(self.engine):

@@ -532,3 +532,29 @@ def test_an_event_is_not_blamed_while_the_database_does_not_answer(
         assert [d["event_id"] for d in _letters(engine)][0] == admitted.event_id
     finally:
         engine.dispose()
+
+
+def test_a_fold_failing_on_every_event_stops_dead_lettering_and_reports(sqlite_url: str) -> None:
+    """A broken fold, not a poison event: after DEAD_LETTERS_IN_A_ROW dead letters without an
+    event applied, it stops moving past them and reports (billing goes on)."""
+    from streams.worker import DEAD_LETTERS_IN_A_ROW
+
+    engine = next(_engine(sqlite_url))
+    try:
+        store = SqlEventStore(engine)
+        _price(store)
+        worker = FoldWorker(engine)
+        worker.catch_up()
+        runner = _request_log_runner(worker)
+
+        def broken(row: Any, recorded: Recorded) -> Any:
+            raise ValueError("request_log is broken")
+
+        runner._spec = replace(runner._spec, project=broken)
+        rids = [_request(store) for _ in range(10)]  # 50 events for request_log
+        _passes(worker, 10)
+        assert len(_letters(engine)) == DEAD_LETTERS_IN_A_ROW
+        assert "looks broken" in worker.errors["request_log"]
+        assert _logged(engine) == set() and set(rids) <= _bills(store)
+    finally:
+        engine.dispose()
