@@ -58,7 +58,7 @@ from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
 from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC
-from streams.worker import WORKER_NAME, write_status_row
+from streams.worker import DEAD_LETTERS_IN_A_ROW, WORKER_NAME, FoldBroken, write_status_row
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer
@@ -241,6 +241,7 @@ class KafkaFoldWorker:
             if is_transient(exc):
                 raise
         applied: set[str] = set()
+        failed: list[tuple[Recorded, Exception]] = []
         for record in records:
             failure: Exception | None = None
             for _ in range(2):
@@ -256,8 +257,17 @@ class KafkaFoldWorker:
                     applied.add(record.event_id)
                     break
             if failure is not None:
-                for fold in folds:
-                    self._dead_letter(conn, fold, where.get(record.event_id), failure, record)
+                failed.append((record, failure))
+        if len(failed) > DEAD_LETTERS_IN_A_ROW and not applied:
+            # The fold fails on everything: it, not its records, is broken. The batch is
+            # rewound and retried, as a database failure is.
+            raise FoldBroken(
+                f"{'/'.join(folds)} failed on all {len(failed)} records of a batch; not "
+                f"dead-lettering them (the fold looks broken): {failed[0][1]}"
+            ) from failed[0][1]
+        for record, failure in failed:
+            for fold in folds:
+                self._dead_letter(conn, fold, where.get(record.event_id), failure, record)
         return applied
 
     def _dead_letter(
