@@ -314,9 +314,13 @@ class FoldWorker:
                 raise
             failure = exc
         log.warning("the read models failed on a batch (%s); applying them apart", failure)
-        for runner in self.runners:
+        for runner in self.runners:  # each on its own: one that still fails stops no other
             if self.positions[runner.name] >= self._window_start:
-                self._apply_runner(runner, records)
+                try:
+                    self._apply_runner(runner, records)
+                except Exception as exc:
+                    log.exception("read model %s failed", runner.name)
+                    failure = exc
         raise failure
 
     def _catch_up_runner(self, runner: ProjectionRunner, batch: int) -> bool:
