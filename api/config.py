@@ -86,6 +86,11 @@ class ServeSettings:
     pipeline_stale_s: float = field(
         default_factory=lambda: float(os.environ.get("TOLLGATE_PIPELINE_STALE_S", "10"))
     )
+    # SQLite: how often the WAL is checkpointed and truncated, so that deleted content (a batch
+    # file, a purged replay) leaves the files within this many seconds.
+    sqlite_checkpoint_s: float = field(
+        default_factory=lambda: float(os.environ.get("TOLLGATE_SQLITE_CHECKPOINT_S", "60"))
+    )
     # With a token, /metrics answers only `Authorization: Bearer <token>` (it names tenants).
     metrics_token: str | None = field(
         default_factory=lambda: os.environ.get("TOLLGATE_METRICS_TOKEN") or None

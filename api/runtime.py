@@ -45,7 +45,7 @@ from ledger.commands import CommandHandler
 from ledger.commits import LoopCommits
 from ledger.control import ControlLog
 from ledger.dead_letters import FOLDS as DEAD_LETTER_FOLDS
-from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, create_engine_from_url
+from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, checkpoint_wal, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore
@@ -203,6 +203,7 @@ class Runtime:
         self._tasks = [
             loop.create_task(self._every(self.settings.lease_renew_s, self.edge.renew_leases)),
             loop.create_task(self._every(600, self._purge_idempotency)),
+            loop.create_task(self._every(self.settings.sqlite_checkpoint_s, self._checkpoint)),
             loop.create_task(self._every(SLOW_READER_CHECK_S, self._check_slow_readers)),
             loop.create_task(self._every(2.0, self._batch_gauges)),
         ]
@@ -286,6 +287,12 @@ class Runtime:
 
     async def _purge_idempotency(self) -> None:
         await self.idempotency.purge_expired()
+
+    async def _checkpoint(self) -> None:
+        """SQLite: fold the WAL into the database and truncate it, so that a deleted row's old
+        page images leave the WAL file within `sqlite_checkpoint_s` (with `secure_delete` the
+        database file holds none). A reader in the way makes it wait for the next turn."""
+        await asyncio.to_thread(checkpoint_wal, self.engine)
 
     # --- the control plane ---------------------------------------------------------------------
 

@@ -126,7 +126,22 @@ def _configure_sqlite(dbapi_conn: Any, wal_autocheckpoint: int, busy_timeout_ms:
     cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
     cursor.execute(f"PRAGMA wal_autocheckpoint={int(wal_autocheckpoint)}")
     cursor.execute("PRAGMA foreign_keys=ON")
+    # A deleted row's bytes are overwritten, not left in a freed page until it is reused: a
+    # deleted batch file or a purged replay must leave the database file (issue 27, item 5).
+    # Their old page images in the WAL go at the next TRUNCATE checkpoint (checkpoint_wal).
+    cursor.execute("PRAGMA secure_delete=ON")
     cursor.close()
+
+
+def checkpoint_wal(engine: Engine) -> bool:
+    """Copy the WAL into the database and truncate it to nothing, so that page images of
+    deleted rows leave the WAL file too; True when it did (False: a reader held an older
+    snapshot, try again later). A no-op for PostgreSQL, whose deleted tuples go with VACUUM."""
+    if engine.dialect.name != "sqlite":
+        return True
+    with engine.connect() as conn:
+        busy = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").first()
+    return busy is not None and busy[0] == 0
 
 
 def open_sqlite_appender(engine: Engine) -> sqlite3.Connection:

@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import orjson
 import sqlalchemy as sa
@@ -84,14 +85,7 @@ class IdempotencyStore:
             raise IdempotencyConflict("different_body", row["request_id"])
         if row["status"] != "done":
             raise IdempotencyConflict("in_flight", row["request_id"])
-        stored = orjson.loads(row["response_body"])
-        return StoredResponse(
-            request_id=row["request_id"],
-            status=row["response_status"],
-            body=stored["body"].encode("latin-1"),
-            content_type=row["content_type"],
-            headers=stored["headers"],
-        )
+        return _stored(row)
 
     def begin(self, tenant_id: str, key: str, request_id: str, body_sha256: str) -> None:
         now = datetime.now(UTC)
@@ -160,7 +154,42 @@ class IdempotencyStore:
                 t.delete().where(t.c.request_id == request_id, t.c.status == "in_flight")
             ).rowcount
 
+    def done_with_prefix(self, tenant_id: str, prefix: str) -> dict[str, StoredResponse]:
+        """The finished responses of `tenant_id`'s keys that start with `prefix`, by key."""
+        t = idempotency_records
+        query = sa.select(t).where(
+            t.c.tenant_id == tenant_id,
+            t.c.idempotency_key.startswith(prefix, autoescape=True),
+            t.c.status == "done",
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return {row["idempotency_key"]: _stored(row) for row in rows}
+
+    def delete_prefixed(self, tenant_id: str, prefix: str) -> int:
+        """Every record of `tenant_id` whose key starts with `prefix` (a batch's items, when the
+        batch ends: the runner's keys, kept only while the batch runs)."""
+        t = idempotency_records
+        with self.engine.begin() as conn:
+            return conn.execute(
+                t.delete().where(
+                    t.c.tenant_id == tenant_id,
+                    t.c.idempotency_key.startswith(prefix, autoescape=True),
+                )
+            ).rowcount
+
     def purge_expired(self) -> int:
         t = idempotency_records
         with self.engine.begin() as conn:
             return conn.execute(t.delete().where(t.c.expires_at <= datetime.now(UTC))).rowcount
+
+
+def _stored(row: Any) -> StoredResponse:
+    stored = orjson.loads(row["response_body"])
+    return StoredResponse(
+        request_id=row["request_id"],
+        status=row["response_status"],
+        body=stored["body"].encode("latin-1"),
+        content_type=row["content_type"],
+        headers=stored["headers"],
+    )

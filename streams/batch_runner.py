@@ -38,6 +38,7 @@ from domain import batch as b
 from domain.errors import DomainError
 from ledger.batches import BatchStore, ItemResult, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader
+from ledger.idempotency import IdempotencyStore
 from ledger.ids import Clock, utcnow
 from ledger.store import EventStore
 
@@ -117,6 +118,7 @@ class BatchRunner:
         idle_poll_s: float = 1.0,
     ) -> None:
         self.files = BatchStore(engine)
+        self.idempotency = IdempotencyStore(engine)
         self.events = events
         self.commands = CommandHandler(events, clock=clock)
         self.edge_url = edge_url
@@ -228,6 +230,7 @@ class BatchRunner:
                 task.cancel()  # expiry and cancel stop what runs: billed nothing, not retried
             if any(not t.done() for t in tasks.values()):
                 return None  # the next pass ends it, once they have stopped
+            state = await self._harvest(state, lines, kept, now)
             if state.status == "in_progress":
                 state = await self._decide(state, b.FinalizeBatch("expired"), now)
             await asyncio.to_thread(self._end, state, lines, now)
@@ -237,6 +240,27 @@ class BatchRunner:
             await asyncio.to_thread(self._end, state, lines, now)
             return None
         return _Ready(state, lines, kept, tasks)
+
+    async def _harvest(
+        self, state: b.BatchState, lines: list[b.InputLine], kept: dict[str, ItemResult],
+        now: datetime,
+    ) -> b.BatchState:
+        """Items whose attempt the edge finished although this runner stopped waiting for it (a
+        cancel or an expiry cut its task as the answer came): the edge's replay record of the
+        answer, which was billed, is the item's result, never an error line saying it did not
+        run."""
+        done = await asyncio.to_thread(
+            self.idempotency.done_with_prefix, state.tenant_id, batch_keys(state.batch_id)
+        )
+        for line in lines:
+            cid = line.custom_id
+            answer = done.get(item_key(state.batch_id, cid))
+            if answer is None or cid in state.finished or cid in kept:
+                continue
+            result = ItemResult(cid, answer.request_id, answer.status, answer.body)
+            result = await asyncio.to_thread(self.files.put_result, state.batch_id, result, now)
+            state = await self._record(state, result, now)
+        return state
 
     def _feed(self, ready: list[_Ready], client: httpx.AsyncClient) -> None:
         """Fill the free slots fairly between tenants: each slot goes to the tenant with the
@@ -332,13 +356,12 @@ class BatchRunner:
         """The attempt as sent. The custom_id is percent-encoded in the header (a client's
         newline or non-ASCII id cannot break the request line); a body orjson cannot encode
         (an integer beyond 64 bits) raises TypeError here, before anything is sent."""
-        item = f"{state.batch_id}/{line.custom_id}"
         headers = {
             "Authorization": f"Bearer {self.token}",
             "X-Tollgate-Batch-Item": f"{state.batch_id}/{quote(line.custom_id, safe='')}",
             "X-Tollgate-On-Behalf-Of": state.key_id,
             # The item's identity: an attempt that completed is replayed, never run again.
-            "Idempotency-Key": "batch-" + hashlib.sha256(item.encode()).hexdigest()[:48],
+            "Idempotency-Key": item_key(state.batch_id, line.custom_id),
             "Content-Type": "application/json",
         }
         return client.build_request(
@@ -464,10 +487,23 @@ class BatchRunner:
         """An ended batch: its input file kept for the retention, then nothing of it runs."""
         self.files.set_expiry(state.input_file_id, now + timedelta(seconds=b.INPUT_RETENTION_S))
         self.files.delete_results(state.batch_id)
+        self.idempotency.delete_prefixed(state.tenant_id, batch_keys(state.batch_id))
         self.files.mark_ended(state.batch_id, now)
         self._inflight.pop(state.batch_id, None)
         self._inputs.pop(state.batch_id, None)
         self._states.pop(state.batch_id, None)
+
+
+def item_key(batch_id: str, custom_id: str) -> str:
+    """The Idempotency-Key of a batch item's every attempt. It starts with the batch's own
+    prefix, so the records it leaves (the item's completion, kept for a replay after a crash)
+    are deleted when the batch ends: the customer never asked for them to be kept."""
+    digest = hashlib.sha256(f"{batch_id}/{custom_id}".encode()).hexdigest()[:40]
+    return f"{batch_keys(batch_id)}{digest}"
+
+
+def batch_keys(batch_id: str) -> str:
+    return f"batch-{batch_id}-"
 
 
 def _unsendable(exc: Exception) -> bytes:
