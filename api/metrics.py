@@ -214,6 +214,14 @@ class Metrics:
             "tollgate_billing_dead_letters", "Ended requests the billing fold could not bill.",
             registry=r,
         )
+        # Fold names are a bounded set this code owns (ledger.dead_letters.FOLDS).
+        self.dead_letters = Gauge(
+            "tollgate_dead_letters",
+            "Events a fold could not apply and moved past, not replayed yet "
+            "(tollgate dead-letters list).",
+            ["fold"],
+            registry=r,
+        )
         self.output_predicted = Counter(
             "tollgate_output_predicted",
             "Admissions whose output reservation was an output-length prediction.",

@@ -44,6 +44,7 @@ from ledger.budgets import catch_up
 from ledger.commands import CommandHandler
 from ledger.commits import LoopCommits
 from ledger.control import ControlLog
+from ledger.dead_letters import FOLDS as DEAD_LETTER_FOLDS
 from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, checkpoint_wal, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.schema import upgrade
@@ -412,6 +413,8 @@ class Runtime:
         folds = self.fold_status()
         self.metrics.billing_lag.set(folds.billing_lag)
         self.metrics.billing_dead_letters.set(folds.dead_letters)
+        for fold in {*DEAD_LETTER_FOLDS, *folds.dead_letters_by_fold}:
+            self.metrics.dead_letters.labels(fold).set(folds.dead_letters_by_fold.get(fold, 0))
         self.metrics.observe_reconciliation(self.reconciliation)
         if self.fleet is None:
             return

@@ -122,6 +122,10 @@ class ProjectionRunner:
     def name(self) -> str:
         return self._spec.name
 
+    def touches(self, record: Recorded) -> bool:
+        """Whether `record` changes a row of this projection (its spec keys it)."""
+        return self._spec.key(record) is not None
+
     def checkpoint(self) -> int:
         with self._engine.connect() as conn:
             return self._checkpoint(conn)
@@ -189,6 +193,41 @@ class ProjectionRunner:
                 self._sqlite.write(conn, rows)
             else:
                 self._replace(conn, rows, stored)
+
+    def replay(self, conn: sa.Connection, record: Recorded) -> None:
+        """Apply one record the fold moved past (a dead letter, ledger/dead_letters.py), inside
+        the caller's transaction (the one that marks it replayed), under the checkpoint's lock,
+        which stays where it is. A row keyed by the record's own stream (request_log, a ledger
+        entry: only that stream's events touch it) is folded again from that stream up to the
+        checkpoint, so the facts that came after the missing one are kept in their order; a
+        row many streams add to (usage_hourly) takes the record on top, which its additive
+        spec makes the same as in order."""
+        spec = self._spec
+        key = spec.key(record)
+        if key is None:
+            return
+        checkpoint = self._checkpoint(conn, lock=True)
+        if key != (record.stream_id,):
+            self.apply_claimed(conn, [record])
+            return
+        row: Row | None = None
+        upto = max(checkpoint, record.position)
+        for stored in self._store.read_stream(record.stream_id):
+            if stored.position <= upto and spec.key(stored) == key:
+                row = spec.project(row, stored)
+                if row is not None:
+                    self._check_row(key, row, stored)
+        exists = frozenset(k for k, _ in self._load(conn, [key]))
+        if self._sqlite is not None:
+            self._sqlite.write(conn, {key: row})
+        else:
+            self._replace(conn, {key: row}, exists)
+
+    def skip(self, conn: sa.Connection, position: int) -> None:
+        """Move the checkpoint past `position` (never back), inside the caller's transaction:
+        the one that records the event there as a dead letter."""
+        if self._checkpoint(conn, lock=True) < position:
+            save_position(conn, self.name, position)
 
     def insert_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Like `apply_claimed`, for records each creating a row the caller knows is absent

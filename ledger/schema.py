@@ -179,6 +179,27 @@ worker_status = sa.Table(
     sa.Column("dead_letter_sample", sa.Text),
 )
 
+# Not an event projection: the events a fold could not apply and moved past (migration 0017,
+# ledger/dead_letters.py), one row per (fold, event id), replayed in place.
+dead_letters = sa.Table(
+    "dead_letters",
+    metadata,
+    sa.Column("fold", sa.String(100), primary_key=True),
+    sa.Column("event_id", sa.String(64), primary_key=True),
+    sa.Column("position", sa.BigInteger),
+    sa.Column("topic", sa.String(249)),
+    sa.Column("kafka_partition", sa.Integer),
+    sa.Column("kafka_offset", sa.BigInteger),
+    sa.Column("stream_id", sa.String(255), nullable=False),
+    sa.Column("event_type", sa.String(100), nullable=False),
+    sa.Column("tenant_id", sa.String(255), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("failures", sa.Integer, nullable=False),
+    sa.Column("first_failed_at", UTCDateTime, nullable=False),
+    sa.Column("last_failed_at", UTCDateTime, nullable=False),
+    sa.Column("replayed_at", UTCDateTime),
+)
+
 # The continuous reconciliation's last result (streams/reconciler.py), one row per reconciler
 # (one leads per database): what `tollgate status`, /readyz and /metrics alarm on.
 reconciliation_status = sa.Table(

@@ -15,15 +15,19 @@ event) is decided again on the stored stream through the command handler.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
 
 from domain import lifecycle
 from domain.billing import Bill, bill_terminal
 from domain.control import ControlView
 from domain.errors import DomainError
 from domain.events import TERMINAL_TYPES, Event, Recorded, RequestAdmitted, UsageBilled
-from ledger import faults
+from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.commands import CommandHandler, Decision, Handled, request_stream
+from ledger.engine import WRITE
 from ledger.store import EventStore, NewEvent
 
 log = logging.getLogger("tollgate.billing")
@@ -40,6 +44,8 @@ class BillingFold:
         checkpoints: Checkpoints,
         control: ControlView,
         commands: CommandHandler | None = None,
+        *,
+        engine: sa.Engine | None = None,
     ) -> None:
         self.store = store
         self.checkpoints = checkpoints
@@ -50,8 +56,15 @@ class BillingFold:
         self.states: dict[str, lifecycle.RequestState] = {}
         # Requests the fold could not bill, with the rule that refused (e.g. no price in force).
         # They are not retried silently: /readyz and /metrics show them, and the reconciliation
-        # report lists each as a terminal event without a bill.
+        # report lists each as a terminal event without a bill. With an `engine` each is also
+        # kept in the `dead_letters` table (fold "billing"), which outlives this process and
+        # `tollgate dead-letters replay` bills again once fixed (a price set, say).
         self.dead_letters: dict[str, str] = {}
+        self._engine = engine
+        self._unbillable: list[dead_letters.DeadLetter] = []
+        # Requests with an unreplayed billing dead letter (read once, at the first batch): one
+        # billed since (the fold run again after a price was set) resolves its dead letter.
+        self._dead_streams: set[str] | None = None
 
     def run_to_end(self, batch: int = 2000) -> int:
         """Catch up by reading the log itself (at start-up, or without a fold pass)."""
@@ -92,14 +105,14 @@ class BillingFold:
         # The whole batch is folded before anything is decided: a terminal event is appended
         # with its refund after it, so a bill decided at the terminal record would be one event
         # behind its stream, lose the version race and cost a read of the stream to decide again.
-        ended: list[str] = []
+        ended: dict[str, Recorded] = {}
         for record in fresh:
             self._track(record)
             if record.type in TERMINAL_TYPES:
-                ended.append(record.stream_id)
+                ended[record.stream_id] = record
         decisions: list[Decision[lifecycle.RequestState]] = []
-        for rid in ended:
-            decision = self._decide(rid, self.states.pop(rid, None))
+        for rid, terminal in ended.items():
+            decision = self._decide(rid, self.states.pop(rid, None), terminal)
             if decision is not None:
                 decisions.append(decision)
         stored: list[Recorded] = []
@@ -107,7 +120,61 @@ class BillingFold:
             for handled in self.commands.append_decided(decisions):
                 stored.extend(r for r in handled.records if type(r.event) is UsageBilled)
             faults.point("billing.after_append", position=fresh[-1].position)
+        self._keep_unbillable()
+        self._resolve(stored)
         return len(decisions), stored
+
+    def _resolve(self, stored: list[Recorded]) -> None:
+        """Bills of requests that had a dead letter here: it is resolved (marked replayed)."""
+        if self._engine is None:
+            return
+        if self._dead_streams is None:
+            with self._engine.connect() as conn:
+                self._dead_streams = dead_letters.unreplayed_streams(conn, self.name)
+        resolved = {b.stream_id for b in stored} & self._dead_streams
+        if not resolved:
+            return
+        with self._engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                dead_letters.resolve_streams(conn, self.name, resolved, datetime.now(UTC))
+        self._dead_streams -= resolved
+
+    def _keep_unbillable(self) -> None:
+        """The requests this batch could not bill, into the dead-letter table before the batch
+        counts as done (a failure here fails the batch, which is billed again: the bills are
+        answered as already there, the dead letters recorded once)."""
+        if not self._unbillable or self._engine is None:
+            self._unbillable.clear()
+            return
+        with self._engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                dead_letters.record(conn, self._unbillable, datetime.now(UTC))
+        if self._dead_streams is not None:
+            self._dead_streams.update(d.stream_id for d in self._unbillable)
+        self._unbillable.clear()
+
+    def replay(self, record: Recorded) -> None:
+        """Bill the request a dead-lettered `record` belongs to, from its stored stream (after
+        the fix: a price set, a bug fixed); nothing if it has not ended or is billed already.
+        Raises what still refuses it. The bill's id and expected version are the ones the fold
+        would have used, so a replay and a late pass never bill twice."""
+        state = lifecycle.fold(self.store.read_stream(record.stream_id))
+        if state.finished_at is None or state.billed:
+            return
+        price = self.control.price(
+            state.model, state.admitted_at, state.service_tier  # type: ignore[arg-type]
+        )
+        bill = bill_terminal(state, price)
+        if bill is None:
+            return
+        new = NewEvent(bill.event_id, bill.request_id, bill.tenant_id, bill.occurred_at, bill.event)
+        self.commands.append_decided(
+            [Decision(bill.request_id, bill.tenant_id, bill.expected_version, (new,),
+                      lambda: self._bill_stored(bill))]
+        )  # fmt: skip
+        self.dead_letters.pop(record.stream_id, None)
 
     def _track(self, record: Recorded) -> None:
         rid = record.stream_id
@@ -122,12 +189,12 @@ class BillingFold:
             self.states.pop(rid, None)
 
     def _decide(
-        self, rid: str, state: lifecycle.RequestState | None
+        self, rid: str, state: lifecycle.RequestState | None, terminal: Recorded | None = None
     ) -> Decision[lifecycle.RequestState] | None:
         if state is None or state.version == 0:
             # Admitted before this fold's checkpoint (a restart): read the whole stream.
             state = lifecycle.fold(self.store.read_stream(rid))
-        bill = self._bill(state)
+        bill = self._bill(state, terminal)
         if bill is None:
             return None
         new = NewEvent(bill.event_id, rid, bill.tenant_id, bill.occurred_at, bill.event)
@@ -135,14 +202,19 @@ class BillingFold:
             rid, bill.tenant_id, bill.expected_version, (new,), lambda: self._bill_stored(bill)
         )
 
-    def _bill(self, state: lifecycle.RequestState) -> Bill | None:
+    def _bill(
+        self, state: lifecycle.RequestState, terminal: Recorded | None = None
+    ) -> Bill | None:
         try:
             price = self.control.price(
                 state.model, state.admitted_at, state.service_tier  # type: ignore[arg-type]
             )
             return bill_terminal(state, price)
         except DomainError as exc:
-            self.dead_letters[state.request_id] = f"{exc.rule}: {exc.message}"
+            reason = f"{exc.rule}: {exc.message}"
+            self.dead_letters[state.request_id] = reason
+            if terminal is not None:
+                self._unbillable.append(dead_letters.DeadLetter.of(self.name, terminal, reason))
             log.error("cannot bill %s: %s", state.request_id, exc.message)
             return None
 

@@ -42,22 +42,23 @@ from domain.control import ControlView
 from domain.events import TERMINAL_TYPES, Recorded, UsageBilled
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
-from ledger import faults
+from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
+from ledger.dead_letters import is_transient
 from ledger.engine import WRITE, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
 from ledger.schema import ledger_entries
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
-from streams.consumer import Batch, EventConsumer
+from streams.consumer import Batch, Delivery, EventConsumer
 from streams.gc_settings import settle_for_batches
 from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
 from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC
-from streams.worker import WORKER_NAME, write_status_row
+from streams.worker import DEAD_LETTERS_IN_A_ROW, WORKER_NAME, FoldBroken, write_status_row
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer
@@ -88,7 +89,7 @@ class KafkaFoldWorker:
         self.store = SqlEventStore(engine)
         self.control = ControlView()
         self.control_log = ControlLog(self.store, self.control)
-        self.billing = BillingFold(self.store, Checkpoints(engine), self.control)
+        self.billing = BillingFold(self.store, Checkpoints(engine), self.control, engine=engine)
         self.request_log = ProjectionRunner(engine, self.store, REQUEST_LOG)
         self.usage_hourly = ProjectionRunner(engine, self.store, USAGE_HOURLY)
         self.ledger = ProjectionRunner(engine, self.store, LEDGER_ENTRIES)
@@ -99,6 +100,10 @@ class KafkaFoldWorker:
         self.folded = 0  # records applied by this process
         self.bills = 0
         self.errors: dict[str, str] = {}
+        # Poison isolation (DESIGN.md invariant 12): a record a fold cannot apply alone goes to
+        # the dead-letter table and the batch commits without it; off only in the tests' twin.
+        self.isolate_poison = True
+        self.dead_lettered = 0  # records this process dead-lettered
         # The newest terminal instant this worker billed, for the billing lag.
         self.last_billed_at: datetime | None = None
         # A failed batch's rewind not done yet (run_batch). Only a safeguard-off test clears
@@ -142,10 +147,67 @@ class KafkaFoldWorker:
     def _apply(self, batch: Batch) -> int:
         self.control_log.follow()  # prices in force at admission, before billing with them
         records = [d.record for d in batch.deliveries]
-        billed, bills = self.billing.bill_recorded(records)
+        billed, bills = self._bill(batch)
         self.bills += billed
         if records:
             faults.point("kafka.after_bills", records=len(records))
+        try:
+            posted, fresh = self._commit(batch, bills, isolate=False)
+        except Exception as exc:
+            if is_transient(exc) or not self.isolate_poison:
+                raise  # rewound and read again: the database's failure, not a record's
+            # One record a fold cannot apply must not hold back the partition (and with it
+            # every tenant on it): the batch again, each fold apart, each record apart where
+            # its fold fails, in the same transaction as the offsets.
+            log.warning("a batch failed (%s); applying it fold by fold", exc)
+            posted, fresh = self._commit(batch, bills, isolate=True)
+        self.metrics.observe_ledger_rows(posted, datetime.now(UTC))
+        return len(fresh)
+
+    def _bill(self, batch: Batch) -> tuple[int, list[Recorded]]:
+        """`BillingFold.bill_recorded` over the batch; when it fails for a reason that is not
+        the database's, record by record, and the record that fails alone twice is
+        dead-lettered (the bills are in the store before the offsets move, so a record billed
+        here and then rewound is answered as already billed)."""
+        records = [d.record for d in batch.deliveries]
+        try:
+            return self.billing.bill_recorded(records)
+        except Exception as exc:
+            if is_transient(exc) or not self.isolate_poison:
+                raise
+            log.warning("billing failed on a batch (%s); billing it record by record", exc)
+        billed, bills = 0, []
+        for delivery in batch.deliveries:
+            failure: Exception | None = None
+            for _ in range(2):
+                try:
+                    n, stored = self.billing.bill_recorded([delivery.record])
+                except Exception as exc:
+                    if is_transient(exc):
+                        raise
+                    failure = exc
+                else:
+                    billed, failure = billed + n, None
+                    bills += stored
+                    break
+            if failure is not None:
+                if not dead_letters.database_answers(self.engine):
+                    raise failure
+                with self.engine.connect() as conn:
+                    conn.execution_options(**{WRITE: True})
+                    with conn.begin():
+                        self._dead_letter(conn, BillingFold.name, delivery, failure)
+        return billed, bills
+
+    def _commit(
+        self, batch: Batch, bills: list[Recorded], *, isolate: bool
+    ) -> tuple[list[Recorded], list[Recorded]]:
+        """Claim the batch, write the read models' rows, save the offsets: one transaction.
+        `isolate`: each fold in a savepoint of its own, and where a fold fails, each record
+        (a request's log row; a bill's ledger row with its usage_hourly share, which are
+        posted together) in one; a record that fails twice is dead-lettered in this same
+        transaction and the rest commits with the offsets."""
+        where = {d.record.event_id: d for d in batch.deliveries}
         with self.engine.connect() as conn:
             conn.execution_options(**{WRITE: True})
             with conn.begin():
@@ -159,13 +221,93 @@ class KafkaFoldWorker:
                     [bill for bill in bills if bill.stream_id in ended]
                     + [r for r in fresh if type(r.event) is UsageBilled],
                 )
-                self.request_log.apply_claimed(conn, fresh)
-                self.usage_hourly.apply_claimed(conn, posted)
-                self.ledger.insert_claimed(conn, posted)
+                if not isolate:
+                    self.request_log.apply_claimed(conn, fresh)
+                    self._post(conn, posted)
+                else:
+                    self._isolated(
+                        conn, (self.request_log.name,), self.request_log.apply_claimed, fresh,
+                        where,
+                    )  # fmt: skip
+                    applied = self._isolated(
+                        conn, (self.usage_hourly.name, self.ledger.name), self._post, posted,
+                        where,
+                    )  # fmt: skip
+                    posted = [r for r in posted if r.event_id in applied]
                 self.consumer.commit(conn, batch)
                 faults.point("kafka.before_commit", records=len(fresh))
-        self.metrics.observe_ledger_rows(posted, datetime.now(UTC))
-        return len(fresh)
+        return posted, fresh
+
+    def _post(self, conn: sa.Connection, bills: list[Recorded]) -> None:
+        self.usage_hourly.apply_claimed(conn, bills)
+        self.ledger.insert_claimed(conn, bills)
+
+    def _isolated(
+        self, conn: sa.Connection, folds: tuple[str, ...],
+        apply: Callable[[sa.Connection, list[Recorded]], None], records: list[Recorded],
+        where: dict[str, Delivery],
+    ) -> set[str]:  # fmt: skip
+        """`apply(conn, records)` in a savepoint; if that fails for a reason that is not the
+        database's, each record in one of its own (twice), dead-lettering under `folds` the
+        one that still fails. Returns the event ids applied."""
+        if not records:
+            return set()
+        try:
+            with conn.begin_nested():
+                apply(conn, records)
+            return {r.event_id for r in records}
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+        applied: set[str] = set()
+        failed: list[tuple[Recorded, Exception]] = []
+        for record in records:
+            failure: Exception | None = None
+            for _ in range(2):
+                try:
+                    with conn.begin_nested():
+                        apply(conn, [record])
+                except Exception as exc:
+                    if is_transient(exc):
+                        raise
+                    failure = exc
+                else:
+                    failure = None
+                    applied.add(record.event_id)
+                    break
+            if failure is not None:
+                failed.append((record, failure))
+        if len(failed) > DEAD_LETTERS_IN_A_ROW and not applied:
+            # The fold fails on everything: it, not its records, is broken. The batch is
+            # rewound and retried, as a database failure is.
+            raise FoldBroken(
+                f"{'/'.join(folds)} failed on all {len(failed)} records of a batch; not "
+                f"dead-lettering them (the fold looks broken): {failed[0][1]}"
+            ) from failed[0][1]
+        for record, failure in failed:
+            for fold in folds:
+                self._dead_letter(conn, fold, where.get(record.event_id), failure, record)
+        return applied
+
+    def _dead_letter(
+        self, conn: sa.Connection, fold: str, delivery: Delivery | None, failure: Exception,
+        record: Recorded | None = None,
+    ) -> None:  # fmt: skip
+        """Record one dead letter inside `conn`'s transaction, with its place on the topic
+        when it came from there (a bill this batch appended did not)."""
+        record = record or (delivery.record if delivery is not None else None)
+        assert record is not None
+        letter = dead_letters.DeadLetter.of(
+            fold, record, failure, topic=getattr(self.consumer, "topic", None),
+            partition=delivery.partition if delivery else None,
+            offset=delivery.offset if delivery else None,
+        )  # fmt: skip
+        dead_letters.record(conn, [letter], datetime.now(UTC))
+        self.dead_lettered += 1
+        log.error(
+            "%s: dead-lettered event %s (partition %s, offset %s): %s",
+            fold, letter.event_id, letter.partition, letter.offset, letter.reason,
+        )  # fmt: skip
 
     @staticmethod
     def _unposted(conn: sa.Connection, bills: list[Recorded]) -> list[Recorded]:

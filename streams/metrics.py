@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from domain.events import Recorded, UsageBilled
 from domain.gaps import GapReport, age_s
+from ledger.dead_letters import FOLDS, counts_by_fold
 from streams.status import Watermarks, partition_lags
 
 # Terminal event -> ledger row: sub-second when the pipeline keeps up, minutes when it does not.
@@ -132,6 +133,28 @@ class ConsumerLagCollector(Collector):
             for p in lags:
                 if p.partition in highs and p.lag_messages is not None:
                     family.add_metric([p.topic, str(p.partition), p.group], p.lag_messages)
+        yield family
+
+
+class DeadLettersCollector(Collector):
+    """`tollgate_dead_letters{fold}`: the events each fold moved past without applying them
+    and that no replay has applied yet (ledger/dead_letters.py), read at scrape time. Every
+    fold is shown, at 0 when it has none, so an alert compares a series that exists."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Any]:
+        family = GaugeMetricFamily(
+            "tollgate_dead_letters",
+            "Events a fold could not apply and moved past, not replayed yet "
+            "(tollgate dead-letters list).",
+            labels=["fold"],
+        )
+        with self.engine.connect() as conn:
+            counts = counts_by_fold(conn)
+        for fold in sorted({*FOLDS, *counts}):
+            family.add_metric([fold], counts.get(fold, 0))
         yield family
 
 

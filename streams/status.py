@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from domain.gaps import OVERDUE_GRACE_S
 from domain.leases import LEASE_TTL_S
+from ledger.dead_letters import counts_by_fold
 from ledger.outbox import backlog_after
 from ledger.schema import (
     consumer_offsets,
@@ -106,6 +107,8 @@ class ClusterStatus:
     partitions: tuple[PartitionLag, ...] = ()
     workers: tuple[WorkerLag, ...] = ()
     reconciliation: Reconciliation | None = None
+    # Unreplayed dead letters per fold (ledger/dead_letters.py): each fold with any alarms.
+    dead_letters: dict[str, int] = field(default_factory=dict)
     stale: tuple[str, ...] = field(default=())
     # Gaps in the money path (DESIGN §4 invariant 14): pages, not lag.
     alarms: tuple[str, ...] = field(default=())
@@ -253,8 +256,11 @@ def read_status(
         partitions = partition_lags(conn, now, groups, watermarks)
         workers = worker_lags(conn, now)
         checked = reconciliation(conn, now)
+        dead = counts_by_fold(conn)
     mode = "kafka" if watermarks is not None else "kafka-unprobed" if relays else "embedded"
-    status = ClusterStatus(mode, head, tuple(relays), tuple(partitions), tuple(workers), checked)
+    status = ClusterStatus(
+        mode, head, tuple(relays), tuple(partitions), tuple(workers), checked, dead
+    )
     return replace(
         status,
         stale=stale_parts(status, stale_s, heartbeats=heartbeats),
@@ -265,10 +271,11 @@ def read_status(
 def alarms(status: ClusterStatus, stale_s: float, unbilled_alarm_s: float) -> tuple[str, ...]:
     """One line per gap an operator is paged for: a terminal event without its ledger row past
     `unbilled_alarm_s`, an admitted request past its lease that nothing ended, and a
-    reconciliation that stopped checking."""
+    reconciliation that stopped checking; and a fold with events it moved past unapplied."""
+    dead = [dead_letter_problem(fold, n) for fold, n in sorted(status.dead_letters.items())]
     r = status.reconciliation
     if r is None:
-        return ()
+        return tuple(dead)
     found: list[str] = []
     sample = f" (e.g. {r.sample})" if r.sample else ""
     if r.unbilled_terminals and (r.oldest_unbilled_age_s or 0.0) > unbilled_alarm_s:
@@ -287,7 +294,15 @@ def alarms(status: ClusterStatus, stale_s: float, unbilled_alarm_s: float) -> tu
             f"reconciliation: last ran {r.checked_age_s:.0f} s ago, "
             f"{status.head_position - r.position} event(s) after its position"
         )
-    return tuple(found)
+    return (*found, *dead)
+
+
+def dead_letter_problem(fold: str, count: int) -> str:
+    """The alarm of a fold's unreplayed dead letters (`tollgate status`, /readyz)."""
+    return (
+        f"dead letters: {fold} moved past {count} event(s) it could not apply "
+        "(tollgate dead-letters list; once fixed, tollgate dead-letters replay)"
+    )
 
 
 # --- what is stale --------------------------------------------------------------------------------
@@ -454,6 +469,11 @@ def render_table(status: ClusterStatus) -> str:
               r.overdue_leases,
               "-" if r.oldest_overdue_age_s is None else f"{r.oldest_overdue_age_s:.1f} s")],
         )  # fmt: skip
+    if status.dead_letters:
+        out += _table(
+            ("FOLD", "DEAD LETTERS (UNREPLAYED)"),
+            [(fold, n) for fold, n in sorted(status.dead_letters.items())],
+        )
     if status.alarms:
         out += ["ALARMS:", *(f"  {line}" for line in status.alarms)]
     if status.stale:

@@ -8,8 +8,12 @@ any machine that reaches the database, and a second one is harmless (checkpoint 
 deterministic bill ids and expected versions keep every effect exactly-once).
 
 Each pass reads the new events once and hands them to every fold; each fold fails, reports and
-retries on its own. After every pass the worker writes its heartbeat, positions and problems to
-`worker_status`, which the edges show on /readyz and /metrics.
+retries on its own, and none waits on another: billing (the money path) and each read model keep
+their own positions, a read model that is behind reads on its own until it is back in step, and
+an event that one fold cannot apply goes to the dead-letter table (ledger/dead_letters.py) so
+that fold moves past it (DESIGN.md invariant 12). After every pass the worker writes its
+heartbeat, positions and problems to `worker_status`, which the edges show on /readyz and
+/metrics.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,12 +34,13 @@ import orjson
 import sqlalchemy as sa
 
 from domain.control import ControlView
-from domain.events import BatchCreated, Recorded
+from domain.events import TERMINAL_TYPES, BatchCreated, Recorded
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
-from ledger import faults
+from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
+from ledger.dead_letters import DeadLetter, is_transient
 from ledger.engine import WRITE, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
@@ -42,7 +48,7 @@ from ledger.schema import worker_status
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.gc_settings import settle_for_batches
-from streams.metrics import PipelineMetrics, serve_metrics
+from streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
 from streams.sql_tail import SqlTail
 from streams.status import DEFAULT_STALE_S
@@ -57,6 +63,15 @@ HEARTBEAT_STALE_S = DEFAULT_STALE_S
 # Between two steps of a pass that is behind: time for an edge's append to take the write lock.
 CATCH_UP_PAUSE_S = 0.002
 BATCH_CREATED = BatchCreated.EVENT_TYPE
+# Events one fold dead-letters in a row, applying none in between, before it stops doing so and
+# reports instead: the fold (a table dropped, a bug), not its events, is then what fails, and
+# dead-lettering the whole log would only hide it (each stays replayable either way).
+DEAD_LETTERS_IN_A_ROW = 20
+
+
+class FoldBroken(Exception):
+    """A fold failed on too many events in a row to blame them: it retries, it does not
+    dead-letter (DEAD_LETTERS_IN_A_ROW)."""
 
 
 class FoldWorker:
@@ -82,8 +97,16 @@ class FoldWorker:
             ProjectionRunner(engine, self.store, spec)
             for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
         ]
-        self.projection_position = 0
-        self.billing = BillingFold(self.store, self.checkpoints, self.control)
+        # Each read model's position: they commit together while in step (one transaction a
+        # pass), apart while one is behind or failing.
+        self.positions = {runner.name: 0 for runner in self.runners}
+        self.billing = BillingFold(self.store, self.checkpoints, self.control, engine=engine)
+        # Poison isolation (DESIGN.md invariant 12); off only in the safeguard-off twin of the
+        # tests, where one event a fold cannot apply stops the fold and, through the shared
+        # read, billing.
+        self.isolate_poison = True
+        self._in_a_row: dict[str, int] = {}  # dead letters per fold since it last applied one
+        self._window_start = 0  # where this step's common read started
         self._billing_saved = self.billing.position
         self.sweeper = LeaseSweeper(
             self.store, ttl_s=lease_ttl_s, on_expired=IdempotencyStore(engine).release_request
@@ -103,17 +126,41 @@ class FoldWorker:
         flight)."""
         self.control_position = ControlLog(self.store, self.control).position
         for runner in self.runners:
-            runner.run_to_end()
-        self.projection_position = min(runner.checkpoint() for runner in self.runners)
-        self.billing.run_to_end()
+            self._to_end(runner.name, runner.run_to_end)
+            self.positions[runner.name] = runner.checkpoint()
+        self._to_end(self.billing.name, self.billing.run_to_end)
+        self._billing_saved = self.billing.position
         resume_sweeper(self.engine, self.store, self.sweeper)
+
+    def _to_end(self, name: str, run_to_end: Callable[[], int]) -> None:
+        """A fold's fast catch-up; one that meets an event it cannot apply stops there, and the
+        passes take it from there, one event at a time where it fails (a restart must not be
+        stopped by the poison event that the last run dead-lettered or was meeting)."""
+        try:
+            run_to_end()
+        except Exception as exc:
+            if is_transient(exc) or not self.isolate_poison:
+                raise
+            log.warning("%s stopped catching up (%s); the passes go on from there", name, exc)
+
+    @property
+    def projection_position(self) -> int:
+        """The lowest read model's position."""
+        return min(self.positions.values())
 
     # --- one pass ------------------------------------------------------------------------------
 
     def run_pass(self, batch: int = 500) -> int:
         """Read the new events once, hand them to every fold, then sweep expired leases.
         Returns how many events were read. (The bills a pass appends are projected by the next
-        pass: a pass reads the log once, before billing.)
+        pass: a pass reads the log once, before it bills.)
+
+        The common read starts at the lowest of control, billing and the sweeper: never at a
+        read model's, so a read model that is behind or failing never holds billing back. A
+        read model behind that read (it failed while the others moved on) reads on its own
+        until it is back in step. An event a fold cannot apply alone, twice, while the
+        database answers, is dead-lettered and the fold moves past it; a database that fails
+        is retried, never blamed on an event.
 
         Behind (after a burst, or at start-up), it folds `batch` events at a time with a short
         pause in between: on SQLite each step's write transactions hold the database's only
@@ -122,10 +169,10 @@ class FoldWorker:
         errors: dict[str, str] = {}
         read = 0
         while True:
-            start = min(
-                self.control_position, self.sweeper.position, self.billing.position,
-                self.projection_position,
-            )
+            start = min(self.control_position, self.sweeper.position, self.billing.position)
+            if not self.isolate_poison:  # the safeguard-off twin: every fold reads together
+                start = min(start, self.projection_position)
+            self._window_start = start
             try:
                 self.tail.seek(start)
                 records = self.tail.read(batch, 0)
@@ -141,10 +188,16 @@ class FoldWorker:
                     r.event.EVENT_TYPE == BATCH_CREATED for r in records
                 ):
                     self.on_batch_created()
+            # Behind the common read: on their own (not again this pass if they failed).
+            behind = [
+                r for r in self.runners
+                if self.positions[r.name] < start
+                and r.name not in errors and "projections" not in errors
+            ]  # fmt: skip
             for name, step in (
                 ("control", self._follow_control),
-                ("billing", self._bill),
-                ("projections", self._project),
+                ("billing", self._bill_isolated),
+                ("projections", self._project_isolated),
                 ("sweeper", self._follow_leases),
             ):
                 try:
@@ -152,13 +205,26 @@ class FoldWorker:
                 except Exception as exc:
                     log.exception("fold %s failed", name)
                     errors[name] = f"{type(exc).__name__}: {exc}"
-            if "projections" in errors and "billing" not in errors:
-                try:
+            if "billing" not in errors:
+                try:  # a no-op when the read models' transaction carried it
                     self._save_billing_checkpoint()
                 except Exception as exc:
                     log.exception("could not save the billing checkpoint")
                     errors["billing"] = f"{type(exc).__name__}: {exc}"
-            if len(records) < batch or errors:
+            # Another step while the common read or a read model's own came back full and
+            # what must move for it did: a failing fold is retried at the next pass, never
+            # spun on, and never holds back the others.
+            pinned = {"read", "control", "billing", "sweeper"}  # the common read's start
+            if not self.isolate_poison:
+                pinned.add("projections")
+            more = len(records) == batch and not errors.keys() & pinned
+            for runner in behind:
+                try:
+                    more |= self._catch_up_runner(runner, batch)
+                except Exception as exc:
+                    log.exception("read model %s failed catching up", runner.name)
+                    errors[runner.name] = f"{type(exc).__name__}: {exc}"
+            if not more:
                 break
             time.sleep(CATCH_UP_PAUSE_S)
         try:
@@ -179,25 +245,47 @@ class FoldWorker:
         # Its checkpoint is saved by _project, in the read models' transaction.
         self.billing.process(records, save_checkpoint=False)
 
+    def _bill_isolated(self, records: list[Recorded]) -> None:
+        """`_bill`; when the batch fails for a reason that is not the database's, its events
+        are billed one at a time and the one that still fails is dead-lettered."""
+        try:
+            self._bill(records)
+            self._proved(self.billing.name, records, self._bills)
+            return
+        except Exception as exc:
+            if is_transient(exc) or not self.isolate_poison:
+                raise
+            log.warning("billing failed on a batch (%s); billing its events one at a time", exc)
+        for record in records:
+            if record.position <= self.billing.position:
+                continue
+            if not self._apply_alone(
+                self.billing.name, record, lambda r=record: self._bill([r]),  # type: ignore[misc]
+                lambda conn, r=record: self.checkpoints.set(self.billing.name, r.position, conn),  # type: ignore[misc]
+                self._bills,
+            ):
+                self.billing.position = self._billing_saved = record.position
+
     def _project(self, records: list[Recorded]) -> None:
-        """All read models in one transaction: rows and checkpoints commit together, and the
-        billing checkpoint with them.
+        """The read models in step with this read, in one transaction: rows and checkpoints
+        commit together, and the billing checkpoint with them.
 
         The new rows are computed first, outside the write transaction: on SQLite that
         transaction holds the database's only write lock, which the edges' admissions wait for
         (computing inside it held the lock for 4-9 ms per pass at 200 req/s, measured). If
         another runner moved a checkpoint meanwhile, that projection is computed again under
         the lock."""
-        if not records:
+        runners = [r for r in self.runners if self.positions[r.name] >= self._window_start]
+        if not records or not runners:
             return
         # One read transaction: the runners read their checkpoints and rows in one snapshot
         # (and, on SQLite, through the driver).
         with self.engine.connect() as conn, conn.begin():
-            prepared = [runner.prepare(conn, records) for runner in self.runners]
+            prepared = [runner.prepare(conn, records) for runner in runners]
         with self.engine.connect() as conn:
             conn.execution_options(**{WRITE: True})
             with conn.begin():
-                for runner, ready in zip(self.runners, prepared, strict=True):
+                for runner, ready in zip(runners, prepared, strict=True):
                     if ready is not None and not runner.write(conn, ready):
                         runner.apply_recorded(conn, records)
                 billed = self.billing.position
@@ -205,13 +293,131 @@ class FoldWorker:
                 faults.point("projections.before_commit", position=records[-1].position)
         faults.point("projections.after_commit", position=records[-1].position)
         self.metrics.observe_ledger_rows(
-            (r for r in records if r.position > self.projection_position), datetime.now(UTC)
+            (r for r in records if r.position > self.positions[LEDGER_ENTRIES.name]),
+            datetime.now(UTC),
         )
         self._billing_saved = billed
-        self.projection_position = records[-1].position
+        for runner in runners:
+            self.positions[runner.name] = records[-1].position
+            self._proved(runner.name, records, runner.touches)
+
+    def _project_isolated(self, records: list[Recorded]) -> None:
+        """`_project`; when that transaction fails for a reason that is not the database's,
+        each read model applies the batch in a transaction of its own, and one that still
+        fails applies it one event at a time, dead-lettering the event that fails alone. The
+        batch's failure is still reported (this pass)."""
+        try:
+            self._project(records)
+            return
+        except Exception as exc:
+            if is_transient(exc) or not self.isolate_poison:
+                raise
+            failure = exc
+        log.warning("the read models failed on a batch (%s); applying them apart", failure)
+        for runner in self.runners:  # each on its own: one that still fails stops no other
+            if self.positions[runner.name] >= self._window_start:
+                try:
+                    self._apply_runner(runner, records)
+                except Exception as exc:
+                    log.exception("read model %s failed", runner.name)
+                    failure = exc
+        raise failure
+
+    def _catch_up_runner(self, runner: ProjectionRunner, batch: int) -> bool:
+        """One read of its own for a read model behind the common read; True if it read a
+        whole `batch` (more may follow)."""
+        records = self.store.read_all(self.positions[runner.name], batch)
+        self._apply_runner(runner, records)
+        return len(records) == batch
+
+    def _apply_runner(self, runner: ProjectionRunner, records: list[Recorded]) -> None:
+        """`records` into one read model, in its own transaction; one at a time when that fails
+        for a reason that is not the database's (the event that fails alone is dead-lettered)."""
+        fresh = [r for r in records if r.position > self.positions[runner.name]]
+        if not fresh:
+            return
+        try:
+            self._write_runner(runner, fresh)
+            self._proved(runner.name, fresh, runner.touches)
+            return
+        except Exception as exc:
+            if is_transient(exc) or not self.isolate_poison:
+                raise
+        for record in fresh:
+            self._apply_alone(
+                runner.name, record,
+                lambda r=record: self._write_runner(runner, [r]),  # type: ignore[misc]
+                lambda conn, r=record: runner.skip(conn, r.position),  # type: ignore[misc]
+                runner.touches,
+            )  # fmt: skip
+            self.positions[runner.name] = record.position
+
+    def _write_runner(self, runner: ProjectionRunner, records: list[Recorded]) -> None:
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                runner.apply_recorded(conn, records)
+        if runner.name == LEDGER_ENTRIES.name:
+            self.metrics.observe_ledger_rows(records, datetime.now(UTC))
+        self.positions[runner.name] = records[-1].position
+
+    def _proved(
+        self, fold: str, records: list[Recorded],
+        touches: Callable[[Recorded], bool] | None = None,
+    ) -> None:  # fmt: skip
+        """`records` applied: the fold works again if one of them did something in it (an event
+        the fold ignores proves nothing), so its count of dead letters in a row starts over.
+        Checked only while it has one (the healthy path pays nothing)."""
+        if self._in_a_row.get(fold) and (touches is None or any(map(touches, records))):
+            del self._in_a_row[fold]
+
+    @staticmethod
+    def _bills(record: Recorded) -> bool:
+        return record.type in TERMINAL_TYPES
+
+    def _apply_alone(
+        self, fold: str, record: Recorded, apply: Callable[[], None],
+        move_past: Callable[[sa.Connection], None], touches: Callable[[Recorded], bool],
+    ) -> bool:  # fmt: skip
+        """Apply one event alone, in its own transaction; True if it applied. If it fails twice
+        while the database answers, and not because of the database, it is dead-lettered in
+        the transaction that moves the fold past it (`move_past`), and False. A transient
+        failure is raised (the pass reports it and retries), as is the failure of a fold that
+        already dead-lettered DEAD_LETTERS_IN_A_ROW events without applying any."""
+        failure: Exception | None = None
+        for _ in range(2):
+            try:
+                apply()
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                failure = exc
+            else:
+                self._proved(fold, [record], touches)
+                return True
+        assert failure is not None
+        if not dead_letters.database_answers(self.engine):
+            raise failure
+        if self._in_a_row.get(fold, 0) >= DEAD_LETTERS_IN_A_ROW:
+            raise FoldBroken(
+                f"{fold} failed on {DEAD_LETTERS_IN_A_ROW} events in a row; not dead-lettering "
+                f"more (the fold looks broken): {dead_letters.reason_of(failure)}"
+            ) from failure
+        letter = DeadLetter.of(fold, record, failure)
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                dead_letters.record(conn, [letter], datetime.now(UTC))
+                move_past(conn)
+        self._in_a_row[fold] = self._in_a_row.get(fold, 0) + 1
+        log.error(
+            "%s: dead-lettered event %s at position %d (%s); moving past it",
+            fold, letter.event_id, record.position, letter.reason,
+        )  # fmt: skip
+        return False
 
     def _save_billing_checkpoint(self) -> None:
-        """On its own, when the read models' transaction that carries it did not commit."""
+        """On its own, when no read models' transaction carried it."""
         if self.billing.position != self._billing_saved:
             billed = self.billing.position
             self.checkpoints.set(self.billing.name, billed)
@@ -302,6 +508,9 @@ class FoldStatus:
     warnings: tuple[str, ...]
     billing_lag: int
     dead_letters: int
+    # Unreplayed events in the dead-letter table, per fold (ledger/dead_letters.py); their
+    # alarm is streams.status's (read_status), which /readyz and `tollgate status` show.
+    dead_letters_by_fold: dict[str, int] = field(default_factory=dict)
 
 
 def read_fold_status(
@@ -312,8 +521,9 @@ def read_fold_status(
         row = conn.execute(
             sa.select(worker_status).where(worker_status.c.name == name)
         ).mappings().first()
+        dead = dead_letters.counts_by_fold(conn)
     if row is None:
-        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0)
+        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0, dead)
     problems: list[str] = []
     warnings: list[str] = []
     age = (now - row["heartbeat_at"]).total_seconds()
@@ -327,7 +537,9 @@ def read_fold_status(
             f"billing: {row['dead_letters']} request(s) could not be billed, e.g. "
             + "; ".join(f"{k} ({v})" for k, v in sample.items())
         )
-    return FoldStatus(tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"])
+    return FoldStatus(
+        tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"], dead
+    )
 
 
 def run_worker(
@@ -345,6 +557,8 @@ def run_worker(
     worker = FoldWorker(
         engine, lease_ttl_s=lease_ttl_s, metrics=PipelineMetrics(billing=bool(metrics_port))
     )
+    if metrics_port:
+        worker.metrics.registry.register(DeadLettersCollector(engine))
     serve_metrics(metrics_port, worker.metrics.registry)
     start_reconciler(engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics)
     runner = _batch_runner(engine, worker, stop)
@@ -387,3 +601,83 @@ def _batch_runner(
     )
     worker.on_batch_created = runner.nudge  # idle, it polls once a second: start a new one now
     return threading.Thread(target=runner.run, args=(stop,), name="batch-runner", daemon=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOutcome:
+    """What `replay_dead_letters` did: the dead letters applied now, and those still failing
+    (each with its new reason)."""
+
+    replayed: tuple[dict[str, Any], ...]
+    failed: tuple[dict[str, Any], ...]
+
+
+def replay_dead_letters(
+    engine: sa.Engine, *, fold: str | None = None,
+    runners: Sequence[ProjectionRunner] | None = None,
+) -> ReplayOutcome:  # fmt: skip
+    """`tollgate dead-letters replay`: apply every unreplayed dead letter (of `fold`, or all)
+    again through its fold's own code: a read model writes the event's rows on top of the
+    current ones (`ProjectionRunner.replay`, in the transaction that marks it replayed), billing
+    bills the request from its stored stream (`BillingFold.replay`; its deterministic bill id
+    makes a second replay a no-op). One that still fails stays, with its new reason.
+    `runners`: the read models' runners to replay through (a worker's; default: new ones)."""
+    store = SqlEventStore(engine)
+    by_name = {
+        r.name: r
+        for r in runners or [
+            ProjectionRunner(engine, store, spec)
+            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+        ]
+    }
+    billing: BillingFold | None = None
+    with engine.connect() as conn:
+        letters = dead_letters.listing(conn, fold=fold)
+    replayed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for letter in letters:
+        name, event_id = letter["fold"], letter["event_id"]
+        try:
+            record = _dead_record(store, letter)
+            if name == BillingFold.name:
+                if billing is None:  # prices as recorded now: the fix may have been a price
+                    control = ControlView()
+                    ControlLog(store, control)
+                    billing = BillingFold(store, Checkpoints(engine), control, engine=engine)
+                billing.replay(record)
+                with _write(engine) as conn:
+                    dead_letters.mark_replayed(conn, name, event_id, datetime.now(UTC))
+            elif name in by_name:
+                with _write(engine) as conn:
+                    by_name[name].replay(conn, record)
+                    dead_letters.mark_replayed(conn, name, event_id, datetime.now(UTC))
+            else:
+                raise LookupError(f"no fold named {name!r}")
+        except Exception as exc:
+            if dead_letters.is_transient(exc):
+                raise  # the database's failure, not the event's: nothing is marked
+            reason = dead_letters.reason_of(exc)
+            with _write(engine) as conn:
+                dead_letters.failed_again(conn, name, event_id, reason, datetime.now(UTC))
+            failed.append({**letter, "reason": reason})
+        else:
+            replayed.append(letter)
+    return ReplayOutcome(tuple(replayed), tuple(failed))
+
+
+def _dead_record(store: SqlEventStore, letter: dict[str, Any]) -> Recorded:
+    """The stored event a dead letter names (by its position; the id is checked)."""
+    position = letter["position"]
+    found = store.read_all(position - 1, 1) if position else []
+    if not found or dead_letters.storable(found[0].event_id, 64) != letter["event_id"]:
+        raise LookupError(f"event {letter['event_id']} is not at position {position}")
+    return found[0]
+
+
+@contextmanager
+def _write(engine: sa.Engine) -> Iterator[sa.Connection]:
+    """A write transaction on a connection of its own (WRITE: SQLite's immediate one)."""
+    with engine.connect() as conn:
+        conn.execution_options(**{WRITE: True})
+        with conn.begin():
+            yield conn

@@ -24,6 +24,7 @@ from ledger.engine import create_engine_from_url
 from ledger.idempotency import IdempotencyConflict, IdempotencyStore
 from ledger.schema import ledger_entries, request_log, upgrade, worker_status
 from ledger.store import NewEvent, SqlEventStore
+from streams.status import dead_letter_problem, read_status
 from streams.worker import FoldWorker, read_fold_status
 from tests import builders as b
 
@@ -159,6 +160,10 @@ def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(engine:
     worker.write_status()
     status = read_fold_status(engine, datetime.now(UTC))
     assert status.problems == ()
+    # Kept in the dead-letter table too (it outlives the worker), which alarms until a replay
+    # bills it (DESIGN.md invariant 12).
+    assert status.dead_letters_by_fold == {"billing": 1}
+    assert dead_letter_problem("billing", 1) in read_status(engine, datetime.now(UTC)).alarms
     assert status.dead_letters == 1 and unpriced in status.warnings[0]
 
     def broken(records: object) -> None:

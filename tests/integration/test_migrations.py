@@ -26,6 +26,7 @@ TABLES = {
     "batches",
     "batch_results",
     "relay_state",
+    "dead_letters",
     "reconciliation_status",
 }
 

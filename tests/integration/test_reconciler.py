@@ -75,14 +75,15 @@ def test_billing_broken_on_purpose_alarms_and_the_alarm_clears(engine: sa.Engine
 
     # Fresh, the unbilled terminal is lag, not yet an alarm; the overdue lease is one at once.
     fresh = read_status(engine, now, unbilled_alarm_s=30)
-    assert [a.split(":")[0] for a in fresh.alarms] == ["leases"]
+    # (The refused bill is a dead letter of the billing fold: an alarm at once.)
+    assert [a.split(":")[0] for a in fresh.alarms] == ["leases", "dead letters"]
     assert orphan in fresh.alarms[0]
     # 40 s later the unbilled terminal is past its 30 s too, and the reconciliation's own row,
     # unrefreshed, is stale while the log has moved on.
     _request(store)
     later = read_status(engine, now + timedelta(seconds=40), unbilled_alarm_s=30)
     kinds = [a.split(":")[0] for a in later.alarms]
-    assert kinds == ["billing", "leases", "reconciliation"]
+    assert kinds == ["billing", "leases", "reconciliation", "dead letters"]
     assert "1 terminal event(s) without a ledger row" in later.alarms[0]
     assert unbillable in later.alarms[0]
     assert later.problems == later.stale + later.alarms
@@ -143,8 +144,11 @@ def test_tollgate_status_exits_2_on_an_alarm(url: str, engine: sa.Engine) -> Non
         )  # fmt: skip
 
     calm = status("--unbilled-alarm-after", "60")
-    assert calm.returncode == 0, calm.stdout + calm.stderr
     assert "UNBILLED TERMINALS" in calm.stdout
+    # Exit 2 only for the billing fold's dead letter (the refused bill), not yet for the gap.
+    assert calm.returncode == 2 and "dead letters: billing" in calm.stdout
+    assert "billing: 1 terminal event(s)" not in calm.stdout
     paged = status("--unbilled-alarm-after", "1")
     assert paged.returncode == 2, paged.stdout + paged.stderr
     assert "ALARMS:" in paged.stdout and unbillable in paged.stdout
+    assert "billing: 1 terminal event(s)" in paged.stdout
