@@ -99,7 +99,10 @@ def test_the_distributed_overlay_runs_the_pipeline(
         assert "TOLLGATE_KAFKA_BOOTSTRAP" not in config
     else:
         assert set(deployments) == {
-            "tollgate-api", "tollgate-worker", "tollgate-relay", "tollgate-batch-runner"
+            "tollgate-api",
+            "tollgate-worker",
+            "tollgate-relay",
+            "tollgate-batch-runner",
         }
         assert deployments["tollgate-worker"]["spec"]["replicas"] >= 2
         assert deployments["tollgate-relay"]["spec"]["strategy"]["type"] == "Recreate"
@@ -141,7 +144,9 @@ def test_every_setting_is_one_the_code_reads(
 ) -> None:
     _, docs = rendered
     code = "\n".join(
-        p.read_text() for folder in ("api", "streams", "ledger") for p in (REPO / folder).rglob("*.py")
+        p.read_text()
+        for folder in ("api", "streams", "ledger")
+        for p in (REPO / folder).rglob("*.py")
     )
     read = set(re.findall(r"TOLLGATE_[A-Z0-9_]+", code))
     config = by_kind(docs, "ConfigMap")["tollgate-config"]["data"]
