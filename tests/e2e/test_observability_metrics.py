@@ -91,6 +91,13 @@ def dashboard_exprs() -> list[str]:
     return walk(json.loads(DASHBOARD.read_text())["panels"])
 
 
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def exposed(text: str) -> set[str]:
     """The sample names of a scrape (what PromQL selects: `_total`, `_bucket` ...)."""
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
@@ -163,6 +170,12 @@ def test_every_metric_of_the_rules_and_the_dashboard_is_exposed(
              and "tollgate_reconciliation_last_run_timestamp_seconds 0.0"
              not in scrapes["worker"](), timeout=60, every=0.5)  # fmt: skip
         by_process = {name: exposed(read()) for name, read in scrapes.items()}
+        # The resident memory of each process (deploy/README.md sizes the requests with it).
+        rss_mib = {
+            name: rss_kib(proc.pid) // 1024
+            for name, proc in (("edge", edge), ("relay", relay), ("worker", worker))
+            if proc is not None
+        }
     finally:
         for proc in (worker, relay):
             if proc is not None:
@@ -190,6 +203,8 @@ def test_every_metric_of_the_rules_and_the_dashboard_is_exposed(
     ):
         assert name in by_process["edge"], name  # fmt: skip
     print(
+        "RSS MiB",
+        rss_mib,
         {p: len(v) for p, v in by_process.items()},
         "external:",
         sorted(n for n in named_by_rules | named_by_dashboard if n in EXTERNAL),
