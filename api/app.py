@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from api.auth import Caller
+from api.auth import Caller, single_authorization
 from api.backoffice import (
     ENTRY_COLUMNS,
     FORMATS,
@@ -33,7 +33,7 @@ from api.batch_routes import add_batch_routes
 from api.body_limits import bounded
 from api.chat_request import too_large
 from api.edge import JsonOutcome
-from api.errors import ApiError, error_body
+from api.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
 from api.openapi import install as install_openapi
 from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission, source_of
 from api.runtime import Runtime
@@ -129,8 +129,24 @@ def create_app(runtime: Runtime) -> FastAPI:
         headers.update(exc.headers)
         return json_response(exc.status, exc.body(), headers)
 
+    async def _store_away(request: Request, exc: Exception) -> Response:
+        answer = store_unavailable(exc)
+        if answer is None:  # a database error that is not about reaching it: a bug
+            return await _unexpected(request, exc)
+        runtime.log.warning("store unavailable on %s: %s", request.url.path, exc)
+        return await _api_error(request, answer)
+
+    # Registered per class, not only through the Exception handler below: Starlette re-raises
+    # what that one answers, and the server then logs it as a crash (and may drop the
+    # connection) for what is a database restart.
+    for error in STORE_AWAY_ERRORS:
+        app.add_exception_handler(error, _store_away)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
+        answer = store_unavailable(exc)  # raised from a store error, wrapped on the way
+        if answer is not None:
+            return await _api_error(request, answer)
         runtime.log.exception("unhandled error on %s", request.url.path)
         headers = {"X-Request-Id": getattr(request.state, "request_id", "") or new_request_id()}
         return json_response(
@@ -292,6 +308,12 @@ class TollgateApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.api(scope, receive, send)
+            return
+        # Before any route: two Authorization headers are refused alike everywhere.
+        refused = single_authorization(scope["headers"])
+        if refused is not None:
+            headers = {"X-Request-Id": new_request_id()}
+            await json_response(400, refused.body(), headers)(scope, receive, send)
         elif scope["path"] == "/v1/chat/completions":
             await self.chat_completions(scope, receive, send)
         else:
@@ -381,7 +403,13 @@ class TollgateApp:
                 limits.refused(caller.key_id, caller.tenant_id)
             headers = {"X-Request-Id": request_id, **exc.headers}
             await json_response(exc.status, exc.body(), headers)(scope, receive, send)
-        except Exception:
+        except Exception as exc:
+            answer = store_unavailable(exc)
+            if answer is not None:
+                runtime.log.warning("store unavailable on /v1/chat/completions: %s", exc)
+                headers = {"X-Request-Id": request_id, **answer.headers}
+                await json_response(answer.status, answer.body(), headers)(scope, receive, send)
+                return
             runtime.log.exception("unhandled error on /v1/chat/completions")
             await json_response(
                 500, error_body("internal error", "server_error", None, "internal_error"),
@@ -479,7 +507,7 @@ def run_id_of(value: str | None) -> str | None:
     letters, digits and . _ : -, starting with a letter or digit), or a 400 naming it."""
     if value is None:
         return None
-    if not RUN_ID.match(value):
+    if not RUN_ID.fullmatch(value):
         raise ApiError(
             400, f"X-Tollgate-Run-Id must match {RUN_ID.pattern}", param="X-Tollgate-Run-Id",
             code="invalid_value",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from api.errors import ApiError
@@ -18,6 +19,22 @@ class Caller:
     scope: str
     tier: str
     cache_salt: str
+
+
+def single_authorization(headers: Iterable[tuple[bytes, bytes]]) -> ApiError | None:
+    """The refusal of a request that carries more than one Authorization header (ASGI's raw,
+    lower-cased names), or None. Which one a route would read depends on how it looks headers up
+    (a dict keeps the last, Starlette's `get` the first): refused on every route alike."""
+    seen = False
+    for name, _ in headers:
+        if name == b"authorization":
+            if seen:
+                return ApiError(
+                    400, "send one Authorization header, not several", param="Authorization",
+                    code="duplicate_header",
+                )
+            seen = True
+    return None
 
 
 class Authenticator:

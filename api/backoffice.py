@@ -20,6 +20,7 @@ from domain.events import Recorded
 from domain.hierarchy import month_start
 from domain.leases import edge_stream
 from domain.replay import Timeline, replay
+from domain.text import unstorable
 from ledger.finance import FinanceQueries, month_bounds
 from ledger.store import EventStore
 
@@ -92,6 +93,14 @@ def choice(value: str | None, allowed: tuple[str, ...], default: str, param: str
     return value
 
 
+def _queryable(value: str | None, param: str) -> None:
+    """A filter compared with stored text: one PostgreSQL could not even take as a parameter (a
+    NUL) matches nothing there and failed as a 500; it is a 400 naming it on every backend."""
+    reason = None if value is None else unstorable(value)
+    if reason is not None:
+        raise ApiError(400, f"'{param}' {reason}", param=param, code="invalid_value")
+
+
 class Backoffice:
     def __init__(self, engine: sa.Engine, store: EventStore, control: ControlView) -> None:
         self.engine = engine
@@ -125,6 +134,7 @@ class Backoffice:
 
     def usage(self, tenant: str | None, start: datetime, end: datetime, model: str | None,
               group_by: str) -> list[dict[str, Any]]:
+        _queryable(model, "model")
         return self.finance.usage(tenant, start, end, model, group_by)
 
     def entries(self, tenant: str | None, start: datetime, end: datetime, model: str | None,
@@ -132,6 +142,8 @@ class Backoffice:
         if not 1 <= limit <= MAX_ENTRIES:
             raise ApiError(400, f"'limit' must be within 1..{MAX_ENTRIES}", param="limit",
                            code="invalid_value")
+        _queryable(model, "model")
+        _queryable(after, "after")
         return self.finance.entries(tenant, start, end, model, limit, after)
 
     def flex(self, tenant: str | None, start: datetime, end: datetime) -> list[dict[str, Any]]:
@@ -198,7 +210,7 @@ class Backoffice:
     def timeline(self, request_id: str, scope: str, own_tenant: str, now: datetime) -> Timeline:
         """Re-fold a request's stored events. Another tenant's request answers exactly like an
         unknown one (404), so ids cannot be probed across tenants."""
-        if not REQUEST_ID.match(request_id):
+        if not REQUEST_ID.fullmatch(request_id):
             raise ApiError(400, "request ids look like req_ followed by 32 hex digits",
                            param="request_id", code="invalid_value")
         records = self.store.read_stream(request_id)

@@ -22,12 +22,14 @@ from api.auth import Caller
 from api.errors import ApiError, bad_request
 from domain import batch as b
 from domain.errors import DomainError
+from domain.text import check_text, unstorable
 from ledger.batches import BatchStore, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader
 from ledger.ids import Clock, utcnow
 from ledger.store import EventStore
 
 PURPOSES = frozenset({"batch"})
+MAX_FILENAME_CHARS = 255  # batch_files.filename
 # Multipart framing around the file, on top of the file's own bound.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 MAX_LIST = 100
@@ -68,13 +70,19 @@ class BatchService:
         if purpose not in PURPOSES:
             raise bad_request("'purpose' must be batch", "purpose")
         try:
+            # The file name is stored (a 255-wide column) and shown back: storable, or a 400.
+            check_text(filename, "file.filename", max_chars=MAX_FILENAME_CHARS)
+        except DomainError as exc:
+            raise bad_request(exc.message, exc.field, "invalid_value") from None
+        try:
             b.parse_input(content)
         except DomainError as exc:
-            raise bad_request(exc.message, "file", exc.rule) from None
+            # `line N: <field>` when a line is at fault, else the file.
+            raise bad_request(exc.message, exc.field or "file", exc.rule) from None
         now = self.clock()
         stored = StoredFile(
             file_id="file-" + uuid.uuid4().hex[:24], tenant_id=caller.tenant_id,
-            purpose=purpose, filename=filename[:255], bytes=len(content), created_at=now,
+            purpose=purpose, filename=filename, bytes=len(content), created_at=now,
             # Until a batch uses it; then until that batch ends plus the retention.
             expires_at=now + timedelta(seconds=b.INPUT_RETENTION_S),
         )
@@ -85,17 +93,20 @@ class BatchService:
         return file_object(self._file(caller, file_id, "file_id"))
 
     def content(self, caller: Caller, file_id: str) -> bytes:
+        _queryable(file_id, "file_id")
         found = self.files.content(caller.tenant_id, file_id, self.clock())
         if found is None:
             raise _no_file(file_id, "file_id")
         return bytes(found)
 
     def delete(self, caller: Caller, file_id: str) -> dict[str, Any]:
+        _queryable(file_id, "file_id")
         if not self.files.delete_file(caller.tenant_id, file_id):
             raise _no_file(file_id, "file_id")
         return {"id": file_id, "object": "file", "deleted": True}
 
     def _file(self, caller: Caller, file_id: str, param: str) -> StoredFile:
+        _queryable(file_id, param)
         found = self.files.file(caller.tenant_id, file_id, self.clock())
         if found is None:  # another tenant's file is not found either: it is not theirs to know
             raise _no_file(file_id, param)
@@ -121,7 +132,7 @@ class BatchService:
         try:
             metadata = b.check_metadata(body.get("metadata"))
         except DomainError as exc:
-            raise bad_request(exc.message, "metadata") from None
+            raise bad_request(exc.message, exc.field or "metadata") from None
         stored = self._file(caller, file_id, "input_file_id")
         if stored.purpose != "batch":
             raise bad_request("the input file's purpose must be batch", "input_file_id")
@@ -155,6 +166,7 @@ class BatchService:
         return self.get(caller, batch_id)
 
     def get(self, caller: Caller, batch_id: str) -> dict[str, Any]:
+        _queryable(batch_id, "batch_id")
         state, _ = batch_stream_loader(self.events, batch_id)()
         if state.status == "new" or state.tenant_id != caller.tenant_id:
             raise ApiError(404, f"No batch found with id '{batch_id}'.", param="batch_id",
@@ -164,6 +176,8 @@ class BatchService:
     def list(self, caller: Caller, after: str | None, limit: int) -> dict[str, Any]:
         if not 1 <= limit <= MAX_LIST:
             raise bad_request(f"'limit' must be within 1 and {MAX_LIST}", "limit")
+        if after is not None:
+            _queryable(after, "after")
         ids = self.files.batch_ids(caller.tenant_id, after, limit + 1)
         streams = self.events.read_streams([b.batch_stream(i) for i in ids[:limit]])
         data = [batch_object(b.fold(streams.get(b.batch_stream(i), []))) for i in ids[:limit]]
@@ -262,6 +276,14 @@ def batch_object(s: b.BatchState) -> dict[str, Any]:
 
 def _epoch(at: datetime | None) -> int | None:
     return None if at is None else int(at.timestamp())
+
+
+def _queryable(value: str, param: str) -> None:
+    """An id or cursor compared with stored text: one PostgreSQL cannot take as a parameter (a
+    NUL) names nothing and failed there as a 500; it is a 400 naming it on every backend."""
+    reason = unstorable(value)
+    if reason is not None:
+        raise bad_request(f"'{param}' {reason}", param)
 
 
 def _no_file(file_id: str, param: str) -> ApiError:

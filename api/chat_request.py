@@ -19,6 +19,8 @@ from typing import Any
 import orjson
 
 from api.errors import ApiError, bad_request
+from domain.errors import DomainError
+from domain.text import check_metadata, unstorable
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -35,7 +37,8 @@ MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# Matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 # Content part types by role: OpenAI's, plus the audio and video URLs vLLM takes from users.
 _PARTS_BY_ROLE: dict[str, frozenset[str]] = {
@@ -124,6 +127,10 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise _missing_or_type(model, "model", "a non-empty string")
     if len(model) > MAX_MODEL_CHARS:
         raise _too_long("model", MAX_MODEL_CHARS)
+    # An unknown model's name is recorded in its refusal (and read into request_log): one that
+    # PostgreSQL cannot hold is refused here, as invalid, and never reaches the store.
+    if "\x00" in model or not model.isascii():
+        _check_storable(model, "model")
     messages = body.get("messages")
     if type(messages) is not list or not messages:
         raise _missing_or_type(messages, "messages", "a non-empty array")
@@ -353,8 +360,19 @@ def _string(name: str) -> Any:
     def check(value: Any, body: dict[str, Any]) -> None:
         if type(value) is not str:
             raise _type(name, "a string")
+        _check_storable(value, name)
 
     return check
+
+
+def _check_metadata(value: Any, body: dict[str, Any]) -> None:
+    # Not forwarded nor stored today, but checked as OpenAI checks it (16 pairs, keys <= 64 and
+    # values <= 512 characters) and as storable, so that keeping it later needs no new rule.
+    try:
+        check_metadata(value)
+    except DomainError as exc:
+        code = "invalid_type" if exc.rule == "invalid_type" else "invalid_value"
+        raise bad_request(exc.message, exc.field, code=code) from None
 
 
 _n_range = _integer("n", 1, MAX_N)
@@ -439,7 +457,7 @@ def _check_named_schema(spec: dict[str, Any], schema_key: str, where: str) -> No
     """A function of `tools` or a response's json_schema: a name, a JSON schema under
     `schema_key`, an optional description and strict flag."""
     name = spec.get("name")
-    if type(name) is not str or not FUNCTION_NAME.match(name):
+    if type(name) is not str or not FUNCTION_NAME.fullmatch(name):
         raise _Bad(f"{where}.name", "must be 1-64 letters, digits, _ or -")
     _optional(spec, "description", str, "a string", where)
     _optional(spec, schema_key, dict, "an object", where)
@@ -519,6 +537,7 @@ _CHECKS: dict[str, Any] = {
     "include_stop_str_in_output": _boolean("include_stop_str_in_output"),
     "skip_special_tokens": _boolean("skip_special_tokens"),
     "user": _string("user"),
+    "metadata": _check_metadata,
     "stop": _check_stop,
     "stop_token_ids": _check_stop_token_ids,
     "logit_bias": _check_logit_bias,
@@ -608,6 +627,12 @@ def _missing(param: str) -> ApiError:
 
 def _missing_or_type(value: Any, param: str, expected: str) -> ApiError:
     return _missing(param) if value is None else _type(param, expected)
+
+
+def _check_storable(value: str, param: str) -> None:
+    reason = unstorable(value)
+    if reason is not None:
+        raise bad_request(f"'{param}' {reason}", param, code="invalid_value")
 
 
 def _too_long(param: str, limit: int) -> ApiError:

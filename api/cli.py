@@ -1271,6 +1271,10 @@ def worker(
     read the event topic the relay fills, as one member of a consumer group: run several."""
     from streams.worker import run_worker
 
+    if parent_pid:  # `tollgate serve`'s child: killed by the kernel when serve dies
+        from streams.supervisor import die_with_parent
+
+        die_with_parent(parent_pid)
     url = _start_process(database_url)
     if parent_pid:
         # `tollgate serve`'s child shares the machine with the edge it serves: billing, the read

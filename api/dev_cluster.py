@@ -1,6 +1,7 @@
 """`tollgate dev-cluster`: the distributed mode on this machine, every part a child process
 supervised together — the development broker, a simulated fleet, the relay, two Kafka workers
-and two edges over one PostgreSQL store — with where each listens and the demo keys printed."""
+and two edges over one PostgreSQL store — with where each listens and the demo keys printed.
+A child that dies is reported and started again, with back-off (`streams.supervisor`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from api.config import DEFAULT_MODELS, ServeSettings, data_dir
 from api.control_service import ControlService, hash_secret
 from api.serve import demo_keys_file, ensure_demo_prices, seed_demo
 from streams.dev_broker import DevBroker
+from streams.supervisor import RestartBackoff
 from streams.topics import DEFAULT_TOPIC
 
 # The local test database of DESIGN.md §8 (127.0.0.1:5432, user postgres, trust auth).
@@ -64,6 +66,10 @@ class Child:
     url: str = ""
     proc: subprocess.Popen[bytes] | None = None
     reported: bool = False
+    started_at: float = 0.0
+    restart_at: float | None = None  # set when its death was seen: when to start it again
+    restarts: int = 0
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
 
 
 @dataclass
@@ -75,6 +81,9 @@ class DevCluster:
     keys: dict[str, str] = field(default_factory=dict)
     front: FrontDoor | None = None
     _stopping: bool = False
+    _broker_started_at: float = 0.0
+    _broker_restart_at: float | None = None
+    _broker_backoff: RestartBackoff = field(default_factory=RestartBackoff)
 
     @property
     def log_dir(self) -> Path:
@@ -104,6 +113,7 @@ class DevCluster:
             self.broker.start()
         except RuntimeError as exc:
             raise DevClusterError(f"the development broker did not start: {exc}") from exc
+        self._broker_started_at = time.monotonic()
         python = [sys.executable]
         tollgate = [*python, "-m", "api.cli"]
         replicas: list[str] = []
@@ -144,6 +154,11 @@ class DevCluster:
 
     def _spawn(self, name: str, kind: str, args: list[str], url: str = "") -> Child:
         child = Child(name, kind, args, self.log_dir / f"{name}.log", url)
+        self._popen(child)
+        self.children.append(child)
+        return child
+
+    def _popen(self, child: Child) -> None:
         env = {
             **os.environ,
             "TOLLGATE_DATABASE_URL": self.settings.database_url,
@@ -153,13 +168,13 @@ class DevCluster:
         }
         with open(child.log, "ab") as log:
             child.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                child.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env,
                 # Its own process group: Ctrl-C reaches the supervisor only, which stops the
                 # children in order; and the kernel ends a child whose supervisor was killed.
                 process_group=0, preexec_fn=_die_with_parent,
             )  # fmt: skip
-        self.children.append(child)
-        return child
+        child.started_at = time.monotonic()
 
     @property
     def bootstrap(self) -> str:
@@ -222,26 +237,59 @@ class DevCluster:
     # --- supervise ------------------------------------------------------------------------
 
     def check(self) -> list[Child]:
-        """Report each child (and the broker) that exited since the last check."""
+        """Report each child (and the broker) that exited since the last check, and start
+        again each dead child whose back-off has passed: a killed worker, relay, edge or
+        replica comes back (an edge on its own port, which the front passes over meanwhile)."""
         died = []
+        now = time.monotonic()
         for child in self.children:
             assert child.proc is not None
             code = child.proc.poll()
-            if code is not None and not child.reported:
-                child.reported = True
+            if code is None or self._stopping:
+                continue
+            if child.restart_at is None:
+                wait_s = child.backoff.after_exit(now - child.started_at)
+                child.restart_at = child.started_at + wait_s
                 died.append(child)
                 self.say(
                     f"dev-cluster: {child.name} (pid {child.proc.pid}) exited with {code}; "
-                    f"the rest keep running (log: {child.log})"
+                    f"starting it again in {max(0.0, child.restart_at - now):.0f} s, the rest "
+                    f"keep running (log: {child.log})"
                 )
-        if self.broker is not None and self.broker.returncode is not None:
-            self.say(f"dev-cluster: the broker exited with {self.broker.returncode}; the rest "
-                     f"keep running (log: {self.log_dir / 'broker.log'})")
-            self.broker = None
+            if now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                self._popen(child)
+                self.say(f"dev-cluster: started {child.name} again (pid {child.proc.pid})")
+        broker = self.broker
+        if broker is not None and broker.returncode is not None and not self._stopping:
+            # On its own port again, empty (memory only): the relay finds the topic gone and
+            # publishes the store again as a new epoch, which the workers read from its start.
+            if self._broker_restart_at is None:
+                wait_s = self._broker_backoff.after_exit(now - self._broker_started_at)
+                self._broker_restart_at = self._broker_started_at + wait_s
+                self.say(
+                    f"dev-cluster: kafka (pid {broker.pid}) exited with {broker.returncode}; "
+                    f"starting it again in {max(0.0, self._broker_restart_at - now):.0f} s, "
+                    f"the rest keep running (log: {self.log_dir / 'broker.log'})"
+                )
+            if now >= self._broker_restart_at:
+                self._broker_restart_at = None
+                self._broker_started_at = time.monotonic()
+                try:
+                    broker.start()
+                except RuntimeError as exc:  # seen exited at the next check: backed off
+                    self.say(f"dev-cluster: kafka did not start again: {exc}")
+                else:
+                    self.say(f"dev-cluster: started kafka again (pid {broker.pid})")
         return died
 
     def alive(self) -> bool:
-        return any(c.proc is not None and c.proc.poll() is None for c in self.children)
+        """Some child runs, or is to be started again."""
+        return any(
+            c.restart_at is not None or (c.proc is not None and c.proc.poll() is None)
+            for c in self.children
+        )
 
     def stop(self) -> None:
         """SIGTERM the children kind by kind (SIGKILL after the grace), then the broker."""

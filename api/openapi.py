@@ -47,6 +47,15 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
+# OpenAI's metadata (domain.text.check_metadata); a NUL in a key or value is a 400 too.
+METADATA = nullable({
+    "type": "object",
+    "maxProperties": 16,
+    "propertyNames": {"maxLength": 64},
+    "additionalProperties": {"type": "string", "maxLength": 512},
+})  # fmt: skip
+
+
 def obj(required: list[str] | None = None, **properties: Any) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if required:
@@ -227,7 +236,7 @@ CHAT_REQUEST = {
             "minLength": 1,
             "maxLength": MAX_MODEL_CHARS,
             "description": "a model name (its newest version on sale) or a pinned version "
-            "(`llama-3.1-8b-2026-05`); GET /v1/models lists them",
+            "(`llama-3.1-8b-2026-05`); GET /v1/models lists them. No NUL (U+0000): a 400",
         },
         "messages": MESSAGES,
         "stream": nullable(BOOLEAN),
@@ -255,7 +264,8 @@ CHAT_REQUEST = {
         "ignore_eos": nullable(BOOLEAN),
         "include_stop_str_in_output": nullable(BOOLEAN),
         "skip_special_tokens": nullable(BOOLEAN),
-        "user": nullable(STRING),
+        "user": {**nullable(STRING), "description": "no NUL (U+0000): a 400"},
+        "metadata": METADATA,
         "service_tier": {
             "enum": ["auto", "default", "flex", None],
             "description": "flex: idle capacity only, preemptible, at the flex price; a 429 "
@@ -602,7 +612,7 @@ RUN_CREATE = {
         "project": {**nullable(STRING), "description": "default: the calling key's project"},
         "max_calls": _LIMIT,
         "max_tool_calls": _LIMIT,
-        "max_wall_seconds": _LIMIT,
+        "max_wall_seconds": nullable(integer(0, 10**9)),  # seconds: 10**12 ms
         "max_cost_usd": {
             "anyOf": [{"type": "string", "pattern": r"^[0-9]+(\.[0-9]{1,6})?$"},
                       {"type": "number", "minimum": 0}, {"type": "null"}],
@@ -697,7 +707,7 @@ BATCH_CREATE = obj(
     input_file_id=STRING, endpoint=const("/v1/chat/completions"),
     completion_window={"type": "string", "description": "24h (and any window the server was "
                        "started with, e.g. 30s)"},
-    metadata=nullable({"type": "object", "additionalProperties": STRING, "maxProperties": 16}),
+    metadata=METADATA,
 )
 
 SCHEMAS: dict[str, Any] = {
@@ -939,12 +949,14 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/v1/files/{file_id}", "get"): {
         "summary": "A file of the caller's tenant",
+        "operationId": "retrieve_file",
         "parameters": [FILE_ID],
         "responses": {"200": ok(ref("File"))},
         "errors": [*AUTHENTICATED, 404],
     },
     ("/v1/files/{file_id}", "delete"): {
         "summary": "Delete a file and its content at once",
+        "operationId": "delete_file",
         "parameters": [FILE_ID],
         "responses": {"200": ok(ref("FileDeleted"))},
         "errors": [*AUTHENTICATED, 404],
@@ -959,6 +971,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/v1/batches", "post"): {
         "summary": "Create a batch: its items run in the flex class, billed at the flex price",
+        "operationId": "create_batch",
         "requestBody": {"required": True,
                         "content": {JSON: {"schema": ref("BatchCreateRequest")}}},
         "responses": {"200": ok(ref("Batch"))},
@@ -966,6 +979,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/v1/batches", "get"): {
         "summary": "The caller's batches, newest first",
+        "operationId": "list_batches",
         "parameters": [
             query("after", STRING, "the last batch id of the previous page"),
             query("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "default 20"),

@@ -18,6 +18,7 @@ from domain import control as c
 from domain import hierarchy as h
 from domain.budgets import PathView
 from domain.errors import DomainError
+from domain.text import unstorable
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
 
@@ -49,15 +50,21 @@ class RunService:
         run_id = body.get("id")
         if run_id is None:
             run_id = "run_" + secrets.token_hex(12)
-        if not isinstance(run_id, str) or not h.RUN_ID.match(run_id):
+        if not isinstance(run_id, str) or not h.RUN_ID.fullmatch(run_id):
             raise ApiError(400, f"'id' must match {h.RUN_ID.pattern}", param="id",
                            code="invalid_value")  # fmt: skip
         project = body.get("project")
         if project is None:
             project = self._tree.project_of_key(caller.tenant_id, caller.key_id)
+        elif isinstance(project, str) and unstorable(project) is not None:
+            raise ApiError(400, f"'project' {unstorable(project)}", param="project",
+                           code="invalid_value")  # fmt: skip
         elif not isinstance(project, str) or self._tree.project(caller.tenant_id, project) is None:
             raise ApiError(404, f"no project {project!r}", param="project", code="not_found")
-        ints = {name: _limit(body, name) for name in _INT_FIELDS}
+        # Seconds become milliseconds in the domain: bounded here so that a refusal names the
+        # field the client sent (issue 27 item 8), not `max_wall_ms`.
+        most = {name: _MAX_LIMIT for name in _INT_FIELDS} | {"max_wall_seconds": _MAX_LIMIT // 1000}
+        ints = {name: _limit(body, name, most[name]) for name in _INT_FIELDS}
         wall_s = ints["max_wall_seconds"]
         limits = h.RunLimits(
             ints["max_calls"], ints["max_tool_calls"], None if wall_s is None else wall_s * 1000,
@@ -140,12 +147,12 @@ def _object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _limit(body: dict[str, Any], name: str) -> int | None:
+def _limit(body: dict[str, Any], name: str, most: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LIMIT:
-        raise ApiError(400, f"'{name}' must be an integer from 0 to {_MAX_LIMIT}", param=name,
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ApiError(400, f"'{name}' must be an integer from 0 to {most}", param=name,
                        code="invalid_value")  # fmt: skip
     return value
 
@@ -154,7 +161,7 @@ def _usd_micros(value: Any) -> int | None:
     if value is None:
         return None
     amount = None
-    if isinstance(value, str) and _USD_TEXT.match(value) or (
+    if isinstance(value, str) and _USD_TEXT.fullmatch(value) or (
         isinstance(value, (int, float)) and not isinstance(value, bool)
     ):
         try:

@@ -11,6 +11,7 @@ which are deleted after a stated retention.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -29,6 +30,8 @@ from domain.events import (
     Event,
     Recorded,
 )
+from domain.text import check_header_value, check_text, has_surrogate, is_header_value
+from domain.text import check_metadata as _check_metadata
 
 BATCH_PREFIX: Final = "batch-"
 ENDPOINT: Final = "/v1/chat/completions"
@@ -43,8 +46,13 @@ MAX_FILE_BYTES: Final = 10 * 1024 * 1024
 MAX_LINES: Final = 5_000
 MAX_CUSTOM_ID_CHARS: Final = 64
 MAX_NESTING: Final = 66  # the chat body's 64 levels, below the line object and its body
-MAX_METADATA_KEYS: Final = 16
-MAX_METADATA_CHARS: Final = 512
+# The chat route's bound on `model` (api/chat_request.py): the read models' columns are 200 wide.
+MAX_MODEL_CHARS: Final = 200
+# What the runner can send (streams/batch_runner.py): the body goes out through orjson, which
+# writes integers from -2**63 to 2**64 - 1 and nothing wider, and no non-finite float (it writes
+# NaN and Infinity as null, a silent change of the request).
+INT_MIN: Final = -(2**63)
+INT_MAX: Final = 2**64 - 1
 # How long files are kept: an input file for this long after its batch ended (or after upload,
 # when no batch uses it); output and error files for this long after they were written.
 INPUT_RETENTION_S: Final = 24 * 3600
@@ -104,7 +112,9 @@ def parse_input(content: bytes) -> list[InputLine]:
             raise DomainError("too_many_lines", f"a batch file holds at most {MAX_LINES} requests")
         item = _line(number, raw)
         if item.custom_id in seen:
-            raise _bad(number, "duplicate_custom_id", "custom_id is used by an earlier line")
+            raise _bad(
+                number, "duplicate_custom_id", "custom_id is used by an earlier line", "custom_id"
+            )
         seen.add(item.custom_id)
         lines.append(item)
     if not lines:
@@ -112,9 +122,34 @@ def parse_input(content: bytes) -> list[InputLine]:
     return lines
 
 
+class _Unsendable(ValueError):
+    """A JSON number the runner could not send back as it was written."""
+
+
+def _int(text: str) -> int:
+    value = int(text)
+    if not INT_MIN <= value <= INT_MAX:
+        raise _Unsendable("an integer outside [-2^63, 2^64 - 1]")
+    return value
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Unsendable("a number too large for a double")
+    return value
+
+
+def _constant(text: str) -> float:
+    raise _Unsendable(f"{text}, which is not JSON")
+
+
 def _line(number: int, raw: bytes) -> InputLine:
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except _Unsendable:
+        # Where: the same line parsed again without the hooks, then walked (rare: a bad line).
+        raise _unsendable_number(number, raw) from None
     except (ValueError, UnicodeDecodeError, RecursionError):
         # Never the text: a line is a prompt.
         raise _bad(number, "invalid_json", "is not valid JSON") from None
@@ -123,20 +158,84 @@ def _line(number: int, raw: bytes) -> InputLine:
     if not isinstance(obj, dict):
         raise _bad(number, "invalid_json", "must be a JSON object")
     custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS:
-        raise _bad(number, "invalid_custom_id",
-                   f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters")
+    # The runner sends it in a header (X-Tollgate-Batch-Item) and it is recorded in the batch's
+    # stream and its results: printable ASCII, or the item could never be sent.
+    try:
+        check_header_value(custom_id, "custom_id", max_chars=MAX_CUSTOM_ID_CHARS)
+    except DomainError:
+        raise _bad(
+            number, "invalid_custom_id",
+            f"custom_id must be 1 to {MAX_CUSTOM_ID_CHARS} printable ASCII characters "
+            "(U+0020-U+007E) without a space at either end", "custom_id",
+        ) from None
+    assert isinstance(custom_id, str)
     if obj.get("method") != "POST":
-        raise _bad(number, "invalid_method", "method must be POST")
+        raise _bad(number, "invalid_method", "method must be POST", "method")
     url = obj.get("url")
     if url not in ENDPOINTS:
-        raise _bad(number, "invalid_url", f"url must be one of {', '.join(sorted(ENDPOINTS))}")
+        raise _bad(
+            number, "invalid_url", f"url must be one of {', '.join(sorted(ENDPOINTS))}", "url"
+        )
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise _bad(number, "invalid_body", "body must be a JSON object")
+        raise _bad(number, "invalid_body", "body must be a JSON object", "body")
     if body.get("stream") is True:
-        raise _bad(number, "stream_unsupported", "body.stream must not be true in a batch")
-    return InputLine(number, custom_id, url, body)
+        raise _bad(number, "stream_unsupported", "body.stream must not be true in a batch",
+                   "body.stream")
+    # The model is recorded when the edge refuses it, and counted by name in the queue's
+    # metrics; a missing one is the item's own 400, in the error file.
+    if "model" in body:
+        try:
+            check_text(body["model"], "body.model", max_chars=MAX_MODEL_CHARS)
+        except DomainError as exc:
+            raise _bad(number, "invalid_model", exc.message.replace("'", ""), "body.model") \
+                from None
+    where = _unsendable_string(body, "body")
+    if where is not None:
+        raise _bad(number, "unsendable_text",
+                   f"{where} holds a lone surrogate (U+D800-U+DFFF), which cannot be sent", where)
+    return InputLine(number, str(custom_id), str(url), body)
+
+
+def _unsendable_number(number: int, raw: bytes) -> DomainError:
+    obj = json.loads(raw)
+    where = _find(obj, "", lambda v: (
+        isinstance(v, int) and not isinstance(v, bool) and not INT_MIN <= v <= INT_MAX
+    ) or (isinstance(v, float) and not math.isfinite(v)))
+    field = (where or "").lstrip(".") or "body"
+    return _bad(
+        number, "unsendable_number",
+        f"{field} is a number that cannot be sent as written (integers from -2^63 to 2^64 - 1, "
+        "finite numbers, no NaN or Infinity)", field,
+    )
+
+
+def _unsendable_string(value: Any, path: str) -> str | None:
+    """The path of the first string (a key names its object) with a lone surrogate, or None.
+    NUL and every other code point are sent and billed as the prompt they are: only a lone
+    surrogate cannot be encoded."""
+    return _find(value, path, lambda v: isinstance(v, str) and has_surrogate(v))
+
+
+def _find(value: Any, path: str, bad: Callable[[Any], bool]) -> str | None:
+    """The path (`.key`, `[i]`) of the first value below `value` that is `bad` (a dict whose key
+    is bad is named itself)."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if bad(key):
+                    return where
+                # The path is shown and may be recorded (a failed batch's message): a key is
+                # named only when it is a plain one, never as arbitrary client text.
+                name = key if len(key) <= 64 and is_header_value(key) else "?"
+                stack.append((child, f"{where}.{name}"))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+        elif bad(item):
+            return where
+    return None
 
 
 def _too_deep(value: Any, limit: int) -> bool:
@@ -153,22 +252,16 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-def _bad(number: int, rule: str, message: str) -> DomainError:
-    return DomainError(rule, f"line {number}: {message}", field=f"line {number}")
+def _bad(number: int, rule: str, message: str, field: str = "") -> DomainError:
+    """A bad line, its `field` `line N: <field>` (`line N` for the line as a whole)."""
+    where = f"line {number}: {field}" if field else f"line {number}"
+    return DomainError(rule, f"line {number}: {message}", field=where)
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
-    """OpenAI's metadata: at most 16 string pairs (keys ≤ 64, values ≤ 512 characters)."""
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
-        raise DomainError("bad_metadata", "metadata is an object of at most 16 pairs",
-                          field="metadata")
-    for key, value in metadata.items():
-        if not isinstance(value, str) or len(key) > 64 or len(value) > MAX_METADATA_CHARS:
-            raise DomainError("bad_metadata", "metadata keys ≤ 64 and string values ≤ 512 chars",
-                              field="metadata")
-    return dict(metadata)
+    """OpenAI's metadata (`domain.text.check_metadata`): at most 16 string pairs, keys ≤ 64 and
+    values ≤ 512 characters, each storable; the DomainError names `metadata` or `metadata.<key>`."""
+    return _check_metadata(metadata)
 
 
 # --- state --------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from domain.events import (
 from domain.goodput import DEFAULT_SLOS, Slo
 from domain.hierarchy import HIERARCHY_EVENTS, Hierarchy, HierarchyCommand
 from domain.lifecycle import TIERS
+from domain.text import check_text
 
 __all__ = [
     "Limits",
@@ -108,9 +109,12 @@ PLAN_LIMITS: Final[dict[str, Limits]] = {
 assert tuple(PLAN_LIMITS) == TIERS
 
 SCOPES: Final = ("customer", "finance", "support", "admin")
+# Matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
 TENANT_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KEY_HASH: Final = re.compile(r"^[0-9a-f]{64}$")
 FLEET_STREAM: Final = "fleet"
+# 200 (the events' stream_id column) - len("prices-").
+MAX_MODEL_CHARS: Final = 193
 # Every control-plane stream starts with one of these (tenants with their keys and limits, prices,
 # the fleet, model profiles, SLOs): what a control-plane follower reads.
 CONTROL_PREFIXES: Final = ("tenant-", "prices-", "slo-", FLEET_STREAM, "models-", "run-")
@@ -621,7 +625,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
     A repeat that changes nothing (same plan, key already revoked) answers ()."""
     match command:
         case RegisterTenant():
-            if not TENANT_NAME.match(command.name):
+            if not TENANT_NAME.fullmatch(command.name):
                 raise DomainError(
                     "bad_name",
                     f"tenant name {command.name!r} must match {TENANT_NAME.pattern}",
@@ -643,7 +647,8 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             return (PlanChanged(command.tenant_id, command.plan),)
         case SetLimits():
             view._tenant_or_error(command.tenant_id)
-            if not command.model or command.model.strip() != command.model:
+            _check_model(command.model)
+            if command.model.strip() != command.model:
                 raise DomainError("bad_model", f"model {command.model!r}", field="model")
             values = {name: getattr(command, name) for name in LIMIT_FIELDS}
             for name, value in values.items():
@@ -653,7 +658,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             return (LimitsSet(command.tenant_id, command.model, **values),)
         case IssueApiKey():
             view._tenant_or_error(command.tenant_id)
-            if not KEY_HASH.match(command.key_hash):
+            if not KEY_HASH.fullmatch(command.key_hash):
                 raise DomainError(
                     "bad_key_hash", "key_hash must be 64 lowercase hex", field="key_hash"
                 )
@@ -694,8 +699,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 return ()
             return (ApiKeyRevoked(command.tenant_id, command.key_id),)
         case SetPrice():
-            if not command.model:
-                raise DomainError("bad_model", "model is empty", field="model")
+            _check_model(command.model)
             for name in (
                 "prompt_micros_per_mtok",
                 "completion_micros_per_mtok",
@@ -718,8 +722,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 ),
             )
         case SetFlexDiscount():
-            if not command.model:
-                raise DomainError("bad_model", "model is empty", field="model")
+            _check_model(command.model)
             if not 0 <= command.discount_ppm <= 1_000_000:
                 raise DomainError(
                     "bad_discount", "the flex discount is within [0, 100] %", field="discount_ppm"
@@ -734,6 +737,10 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
         case RegisterReplica():
             if not command.replica_id or not command.model or not command.url:
                 raise DomainError("bad_replica", "replica_id, model and url are required")
+            # replica_id: request_log's replica column is 100 wide.
+            check_text(command.replica_id, "replica_id", max_chars=100)
+            _check_model(command.model)
+            check_text(command.url, "url", max_chars=2_048)
             view.model_profile(command.model)  # a replica nobody could admit traffic for
             known = view._replicas.get(command.replica_id)
             if known is not None:
@@ -767,6 +774,8 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             view._tenant_or_error(command.tenant_id)
             if not command.from_model or not command.to_model:
                 raise DomainError("bad_model", "both models are required", field="from_model")
+            _check_model(command.from_model, "from_model")
+            _check_model(command.to_model, "to_model")
             if base_model(command.from_model) == base_model(command.to_model):
                 raise DomainError(
                     "same_model", "a fallback is to another model", field="to_model"
@@ -795,6 +804,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
 
 
 def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegistered:
+    _check_model(command.model)
     if not command.model or command.model.strip() != command.model or command.model == "*":
         raise DomainError("bad_model", f"model {command.model!r}", field="model")
     if command.now is None:
@@ -817,6 +827,15 @@ def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegister
     )  # fmt: skip
     check_profile(_profile_of(event))
     return event
+
+
+def _check_model(model: str, field: str = "model") -> None:
+    """A model name an operator gives: storable (domain.text), and short enough for the stream
+    ids it names (`prices-<model>`, `models-<model>`) to fit their 200-character column."""
+    try:
+        check_text(model, field, max_chars=MAX_MODEL_CHARS)
+    except DomainError as exc:
+        raise DomainError("bad_model", exc.message, field=field) from None
 
 
 def _check_plan(plan: str) -> None:

@@ -61,6 +61,7 @@ LEVEL_LIMIT_FIELDS: Final = ("rpm", "tpm", "max_context", "max_output", "kv_gib_
 RUN_LIMIT_FIELDS: Final = (
     "max_calls", "max_tool_calls", "max_wall_ms", "max_cost_micros", "max_in_flight",
 )  # fmt: skip
+# Both matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
 LEVEL_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 RUN_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 # RunBudgetExhausted changes nothing here, but the control view must count it in its run's
@@ -716,7 +717,7 @@ def decide(
             _check_run_limits(command.limits)
             return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
         case StartRun():
-            if not RUN_ID.match(command.run_id):
+            if not RUN_ID.fullmatch(command.run_id):
                 raise DomainError(
                     "bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id"
                 )
@@ -761,7 +762,7 @@ def _check_run_limits(limits: RunLimits) -> None:
 
 
 def _check_name(name: str) -> None:
-    if not LEVEL_NAME.match(name):
+    if not LEVEL_NAME.fullmatch(name):
         raise DomainError(
             "bad_name", f"name {name!r} must match {LEVEL_NAME.pattern}", field="name"
         )

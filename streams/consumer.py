@@ -63,7 +63,10 @@ class EventConsumer(Protocol):
       reach `poll`'s answer: they go to a dead letter with the reason and are counted
       (`dead_letters`), and the checkpoint moves past them.
     - `rewind()` goes back to the committed checkpoint (an effect failed and was rolled back:
-      its records must be read again).
+      its records must be read again). It may fail (it may read the checkpoint from the
+      database that just failed); the caller then owes it: nothing polled before it has
+      succeeded is applied, and it is tried again before the next poll (`KafkaFoldWorker.
+      run_batch`), so the consumer never moves past a record whose effect did not commit.
     - `close()` leaves the group; uncommitted records are delivered again.
     """
 

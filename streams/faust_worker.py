@@ -89,6 +89,8 @@ class FaustEventConsumer(SavedOffsets):
         self._coordinator: Any = None  # aiokafka's group coordinator, once the app started
         self._started = threading.Event()
         self._failure: BaseException | None = None
+        # Set while an assignment's saved offsets cannot be read (`_seek_saved`).
+        self._seek_failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run_app, name=f"faust-{name}", daemon=True)
         self._thread.start()
         # The app's start returns once the group assigned it partitions; a refusal ends the wait.
@@ -159,11 +161,29 @@ class FaustEventConsumer(SavedOffsets):
         return taken
 
     async def _seek_saved(self, consumer: Any) -> dict[Any, int]:
-        """Every assigned partition of the topic to its offset saved in PostgreSQL."""
+        """Every assigned partition of the topic to its offset saved in PostgreSQL.
+
+        While PostgreSQL is down the saved offsets cannot be read, and raised from here the
+        failure ended faust's rebalance for good: the worker folded nothing, reporting
+        nothing. So the read is tried again (0.1 s, doubling to 2 s) until it succeeds;
+        meanwhile no message of these partitions is taken (`_resume` at -1 matches no offset)
+        and `poll` raises, so the worker reports why it folds nothing."""
         mine = {tp for tp in consumer.assignment() if tp.topic == self.topic}
-        targets = await asyncio.to_thread(
-            self._seek_targets, sorted(tp.partition for tp in mine), 0
-        )
+        partitions = sorted(tp.partition for tp in mine)
+        for p in partitions:
+            self._resume[p] = -1
+        wait_s = 0.1
+        while True:
+            try:
+                targets = await asyncio.to_thread(self._seek_targets, partitions, 0)
+                break
+            except Exception as exc:
+                if self._seek_failure is None:
+                    log.exception("%s: the saved offsets could not be read; retrying", self.name)
+                self._seek_failure = exc
+                await asyncio.sleep(wait_s)
+                wait_s = min(2.0, wait_s * 2)
+        self._seek_failure = None
         placed = {tp: targets[tp.partition] for tp in mine}
         if placed:
             await consumer.seek_wait(placed)
@@ -184,6 +204,11 @@ class FaustEventConsumer(SavedOffsets):
         refused = self._refusal()
         if refused is not None:
             raise RuntimeError(f"{self.name}: the consumer group refused this member: {refused!r}")
+        failing = self._seek_failure
+        if failing is not None:
+            raise RuntimeError(
+                f"{self.name}: the saved offsets of its partitions cannot be read: {failing!r}"
+            )
         if self._committing:
             self._uncommitted = [
                 b for b in self._uncommitted if not any(b is c for c in self._committing)

@@ -139,7 +139,20 @@ class KafkaEventConsumer(SavedOffsets):
     # --- assignment -------------------------------------------------------------------------
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
-        targets = self._seek_targets([tp.partition for tp in partitions], self._ck.OFFSET_BEGINNING)
+        beginning = self._ck.OFFSET_BEGINNING
+        try:
+            targets = self._seek_targets([tp.partition for tp in partitions], beginning)
+        except Exception:
+            # PostgreSQL is down during the rebalance. Never from a guessed offset: from each
+            # partition's start, which `claim` makes harmless (it drops every record at or
+            # below the saved order key), and slower only. Raised from here, the client would
+            # assign the partitions itself, from the same start, with `assigned` left empty.
+            log.exception(
+                "%s: the saved offsets could not be read; reading from the start", self.name
+            )
+            targets = {tp.partition: beginning for tp in partitions}
+            for tp in partitions:
+                self._epochs[tp.partition] = None
         for tp in partitions:
             tp.offset = targets[tp.partition]
         consumer.assign(partitions)

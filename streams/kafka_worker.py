@@ -101,13 +101,27 @@ class KafkaFoldWorker:
         self.errors: dict[str, str] = {}
         # The newest terminal instant this worker billed, for the billing lag.
         self.last_billed_at: datetime | None = None
+        # A failed batch's rewind not done yet (run_batch). Only a safeguard-off test clears
+        # rewinds_owed_first, to show what skipping a failed rewind loses.
+        self._rewind_owed = False
+        self.rewinds_owed_first = True
 
     def start(self) -> None:
         """Take the sweeper's lead if it is free (a standby tries again at every sweep)."""
         self.sweeper.lead()
 
     def run_batch(self, max_records: int = 5000, timeout_s: float = 0.2) -> int:
-        """One batch from the topic; returns how many records it applied."""
+        """One batch from the topic; returns how many records it applied.
+
+        After a failed batch the consumer must go back to its checkpoint before anything else
+        is applied (DESIGN.md invariant 11). That rewind can fail too — on confluent it reads
+        the saved offsets from PostgreSQL, which is what just failed — and a consumer that
+        carried on from where it was would commit the next batch's offsets past the failed
+        records: their requests would never be billed. So the rewind is owed from before it
+        is tried until it succeeds, and an owed rewind is retried first: while it fails, this
+        raises and nothing is polled or applied."""
+        if self._rewind_owed:
+            self._rewind()
         batch = self.consumer.poll(max_records, timeout_s)
         if not batch.next_offsets:
             return 0
@@ -115,10 +129,15 @@ class KafkaFoldWorker:
             applied = self._apply(batch)
         except Exception:
             # Nothing of the batch's rows or offsets committed: read it again.
-            self.consumer.rewind()
+            self._rewind_owed = self.rewinds_owed_first
+            self._rewind()
             raise
         self.folded += applied
         return applied
+
+    def _rewind(self) -> None:
+        self.consumer.rewind()
+        self._rewind_owed = False
 
     def _apply(self, batch: Batch) -> int:
         self.control_log.follow()  # prices in force at admission, before billing with them

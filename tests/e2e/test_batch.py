@@ -160,23 +160,24 @@ def test_a_batch_runs_end_to_end_with_the_sdk(fleet: Server) -> None:
 
 
 @pytest.mark.parametrize(
-    ("content", "where"),
+    ("content", "where", "param"),
     [
         (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
-         b"{not json\n", "line 2"),
-        (jsonl([line("a"), line("b", stream=True)]), "line 2"),
-        (jsonl([line("a"), line("a")]), "line 2"),
-        (jsonl([{**line("a"), "url": "/v1/embeddings"}]), "line 1"),
-        (b"", "no request"),
+         b"{not json\n", "line 2", "line 2"),
+        (jsonl([line("a"), line("b", stream=True)]), "line 2", "line 2: body.stream"),
+        (jsonl([line("a"), line("a")]), "line 2", "line 2: custom_id"),
+        (jsonl([{**line("a"), "url": "/v1/embeddings"}]), "line 1", "line 1: url"),
+        (b"", "no request", "file"),
     ],
 )
 def test_a_bad_batch_file_is_a_400_naming_its_line(
-    fleet: Server, content: bytes, where: str
+    fleet: Server, content: bytes, where: str, param: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         upload(sdk(fleet), content)
     body = err.value.body
-    assert isinstance(body, dict) and body["param"] == "file"
+    # The param names the line and, when one field is at fault, the field (issue 27 item 2).
+    assert isinstance(body, dict) and body["param"] == param
     assert where in body["message"]
     assert "hi a" not in body["message"]  # never the prompt
 

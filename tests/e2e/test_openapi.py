@@ -74,6 +74,9 @@ def response_schema(document: dict[str, Any], path: str, method: str, status: in
 def test_every_route_is_described_with_its_parameters_and_errors(document: dict[str, Any]) -> None:
     described = {(p, m) for p, methods in document["paths"].items() for m in methods}
     assert described == OPERATIONS
+    # Each operation has an id of its own (a client generator names its methods after them).
+    ids = [op["operationId"] for methods in document["paths"].values() for op in methods.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     for path, method in OPERATIONS:
         operation = document["paths"][path][method]
         statuses = set(operation["responses"])

@@ -8,8 +8,6 @@ without the events it was folded from.
 
 from __future__ import annotations
 
-import glob
-import os
 import random
 import shutil
 import signal
@@ -29,6 +27,7 @@ from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from streams.worker import FoldWorker
+from tests.pg_cluster import PrivateCluster
 
 pytestmark = pytest.mark.slow
 
@@ -47,59 +46,6 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     proc.wait(30)
-
-
-class PrivateCluster:
-    """A PostgreSQL cluster of the test's own (initdb in a temporary directory, its own port),
-    so that crashing it touches nobody else's database."""
-
-    def __init__(self, tmp: Path, port: int, settings: str = "") -> None:
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-        if not found:
-            pytest.fail("pg_ctl is required (the PostgreSQL server package)")
-        self.bin = Path(found[-1]).parent
-        # Under /tmp itself: the server runs as `postgres`, which may not enter pytest's
-        # private temporary directories.
-        self.root = Path(f"/tmp/tollgate-pg-{uuid.uuid4().hex[:8]}")
-        self.root.mkdir(mode=0o777)
-        self.root.chmod(0o777)
-        self.dir = self.root / "pgdata"
-        self.port = port
-        self.settings = settings  # extra server options, e.g. the safeguard switched off
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        self._run(str(self.bin / "initdb"), "-D", str(self.dir), "-A", "trust", "-U", "postgres")
-        self.start()
-
-    def _run(self, *args: str) -> None:
-        done = subprocess.run([*self.as_user, *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-
-    def start(self) -> None:
-        self._run(
-            str(self.bin / "pg_ctl"),
-            "-D",
-            str(self.dir),
-            "-w",
-            "-l",
-            str(self.root / "pg.log"),
-            "-o",
-            f"-p {self.port} -k /tmp -h 127.0.0.1 {self.settings}".strip(),
-            "start",
-        )
-
-    def crash(self) -> None:
-        self._run(str(self.bin / "pg_ctl"), "-D", str(self.dir), "-m", "immediate", "stop")
-
-    def stop(self) -> None:
-        subprocess.run(
-            [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.dir), "-m", "fast", "stop"],
-            capture_output=True,
-            timeout=60,
-        )
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
 
 # The safeguard switched off: a commit acknowledged before its WAL is written (flushed within

@@ -75,6 +75,7 @@ class Harness:
         self.fleet = FakeFleet(self.replica, self.other)
         self.sink = FakeSink()
         self.metrics = Metrics()
+        self.metrics.models.known = frozenset(self.fleet.models())  # as the runtime sets them
         self.idempotency = FakeIdempotency()
         self.edge = Edge(
             control=self.control, quota=QuotaView(self.control.limits), fleet=self.fleet,
