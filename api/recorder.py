@@ -252,7 +252,8 @@ class Recorder:
             flight.renewed = leases.counts(item)
         stream = leases.edge_stream(edge_id)
         new = NewEvent(self.new_id(), stream, "", self.clock(), renewal)
-        self.sink.later(AppendBatch(stream, None, (new,))).add_done_callback(self._checked)
+        future = self.sink.later(AppendBatch(stream, None, (new,)))
+        future.add_done_callback(lambda f: self._renewal_committed(f, live))
 
     # --- outcomes -----------------------------------------------------------------------------
 
@@ -265,6 +266,15 @@ class Recorder:
         self.metrics.append_failures.inc()
         log.error("event append failed for %s: %s", result.stream_id, result.error)
         return False
+
+    def _renewal_committed(
+        self, future: asyncio.Future[AppendResult], flights: Sequence[Flight]
+    ) -> None:
+        result = self._result(future)
+        if result is not None and self.count(result):
+            return
+        for flight in flights:  # not renewed after all: the next renewal carries them again
+            flight.renewed = None
 
     def _checked(self, future: asyncio.Future[AppendResult]) -> None:
         result = self._result(future)
