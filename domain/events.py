@@ -115,8 +115,8 @@ class LeaseProgress:
 
 @dataclass(frozen=True, slots=True)
 class LeasesRenewed(Event):
-    """One per edge every 0.5 s (domain.leases.LEASE_RENEW_S) while it serves anything;
-    stream_id = "edge-<edge_id>"."""
+    """One per edge every 0.1 s (domain.leases.LEASE_RENEW_S) while its streams progress,
+    carrying those that moved (every 0.5 s, all of them); stream_id = "edge-<edge_id>"."""
 
     EVENT_TYPE: ClassVar[str] = "LeasesRenewed"
     edge_id: str
