@@ -39,6 +39,7 @@ from domain.control import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
 from domain.events import PreemptionRequested, Recorded, RunBudgetExhausted
 from domain.hierarchy import Run
+from domain.leases import LEASE_KEEPALIVE_S
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.quota import QuotaView
 from domain.remote_flex import RemoteFlex
@@ -128,6 +129,7 @@ class Edge:
         # Slow readers cancelled at the engine, whose client is dropped if it still reads
         # nothing by the deadline (monotonic).
         self._stalled: dict[str, tuple[Flight, float]] = {}
+        self._keepalive_at: datetime | None = None  # the last renewal of every lease
 
     def observed_types(self) -> frozenset[str]:
         """What `observe` folds: a follower of the log need read no other event type."""
@@ -487,16 +489,35 @@ class Edge:
                 502, "the model replica failed while generating", type="server_error",
                 code="replica_failed", headers=headers,
             )
-        self._end(flight, _completed(flight.progress))
+        ended = self._end(flight, _completed(flight.progress))
         completion["service_tier"] = flight.service_tier
+        answer = self._answer(flight, caller, ended, completion, headers)
+        if flight.idempotency_key is None:
+            return await answer
+        # Shielded: the request is completed and billed, so its replay must be kept even if the
+        # client leaves now (a record left in flight would answer every retry 409 for 24 h; the
+        # batch runner, killed at this instant, met exactly that).
+        return await asyncio.shield(answer)
+
+    async def _answer(
+        self, flight: Flight, caller: Caller, ended: asyncio.Future[bool] | None,
+        completion: dict[str, Any], headers: dict[str, str],
+    ) -> JsonOutcome:  # fmt: skip
+        """A non-streamed answer, once its terminal event has committed: a client never holds
+        an answer the ledger does not know (if it cannot commit, the lease expiry bills what was
+        renewed, and the client gets a 503 instead)."""
+        key = flight.idempotency_key
+        if not await _durable(ended):
+            if key is not None:
+                await self.idempotency.abandon(caller.tenant_id, key)
+            raise ApiError(
+                503, _NOT_RECORDED, type="server_error", code="not_recorded", headers=headers
+            )
         payload = orjson.dumps(completion)
         if key is not None:
-            # Shielded: the request is completed and billed, so its replay must be kept even if
-            # the client leaves now (a record left in flight would answer every retry 409 for
-            # 24 h; the batch runner, killed at this instant, met exactly that).
-            await asyncio.shield(self.idempotency.complete(
+            await self.idempotency.complete(
                 caller.tenant_id, key, 200, payload, "application/json", headers
-            ))
+            )
         return JsonOutcome(200, payload, headers)
 
     async def _open_stream(
@@ -614,6 +635,7 @@ class Edge:
         self, flight: Flight, req: ChatRequest, exchange: ChatExchange, caller: Caller
     ) -> AsyncIterator[bytes]:
         transcript: list[bytes] | None = [] if flight.idempotency_key else None
+        held: list[bytes] = []  # the answer's end, sent once its terminal event committed
         # The engine is read in the exchange's own callbacks, not in this generator's task: a
         # client disconnect that cancels this task can never drop what the engine already sent.
         client_gone = False
@@ -621,26 +643,46 @@ class Edge:
             async for frame in relay_stream(
                 exchange, flight.progress, include_usage=req.include_usage,
                 continuous_usage=req.continuous_usage,
-                on_first_token=lambda: self._first_token(flight),
+                on_first_token=lambda: self._first_token(flight, stream=True),
                 service_tier=flight.service_tier,
             ):
                 if transcript is not None:
                     transcript.append(frame)
+                first, flight.first_durable = flight.first_durable, None
+                if first is not None:
+                    # The engine's prompt count is durable before the client sees a token:
+                    # one group commit on the time to first token. (Not recorded: the
+                    # terminal event carries the counts anyway.)
+                    await _durable(first)
+                if held or flight.progress.finish_reason is not None:
+                    # The answer's last chunk and what follows (the final usage) wait for the
+                    # terminal event's commit: a client never holds a complete answer the
+                    # ledger does not know.
+                    held.append(frame)
+                    continue
                 yield frame
                 if flight.cancel_reason is not None:
                     self._reading(flight)
             error = flight.progress.error
             if error is not None:
-                self._end(flight, _failed(flight.progress, _engine_error(error)))
+                ended = self._end(flight, _failed(flight.progress, _engine_error(error)))
             else:
-                self._end(flight, _completed(flight.progress))
-                if transcript is not None:
-                    transcript.append(DONE)
-                    await self.idempotency.complete(
-                        caller.tenant_id, flight.idempotency_key or "", 200,
-                        b"".join(transcript), "text/event-stream",
-                        {"X-Request-Id": flight.request_id},
-                    )
+                ended = self._end(flight, _completed(flight.progress))
+            if not await _durable(ended):
+                if flight.idempotency_key:
+                    await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+                yield error_frame(_NOT_RECORDED, code="not_recorded")
+                yield DONE
+                return
+            for frame in held:
+                yield frame
+            if error is None and transcript is not None:
+                transcript.append(DONE)
+                await self.idempotency.complete(
+                    caller.tenant_id, flight.idempotency_key or "", 200,
+                    b"".join(transcript), "text/event-stream",
+                    {"X-Request-Id": flight.request_id},
+                )
             yield DONE
         except _PREEMPTED_ERRORS as exc:
             if flight.preempted_for is None and not isinstance(exc, _REPLICA_ERRORS):
@@ -650,13 +692,15 @@ class Edge:
             # After the first token the status is sent: the failure is an error object in the
             # stream, then [DONE], never a silently truncated answer.
             await _abort(exchange, flight.progress)  # counts what the engine reported
+            # Each error object, then [DONE], once the terminal event is durable (or known not
+            # to be: then the lease expiry bills what was renewed).
             if flight.preempted_for is not None:
-                self._end(flight, _preempted(flight))
+                await _durable(self._end(flight, _preempted(flight)))
                 yield error_frame(
                     http.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
                 )
             elif flight.cancel_reason == "slow_reader":  # the edge stopped it: say so
-                self._end(flight, _cancelled(flight.progress, "slow_reader"))
+                await _durable(self._end(flight, _cancelled(flight.progress, "slow_reader")))
                 yield error_frame(
                     f"the stream was cancelled: the client read nothing for "
                     f"{self.slow_reader_s:g} s while its buffer was full; billed the "
@@ -665,7 +709,7 @@ class Edge:
                 )
                 self._reading(flight)
             else:
-                self._end(flight, _failed(flight.progress, _failure(exc)))
+                await _durable(self._end(flight, _failed(flight.progress, _failure(exc))))
                 yield error_frame("the model replica failed mid-stream", code="replica_failed")
             yield DONE
         except BaseException:
@@ -755,12 +799,30 @@ class Edge:
 
     # --- lifecycle bookkeeping -----------------------------------------------------------------
 
-    def _first_token(self, flight: Flight) -> None:
-        ttft_ms = flight.progress.ttft_ms
+    def _first_token(self, flight: Flight, stream: bool = False) -> None:
+        """The first chunk arrived: record its instant and the engine's prompt counts (its
+        continuous usage stats), which a lease expiry bills at least from then on.
+
+        A stream's goes to the next group commit (within 5 ms, with other requests' ends and
+        first tokens; committing it and the end in this loop iteration's group instead cost more
+        CPU per request in the gateway bench), and its first frame waits for it (`_stream`): a
+        client that saw a token is billed at least its prompt whatever happens to this edge
+        next. A non-streamed request's is staged: it goes with the next lease renewal (0.1 s)
+        or its terminal event, saving a commit per request."""
+        p = flight.progress
+        exchange = flight.exchange
+        if exchange is not None and exchange.last_usage is not None:
+            p.absorb_usage(exchange.last_usage)
+        ttft_ms = p.ttft_ms
         self.metrics.ttft_of(flight.model).observe(ttft_ms / 1000)
-        # Staged, not written: it goes with the terminal event or the next lease renewal (0.5 s),
-        # which saves a commit per request without losing the instant it happened.
-        self.recorder.stage(flight, lifecycle.RecordFirstToken(ttft_ms=ttft_ms))
+        command = lifecycle.RecordFirstToken(
+            ttft_ms=ttft_ms, prompt_tokens=p.prompt_tokens,
+            cached_tokens=min(p.cached_tokens, p.prompt_tokens),
+        )  # fmt: skip
+        if stream:
+            flight.first_durable = self.recorder.record(flight, command)
+        else:
+            self.recorder.stage(flight, command)
 
     def _track(self, flight: Flight) -> None:
         """An admitted request is in flight on this edge until `_end`."""
@@ -768,10 +830,12 @@ class Edge:
         self.metrics.in_flight.inc()
         self.metrics.admitted_of(flight.tier, flight.model).inc()
 
-    def _end(self, flight: Flight, command: _Terminal) -> None:
-        """The one place a request ends on this edge: terminal event, refund, release."""
+    def _end(self, flight: Flight, command: _Terminal) -> asyncio.Future[bool] | None:
+        """The one place a request ends on this edge: terminal event, refund, release. Returns
+        whether the terminal event became durable, as a future (`_durable`), for what must not
+        reach the client before it: the final usage, [DONE], a JSON body."""
         if flight.finished:
-            return
+            return flight.ended
         if flight.preempted_for is not None and not isinstance(command, lifecycle.PreemptRequest):
             # Whatever path noticed the abort first (the stream breaking, the preemption's own
             # task), a preempted request ends preempted, with the engine's counts.
@@ -781,7 +845,7 @@ class Edge:
         if isinstance(command, lifecycle.CompleteRequest) and p.tpot_us:
             self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
         try:
-            self.recorder.record(flight, command)
+            flight.ended = self.recorder.record(flight, command)
         finally:
             if (
                 flight.shape is not None
@@ -809,6 +873,7 @@ class Edge:
             self._count_outcome(
                 flight.tenant_id, flight.tier, flight.model, status, admitted_at, command
             )
+        return flight.ended
 
     def _true_up(self, flight: Flight, used: int, now: datetime, preempted: bool) -> None:
         """Every level's reservation becomes what the bill will say: the same engine counts at
@@ -862,11 +927,19 @@ class Edge:
     # --- leases --------------------------------------------------------------------------------
 
     def renew_leases(self) -> None:
-        """One LeasesRenewed for this edge, carrying each in-flight request's engine counts (and
-        the quota view forgets what has aged out of its windows)."""
-        self.quota.prune(self.clock())
-        self.paths.prune(self.clock())
-        self.recorder.renew(self.edge_id, list(self.in_flight.values()))
+        """Called every `LEASE_RENEW_S` (0.1 s): one LeasesRenewed for this edge carrying the
+        engine counts of the in-flight requests that progressed since the last one (none did:
+        nothing is written), and every `LEASE_KEEPALIVE_S` (0.5 s) of all of them, which also
+        has the quota view forget what has aged out of its windows."""
+        now = self.clock()
+        keepalive = self._keepalive_at is None or (
+            (now - self._keepalive_at).total_seconds() >= LEASE_KEEPALIVE_S
+        )
+        if keepalive:
+            self._keepalive_at = now
+            self.quota.prune(now)
+            self.paths.prune(now)
+        self.recorder.renew(self.edge_id, list(self.in_flight.values()), everyone=keepalive)
 
 
 def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
@@ -895,6 +968,12 @@ _TERMINAL_LABEL: dict[type, str] = {
     lifecycle.FailRequest: "failed",
     lifecycle.PreemptRequest: "preempted",
 }
+
+
+# What a client gets instead of an answer whose terminal event could not be recorded (the event
+# store stayed away, or the request had been ended meanwhile, by its lease expiry): the ledger's
+# bill is then what the edge had renewed, never what this answer would have said.
+_NOT_RECORDED = "the answer could not be recorded, so it is not sent; retry later"
 
 
 class Preempted(Exception):
@@ -967,6 +1046,15 @@ async def _committed(admission: asyncio.Future[AppendResult] | None) -> bool:
         return (await admission).ok
     except BaseException:  # noqa: BLE001 - a failed or interrupted commit: not known committed
         return False
+
+
+async def _durable(ended: asyncio.Future[bool] | None) -> bool:
+    """Whether a terminal event committed (None: the request was not ended by this edge's
+    `_end`, so there is nothing of ours to wait for). Shielded: a client leaving meanwhile must
+    not cancel the recording."""
+    if ended is None:
+        return True
+    return ended.result() if ended.done() else await asyncio.shield(ended)
 
 
 async def _abort(exchange: ChatExchange | None, progress: Progress) -> None:

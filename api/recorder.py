@@ -74,6 +74,13 @@ class Flight:
     # Why the edge cancelled it, when the client did not leave by itself (None: it did).
     cancel_reason: CancelReason | None = None
     dropped: bool = False  # its client connection was dropped (a slow reader that stayed so)
+    # Its counts as this edge last renewed them (None: never): a renewal carries only the
+    # requests whose counts moved since.
+    renewed: leases.Counts | None = None
+    # A stream's first-token event, committing: its first frame waits for it. And the terminal
+    # event's, once ended: the final usage and [DONE] (a JSON body) wait for that one.
+    first_durable: asyncio.Future[bool] | None = None
+    ended: asyncio.Future[bool] | None = None
 
 
 class Recorder:
@@ -115,23 +122,34 @@ class Recorder:
         self.stage(flight, *commands)
         return self.sink.commit(self._take(flight))
 
-    def record(self, flight: Flight, *commands: lifecycle.Command) -> None:
-        """Decide and record without waiting: the batch may share the next group's commit."""
+    def record(
+        self, flight: Flight, *commands: lifecycle.Command, now: bool = False
+    ) -> asyncio.Future[bool]:
+        """Decide and record; the future says whether it became durable (True once committed,
+        after the retries of a store that was away or a decision taken again on the stored
+        stream; False when it was not recorded). Nobody need wait for it: the batch shares the
+        next group's commit (`now`: this loop iteration's, for what a client waits on)."""
         self.stage(flight, *commands)
-        self.flush(flight)
+        return self.flush(flight, now=now)
 
-    def flush(self, flight: Flight) -> None:
-        """Submit what is staged (nothing when nothing is)."""
+    def flush(self, flight: Flight, *, now: bool = False) -> asyncio.Future[bool]:
+        """Submit what is staged (nothing when nothing is); the future as `record`'s."""
+        durable: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         if flight.pending:
             commands = tuple(flight.pending_commands)
-            self._submit(flight, self._take(flight), commands, 0.0)
+            self._submit(flight, self._take(flight), commands, 0.0, durable, now)
+        else:
+            durable.set_result(True)
+        return durable
 
     def _submit(
         self, flight: Flight, batch: AppendBatch, commands: Sequence[lifecycle.Command],
-        waited_s: float,
+        waited_s: float, durable: asyncio.Future[bool], now: bool = False,
     ) -> None:  # fmt: skip
-        future = self.sink.later(batch)
-        future.add_done_callback(lambda f: self._committed(f, flight, batch, commands, waited_s))
+        future = self.sink.commit(batch) if now else self.sink.later(batch)
+        future.add_done_callback(
+            lambda f: self._committed(f, flight, batch, commands, waited_s, durable)
+        )
 
     def _take(self, flight: Flight) -> AppendBatch:
         batch = AppendBatch(flight.request_id, flight.pending_from, tuple(flight.pending))
@@ -204,34 +222,38 @@ class Recorder:
             self._checked
         )
 
-    def renew(self, edge_id: str, flights: Iterable[Flight]) -> None:
-        """One LeasesRenewed for every request this edge serves, with its engine counts; what
-        is staged rides along first."""
+    def renew(self, edge_id: str, flights: Iterable[Flight], *, everyone: bool = True) -> None:
+        """One LeasesRenewed for the requests this edge serves, with their engine counts: all
+        of them (`everyone`, the keep-alive), or only those whose counts moved since their last
+        renewal (none moved: nothing is written). What is staged rides along first."""
         live = [f for f in flights if not f.finished]
         for flight in live:
-            self.flush(flight)
+            if flight.pending:
+                self.flush(flight)
             exchange = flight.exchange
             if exchange is not None and exchange.last_usage is not None:
                 # What the engine reported, read or not by the client yet: the bill after a
                 # crash of this edge is the engine's count as of this renewal.
                 flight.progress.absorb_usage(exchange.last_usage)
-        renewal = leases.renewal(
-            edge_id,
-            (
-                LeaseProgress(
-                    request_id=f.request_id, tenant_id=f.tenant_id,
-                    prompt_tokens=f.progress.prompt_tokens,
-                    completion_tokens=f.progress.completion_tokens,
-                    cached_tokens=f.progress.cached_tokens,
-                )
-                for f in live
-            ),
-        )
+        progress = [
+            LeaseProgress(
+                request_id=f.request_id, tenant_id=f.tenant_id,
+                prompt_tokens=f.progress.prompt_tokens,
+                completion_tokens=f.progress.completion_tokens,
+                cached_tokens=f.progress.cached_tokens,
+            )
+            for f in live
+        ]  # fmt: skip
+        previous = None if everyone else {f.request_id: f.renewed for f in live if f.renewed}
+        renewal = leases.renewal(edge_id, progress, previous)
         if renewal is None:
             return
+        for flight, item in zip(live, progress, strict=True):
+            flight.renewed = leases.counts(item)
         stream = leases.edge_stream(edge_id)
         new = NewEvent(self.new_id(), stream, "", self.clock(), renewal)
-        self.sink.later(AppendBatch(stream, None, (new,))).add_done_callback(self._checked)
+        future = self.sink.later(AppendBatch(stream, None, (new,)))
+        future.add_done_callback(lambda f: self._renewal_committed(f, live))
 
     # --- outcomes -----------------------------------------------------------------------------
 
@@ -245,6 +267,15 @@ class Recorder:
         log.error("event append failed for %s: %s", result.stream_id, result.error)
         return False
 
+    def _renewal_committed(
+        self, future: asyncio.Future[AppendResult], flights: Sequence[Flight]
+    ) -> None:
+        result = self._result(future)
+        if result is not None and self.count(result):
+            return
+        for flight in flights:  # not renewed after all: the next renewal carries them again
+            flight.renewed = None
+
     def _checked(self, future: asyncio.Future[AppendResult]) -> None:
         result = self._result(future)
         if result is not None:
@@ -257,8 +288,10 @@ class Recorder:
         batch: AppendBatch,
         commands: Sequence[lifecycle.Command],
         waited_s: float,
+        durable: asyncio.Future[bool],
     ) -> None:
         if future.cancelled():
+            _settle(durable, False)
             return
         error = future.exception() or future.result().error
         if isinstance(error, _STORE_AWAY) and waited_s < APPEND_RETRY_FOR_S:
@@ -268,26 +301,42 @@ class Recorder:
             delay = min(max(0.1, waited_s), APPEND_RETRY_MAX_S)
             self.metrics.append_retries.inc()
             asyncio.get_running_loop().call_later(
-                delay, self._submit, flight, batch, commands, waited_s + delay
+                delay, self._submit, flight, batch, commands, waited_s + delay, durable
             )
             return
         result = self._result(future)
         if result is None:
+            _settle(durable, False)
             return
         if isinstance(result.error, WrongExpectedVersion) and self.commands is not None:
             self.metrics.append_conflicts.inc()
-            self._background(self._decide_again(flight, commands, result.error))
+            self._background(self._decide_again(flight, commands, result.error, durable))
             return
-        self.count(result)
+        _settle(durable, self.count(result))
 
     async def _decide_again(
         self,
         flight: Flight,
         commands: Sequence[lifecycle.Command],
         conflict: WrongExpectedVersion,
+        durable: asyncio.Future[bool],
     ) -> None:
-        assert self.commands is not None
         at = self.clock()
+        durable_now = False
+        try:
+            durable_now = await self._handle_again(flight, commands, conflict, at)
+        finally:
+            _settle(durable, durable_now)
+
+    async def _handle_again(
+        self,
+        flight: Flight,
+        commands: Sequence[lifecycle.Command],
+        conflict: WrongExpectedVersion,
+        at: datetime,
+    ) -> bool:
+        """Decide `commands` again on the stored stream and append them; whether they were."""
+        assert self.commands is not None
         try:
             handled = await asyncio.to_thread(
                 self.commands.handle,
@@ -306,13 +355,14 @@ class Recorder:
                 flight.request_id, conflict, ", ".join(type(c).__name__ for c in commands),
                 exc.message,
             )
-            return
+            return False
         except Exception:
             self.metrics.append_failures.inc()
             log.exception("deciding again for %s failed", flight.request_id)
-            return
+            return False
         for record in handled.records:
             self.metrics.events_of(record.type).inc()
+        return True
 
     def _result(self, future: asyncio.Future[AppendResult]) -> AppendResult | None:
         try:
@@ -326,6 +376,11 @@ class Recorder:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _settle(durable: asyncio.Future[bool], committed: bool) -> None:
+    if not durable.done():
+        durable.set_result(committed)
 
 
 def _deciding(

@@ -90,9 +90,16 @@ class RequestRouted(Event):
 
 @dataclass(frozen=True, slots=True)
 class FirstTokenStreamed(Event):
+    """v2 added the engine's prompt counts, which arrive with the first chunk (vLLM's continuous
+    usage stats): from then on the engine has processed the prompt, and a lease expiry bills at
+    least it (issue 26: an edge that died before its first renewal billed nothing)."""
+
     EVENT_TYPE: ClassVar[str] = "FirstTokenStreamed"
+    EVENT_VERSION: ClassVar[int] = 2
     request_id: str
     ttft_ms: int
+    prompt_tokens: int = 0  # engine-reported with the first chunk; 0 when it reported none
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +115,8 @@ class LeaseProgress:
 
 @dataclass(frozen=True, slots=True)
 class LeasesRenewed(Event):
-    """One per edge every 0.5 s (domain.leases.LEASE_RENEW_S) while it serves anything;
-    stream_id = "edge-<edge_id>"."""
+    """One per edge every 0.1 s (domain.leases.LEASE_RENEW_S) while its streams progress,
+    carrying those that moved (every 0.5 s, all of them); stream_id = "edge-<edge_id>"."""
 
     EVENT_TYPE: ClassVar[str] = "LeasesRenewed"
     edge_id: str
@@ -706,8 +713,14 @@ def _estimated_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _first_token_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 carried no engine counts: unknown, so nothing a lease expiry could bill.
+    return {**payload, "prompt_tokens": 0, "cached_tokens": 0}
+
+
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("RequestEstimated", 1): _estimated_v1_to_v2,
+    ("FirstTokenStreamed", 1): _first_token_v1_to_v2,
 }
 
 

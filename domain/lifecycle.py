@@ -226,7 +226,12 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class RecordFirstToken:
+    """The first chunk reached the edge, with the engine's prompt counts (its continuous usage
+    stats; 0 when it sent none): recorded so that a lease expiry bills at least the prompt."""
+
     ttft_ms: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     request_id: str = ""
     at: datetime | None = None
 
@@ -271,7 +276,8 @@ class FailRequest:
 class ExpireLease:
     """The sweeper's verdict: no renewal since `last_renewed_at`. The counts are the sweeper's
     last-known engine progress (it folds LeasesRenewed); the larger of them and the stream's own
-    progress is billed. With neither, nothing is billed: an estimate never reaches an invoice."""
+    progress (the engine's prompt count its FirstTokenStreamed carries) is billed, count by
+    count. With neither, nothing is billed: an estimate never reaches an invoice."""
 
     last_renewed_at: datetime
     prompt_tokens: int = 0
@@ -369,7 +375,12 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
             if state.status != "routed":
                 raise DomainError("not_routed", "a first token needs a replica")
             _non_negative(ttft_ms=command.ttft_ms)
-            return (FirstTokenStreamed(state.request_id, command.ttft_ms),)
+            _check_counts(command.prompt_tokens, 0, command.cached_tokens)
+            return (
+                FirstTokenStreamed(
+                    state.request_id, command.ttft_ms, command.prompt_tokens, command.cached_tokens
+                ),
+            )
         case CompleteRequest():
             _require_live(state)
             if state.status not in ("routed", "streaming"):
@@ -425,7 +436,13 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
             reported = (command.prompt_tokens, command.completion_tokens, command.cached_tokens)
             _check_counts(*reported)
             known = (0, 0, 0) if state.progress is None else _counts(state.progress)
-            counts = max(reported, known)  # counts only grow: the larger report is the later
+            # Counts only grow: each the larger of the sweeper's and the stream's own (the
+            # engine's prompt count from FirstTokenStreamed), taken count by count.
+            counts = (
+                max(reported[0], known[0]),
+                max(reported[1], known[1]),
+                min(max(reported[2], known[2]), max(reported[0], known[0])),
+            )
             return _with_refund(
                 state, LeaseExpired(state.request_id, *counts, command.last_renewed_at)
             )
@@ -701,12 +718,20 @@ def _counts(progress: LeaseProgress) -> tuple[int, int, int]:
 
 
 def _later_progress(a: LeaseProgress | None, b: LeaseProgress | None) -> LeaseProgress | None:
-    # Engine counts only grow during a generation, so the larger report is the later one.
+    # Engine counts only grow during a generation, so each count's larger report is the later
+    # one (count by count: the first token's report has the prompt, a renewal may not yet).
     if a is None:
         return b
     if b is None:
         return a
-    return b if _counts(b) > _counts(a) else a
+    ca, cb = _counts(a), _counts(b)
+    if all(x >= y for x, y in zip(cb, ca, strict=True)):
+        return b
+    if all(x >= y for x, y in zip(ca, cb, strict=True)):
+        return a
+    return LeaseProgress(
+        a.request_id, a.tenant_id, *(max(x, y) for x, y in zip(ca, cb, strict=True))
+    )
 
 
 # --- evolve -------------------------------------------------------------------------------------
@@ -798,6 +823,14 @@ def _routed(state: RequestState, event: Any, version: int, at: datetime) -> Requ
 
 def _first_token(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
     assert isinstance(event, FirstTokenStreamed)
+    progress = state.progress
+    if event.prompt_tokens:  # the engine's prompt count: what a lease expiry bills at least
+        progress = _later_progress(
+            progress,
+            LeaseProgress(
+                event.request_id, state.tenant_id, event.prompt_tokens, 0, event.cached_tokens
+            ),
+        )
     return _with(
         state,
         version=version,
@@ -805,6 +838,7 @@ def _first_token(state: RequestState, event: Any, version: int, at: datetime) ->
         status=_advance(state.status, "streaming"),
         first_token=True,
         ttft_ms=event.ttft_ms,
+        progress=progress,
     )
 
 

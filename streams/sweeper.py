@@ -15,13 +15,14 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from domain import lifecycle
-from domain.events import Event, Recorded, RequestAdmitted
+from domain.events import TERMINAL_TYPES, Event, Recorded, RequestAdmitted
 from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S, Lease, LeaseBook
+from domain.projections import REQUEST_LOG
 from ledger import faults
-from ledger.checkpoints import Checkpoints
+from ledger.checkpoints import Checkpoints, read_position
 from ledger.commands import CommandHandler, request_stream
 from ledger.leadership import Leadership
-from ledger.schema import request_log
+from ledger.schema import events, request_log
 from ledger.store import EventStore, SqlEventStore
 from streams.sql_tail import SqlTail
 
@@ -106,22 +107,57 @@ class LeaseSweeper:
 
 def resume_sweeper(engine: sa.Engine, store: SqlEventStore, sweeper: LeaseSweeper) -> None:
     """Start the sweeper from the requests that have not ended (an edge may have died with
-    requests in flight): their admissions, and the log from the oldest of them."""
+    requests in flight): their admissions, and the log from the oldest of them.
+
+    The embedded worker calls it once its read models are folded to the end: `request_log`
+    then says which requests are live up to the position its checkpoint names, and the tail
+    reads from there on (not from the store's end: an admission committed after the read
+    models' last fold and before that read would be in neither)."""
     with engine.connect() as conn:
+        covered = read_position(conn, REQUEST_LOG.name) or 0
         live = [
             r[0]
             for r in conn.execute(
                 sa.select(request_log.c.request_id).where(request_log.c.status.in_(LIVE_STATUSES))
             )
         ]
+    _start(store, sweeper, live, covered)
+
+
+def resume_from_store(engine: sa.Engine, store: SqlEventStore, sweeper: LeaseSweeper) -> None:
+    """The same from the event store itself, for a group's first leader (a Kafka worker): its
+    read models are folded from the topic, so `request_log` may lag the store, and a request
+    admitted while the group started up (an edge admits before the workers are up) was in
+    neither the read model nor the log read after it: its dead edge's requests were never
+    expired, nor billed (issue 26). One scan of the admissions, once per group (a leader saves
+    where its successor resumes)."""
+    end = store.last_position()  # first: what is admitted after it, the tail reads
+    admitted, ended = events.alias("admitted"), events.alias("ended")
+    with engine.connect() as conn:
+        live = list(
+            conn.execute(
+                sa.select(admitted.c.stream_id).where(
+                    admitted.c.type == RequestAdmitted.EVENT_TYPE,
+                    admitted.c.position <= end,
+                    ~sa.exists().where(
+                        ended.c.stream_id == admitted.c.stream_id,
+                        ended.c.type.in_(sorted(TERMINAL_TYPES)),
+                    ),
+                )
+            ).scalars()
+        )
+    _start(store, sweeper, live, end)
+
+
+def _start(store: SqlEventStore, sweeper: LeaseSweeper, live: list[str], covered: int) -> None:
     admissions = [
         record
         for request_id in live
         for record in store.read_stream(request_id)
         if isinstance(record.event, RequestAdmitted)
     ]
-    start = min((r.position for r in admissions), default=store.last_position())
-    sweeper.start_from(start - 1 if admissions else start, admissions)
+    oldest = min((r.position - 1 for r in admissions), default=covered)
+    sweeper.start_from(min(oldest, covered), admissions)
 
 
 class GroupSweeper:
@@ -131,8 +167,9 @@ class GroupSweeper:
 
     The leader saves where a successor must read the log from to fold its lease book again
     (`LeaseBook.resume_position`: just before the oldest open lease's admission; the group's
-    first leader starts from the read models' requests that have not ended). So a worker that
-    takes over after the leader died holds the same leases, renewed at the same instants with
+    first leader starts from the store's admissions without a terminal, `resume_from_store`).
+    So a worker that takes over after the leader died holds the same leases, renewed at the
+    same instants with
     the same progress, and expires them as the leader would have. Two leading at once (one
     whose session was lost and who has not noticed yet) only repeats work: the command handler
     lets exactly one expiry of a request win."""
@@ -173,7 +210,7 @@ class GroupSweeper:
             saved = self.checkpoints.find(SWEEPER_RESUME)
             self.sweeper = LeaseSweeper(self.store, self.ttl_s, on_expired=self.on_expired)
             if saved is None:
-                resume_sweeper(self.engine, self.store, self.sweeper)
+                resume_from_store(self.engine, self.store, self.sweeper)
             else:
                 self.sweeper.start_from(saved, [])
             self.tail.seek(self.sweeper.position)

@@ -166,3 +166,23 @@ def test_the_groups_first_leader_starts_from_the_requests_the_read_models_show_l
         assert set(book(sweeper)) == {"req-live"}
     finally:
         sweeper.release()
+
+
+def test_the_groups_first_leader_holds_requests_the_read_models_have_not_folded_yet(
+    store: SqlEventStore,
+) -> None:
+    """A Kafka worker group starting while an edge already admits: its read models lag the
+    store, and the requests admitted meanwhile were in neither the read model nor the log the
+    leader read after it; their edge killed, they were never expired nor billed (issue 26, found
+    by tests/e2e/test_edge_crash.py's distributed run). The first leader finds them in the
+    store."""
+    admit(store, "req-done", 0)
+    complete(store, "req-done", 1)
+    admit(store, "req-unfolded", 2)  # request_log never saw it
+    sweeper = GroupSweeper(store.engine, store, name="worker-a")
+    try:
+        assert sweeper.step(T0 + timedelta(seconds=3)) == []
+        assert set(book(sweeper)) == {"req-unfolded"}
+        assert sweeper.step(T0 + timedelta(seconds=18)) == ["req-unfolded"]
+    finally:
+        sweeper.release()

@@ -248,12 +248,13 @@ def test_a_request_the_sweeper_expired_meanwhile_ends_once() -> None:
             tenant_id=b.TENANT,
         )
         hold.set()
-        out = await task  # the client still gets its answer...
-        assert isinstance(out, JsonOutcome) and out.status == 200
-        for _ in range(50):
-            await asyncio.sleep(0.001)
-        # ...but the request has one terminal event: the edge's lost the race and was decided
-        # again on the stored stream, where the request had already ended.
+        # The client does not get an answer the ledger does not know (done only when durable):
+        # the request ended by its lease expiry, billed what was renewed.
+        with pytest.raises(ApiError) as refused:
+            await task
+        assert refused.value.status == 503 and refused.value.code == "not_recorded"
+        # The request has one terminal event: the edge's lost the race and was decided again on
+        # the stored stream, where the request had already ended.
         types = h.types()
         assert types.count(LeaseExpired) == 1 and RequestCompleted not in types
         assert h.value("tollgate_event_append_conflicts_total") == 1.0
@@ -417,3 +418,142 @@ def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
     theirs = [_system_prompt_bucket(other, parse_chat_request(r)) for r in raws]
     assert mine == [_system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
     assert mine != theirs  # the same prompt, another tenant: another bucket
+
+
+# --- done only when durable (issue 26, item 3) --------------------------------------------------
+
+
+class _Held:
+    """Holds the commits of the batches that carry an event of `kinds` until `release()`: the
+    store is slow to commit them (or the edge dies meanwhile)."""
+
+    def __init__(self, sink: FakeSink, *kinds: type) -> None:
+        self.sink, self.kinds = sink, kinds
+        self.waiting: list[tuple[Any, asyncio.Future[Any]]] = []
+        for name in ("commit", "later"):
+            setattr(sink, name, self._wrap(getattr(sink, name)))
+
+    def _wrap(self, append: Callable[[Any], asyncio.Future[Any]]) -> Any:
+        def held(batch: Any) -> asyncio.Future[Any]:
+            if not any(isinstance(e.event, self.kinds) for e in batch.events):
+                return append(batch)
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self.waiting.append((batch, future))
+            return future
+
+        return held
+
+    def release(self) -> None:
+        for batch, future in self.waiting:
+            future.set_result(self.sink.store.append_many([batch])[0])
+        self.waiting = []
+
+
+async def _settle() -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_a_streams_last_chunk_final_usage_and_done_wait_for_its_terminal_events_commit() -> None:
+    """A client never holds a complete answer the ledger does not know: the chunk with the
+    finish reason, the final usage and [DONE] are sent once RequestCompleted has committed (an
+    edge killed before that commit had sent a whole answer, its usage and [DONE], and was
+    billed from the lease)."""
+
+    async def t(h: Harness) -> None:
+        held = _Held(h.sink, RequestCompleted)
+        out = await h.chat(
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+        assert isinstance(out, StreamOutcome)
+        frames = [out.first]
+
+        async def read() -> None:
+            async for frame in out.frames:
+                frames.append(frame)
+
+        reader = asyncio.ensure_future(read())
+        await _settle()
+        assert held.waiting, "the end is being committed"
+        assert not reader.done()
+        sent = b"".join(frames)
+        assert b"[DONE]" not in sent and b"finish_reason\":\"stop" not in sent
+        assert b"completion_tokens\":3" not in sent  # neither the final usage
+        held.release()
+        await reader
+        assert frames[-1] == b"data: [DONE]\n\n"
+        last = orjson.loads(frames[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "stop"
+        assert last["usage"]["completion_tokens"] == 3  # (continuous usage stats asked for)
+        done = next(r.event for r in h.sink.store.read_stream(f"req_{1:032x}")
+                    if isinstance(r.event, RequestCompleted))  # fmt: skip
+        assert (done.prompt_tokens, done.completion_tokens) == (
+            last["usage"]["prompt_tokens"], last["usage"]["completion_tokens"]
+        )
+
+    run(t)
+
+
+def test_a_json_body_waits_for_its_terminal_events_commit() -> None:
+    async def t(h: Harness) -> None:
+        held = _Held(h.sink, RequestCompleted)
+        task = asyncio.ensure_future(h.chat())
+        await _settle()
+        assert held.waiting and not task.done()
+        held.release()
+        out = await task
+        assert isinstance(out, JsonOutcome) and out.status == 200
+
+    run(t)
+
+
+def test_a_streams_first_token_waits_for_the_engines_prompt_count_to_commit() -> None:
+    """The engine's prompt count (with its first chunk) is durable before the client sees a
+    token, so an edge killed from then on is billed at least the prompt by the lease expiry."""
+
+    async def t(h: Harness) -> None:
+        held = _Held(h.sink, FirstTokenStreamed)
+        task = asyncio.ensure_future(h.chat(stream=True))
+        await _settle()
+        assert held.waiting and not task.done()
+        held.release()
+        out = await task
+        assert isinstance(out, StreamOutcome)
+        first = next(r.event for r in h.sink.store.read_stream(f"req_{1:032x}")
+                     if isinstance(r.event, FirstTokenStreamed))  # fmt: skip
+        assert (first.prompt_tokens, first.cached_tokens) == (10, 4)  # the engine's
+        await out.frames.aclose()
+
+    run(t, script=Script(tokens=50, prompt_tokens=10, cached_tokens=4))
+
+
+def test_renewals_carry_only_the_streams_that_progressed_and_skip_an_idle_interval() -> None:
+    """One LeasesRenewed per interval (0.1 s) with the counts that moved; an interval where
+    nothing moved writes nothing; every 0.5 s all leases are renewed (a queued stream keeps its
+    lease)."""
+
+    async def t(h: Harness) -> None:
+        hold = h.replica.script.hold = asyncio.Event()
+        task = asyncio.ensure_future(h.chat())
+        while not h.edge.in_flight:
+            await asyncio.sleep(0)
+
+        def renewals() -> list[LeasesRenewed]:
+            return [r.event for r in h.sink.store.read_stream("edge-edge-1")]  # type: ignore[misc]
+
+        h.edge.renew_leases()  # the first: every lease
+        await _settle()
+        assert len(renewals()) == 1 and len(renewals()[0].progress) == 1
+        h.clock.advance(0.1)
+        h.edge.renew_leases()  # nothing moved: nothing written
+        await _settle()
+        assert len(renewals()) == 1
+        h.clock.advance(0.4)
+        h.edge.renew_leases()  # the keep-alive: every lease again, moved or not
+        await _settle()
+        assert len(renewals()) == 2
+        hold.set()
+        await task
+
+    run(t)

@@ -121,3 +121,9 @@ def test_a_v1_estimate_reads_as_having_reserved_its_whole_cap_without_a_predicto
     read = ev.from_payload("RequestEstimated", 1, v1)
     assert read == ev.RequestEstimated("r", 800, 1000, 1800, 5, 50_000, 1000, "", 0, -1)
     assert ev.RequestEstimated.EVENT_VERSION == 2
+
+
+def test_a_v1_first_token_reads_as_having_reported_no_engine_counts() -> None:
+    read = ev.from_payload("FirstTokenStreamed", 1, {"request_id": "r", "ttft_ms": 180})
+    assert read == ev.FirstTokenStreamed("r", 180, 0, 0)
+    assert ev.FirstTokenStreamed.EVENT_VERSION == 2

@@ -7,7 +7,7 @@ import pytest
 
 from domain import leases
 from domain.errors import DomainError
-from domain.leases import LEASE_RENEW_S, LEASE_TTL_S, LeaseBook
+from domain.leases import LEASE_KEEPALIVE_S, LEASE_RENEW_S, LEASE_TTL_S, LeaseBook
 from tests import builders as b
 
 
@@ -22,8 +22,9 @@ def admitted(rid: str, seconds: float = 0) -> object:
     return b.record(b.admitted(request_id=rid), version=1, seconds=seconds, stream_id=rid)
 
 
-def test_the_ttl_is_three_renewal_intervals() -> None:
-    assert LEASE_TTL_S >= 3 * LEASE_RENEW_S
+def test_the_ttl_is_three_keepalives_and_a_renewal_bounds_the_loss_to_a_tenth_of_a_second() -> None:
+    assert LEASE_TTL_S >= 3 * LEASE_KEEPALIVE_S
+    assert LEASE_RENEW_S <= 0.1 <= LEASE_KEEPALIVE_S
 
 
 def test_unrenewed_leases_expire_after_the_ttl() -> None:
@@ -65,6 +66,15 @@ def test_a_renewal_is_one_event_for_every_request_and_none_for_no_request() -> N
     assert leases.edge_stream("edge-1") == "edge-edge-1"
     with pytest.raises(DomainError):
         leases.renewal("edge-1", [b.lease_progress(completion_tokens=-1)])
+
+
+def test_a_renewal_after_the_first_carries_only_the_requests_whose_counts_moved() -> None:
+    progress = [b.lease_progress(request_id=f"r{i}", completion_tokens=i) for i in range(3)]
+    previous = {"r0": (812, 0, 0), "r1": (812, 0, 0)}  # r1 moved since, r2 is new
+    event = leases.renewal("edge-1", progress, previous)
+    assert event is not None and [p.request_id for p in event.progress] == ["r1", "r2"]
+    unchanged = {p.request_id: leases.counts(p) for p in progress}
+    assert leases.renewal("edge-1", progress, unchanged) is None  # an idle interval: nothing
 
 
 def test_a_successor_resumes_just_before_the_oldest_open_leases_admission() -> None:

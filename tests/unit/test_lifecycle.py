@@ -113,6 +113,29 @@ def test_expire_bills_the_larger_of_stream_and_sweeper_progress() -> None:
     assert produced[0] == b.lease_expired(completion_tokens=70)
 
 
+def test_expire_bills_at_least_the_prompt_the_first_token_carried() -> None:
+    """An edge that died after the engine's first chunk, before any renewal: the engine had
+    processed the prompt, and its count (FirstTokenStreamed v2) is billed (issue 26)."""
+    state = b.folded((*ROUTED, b.first_token(prompt_tokens=812, cached_tokens=512)))
+    produced = lc.decide(state, b.expire())
+    assert produced[0] == b.lease_expired(prompt_tokens=812, completion_tokens=0, cached_tokens=512)
+
+
+def test_expire_takes_each_count_at_its_largest() -> None:
+    """A renewal that reported no prompt yet (0) but 70 tokens, the sweeper's 812 + 40: the bill
+    is 812 + 70, not whichever report is larger as a whole."""
+    state = b.folded(STREAMING)
+    renewal = b.renewed(b.lease_progress(prompt_tokens=0, completion_tokens=70))
+    state = lc.evolve(state, b.record(renewal))
+    produced = lc.decide(state, b.expire(prompt_tokens=812, completion_tokens=40))
+    assert produced[0] == b.lease_expired(prompt_tokens=812, completion_tokens=70)
+
+
+def test_a_first_token_with_more_cached_than_prompt_is_refused() -> None:
+    command = lc.RecordFirstToken(ttft_ms=5, prompt_tokens=10, cached_tokens=11)
+    given(*ROUTED).when(command).then_refused("cached_exceeds_prompt")
+
+
 def test_expire_without_any_progress_bills_nothing() -> None:
     produced = lc.decide(b.folded(ROUTED), b.expire())
     assert produced[0] == b.lease_expired(prompt_tokens=0, completion_tokens=0)
