@@ -16,6 +16,7 @@ import orjson
 import sqlalchemy as sa
 
 from domain.events import Recorded
+from ledger import faults
 from ledger.checkpoints import read_position, save_position
 from ledger.engine import WRITE
 from ledger.errors import ProjectionError
@@ -177,6 +178,7 @@ class ProjectionRunner:
             raise ProjectionError(f"{self.name}: records must come in increasing position order")
         return Prepared(after, fresh[-1].position, *self._fold(conn, fresh))
 
+    @faults.seam("db.readmodel")
     def apply_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Apply `records` inside the caller's transaction without a position checkpoint: the
         caller's consumer claimed them in this transaction (its offsets say what is applied,
@@ -190,6 +192,7 @@ class ProjectionRunner:
             else:
                 self._replace(conn, rows, stored)
 
+    @faults.seam("db.readmodel")
     def insert_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Like `apply_claimed`, for records each creating a row the caller knows is absent
         (one per key): one INSERT, no read and no delete. A row that exists fails the
@@ -237,6 +240,7 @@ class ProjectionRunner:
         self._write_rows(conn, prepared)
         return True
 
+    @faults.seam("db.readmodel")
     def _write_rows(self, conn: sa.Connection, prepared: Prepared) -> None:
         if self._sqlite is not None:
             # On SQLite this runs under the database's only write lock, which admissions wait
