@@ -19,6 +19,7 @@ edge_child.py) under `store.append` faults must be found losing what its clients
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from collections import Counter
@@ -45,7 +46,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ARTIFACTS = Path("/tmp/tollgate-fault-matrix")
 FAST = {"speed": 20, "step_base_ms": 10}
 SECONDS = pick(10, 60)
-DIE_SECONDS = pick(60, 120)  # each death costs a start (~5-10 s here) of the service
+DIE_SECONDS = pick(75, 120)  # each death costs a start (~5-10 s here) of the service
+HANG_SECONDS = pick(20, 60)  # each hang stops its caller 5 s
 CLIENTS = pick(6, 16)
 SEEDS = range(1, pick(2, 9))  # the long tier: 8 seeds of every cell
 EMBEDDED_SEAMS = tuple(dict.fromkeys((*EDGE_SEAMS, *WORKER_SEAMS)))
@@ -56,7 +58,8 @@ LEASE_TTL_S, HANG_S = 4, 5
 RESTARTS_FAULTED = 3  # a service that died this often runs clean (no crash loop)
 
 # The (mode, kind) cells known to fail on this branch until the other fixes of issue 26 land,
-# each with the finding that explains it.
+# each with the finding that explains it. Not strict: each fails in most runs, not all (the
+# hang or the kill must fall on an answered request's end: 3 of 4 runs, and 2 of 4, here).
 DONE_BEFORE_DURABLE = (
     "issue 26 finding 3 (done only when durable): the edge sends a complete answer before its "
     "terminal event is durable; {how}, and the request is billed less than the client was shown"
@@ -76,12 +79,16 @@ KNOWN: dict[tuple[str, str], str] = {
 COVERED: dict[str, Counter[tuple[str, str]]] = {"embedded": Counter(), "distributed": Counter()}
 
 
+RARE = ("db.status", "db.offsets", "broker.commit")  # a hit a second or a batch
+
+
 def schedule(seed: int, kind: str, seams: tuple[str, ...]) -> str:
-    """Every seam armed with `kind` at its 3rd and 12th hits, the busiest at random too."""
-    arms = [f"{s}:{kind}@{n}" for s in seams for n in (3, 12)]
+    """Every seam armed with `kind` at its 3rd and 12th hits (the rare ones, whose next hits
+    a hang elsewhere delays, at their 1st), the busiest at random too."""
+    arms = [f"{s}:{kind}@{n}" for s in seams for n in ((1, 12) if s in RARE else (3, 12))]
     if kind != "hang":  # a hang per hit at random would leave little time for anything else
         arms += [f"store.append:{kind}@p=0.01", f"engine.stream:{kind}@p=0.002"]
-        arms += [f"{s}:{kind}@p=0.05" for s in ("broker.poll", "broker.commit") if s in seams]
+        arms += [f"{s}:{kind}@p=0.1" for s in ("broker.poll", "broker.commit") if s in seams]
     return ";".join([f"seed={seed}", f"hang={HANG_S}", "gate={GATE}", *arms])
 
 
@@ -187,7 +194,8 @@ def _stop(run: Run) -> None:
 
 
 def _reproduce(run: Run) -> str:
-    specs = {s.name: [s.specs(i) for i in range(max(s.starts - 1, 1))] for s in run.services}
+    specs = {s.name: re.findall(r"===== start #\d+ faults '(.+)' =====", s.log.read_text())
+             for s in run.services}  # fmt: skip
     return (
         f"reproduce: TOLLGATE_FAULTS per service and start {specs}; "
         f"`./dev test tests/e2e/test_fault_matrix.py -s -k '{run.mode} and {run.label} and "
@@ -197,7 +205,8 @@ def _reproduce(run: Run) -> str:
 
 def _execute(run: Run) -> dict[str, Any]:
     try:
-        run.workload(DIE_SECONDS if run.label == "die" else SECONDS, CLIENTS)
+        seconds = {"die": DIE_SECONDS, "hang": HANG_SECONDS}.get(run.label, SECONDS)
+        run.workload(seconds, CLIENTS)
         run.recover()
         result = run.check()
     finally:
@@ -231,7 +240,7 @@ CELLS = [
     pytest.param(mode, kind, seed, id=f"{mode}-{kind}-seed{seed}",
                  marks=[*([pytest.mark.postgres, pytest.mark.kafka] if mode == "distributed"
                           else []),
-                        *([pytest.mark.xfail(reason=KNOWN[mode, kind], strict=True)]
+                        *([pytest.mark.xfail(reason=KNOWN[mode, kind], strict=False)]
                           if (mode, kind) in KNOWN else [])])
     for seed in SEEDS for mode in ("embedded", "distributed") for kind in KINDS
 ]  # fmt: skip
