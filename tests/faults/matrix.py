@@ -439,6 +439,11 @@ class Run:
             total += s.injected()
         return total
 
+    @staticmethod
+    def lost(result: dict[str, Any]) -> int:
+        """Requests never billed, or billed other than their client was shown (each once)."""
+        return len({entry.split(":")[0] for entry in (*result["lost"], *result["wrong"])})
+
     def summary(self, result: dict[str, Any]) -> str:
         injected = self.injected()
         outcomes = Counter(op.outcome for op in self.ops)
@@ -449,8 +454,8 @@ class Run:
         return (
             f"fault matrix {self.mode} {self.label} seed {self.seed}: requests {len(self.ops)} "
             f"({dict(outcomes)}), admitted {result['admitted']}, faults injected "
-            f"{sum(injected.values())} ({deaths} deaths) / lost "
-            f"{len(result['lost']) + len(result['wrong'])} / doubled {len(result['doubled'])} / "
+            f"{sum(injected.values())} ({deaths} deaths) / lost {self.lost(result)} / "
+            f"doubled {len(result['doubled'])} / "
             f"billed÷seen (answered) {ratio:.3f} / billed÷generated (cut) {cut:.3f}, over the "
             f"engine {len(result['over'])} / rebuild "
             f"differs {result['rebuild_differs'] or 0} / dead letters {result['dead_letters']}"
