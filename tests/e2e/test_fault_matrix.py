@@ -292,4 +292,3 @@ def test_safeguard_off_twin_finds_the_loss(tmp_path: Path) -> None:
     broken = _verdict(run, result)
     print(f"safeguard off: {len(broken)} kinds of violation found: {broken}")
     assert broken, "the unsafe edge lost nothing: a blind matrix"
-
