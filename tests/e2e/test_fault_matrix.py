@@ -59,7 +59,7 @@ RESTARTS_FAULTED = 3  # a service that died this often runs clean (no crash loop
 
 # The (mode, kind) cells known to fail on this branch until the other fixes of issue 26 land,
 # each with the finding that explains it. Not strict: each fails in some runs, not all (a hang
-# or a kill must fall on an answered request's end, a poll's error on records: hang failed 3
+# or a kill must fall on an answered request's end, a poll's error on records: hang failed 6
 # runs of 10 here (both modes), die 4 of 10, distributed `after` 1 of 5).
 DONE_BEFORE_DURABLE = (
     "issue 26 finding 3 (done only when durable): the edge sends a complete answer before its "
