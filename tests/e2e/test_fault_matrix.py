@@ -57,30 +57,10 @@ KINDS = tuple(faults.KINDS)
 LEASE_TTL_S, HANG_S = 4, 5
 RESTARTS_FAULTED = 3  # a service that died this often runs clean (no crash loop)
 
-# The (mode, kind) cells known to fail on this branch until the other fixes of issue 26 land,
-# each with the finding that explains it. Not strict: each fails in some runs, not all (a hang
-# or a kill must fall on an answered request's end, a poll's error on records: hang failed 6
-# runs of 10 here (both modes), die 4 of 10, distributed `after` 1 of 5).
-DONE_BEFORE_DURABLE = (
-    "issue 26 finding 3 (done only when durable): the edge sends a complete answer before its "
-    "terminal event is durable; {how}, and the request is billed less than the client was shown"
-)
-KNOWN: dict[tuple[str, str], str] = {
-    ("embedded", "hang"): DONE_BEFORE_DURABLE.format(
-        how="a store hang past the lease TTL lets the sweeper expire it meanwhile"),
-    ("distributed", "hang"): DONE_BEFORE_DURABLE.format(
-        how="a store hang past the lease TTL lets the sweeper expire it meanwhile"),
-    ("embedded", "die"): DONE_BEFORE_DURABLE.format(
-        how="an edge killed before its completion commits leaves it to the lease"),
-    ("distributed", "die"): DONE_BEFORE_DURABLE.format(
-        how="an edge killed before its completion commits leaves it to the lease"),
-    ("distributed", "after"): (
-        "issue 26 finding 1 (a consumer never moves past a record whose effect did not "
-        "commit), by another path: broker.poll:after — a poll that raises after its records "
-        "were consumed (the client's position past them; in poll, e.g. a dead letter's "
-        "produce) is outside run_batch's try, so nothing rewinds; the next batch commits "
-        "offsets past them and they are never billed, not even after a restart"),
-}  # fmt: skip
+# The (mode, kind) cells known to fail, each with the finding that explains it: none since
+# the fixes of issue 26 (done only when durable, a rewind owed after a failed poll) landed. A
+# cell added here is marked xfail with its reason; keep it empty.
+KNOWN: dict[tuple[str, str], str] = {}
 
 # What every run injected, by mode: the last test checks every seam × kind was covered.
 COVERED: dict[str, Counter[tuple[str, str]]] = {"embedded": Counter(), "distributed": Counter()}
@@ -144,7 +124,10 @@ def _embedded(tmp: Path, seed: int, kind: str, edge_cli: list[str], spec: str = 
     return run
 
 
-def _distributed(tmp: Path, seed: int, kind: str, request: pytest.FixtureRequest) -> Run:
+def _distributed(
+    tmp: Path, seed: int, kind: str, request: pytest.FixtureRequest,
+    worker_cli: list[str] = TOLLGATE, spec: str = "",
+) -> Run:
     postgres_url = request.getfixturevalue("postgres_url")
     broker = request.getfixturevalue("kafka_broker")
     replica = start_replica(tmp, MODEL, seed=seed, **FAST)
@@ -160,8 +143,8 @@ def _distributed(tmp: Path, seed: int, kind: str, request: pytest.FixtureRequest
     def specs(seams: tuple[str, ...]) -> Any:
         if kind == "die":
             return die_rotation(seed, seams)
-        spec = schedule(seed, kind, seams)
-        return lambda start: spec if start < RESTARTS_FAULTED else ""
+        armed = spec or schedule(seed, kind, seams)
+        return lambda start: armed if start < RESTARTS_FAULTED else ""
 
     edge = Service(
         "edge",
@@ -173,7 +156,7 @@ def _distributed(tmp: Path, seed: int, kind: str, request: pytest.FixtureRequest
                     tmp / "relay.log", specs(RELAY_SEAMS))  # fmt: skip
     worker = Service(
         "worker",
-        [*TOLLGATE, "worker", "--database-url", postgres_url, "--lease-ttl", str(LEASE_TTL_S)],
+        [*worker_cli, "worker", "--database-url", postgres_url, "--lease-ttl", str(LEASE_TTL_S)],
         env, tmp / "worker.log", specs(KAFKA_WORKER_SEAMS),
     )  # fmt: skip
     run = Run("distributed", kind, seed, [edge, relay, worker], base, "", MODEL, replica.url,
@@ -283,8 +266,9 @@ def test_every_seam_and_kind_was_injected() -> None:
 
 
 def test_safeguard_off_twin_finds_the_loss(tmp_path: Path) -> None:
-    """The edge that never sends a batch again once the store dropped it, under store.append
-    faults: the matrix's checks must find answers billed other than shown, or never billed."""
+    """Finding 3's twin: the edge that never sends a batch again once the store dropped it and
+    sends an answer's end before its terminal event commits, under store.append faults: the
+    matrix's checks must find answers billed other than shown, or never billed."""
     cli = [sys.executable, "-m", "tests.faults.edge_child"]
     spec = "seed=7;gate={GATE};store.append:drop@p=0.05;store.append:drop@3"
     run = _embedded(tmp_path, 7, "twin", cli, spec)
@@ -292,3 +276,19 @@ def test_safeguard_off_twin_finds_the_loss(tmp_path: Path) -> None:
     broken = _verdict(run, result)
     print(f"safeguard off: {len(broken)} kinds of violation found: {broken}")
     assert broken, "the unsafe edge lost nothing: a blind matrix"
+
+
+@pytest.mark.postgres
+@pytest.mark.kafka
+def test_safeguard_off_twin_finds_a_kafka_worker_moving_past(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Finding 1's twin: Kafka workers that do not owe a rewind after a failed poll, under
+    broker.poll:after faults: the checks must find terminal events never billed."""
+    cli = [sys.executable, "-m", "tests.faults.worker_child"]
+    spec = "seed=11;gate={GATE};broker.poll:after@p=0.2;broker.poll:after@3"
+    run = _distributed(tmp_path, 11, "twin", request, cli, spec)
+    result = _execute(run)
+    broken = _verdict(run, result)
+    print(f"safeguard off (kafka rewind): {len(broken)} kinds of violation found: {broken}")
+    assert broken, "the unsafe worker lost nothing: a blind matrix"

@@ -1,12 +1,20 @@
-"""`tollgate` with the edge's safeguard against a store that drops its connection removed: a
-request's events that the store could not take are never sent again (api/recorder.py). The
-network-fault test's safeguard-off twin runs its edge this way and must find what that loses."""
+"""`tollgate` with two of the edge's safeguards removed, for the safeguard-off twins: a request's
+events that the store could not take are never sent again (api/recorder.py), and an answer's
+end — its final usage, `[DONE]`, a JSON body — is sent without waiting for its terminal event
+to commit (issue 26, finding 3: "done only when durable"). The twins run their edge this way
+and must find what that loses: answers a client holds complete, billed other than shown."""
 
 from __future__ import annotations
 
-from api import recorder
+from api import edge, recorder
 from api.cli import main
+
+
+async def _not_waiting(ended: object) -> bool:
+    return True
+
 
 if __name__ == "__main__":
     recorder.APPEND_RETRY_FOR_S = 0.0
+    edge._durable = _not_waiting  # type: ignore[assignment]
     main()
