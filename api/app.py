@@ -11,8 +11,10 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from api.auth import Caller, single_authorization
@@ -128,6 +130,27 @@ def create_app(runtime: Runtime) -> FastAPI:
         headers = {"X-Request-Id": getattr(request.state, "request_id", "") or new_request_id()}
         headers.update(exc.headers)
         return json_response(exc.status, exc.body(), headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """An unknown route or method answers in OpenAI's error shape like every other error
+        (Starlette's own body is `{"detail": ...}`), keeping its headers (a 405's Allow)."""
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (
+            f"Invalid URL ({request.method} {request.url.path})"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        answer = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+        return await _api_error(request, answer)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        answer = ApiError(400, f"invalid {param or 'request'}: {first.get('msg', '')}",
+                          param=param, code="invalid_value")  # fmt: skip
+        return await _api_error(request, answer)
 
     async def _store_away(request: Request, exc: Exception) -> Response:
         answer = store_unavailable(exc)
