@@ -91,6 +91,13 @@ class ServeSettings:
     sqlite_checkpoint_s: float = field(
         default_factory=lambda: float(os.environ.get("TOLLGATE_SQLITE_CHECKPOINT_S", "60"))
     )
+    # Proxies (CIDRs) whose X-Forwarded-For names the client a limit is kept for; nobody else's
+    # header is believed.
+    trusted_proxies: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            p for p in os.environ.get("TOLLGATE_TRUSTED_PROXIES", "").split(",") if p.strip()
+        )
+    )
     # With a token, /metrics answers only `Authorization: Bearer <token>` (it names tenants).
     metrics_token: str | None = field(
         default_factory=lambda: os.environ.get("TOLLGATE_METRICS_TOKEN") or None
