@@ -72,8 +72,11 @@ class ServeSettings:
     stream_buffer_chunks: int = MAX_BUFFERED_CHUNKS
     # The kernel's send buffer of each client connection (0: the kernel's autotuning, up to
     # net.ipv4.tcp_wmem's maximum): what a slow reader can leave unread before the edge's own
-    # buffer fills.
-    client_send_buffer_bytes: int = 0
+    # buffer fills. Fixed by default: autotuned, it grew to megabytes on loopback, so 50 clients
+    # that read nothing never filled the edge's buffer and each got all 2,000 tokens generated
+    # (issue 27, item 4). 64 KiB (the kernel doubles it) is a few seconds of any token stream
+    # and far more than a round trip of one, so a reading client never waits on it.
+    client_send_buffer_bytes: int = 64 * 1024
     # Seconds an idle client connection is kept open. Longer than the idle expiry of the usual
     # clients (httpx and so the openai SDK: 5 s, aiohttp: 15 s, a cloud load balancer: 60 s),
     # so a client never reuses a connection at the instant the edge closes it (with uvicorn's
