@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from ledger import faults
+
 # vLLM's uvicorn closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a connection
 # idle for longer than this is not reused, so a request never races the server's close.
 IDLE_S = 4.0
@@ -57,6 +59,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
+    @faults.seam("engine.stream")
     def data_received(self, data: bytes) -> None:
         if self._parser is None:  # bytes nobody asked for: the connection is not reusable
             self.close()

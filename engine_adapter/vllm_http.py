@@ -19,6 +19,7 @@ import orjson
 
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.http1 import Connection, Http1Pool
+from ledger import faults
 
 _STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
@@ -326,6 +327,7 @@ class VLLMReplica:
         """Close the kept-alive connections (requests in flight keep theirs)."""
         self._pool.close()
 
+    @faults.seam("engine.send", lambda: ReplicaUnavailable("connection reset (fault)"))
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str
     ) -> ChatExchange:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from ledger import faults
 from ledger.schema import projection_checkpoints as t
 from ledger.store import sqlite_instant
 
@@ -67,6 +68,7 @@ class Checkpoints:
         with self.engine.connect() as conn:
             return read_position(conn, name)
 
+    @faults.seam("db.checkpoint")
     def set(self, name: str, position: int, conn: sa.Connection | None = None) -> None:
         """Save `position`, in its own transaction or inside the caller's `conn`."""
         if conn is None:

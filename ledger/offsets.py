@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from ledger import faults
 from ledger.schema import consumer_offsets as t
 
 
@@ -68,6 +69,7 @@ def claim_places(
     return _places(conn, group, topic, wanted, lock=True)
 
 
+@faults.seam("db.offsets")
 def save_places(
     conn: sa.Connection, group: str, topic: str, places: Mapping[int, PartitionPlace]
 ) -> None:

@@ -20,6 +20,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from ledger import faults
 from ledger.schema import relay_state as t
 
 _READ = sa.text(
@@ -79,6 +80,7 @@ class OutboxReader:
             raise ValueError("the outbox relay needs the PostgreSQL event store")
         self.engine = engine
 
+    @faults.seam("store.read")
     def read_committed(self, after: tuple[int, int], limit: int = 2000) -> list[OutboxRow]:
         """Events after the key `after` whose transactions have ended, in `(txid, position)`
         order: what a relay can publish now without ever skipping a late commit."""
@@ -105,6 +107,7 @@ class OutboxReader:
             topic, row["epoch"], row["last_txid"], row["last_position"], row["published"], ends
         )
 
+    @faults.seam("db.offsets")
     def save_state(self, state: RelayState) -> None:
         values = {
             "topic": state.topic, "epoch": state.epoch, "last_txid": state.last_txid,

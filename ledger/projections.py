@@ -16,6 +16,7 @@ import orjson
 import sqlalchemy as sa
 
 from domain.events import Recorded
+from ledger import faults
 from ledger.checkpoints import read_position, save_position
 from ledger.engine import WRITE
 from ledger.errors import ProjectionError
@@ -181,6 +182,7 @@ class ProjectionRunner:
             raise ProjectionError(f"{self.name}: records must come in increasing position order")
         return Prepared(after, fresh[-1].position, *self._fold(conn, fresh))
 
+    @faults.seam("db.readmodel")
     def apply_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Apply `records` inside the caller's transaction without a position checkpoint: the
         caller's consumer claimed them in this transaction (its offsets say what is applied,
@@ -229,6 +231,7 @@ class ProjectionRunner:
         if self._checkpoint(conn, lock=True) < position:
             save_position(conn, self.name, position)
 
+    @faults.seam("db.readmodel")
     def insert_claimed(self, conn: sa.Connection, records: Sequence[Recorded]) -> None:
         """Like `apply_claimed`, for records each creating a row the caller knows is absent
         (one per key): one INSERT, no read and no delete. A row that exists fails the
@@ -276,6 +279,7 @@ class ProjectionRunner:
         self._write_rows(conn, prepared)
         return True
 
+    @faults.seam("db.readmodel")
     def _write_rows(self, conn: sa.Connection, prepared: Prepared) -> None:
         if self._sqlite is not None:
             # On SQLite this runs under the database's only write lock, which admissions wait

@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ledger import faults
 from ledger.offsets import PartitionPlace, claim_places, read_places, save_places
 from ledger.outbox import current_epoch
 from streams.codec import EPOCH_HEADER, REASON_HEADER, BadRecord, decode
@@ -63,6 +64,7 @@ class SavedOffsets:
         self._claimed = claim_places(conn, self.name, self.topic, batch.next_offsets)
         return [d for d in batch.deliveries if d.key > self._claimed[d.partition].key]
 
+    @faults.seam("broker.commit")
     def commit(self, conn: sa.Connection, batch: Batch) -> None:
         if not batch.next_offsets:
             return
@@ -164,6 +166,7 @@ class KafkaEventConsumer(SavedOffsets):
 
     # --- the port ---------------------------------------------------------------------------
 
+    @faults.seam("broker.poll")
     def poll(self, max_records: int = 500, timeout_s: float = 0.5) -> Batch:
         # What has arrived, at once; only when nothing has, wait (up to timeout_s) for the first
         # record, then take what came with it. consume(n, timeout) alone waits for n records or

@@ -124,10 +124,16 @@ class KafkaFoldWorker:
         carried on from where it was would commit the next batch's offsets past the failed
         records: their requests would never be billed. So the rewind is owed from before it
         is tried until it succeeds, and an owed rewind is retried first: while it fails, this
-        raises and nothing is polled or applied."""
+        raises and nothing is polled or applied. A poll that fails is owed a rewind too: it
+        may have taken records from the broker (the consumer's position moved past them)
+        without handing them over, and the next poll would start after them."""
         if self._rewind_owed:
             self._rewind()
-        batch = self.consumer.poll(max_records, timeout_s)
+        try:
+            batch = self.consumer.poll(max_records, timeout_s)
+        except Exception:
+            self._rewind_owed = self.rewinds_owed_first
+            raise
         if not batch.next_offsets:
             return 0
         try:

@@ -29,6 +29,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ledger import faults
 from ledger.outbox import OutboxReader, RelayState
 from streams.codec import EPOCH_HEADER, encode
 from streams.gc_settings import settle_for_batches
@@ -175,6 +176,7 @@ class OutboxRelay:
 
     # --- publishing -----------------------------------------------------------------------
 
+    @faults.seam("broker.produce")
     def publish_once(self) -> int:
         """Publish the next committed events; returns how many (0: nothing new)."""
         if time.monotonic() - self._checked_at >= self.check_every_s:
@@ -230,7 +232,10 @@ class OutboxRelay:
             try:
                 if not self.publish_once():
                     stop.wait(idle_s)
-            except (RelayError, sa.exc.DBAPIError) as exc:  # the broker or the database
+            # The broker (produce() raises KafkaException too: a topic gone, a fatal producer
+            # error; the fault matrix's broker.produce:before killed the relay here) or the
+            # database.
+            except (RelayError, self._ck.KafkaException, sa.exc.DBAPIError) as exc:
                 log.warning("relay step failed: %s; retrying", exc)
                 self._checked_at = 0.0
                 stop.wait(0.5)

@@ -486,6 +486,7 @@ class FoldWorker:
         return read
 
 
+@faults.seam("db.status")
 def write_status_row(engine: sa.Engine, row: dict[str, Any]) -> None:
     """Upsert one worker's `worker_status` row (keyed by `row["name"]`). A row without a
     `position` (a Kafka worker that does not lead the sweeper) only refreshes an existing row:

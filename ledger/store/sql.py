@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from domain.events import Recorded, from_payload
+from ledger import faults
 from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
 from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
 from ledger.schema import events as events_table
@@ -141,6 +142,7 @@ class SqlEventStore(EventStore):
             raise StoreBusy("try_append_many needs SQLite without before_commit hooks")
         return self._append_many(batches, wait=False)
 
+    @faults.seam("store.append")
     def _append_many(self, batches: Sequence[AppendBatch], *, wait: bool) -> list[AppendResult]:
         prepared = prepare_batches(batches)
         if not any(prepared):
@@ -409,6 +411,7 @@ class SqlEventStore(EventStore):
         with self._connect() as conn:
             return int(conn.execute(query).scalar() or 0)
 
+    @faults.seam("store.read")
     def _sqlite_tail(
         self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = ()
     ) -> list[Recorded]:
@@ -424,6 +427,7 @@ class SqlEventStore(EventStore):
                 cursor.close()
         return [sqlite.recorded_from_row(r) for r in rows]
 
+    @faults.seam("store.read")
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
         with self._connect() as conn:
             rows = conn.execute(query).all()  # one fetch, not a driver call per row

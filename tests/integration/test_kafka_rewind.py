@@ -244,3 +244,56 @@ def test_a_rebalance_while_postgres_is_down_neither_skips_nor_stalls(
     )
     assert failures["read"] < 3  # the assignment did meet the failure
     assert worker.folded == published and lost == set()
+
+
+@pytest.mark.parametrize("client", ["confluent", "faust"])
+@pytest.mark.parametrize("safeguard", ["on", "off"])
+def test_a_poll_that_fails_after_taking_records_is_read_again(
+    engine: sa.Engine, kafka_broker: Any, kafka_topic: str, client: str, safeguard: str
+) -> None:
+    """Found by the fault matrix (`broker.poll:after`): a poll that raises after the consumer
+    took records from the broker never handed them over, and the next batch committed offsets
+    past them — 216 of 274 requests with a terminal event and no bill. The failed poll is now
+    owed a rewind like a failed batch."""
+    from streams.kafka_worker import KafkaFoldWorker
+
+    store = SqlEventStore(engine)
+    truth = append_requests(store, 60, random.Random(27))
+    relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
+    relay.check_topic()
+    published = 0
+    while n := relay.publish_once():
+        published += n
+    consumer = open_consumer(client, engine, kafka_broker.bootstrap, kafka_topic)
+    worker = KafkaFoldWorker(engine, consumer)
+    worker.rewinds_owed_first = safeguard == "on"
+    poll = consumer.poll
+    taken: list[int] = []
+
+    def poll_then_fail(*args: Any, **kwargs: Any) -> Any:
+        batch = poll(*args, **kwargs)
+        if batch.deliveries and not taken:  # the records are taken, then the call fails
+            taken.append(len(batch.deliveries))
+            raise ConnectionResetError("the poll failed after taking records (injected)")
+        return batch
+
+    consumer.poll = poll_then_fail  # type: ignore[method-assign]
+    try:
+        deadline = time.monotonic() + 60
+        idle = 0
+        while idle < 3 and time.monotonic() < deadline:
+            try:
+                applied = worker.run_batch(40, 0.5)
+            except ConnectionResetError:
+                applied = -1
+            idle = idle + 1 if applied == 0 and taken else 0
+    finally:
+        consumer.close()
+        relay.close()
+    lost = truth - ledger_ids(engine)
+    print(f"failed poll ({client}, safeguard {safeguard}): {taken} taken, {len(lost)} lost")
+    assert taken
+    if safeguard == "off":
+        assert lost, "without the owed rewind the taken records should be lost"
+        return
+    assert lost == set()

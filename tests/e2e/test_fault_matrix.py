@@ -1,0 +1,294 @@
+"""The fault matrix (issue 26): every seam (ledger/faults.py) × every fault kind, on both modes,
+with real processes and a mixed client workload; then a recovery with the faults off and the
+invariants of tests/faults/matrix.py, read from the store, the ledger and the clients' records.
+
+Embedded: `tollgate serve --no-fold-worker` on SQLite and `tollgate worker`. Distributed:
+`tollgate api`, `tollgate relay` and a Kafka `tollgate worker` on PostgreSQL and the development
+broker. One replica (the simulator, its own process: its per-request counts are the engine's).
+
+A run arms one fault kind at every seam its mode reaches (`@n` hits for coverage, `@p` for
+volume) or, for `die`, kills each service at each of its seams in turn (every death started
+again at once). The fast tier runs each (mode, kind) once; the long tier runs them over seeds
+until ≥ 100,000 requests and ≥ 200 faults. Each run prints one summary line and, on a failure,
+the seed and the environment that reproduce it.
+
+The safeguard-off twin: the edge that never sends a dropped batch again (tests/faults/
+edge_child.py) under `store.append` faults must be found losing what its clients were shown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger import faults
+from tests.e2e.conftest import MODEL, TOLLGATE, free_port, poll, start_replica
+from tests.faults.matrix import (
+    EDGE_SEAMS,
+    KAFKA_WORKER_SEAMS,
+    RELAY_SEAMS,
+    WORKER_SEAMS,
+    Run,
+    Service,
+    die_rotation,
+)
+from tests.faults.tier import pick
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ARTIFACTS = Path("/tmp/tollgate-fault-matrix")
+FAST = {"speed": 20, "step_base_ms": 10}
+SECONDS = pick(10, 60)
+DIE_SECONDS = pick(75, 120)  # each death costs a start (~5-10 s here) of the service
+HANG_SECONDS = pick(20, 60)  # each hang stops its caller 5 s
+CLIENTS = pick(6, 16)
+SEEDS = range(1, pick(2, 9))  # the long tier: 8 seeds of every cell
+EMBEDDED_SEAMS = tuple(dict.fromkeys((*EDGE_SEAMS, *WORKER_SEAMS)))
+DISTRIBUTED_SEAMS = tuple(dict.fromkeys((*EDGE_SEAMS, *KAFKA_WORKER_SEAMS, *RELAY_SEAMS)))
+KINDS = tuple(faults.KINDS)
+# A hang lasts longer than the lease TTL the workers run with: past the caller's timeout.
+LEASE_TTL_S, HANG_S = 4, 5
+RESTARTS_FAULTED = 3  # a service that died this often runs clean (no crash loop)
+
+# The (mode, kind) cells known to fail on this branch until the other fixes of issue 26 land,
+# each with the finding that explains it. Not strict: each fails in some runs, not all (a hang
+# or a kill must fall on an answered request's end, a poll's error on records: hang failed 6
+# runs of 10 here (both modes), die 4 of 10, distributed `after` 1 of 5).
+DONE_BEFORE_DURABLE = (
+    "issue 26 finding 3 (done only when durable): the edge sends a complete answer before its "
+    "terminal event is durable; {how}, and the request is billed less than the client was shown"
+)
+KNOWN: dict[tuple[str, str], str] = {
+    ("embedded", "hang"): DONE_BEFORE_DURABLE.format(
+        how="a store hang past the lease TTL lets the sweeper expire it meanwhile"),
+    ("distributed", "hang"): DONE_BEFORE_DURABLE.format(
+        how="a store hang past the lease TTL lets the sweeper expire it meanwhile"),
+    ("embedded", "die"): DONE_BEFORE_DURABLE.format(
+        how="an edge killed before its completion commits leaves it to the lease"),
+    ("distributed", "die"): DONE_BEFORE_DURABLE.format(
+        how="an edge killed before its completion commits leaves it to the lease"),
+    ("distributed", "after"): (
+        "issue 26 finding 1 (a consumer never moves past a record whose effect did not "
+        "commit), by another path: broker.poll:after — a poll that raises after its records "
+        "were consumed (the client's position past them; in poll, e.g. a dead letter's "
+        "produce) is outside run_batch's try, so nothing rewinds; the next batch commits "
+        "offsets past them and they are never billed, not even after a restart"),
+}  # fmt: skip
+
+# What every run injected, by mode: the last test checks every seam × kind was covered.
+COVERED: dict[str, Counter[tuple[str, str]]] = {"embedded": Counter(), "distributed": Counter()}
+
+
+RARE = ("db.status", "db.offsets", "broker.commit")  # a hit a second or a batch
+
+
+def schedule(seed: int, kind: str, seams: tuple[str, ...]) -> str:
+    """Every seam armed with `kind` at its 3rd and 12th hits (the rare ones, whose next hits
+    a hang elsewhere delays, at their 1st), the busiest at random too."""
+    arms = [f"{s}:{kind}@{n}" for s in seams for n in ((1, 12) if s in RARE else (3, 12))]
+    if kind != "hang":  # a hang per hit at random would leave little time for anything else
+        arms += [f"store.append:{kind}@p=0.01", f"engine.stream:{kind}@p=0.002"]
+        arms += [f"{s}:{kind}@p=0.1" for s in ("broker.poll", "broker.commit") if s in seams]
+    return ";".join([f"seed={seed}", f"hang={HANG_S}", "gate={GATE}", *arms])
+
+
+def _secret(data_dir: Path) -> str:
+    return json.loads((data_dir / "demo-keys.json").read_text())["demo-enterprise"]
+
+
+def _embedded(tmp: Path, seed: int, kind: str, edge_cli: list[str], spec: str = "") -> Run:
+    replica = start_replica(tmp, MODEL, seed=seed, **FAST)
+    data = tmp / "data"
+    data.mkdir()
+    db_url = f"sqlite:///{data / 'tollgate.db'}"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {"TOLLGATE_DATA_DIR": str(data)}
+
+    def specs(seams: tuple[str, ...]) -> Any:
+        if kind == "die":
+            return die_rotation(seed, seams)
+        armed = spec or schedule(seed, kind, seams)
+        return lambda start: armed if start < RESTARTS_FAULTED else ""
+
+    worker = Service(
+        "worker", [*TOLLGATE, "worker", "--database-url", db_url, "--lease-ttl", str(LEASE_TTL_S)],
+        env, tmp / "worker.log", specs(WORKER_SEAMS),
+    )  # fmt: skip
+    edge = Service(
+        "edge",
+        [*edge_cli, "serve", "--no-fold-worker", "--port", str(port),
+         "--replica", f"{MODEL}={replica.url}"],
+        env, tmp / "edge.log", specs(EDGE_SEAMS), wait_url=f"{base}/healthz",
+    )  # fmt: skip
+    run = Run("embedded", kind, seed, [worker, edge], base, "", MODEL, replica.url, db_url)
+    run.replica = replica  # type: ignore[attr-defined]
+    try:
+        worker.start()  # it migrates the database, then the edge seeds it
+        poll("the worker to migrate the database", (data / "tollgate.db").exists, timeout=30)
+        edge.start()
+        poll("the demo keys", (data / "demo-keys.json").exists, timeout=30)
+        run.secret = _secret(data)
+        run.warm_up()
+    except BaseException:
+        _stop(run)
+        raise
+    run.arm()
+    return run
+
+
+def _distributed(tmp: Path, seed: int, kind: str, request: pytest.FixtureRequest) -> Run:
+    postgres_url = request.getfixturevalue("postgres_url")
+    broker = request.getfixturevalue("kafka_broker")
+    replica = start_replica(tmp, MODEL, seed=seed, **FAST)
+    data = tmp / "data"
+    env = {
+        "TOLLGATE_DATA_DIR": str(data),
+        "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
+        "TOLLGATE_KAFKA_TOPIC": request.getfixturevalue("kafka_topic"),
+    }
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    def specs(seams: tuple[str, ...]) -> Any:
+        if kind == "die":
+            return die_rotation(seed, seams)
+        spec = schedule(seed, kind, seams)
+        return lambda start: spec if start < RESTARTS_FAULTED else ""
+
+    edge = Service(
+        "edge",
+        [*TOLLGATE, "api", "--port", str(port), "--database-url", postgres_url,
+         "--replica", f"{MODEL}={replica.url}"],
+        env, tmp / "edge.log", specs(EDGE_SEAMS), wait_url=f"{base}/healthz",
+    )  # fmt: skip
+    relay = Service("relay", [*TOLLGATE, "relay", "--database-url", postgres_url], env,
+                    tmp / "relay.log", specs(RELAY_SEAMS))  # fmt: skip
+    worker = Service(
+        "worker",
+        [*TOLLGATE, "worker", "--database-url", postgres_url, "--lease-ttl", str(LEASE_TTL_S)],
+        env, tmp / "worker.log", specs(KAFKA_WORKER_SEAMS),
+    )  # fmt: skip
+    run = Run("distributed", kind, seed, [edge, relay, worker], base, "", MODEL, replica.url,
+              postgres_url)  # fmt: skip
+    run.replica = replica  # type: ignore[attr-defined]
+    # The edge migrates and seeds, the relay makes the topic, the worker joins its group, one
+    # request goes through; then the faults arm (their gate file).
+    try:
+        for s in run.services:
+            s.start()
+        poll("the demo keys", (data / "demo-keys.json").exists, timeout=30)
+        run.secret = _secret(data)
+        run.warm_up()
+    except BaseException:
+        _stop(run)
+        raise
+    run.arm()
+    return run
+
+
+def _stop(run: Run) -> None:
+    for s in run.services:
+        s.stop()
+    run.replica.stop()  # type: ignore[attr-defined]
+
+
+def _reproduce(run: Run) -> str:
+    specs = {s.name: re.findall(r"===== start #\d+ faults '(.+)' =====", s.log.read_text())
+             for s in run.services}  # fmt: skip
+    return (
+        f"reproduce: TOLLGATE_FAULTS per service and start {specs}; "
+        f"`./dev test tests/e2e/test_fault_matrix.py -s -k '{run.mode} and {run.label} and "
+        f"seed{run.seed}'`"
+    )
+
+
+def _execute(run: Run) -> dict[str, Any]:
+    try:
+        seconds = {"die": DIE_SECONDS, "hang": HANG_SECONDS}.get(run.label, SECONDS)
+        run.workload(seconds, CLIENTS)
+        run.recover()
+        result = run.check()
+    finally:
+        _stop(run)
+        # The logs outlive pytest's temporary directories (kept three runs deep).
+        keep = ARTIFACTS / f"{run.mode}-{run.label}-seed{run.seed}"
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(run.services[0].log.parent, keep, ignore=shutil.ignore_patterns("*.db*"))
+    COVERED[run.mode] += run.injected()
+    print(run.summary(result))
+    return result
+
+
+def _verdict(run: Run, result: dict[str, Any]) -> list[str]:
+    broken = []
+    for name in ("problems", "lost", "doubled", "wrong", "over"):
+        if result[name]:
+            broken.append(f"{name} {len(result[name])}: {result[name][:5]}")
+    if result["rebuild_differs"]:
+        broken.append(f"read models not equal to a rebuild: {result['rebuild_differs']}")
+    if result["dead_letters"]:
+        broken.append(f"{result['dead_letters']} dead letters")
+    # A fault other than `die` is weather a service must live through, not exit on.
+    died = {s.name: s.deaths for s in run.services if s.deaths}
+    if run.label != "die" and died:
+        broken.append(f"services exited on a fault they must survive: {died}")
+    return broken
+
+
+CELLS = [
+    pytest.param(mode, kind, seed, id=f"{mode}-{kind}-seed{seed}",
+                 marks=[*([pytest.mark.postgres, pytest.mark.kafka] if mode == "distributed"
+                          else []),
+                        *([pytest.mark.xfail(reason=KNOWN[mode, kind], strict=False)]
+                          if (mode, kind) in KNOWN else [])])
+    for seed in SEEDS for mode in ("embedded", "distributed") for kind in KINDS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "kind", "seed"), CELLS)
+def test_fault_matrix_cell(
+    mode: str, kind: str, seed: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if mode == "embedded":
+        run = _embedded(tmp_path, seed, kind, TOLLGATE)
+    else:
+        run = _distributed(tmp_path, seed, kind, request)
+    result = _execute(run)
+    assert len(run.ops) > 0 and result["admitted"] > 0, run.summary(result)
+    broken = _verdict(run, result)
+    assert not broken, f"{run.summary(result)}\n{_reproduce(run)}\n" + "\n".join(broken)
+
+
+def test_every_seam_and_kind_was_injected() -> None:
+    """After the cells above (pytest runs a file in order): every seam × kind of each mode
+    that ran was injected at least once."""
+    missing = []
+    for mode, seams in (("embedded", EMBEDDED_SEAMS), ("distributed", DISTRIBUTED_SEAMS)):
+        covered = COVERED[mode]
+        if not covered:
+            continue  # that mode's cells were not selected
+        never = [f"{mode} {s}:{k}" for s in seams for k in KINDS if not covered[s, k]]
+        print(f"fault matrix {mode}: {sum(covered.values())} faults over {len(covered)} "
+              f"seam × kind cells; never injected: {never}")  # fmt: skip
+        missing += never
+    assert not missing, missing
+
+
+def test_safeguard_off_twin_finds_the_loss(tmp_path: Path) -> None:
+    """The edge that never sends a batch again once the store dropped it, under store.append
+    faults: the matrix's checks must find answers billed other than shown, or never billed."""
+    cli = [sys.executable, "-m", "tests.faults.edge_child"]
+    spec = "seed=7;gate={GATE};store.append:drop@p=0.05;store.append:drop@3"
+    run = _embedded(tmp_path, 7, "twin", cli, spec)
+    result = _execute(run)
+    broken = _verdict(run, result)
+    print(f"safeguard off: {len(broken)} kinds of violation found: {broken}")
+    assert broken, "the unsafe edge lost nothing: a blind matrix"
