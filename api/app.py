@@ -7,12 +7,15 @@ import asyncio
 import contextlib
 import hmac
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from api.auth import Caller, single_authorization
@@ -35,7 +38,7 @@ from api.chat_request import too_large
 from api.edge import JsonOutcome
 from api.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
 from api.openapi import install as install_openapi
-from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission, source_of
+from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
 from api.runtime import Runtime
 from domain.hierarchy import RUN_ID
 from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
@@ -46,23 +49,32 @@ ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})
 
 
 def authenticate(
-    runtime: Runtime, limits: RefusalLimits, authorization: str | None, scopes: frozenset[str],
-    client: Any,
+    runtime: Runtime, limits: RefusalLimits, source: str | None, attempt: Callable[[], Caller]
 ) -> Caller:
-    """The key's caller; a client address that keeps failing is refused before its key is
-    looked at, and each failure counts against it."""
-    source = source_of(client)
+    """`attempt`'s caller, through the one limiter of failed authentications (counted)."""
     try:
-        limits.check_source(source)
-    except ApiError:
-        runtime.metrics.rejected.labels("auth_failures", "none").inc()
-        raise
-    try:
-        return runtime.edge.authenticate(authorization, scopes)
+        return limits.authenticate(source, attempt)
     except ApiError as exc:
-        if exc.status == 401:
-            limits.failed_authentication(source)
+        if exc.status == 429:
+            runtime.metrics.rejected.labels("auth_failures", "none").inc()
         raise
+
+
+def request_source(request: Request) -> str | None:
+    limits: RefusalLimits = request.app.state.limits
+    return limits.source(request.scope.get("client"), request.headers.get("x-forwarded-for"))
+
+
+def key_caller(
+    request: Request, scopes: frozenset[str], authorization: str | None = None
+) -> Caller:
+    """The caller of the API key a request sends (Authorization), through the limiter."""
+    state = request.app.state
+    header = authorization or request.headers.get("authorization")
+    return authenticate(
+        state.runtime, state.limits, request_source(request),
+        lambda: state.runtime.edge.authenticate(header, scopes),
+    )
 
 
 def metrics_token(runtime: Runtime, limits: RefusalLimits, request: Request) -> None:
@@ -71,28 +83,25 @@ def metrics_token(runtime: Runtime, limits: RefusalLimits, request: Request) -> 
     token = runtime.settings.metrics_token
     if not token:
         return
-    source = source_of(request.scope.get("client"))
-    limits.check_source(source)
     given = request.headers.get("authorization") or ""
     scheme, _, secret = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        secret.strip().encode(), token.encode()
-    ):
-        limits.failed_authentication(source)
-        raise ApiError(
-            401, "/metrics needs the metrics token: Authorization: Bearer <token>",
-            code="invalid_metrics_token", type="authentication_error",
-            headers={"WWW-Authenticate": "Bearer"},
-        )  # fmt: skip
+
+    def attempt() -> None:
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            secret.strip().encode(), token.encode()
+        ):
+            raise ApiError(
+                401, "/metrics needs the metrics token: Authorization: Bearer <token>",
+                code="invalid_metrics_token", type="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
+    limits.authenticate(request_source(request), attempt)
 
 
 async def customer(request: Request) -> Caller:
     request.state.request_id = new_request_id()
-    state = request.app.state
-    return authenticate(
-        state.runtime, state.limits, request.headers.get("authorization"), CUSTOMER,
-        request.scope.get("client"),
-    )
+    return key_caller(request, CUSTOMER)
 
 
 CustomerDep = Annotated[Caller, Depends(customer)]
@@ -100,11 +109,7 @@ CustomerDep = Annotated[Caller, Depends(customer)]
 
 async def any_key(request: Request) -> Caller:
     request.state.request_id = new_request_id()
-    state = request.app.state
-    return authenticate(
-        state.runtime, state.limits, request.headers.get("authorization"), ALL_SCOPES,
-        request.scope.get("client"),
-    )
+    return key_caller(request, ALL_SCOPES)
 
 
 AnyKeyDep = Annotated[Caller, Depends(any_key)]
@@ -121,6 +126,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.state.limits = RefusalLimits(
         refusals_per_minute=lambda tenant_id: runtime.control.limits(tenant_id, "*").rpm,
         auth_failures_per_minute=runtime.settings.auth_failures_per_minute,
+        trusted_proxies=runtime.settings.trusted_proxies,
     )
 
     @app.exception_handler(ApiError)
@@ -128,6 +134,27 @@ def create_app(runtime: Runtime) -> FastAPI:
         headers = {"X-Request-Id": getattr(request.state, "request_id", "") or new_request_id()}
         headers.update(exc.headers)
         return json_response(exc.status, exc.body(), headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """An unknown route or method answers in OpenAI's error shape like every other error
+        (Starlette's own body is `{"detail": ...}`), keeping its headers (a 405's Allow)."""
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (
+            f"Invalid URL ({request.method} {request.url.path})"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        answer = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+        return await _api_error(request, answer)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        answer = ApiError(400, f"invalid {param or 'request'}: {first.get('msg', '')}",
+                          param=param, code="invalid_value")  # fmt: skip
+        return await _api_error(request, answer)
 
     async def _store_away(request: Request, exc: Exception) -> Response:
         answer = store_unavailable(exc)
@@ -337,16 +364,18 @@ class TollgateApp:
                     headers={"Allow": "POST"},
                 )
             batch_item = _header(headers, b"x-tollgate-batch-item") or ""
+            authorization = _header(headers, b"authorization")
+            source = limits.source(scope.get("client"), _header(headers, b"x-forwarded-for"))
             if batch_item:  # the batch runner, for the key that created the batch
-                caller = runtime.edge.auth.on_behalf(
-                    _header(headers, b"authorization"), runtime.settings.batch_token,
-                    _header(headers, b"x-tollgate-on-behalf-of") or "",
-                )
+                on_behalf = _header(headers, b"x-tollgate-on-behalf-of") or ""
+                caller = authenticate(runtime, limits, source, lambda: runtime.edge.auth.on_behalf(
+                    authorization, runtime.settings.batch_token, on_behalf,
+                ))  # fmt: skip
             else:
                 caller = authenticate(
-                    runtime, limits, _header(headers, b"authorization"), CUSTOMER,
-                    scope.get("client"),
-                )
+                    runtime, limits, source,
+                    lambda: runtime.edge.authenticate(authorization, CUSTOMER),
+                )  # fmt: skip
             idempotency_key = idempotency_key_of(_header(headers, b"idempotency-key"))
             raw = await read_body(
                 receive, headers.get(b"content-length"), runtime.settings.max_body_bytes

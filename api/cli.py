@@ -1019,6 +1019,13 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
 )
 @click.option("--no-demo", is_flag=True, help="do not seed the demo tenants and keys")
 @click.option(
+    "--trusted-proxies",
+    envvar="TOLLGATE_TRUSTED_PROXIES",
+    default=None,
+    help="comma-separated CIDRs of proxies whose X-Forwarded-For names the client for the "
+    "per-address limits (env TOLLGATE_TRUSTED_PROXIES; default: none, the TCP peer counts)",
+)
+@click.option(
     "--metrics-token",
     envvar="TOLLGATE_METRICS_TOKEN",
     default=None,
@@ -1108,6 +1115,7 @@ def serve(
     batch_windows: tuple[str, ...],
     batch_concurrency: int,
     no_demo: bool,
+    trusted_proxies: str | None,
     metrics_token: str | None,
     auth_failures_per_minute: int,
     slow_reader_s: float,
@@ -1134,6 +1142,7 @@ def serve(
         sim_speed=sim_speed,
         seed_demo=not no_demo,
         metrics_token=metrics_token or None,
+        trusted_proxies=tuple(p.strip() for p in (trusted_proxies or "").split(",") if p.strip()),
         auth_failures_per_minute=auth_failures_per_minute,
         slow_reader_s=slow_reader_s,
         stream_buffer_chunks=stream_buffer_chunks,

@@ -72,8 +72,11 @@ class ServeSettings:
     stream_buffer_chunks: int = MAX_BUFFERED_CHUNKS
     # The kernel's send buffer of each client connection (0: the kernel's autotuning, up to
     # net.ipv4.tcp_wmem's maximum): what a slow reader can leave unread before the edge's own
-    # buffer fills.
-    client_send_buffer_bytes: int = 0
+    # buffer fills. Fixed by default: autotuned, it grew to megabytes on loopback, so 50 clients
+    # that read nothing never filled the edge's buffer and each got all 2,000 tokens generated
+    # (issue 27, item 4). 64 KiB (the kernel doubles it) is a few seconds of any token stream
+    # and far more than a round trip of one, so a reading client never waits on it.
+    client_send_buffer_bytes: int = 64 * 1024
     # Seconds an idle client connection is kept open. Longer than the idle expiry of the usual
     # clients (httpx and so the openai SDK: 5 s, aiohttp: 15 s, a cloud load balancer: 60 s),
     # so a client never reuses a connection at the instant the edge closes it (with uvicorn's
@@ -90,6 +93,13 @@ class ServeSettings:
     # file, a purged replay) leaves the files within this many seconds.
     sqlite_checkpoint_s: float = field(
         default_factory=lambda: float(os.environ.get("TOLLGATE_SQLITE_CHECKPOINT_S", "60"))
+    )
+    # Proxies (CIDRs) whose X-Forwarded-For names the client a limit is kept for; nobody else's
+    # header is believed.
+    trusted_proxies: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            p for p in os.environ.get("TOLLGATE_TRUSTED_PROXIES", "").split(",") if p.strip()
+        )
     )
     # With a token, /metrics answers only `Authorization: Bearer <token>` (it names tenants).
     metrics_token: str | None = field(

@@ -360,6 +360,7 @@ class Edge:
                 is_retry=is_retry,
                 predicted_output_tokens=predicted.output_tokens if predicted else None,
                 predictor_version=predicted.model_version if predicted else "",
+                context_tokens=self.fleet.context_tokens(model),
         )
         # A tenant with nothing set below its plan, and a call outside a run, is decided by
         # the organization's limits alone (and pays nothing for the hierarchy).

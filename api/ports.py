@@ -90,6 +90,11 @@ class Fleet(Protocol):
 
     def tpot_p95(self, model: str) -> TpotEstimate | None: ...
 
+    def context_tokens(self, model: str) -> int | None:
+        """The model's context (vLLM's max_model_len), the smallest among its replicas; None
+        while unknown. A prompt that fills it can never be served."""
+        ...
+
 
 class EventSink(Protocol):
     """Where the edge's decided facts go: group commits on the event loop

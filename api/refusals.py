@@ -18,7 +18,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from api.chat_request import parse_chat_request
 from api.errors import ApiError
@@ -27,6 +28,8 @@ from api.errors import ApiError
 # the size limit); quota and capacity answers are limits already, and 401/403 are counted per
 # source before a key is known.
 REFUSED_STATUSES = frozenset({400, 404, 413, 422})
+
+T = TypeVar("T")
 
 
 class TokenBuckets:
@@ -91,15 +94,39 @@ class RefusalLimits:
         *,
         refusals_per_minute: Callable[[str], int],
         auth_failures_per_minute: int,
+        trusted_proxies: Iterable[str] = (),
         max_entries: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.refusals_per_minute = refusals_per_minute  # tenant id -> its budget
         self.auth_failures_per_minute = auth_failures_per_minute
+        self.proxies = TrustedProxies(trusted_proxies)
         self.refusals = TokenBuckets(max_entries=max_entries, clock=clock)
         self.auth_failures = TokenBuckets(max_entries=max_entries, clock=clock)
 
     # --- per source ----------------------------------------------------------------------------
+
+    def source(
+        self, client: tuple[str, int] | list[object] | None, forwarded_for: str | None
+    ) -> str | None:
+        """The address a limit is kept for: the TCP peer, or, when the peer is a trusted proxy,
+        the client it forwarded for (`X-Forwarded-For`)."""
+        return source_of(self.proxies.client(client, forwarded_for))
+
+    def authenticate(self, source: str | None, attempt: Callable[[], T]) -> T:
+        """Every way of proving who one is goes through here — an API key on any route, the
+        sign-in form, a session's bearer header, the batch runner's token, the metrics token:
+        an address over its failures is refused (429) before its credentials are looked at,
+        and each 401 counts against it. (A limit kept per route had side doors: 300 bad keys
+        on the sign-in form were never limited, and an address limited on /v1 still signed in
+        on /ui.)"""
+        self.check_source(source)
+        try:
+            return attempt()
+        except ApiError as exc:
+            if exc.status == 401:
+                self.failed_authentication(source)
+            raise
 
     def check_source(self, source: str | None) -> None:
         """Refuse a client address that has used up its authentication failures."""
@@ -145,12 +172,51 @@ def refused_before_admission(raw: bytes, resolve_model: Callable[[str], str | No
     return resolve_model(request.model) is None
 
 
-def source_of(client: tuple[str, int] | list[object] | None) -> str | None:
+class TrustedProxies:
+    """The proxies (`--trusted-proxies`, CIDRs) whose `X-Forwarded-For` is believed. Behind a
+    load balancer every client would otherwise share the balancer's address, and one client's
+    failures would lock everyone out; a header from anyone else is ignored, or a client could
+    name any address it likes."""
+
+    def __init__(self, networks: Iterable[str]) -> None:
+        self.networks = tuple(ipaddress.ip_network(n.strip(), strict=False) for n in networks)
+
+    def trusts(self, host: str) -> bool:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(address in network for network in self.networks)
+
+    def client(
+        self, peer: tuple[str, int] | list[object] | None, forwarded_for: str | None
+    ) -> str | None:
+        """The client's address: the peer's, or, while the peer and each hop before it are
+        trusted, the nearest untrusted address of `X-Forwarded-For` (read right to left: the
+        left part is whatever the client wrote)."""
+        if not peer:
+            return None
+        host = str(peer[0])
+        if not self.networks or not forwarded_for or not self.trusts(host):
+            return host
+        for hop in reversed(forwarded_for.split(",")):
+            hop = hop.strip()
+            try:
+                ipaddress.ip_address(hop)
+            except ValueError:
+                return host  # a malformed chain: the last trusted hop is what is known
+            if not self.trusts(hop):
+                return hop
+            host = hop
+        return host
+
+
+def source_of(client: tuple[str, int] | list[object] | str | None) -> str | None:
     """The address a limit is kept for: the client's IP, or for IPv6 its /64 (what one host or
     one customer site is usually given)."""
     if not client:
         return None
-    host = str(client[0])
+    host = client if isinstance(client, str) else str(client[0])
     if ":" not in host:
         return host
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -174,8 +175,12 @@ class WebViews:
 
     # -- who is asking
 
-    def _authenticate(self, secret: str) -> Caller:
-        return self.runtime.edge.authenticate(f"Bearer {secret}", ALL_SCOPES)
+    def _guarded(self, request: Request, attempt: Callable[[], Caller]) -> Caller:
+        """Every sign-in, bearer header and session cookie through the API's one limiter of
+        failed authentications per address."""
+        limits = request.app.state.limits
+        source = limits.source(request.scope.get("client"), request.headers.get("x-forwarded-for"))
+        return limits.authenticate(source, attempt)  # type: ignore[no-any-return]
 
     def session(self, request: Request) -> Caller | Response:
         """The caller (from the Authorization header or the session cookie), or the login page
@@ -190,7 +195,9 @@ class WebViews:
         cookie = request.cookies.get(COOKIE)
         try:
             if header:
-                return self.runtime.edge.authenticate(header, ALL_SCOPES)
+                return self._guarded(
+                    request, lambda: self.runtime.edge.authenticate(header, ALL_SCOPES)
+                )
             if cookie:
                 key_id = self.runtime.sessions.key_id_of(cookie)
                 if key_id is None:
@@ -199,6 +206,8 @@ class WebViews:
                     )
                 return self.runtime.edge.auth.by_key_id(key_id, ALL_SCOPES)
         except ApiError as exc:
+            if exc.status == 429:
+                return self.login_page(request, exc.message, 429)
             return self.login_page(request, exc.message, 401, clear=bool(cookie and not header))
         return self.login_page(
             request, "Sign in with an API key to continue.", 401,
@@ -224,9 +233,12 @@ class WebViews:
         if not secret:
             return self.login_page(request, "Enter an API key.", 401, next_url)
         try:
-            caller = self._authenticate(secret)
+            caller = self._guarded(
+                request, lambda: self.runtime.edge.authenticate(f"Bearer {secret}", ALL_SCOPES)
+            )
         except ApiError as exc:
-            return self.login_page(request, exc.message, 401, next_url)
+            status = 429 if exc.status == 429 else 401
+            return self.login_page(request, exc.message, status, next_url)
         if next_url == "/ui/":
             next_url = _home(caller)
         response = RedirectResponse(next_url, 303, headers=SECURITY_HEADERS)

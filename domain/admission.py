@@ -88,6 +88,9 @@ class ReserveQuota:
     predicted_output_tokens: int | None = None
     min_tokens: int | None = None  # the client's floor on the output (vLLM's `min_tokens`)
     predictor_version: str = ""  # the model behind `predicted_output_tokens`, for the record
+    # The model's context (max_model_len; None: unknown): a prompt that fills it is invalid,
+    # refused here rather than admitted and failed by the engine.
+    context_tokens: int | None = None
 
 
 class RateLimitInfo(NamedTuple):
@@ -176,6 +179,12 @@ def _admit(
         invalid, param = "max_tokens must be at least 1", "max_tokens"
     elif prompt > limits.max_context:
         invalid = f"prompt of {prompt} tokens exceeds max_context {limits.max_context}"
+        param = "messages"
+    elif cmd.context_tokens is not None and prompt >= cmd.context_tokens:
+        invalid = (
+            f"prompt of {prompt} tokens leaves no room in the model's context of "
+            f"{cmd.context_tokens} tokens"
+        )
         param = "messages"
     out = output_cap(max_tokens, limits)
     reserved = prompt + out

@@ -234,6 +234,14 @@ class Fleet:
         """The model versions with replicas, for membership tests (`model in fleet.serves`)."""
         return self._by_model
 
+    def context_tokens(self, model: str) -> int | None:
+        known = [
+            s.replica.max_model_len
+            for s in self._by_model.get(model, ())
+            if s.replica.max_model_len is not None
+        ]
+        return min(known) if known else None
+
     def replicas(self, model: str | None = None) -> list[ReplicaState]:
         if model is None:
             return list(self._by_id.values())

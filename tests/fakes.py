@@ -205,6 +205,7 @@ class FakeFleet:
         self.preempt_next: tuple[str, ...] = ()  # the next Choice preempts these requests
         self.preempt_remote_next: tuple[str, ...] = ()  # ... of which another edge serves these
         self.released: list[Choice] = []
+        self.contexts: dict[str, int] = {}  # a model's max_model_len, where a test sets one
         self._ids = itertools.count(1)
 
     @property
@@ -234,6 +235,9 @@ class FakeFleet:
 
     def tpot_p95(self, model: str) -> TpotEstimate | None:
         return None
+
+    def context_tokens(self, model: str) -> int | None:
+        return self.contexts.get(model)
 
 
 class FakeSink:

@@ -123,6 +123,21 @@ def test_prompt_over_max_context_is_400(server: Server, tenants) -> None:
     assert server.event_types(r.headers["x-request-id"]) == ["RequestRejected"]
 
 
+def test_prompt_over_the_models_context_is_400_before_admission(server: Server) -> None:
+    # Within the enterprise plan's max_context (131,072), beyond the replicas' own context:
+    # refused with the model's limit, not admitted and then failed by the engine.
+    context = httpx.get(f"{server.replicas[0].url}/v1/models", timeout=10).json()["data"][0][
+        "max_model_len"
+    ]
+    words = " ".join(["word"] * (context + 16))
+    r = chat(server, server.keys["demo-enterprise"],
+             {"model": MODEL, "messages": [{"role": "user", "content": words}]})  # fmt: skip
+    error = assert_error(r, 400, "messages")
+    assert f"context of {context} tokens" in error["message"]
+    server.wait_event(r.headers["x-request-id"], "RequestRejected")
+    assert server.event_types(r.headers["x-request-id"]) == ["RequestRejected"]
+
+
 def test_max_tokens_over_max_output_is_clamped(server: Server, tenants) -> None:
     r = chat(server, tenants["small"].secret, short_body(tokens=1000, ignore_eos=True))
     assert r.status_code == 200, r.text
@@ -262,3 +277,15 @@ def test_logprobs_come_from_the_engine_when_not_streamed(server: Server) -> None
     assert all(len(e["top_logprobs"]) == 2 for e in entries)
     plain = chat(server, server.keys["demo-standard"], short_body(tokens=3))
     assert plain.json()["choices"][0]["logprobs"] is None
+
+
+def test_unknown_routes_and_methods_answer_openais_error_object(server: Server) -> None:
+    key = auth(server.keys["demo-standard"])
+    unknown = httpx.get(f"{server.base}/v1/no-such-route", headers=key, timeout=10)
+    error = unknown.json()["error"]
+    assert unknown.status_code == 404 and error["code"] == "unknown_url"
+    assert error["type"] == "invalid_request_error" and "/v1/no-such-route" in error["message"]
+    assert "detail" not in unknown.json() and unknown.headers["x-request-id"]
+    wrong = httpx.delete(f"{server.base}/v1/models", headers=key, timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "GET" in wrong.headers["allow"]

@@ -131,3 +131,55 @@ def test_failed_authentications_are_limited_per_address(strict_server: Server) -
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "authentication_failures_rate_limited"
         assert int(r.headers["retry-after"]) >= 1
+
+
+@pytest.fixture(scope="module")
+def proxied_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Behind a proxy at 127.0.0.1 (trusted): each test client names its own address in
+    X-Forwarded-For, as a load balancer would."""
+    with running_server(
+        tmp_path_factory, "auth-doors", [(MODEL, FAST)],
+        serve_args=["--auth-failures-per-minute", str(AUTH_FAILURES_PER_MINUTE),
+                    "--trusted-proxies", "127.0.0.1/32"],
+    ) as s:  # fmt: skip
+        yield s
+
+
+def _from(address: str, **headers: str) -> dict[str, str]:
+    return {"X-Forwarded-For": address, **headers}
+
+
+@pytest.mark.parametrize("door", ["ui_login", "ui_bearer", "batch_item"])
+def test_every_authentication_path_is_one_limit(proxied_server: Server, door: str) -> None:
+    """Issue 27, item 7: bad credentials through the sign-in form, a bearer header on a web
+    page and the batch runner's header each count against the one per-address limit, and an
+    address limited through one door is limited through every other (the API included)."""
+    server = proxied_server
+    address = {"ui_login": "203.0.113.10", "ui_bearer": "203.0.113.11",
+               "batch_item": "203.0.113.12"}[door]  # fmt: skip
+    statuses = []
+    with httpx.Client(base_url=server.base, timeout=10, follow_redirects=False) as client:
+        for i in range(AUTH_FAILURES_PER_MINUTE + 3):
+            if door == "ui_login":
+                r = client.post("/ui/login", data={"key": f"tg_wrong-{i}"}, headers=_from(address))
+            elif door == "ui_bearer":
+                r = client.get("/ui/finance", headers=_from(address, **auth(f"tg_wrong-{i}")))
+            else:
+                r = client.post(
+                    "/v1/chat/completions", json=short_body(tokens=2),
+                    headers=_from(address, **auth(f"tg_wrong-{i}"),
+                                  **{"X-Tollgate-Batch-Item": "batch_x/1",
+                                     "X-Tollgate-On-Behalf-Of": "key-1"}),
+                )  # fmt: skip
+            statuses.append(r.status_code)
+        assert statuses[:AUTH_FAILURES_PER_MINUTE] == [401] * AUTH_FAILURES_PER_MINUTE, statuses
+        assert statuses[AUTH_FAILURES_PER_MINUTE:] == [429] * 3, statuses
+        good = server.keys["demo-standard"]
+        # Limited everywhere, a valid key included: the API and the sign-in form alike.
+        api = client.get("/v1/models", headers=_from(address, **auth(good)))
+        assert api.status_code == 429
+        signed_in = client.post("/ui/login", data={"key": good}, headers=_from(address))
+        assert signed_in.status_code == 429
+        # Another client behind the same proxy is not.
+        other = client.get("/v1/models", headers=_from("203.0.113.99", **auth(good)))
+        assert other.status_code == 200

@@ -123,6 +123,14 @@ def test_prompt_above_max_context_is_invalid() -> None:
     assert refusal.retry_after_s == 0 and refusal.param == "messages"
 
 
+def test_a_prompt_that_fills_the_models_context_is_invalid() -> None:
+    # Within the tenant's max_context, but the engine could produce nothing after it.
+    refusal = rejected(quota().decide(ask(prompt_tokens=2_048, context_tokens=2_048)), "invalid")
+    assert refusal.param == "messages" and "context of 2048" in refusal.detail.replace(",", "")
+    admitted(quota().decide(ask(prompt_tokens=2_047, context_tokens=2_048)))
+    admitted(quota().decide(ask(prompt_tokens=2_048, context_tokens=None)))  # unknown: no rule
+
+
 def test_a_request_larger_than_the_tokens_per_minute_limit_is_invalid() -> None:
     view = quota(replace(LIMITS, tpm=1_000))
     rejected(view.decide(ask(prompt_tokens=900, max_tokens=200)), "invalid")

@@ -94,3 +94,39 @@ def test_sources_are_addresses_and_ipv6_slash_64s() -> None:
     assert source_of(["2001:db8:1:2:aaaa::1", 5000]) == "2001:db8:1:2::/64"
     assert source_of(("2001:db8:1:2:bbbb::9", 1)) == source_of(("2001:db8:1:2::5", 2))
     assert source_of(None) is None
+
+
+def test_a_forwarded_client_is_believed_only_from_a_trusted_proxy() -> None:
+    from api.refusals import TrustedProxies
+
+    proxies = TrustedProxies(["10.0.0.0/8", "127.0.0.1/32"])
+    # The nearest untrusted hop, read right to left: the left part is the client's own words.
+    assert proxies.client(("127.0.0.1", 1), "198.51.100.9, 203.0.113.5, 10.1.2.3") == (
+        "203.0.113.5"
+    )
+    assert proxies.client(("10.0.0.2", 1), "203.0.113.5") == "203.0.113.5"
+    # From anyone else the header is ignored, or a client could name any address it likes.
+    assert proxies.client(("192.0.2.7", 1), "203.0.113.5") == "192.0.2.7"
+    assert TrustedProxies([]).client(("127.0.0.1", 1), "203.0.113.5") == "127.0.0.1"
+    # A malformed chain: the last trusted hop is all that is known.
+    assert proxies.client(("127.0.0.1", 1), "203.0.113.5, not-an-ip") == "127.0.0.1"
+    assert proxies.client(("127.0.0.1", 1), "10.0.0.9") == "10.0.0.9"  # all trusted: the first
+
+
+def test_every_authentication_path_shares_one_limit_per_address() -> None:
+    from api.errors import ApiError
+
+    limits = RefusalLimits(refusals_per_minute=lambda _t: 60, auth_failures_per_minute=3)
+
+    def bad() -> None:
+        raise ApiError(401, "bad key")
+
+    for _ in range(3):
+        with pytest.raises(ApiError) as failed:
+            limits.authenticate("192.0.2.1", bad)
+        assert failed.value.status == 401
+    # Limited now, whatever the credentials: a good one is not even looked at.
+    with pytest.raises(ApiError) as limited:
+        limits.authenticate("192.0.2.1", lambda: "caller")
+    assert limited.value.status == 429
+    assert limits.authenticate("192.0.2.2", lambda: "caller") == "caller"
