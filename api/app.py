@@ -33,8 +33,7 @@ from api.backoffice import (
     to_csv,
 )
 from api.batch_routes import add_batch_routes
-from api.body_limits import bounded
-from api.chat_request import too_large
+from api.body_limits import bounded, read_body
 from api.edge import JsonOutcome
 from api.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
 from api.openapi import install as install_openapi
@@ -489,26 +488,6 @@ class _DisconnectWatch:
         # it) was left to the garbage collector on every request: ~22 objects per request,
         # most of the young-generation collections (measured with gc.DEBUG_SAVEALL).
         self._stopped = True
-
-
-async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
-    """The request body, refused (413) above `limit` bytes before or while it is read; None if
-    the client disconnects first."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 # Stripe's bound; the key is stored with the response and in the admission event.

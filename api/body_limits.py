@@ -6,8 +6,8 @@ a form loop), and one that read the whole body before its own size check let thr
 ASGI step in front of all of them: a body declared larger than its route's limit is a 413 at
 once, and one that grows past it while arriving is a 413 when it does; a body within its limit
 is handed to the route whole. An edge holds at most the limit per request in flight. The chat
-route is not behind this step: it reads its body itself, bounded the same way
-(`api.app.read_body`, `--max-body-bytes`), on its hot path.
+route is not behind this step: it reads its body itself with `read_body`, under
+`ServeSettings.max_body_bytes`, on its hot path.
 """
 
 from __future__ import annotations
@@ -49,30 +49,37 @@ def body_limit(method: str, path: str) -> int:
     return DEFAULT_BODY_BYTES
 
 
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
+    """The request body, refused (413) above `limit` bytes before or while it is read; None if
+    the client disconnects first."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
     """Serve `scope` with its body read first, within its route's limit."""
     limit = body_limit(scope["method"], scope["path"])
     declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-    chunks: list[bytes] = []
-    size = 0
     try:
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large(limit)
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before its body arrived: nothing to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        body = await read_body(receive, declared, limit)
     except ApiError as exc:
         await _answer(send, exc)
         return
-    body = b"".join(chunks)
+    if body is None:
+        return  # the client left before its body arrived: nothing to answer
     replayed = False
 
     async def replay() -> Message:

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
-from domain.cost import Estimate
-from domain.events import BatchCreated, PriceSet
+from domain.events import BatchCreated
 from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
 from ledger.idempotency import IdempotencyConflict, IdempotencyStore
@@ -43,27 +41,11 @@ def engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
 
 
 def _price(store: SqlEventStore) -> None:
-    at = datetime.now(UTC) - timedelta(days=1)
-    new = NewEvent(
-        str(uuid.uuid4()), f"prices-{PRICED}", "", at, PriceSet(PRICED, 150_000, 600_000, 0, at)
-    )
-    store.append(new.stream_id, 0, [new])
+    b.append_price(store, PRICED)
 
 
 def _request(store: SqlEventStore, model: str = PRICED, *, end: bool = True) -> str:
-    rid = "req_" + uuid.uuid4().hex
-    at = datetime.now(UTC)
-    commands: list[lc.Command] = [
-        lc.AdmitRequest(
-            rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
-        ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
-    ]
-    if end:
-        commands.append(lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid))
-    events = b.decided(*commands, at=at)
-    store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", at, e) for e in events])
-    return rid
+    return b.append_request(store, model, end=end)
 
 
 def test_one_pass_bills_projects_and_reports(engine: sa.Engine) -> None:
