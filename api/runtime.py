@@ -127,6 +127,7 @@ class Runtime:
         self._fold_status: tuple[float, FoldStatus] | None = None
         self._pipeline_stale: tuple[str, ...] = ()
         self.reconciliation: Reconciliation | None = None
+        self.dead_letters: dict[str, int] = {}  # unreplayed, per fold (the status read's)
         # Per model version: the engine's name for it, its context and its prompt estimator.
         self.served: dict[str, ServedModel] = {}
         self.predictor: LoadedPredictor | None = None
@@ -378,6 +379,7 @@ class Runtime:
             )  # fmt: skip
             self._pipeline_stale = status.problems
             self.reconciliation = status.reconciliation
+            self.dead_letters = status.dead_letters
         return self._fold_status[1]
 
     # --- views for the routes ------------------------------------------------------------------
@@ -413,8 +415,8 @@ class Runtime:
         folds = self.fold_status()
         self.metrics.billing_lag.set(folds.billing_lag)
         self.metrics.billing_dead_letters.set(folds.dead_letters)
-        for fold in {*DEAD_LETTER_FOLDS, *folds.dead_letters_by_fold}:
-            self.metrics.dead_letters.labels(fold).set(folds.dead_letters_by_fold.get(fold, 0))
+        for fold in {*DEAD_LETTER_FOLDS, *self.dead_letters}:
+            self.metrics.dead_letters.labels(fold).set(self.dead_letters.get(fold, 0))
         self.metrics.observe_reconciliation(self.reconciliation)
         if self.fleet is None:
             return

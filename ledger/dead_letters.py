@@ -27,6 +27,7 @@ import sqlalchemy as sa
 
 from domain.errors import DomainError
 from domain.events import Recorded
+from ledger import faults
 from ledger.schema import dead_letters as t
 
 __all__ = [
@@ -170,6 +171,7 @@ def _insert(conn: sa.Connection) -> Any:
     return sqlite.insert
 
 
+@faults.seam("db.readmodel")
 def record(conn: sa.Connection, letters: Iterable[DeadLetter], now: datetime) -> int:
     """Record `letters` inside the caller's transaction (the one that moves the fold past them);
     returns how many. One row per (fold, event id): a repeat keeps its first instant, takes the

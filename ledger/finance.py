@@ -335,17 +335,8 @@ class FinanceQueries:
         than `grace_s` without its terminal event is in flight, not a mismatch."""
         ids = store.streams_with("RequestAdmitted", start, end)
         streams = store.read_streams(ids)
-        ledger_ids: set[str] = set()
         with self.engine.connect() as conn:
-            for first in range(0, len(ids), 1000):
-                chunk = ids[first : first + 1000]
-                ledger_ids.update(
-                    conn.execute(
-                        sa.select(ledger_entries.c.request_id).where(
-                            ledger_entries.c.request_id.in_(chunk)
-                        )
-                    ).scalars()
-                )
+            ledger_ids = posted(conn, ids)
         now = datetime.now(UTC)
         totals = dict.fromkeys(
             (
@@ -390,6 +381,18 @@ class FinanceQueries:
             "mismatches": mismatches,
             "ok": not mismatches,
         }
+
+
+def posted(conn: sa.Connection, request_ids: Sequence[str]) -> set[str]:
+    """Which of `request_ids` have their ledger row: their bill is posted (a row is written
+    only in the transaction that adds its bill to usage_hourly). 1,000 ids a query: SQLite's
+    bind-parameter cap."""
+    found: set[str] = set()
+    for first in range(0, len(request_ids), 1000):
+        chunk = list(request_ids[first : first + 1000])
+        query = sa.select(ledger_entries.c.request_id).where(ledger_entries.c.request_id.in_(chunk))
+        found.update(conn.execute(query).scalars())
+    return found
 
 
 GOODPUT_GROUPS: Final = ("tenant", "tier", "model", "hour")

@@ -47,9 +47,9 @@ from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
 from ledger.dead_letters import is_transient
 from ledger.engine import WRITE, create_engine_from_url
+from ledger.finance import posted
 from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
-from ledger.schema import ledger_entries
 from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.consumer import Batch, Delivery, EventConsumer
@@ -323,14 +323,8 @@ class KafkaFoldWorker:
         first = {bill.stream_id: bill for bill in reversed(bills)}
         if not first:
             return []
-        posted = set(
-            conn.execute(
-                sa.select(ledger_entries.c.request_id).where(
-                    ledger_entries.c.request_id.in_(list(first))
-                )
-            ).scalars()
-        )
-        return [bill for rid, bill in first.items() if rid not in posted]
+        done = posted(conn, list(first))
+        return [bill for rid, bill in first.items() if rid not in done]
 
     def sweep(self) -> None:
         """As the sweeper's leader: follow the store into the lease book and expire the silent

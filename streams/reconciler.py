@@ -25,10 +25,12 @@ import sqlalchemy as sa
 
 from domain.gaps import GapBook, GapReport
 from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S
+from ledger import faults
 from ledger.checkpoints import Checkpoints
 from ledger.engine import WRITE
+from ledger.finance import posted
 from ledger.leadership import Leadership
-from ledger.schema import ledger_entries, reconciliation_status
+from ledger.schema import reconciliation_status
 from ledger.store import EventStore
 from streams.metrics import PipelineMetrics
 from streams.sql_tail import SqlTail
@@ -44,7 +46,6 @@ _READ: Final = 5000
 # Pending bills the book holds before it stops reading on: while billing is broken the pending
 # set grows with the traffic, and its oldest, which the alarm is about, is already in it.
 MAX_PENDING: Final = 100_000
-_CHUNK: Final = 1000  # ids per ledger query (SQLite's bind-parameter cap)
 
 
 class Reconciler:
@@ -91,19 +92,10 @@ class Reconciler:
         return report
 
     def _posted(self, request_ids: list[str]) -> set[str]:
-        found: set[str] = set()
         with self.engine.connect() as conn:
-            for first in range(0, len(request_ids), _CHUNK):
-                chunk = request_ids[first : first + _CHUNK]
-                found.update(
-                    conn.execute(
-                        sa.select(ledger_entries.c.request_id).where(
-                            ledger_entries.c.request_id.in_(chunk)
-                        )
-                    ).scalars()
-                )
-        return found
+            return posted(conn, request_ids)
 
+    @faults.seam("db.status")
     def _record(self, report: GapReport, now: datetime) -> None:
         row = {
             "pid": os.getpid(),

@@ -19,7 +19,6 @@ from typing import Any
 import sqlalchemy as sa
 
 from domain.gaps import OVERDUE_GRACE_S
-from domain.leases import LEASE_TTL_S
 from ledger.dead_letters import counts_by_fold
 from ledger.outbox import backlog_after
 from ledger.schema import (
@@ -286,7 +285,7 @@ def alarms(status: ClusterStatus, stale_s: float, unbilled_alarm_s: float) -> tu
     if r.overdue_leases:
         found.append(
             f"leases: {r.overdue_leases} admitted request(s) without a terminal event past the "
-            f"lease TTL + sweep ({LEASE_TTL_S:.0f} s + {OVERDUE_GRACE_S:.0f} s), the oldest "
+            f"lease TTL + {OVERDUE_GRACE_S:.0f} s, the oldest "
             f"unrenewed for {r.oldest_overdue_age_s or 0.0:.0f} s{sample}"
         )
     if r.checked_age_s > stale_s and status.head_position > r.position:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -509,9 +509,6 @@ class FoldStatus:
     warnings: tuple[str, ...]
     billing_lag: int
     dead_letters: int
-    # Unreplayed events in the dead-letter table, per fold (ledger/dead_letters.py); their
-    # alarm is streams.status's (read_status), which /readyz and `tollgate status` show.
-    dead_letters_by_fold: dict[str, int] = field(default_factory=dict)
 
 
 def read_fold_status(
@@ -522,9 +519,8 @@ def read_fold_status(
         row = conn.execute(
             sa.select(worker_status).where(worker_status.c.name == name)
         ).mappings().first()
-        dead = dead_letters.counts_by_fold(conn)
     if row is None:
-        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0, dead)
+        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0)
     problems: list[str] = []
     warnings: list[str] = []
     age = (now - row["heartbeat_at"]).total_seconds()
@@ -538,9 +534,7 @@ def read_fold_status(
             f"billing: {row['dead_letters']} request(s) could not be billed, e.g. "
             + "; ".join(f"{k} ({v})" for k, v in sample.items())
         )
-    return FoldStatus(
-        tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"], dead
-    )
+    return FoldStatus(tuple(problems), tuple(warnings), row["billing_lag"], row["dead_letters"])
 
 
 def run_worker(

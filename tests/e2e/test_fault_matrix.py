@@ -57,10 +57,6 @@ KINDS = tuple(faults.KINDS)
 LEASE_TTL_S, HANG_S = 4, 5
 RESTARTS_FAULTED = 3  # a service that died this often runs clean (no crash loop)
 
-# The (mode, kind) cells known to fail, each with the finding that explains it: none since
-# the fixes of issue 26 (done only when durable, a rewind owed after a failed poll) landed. A
-# cell added here is marked xfail with its reason; keep it empty.
-KNOWN: dict[tuple[str, str], str] = {}
 
 # What every run injected, by mode: the last test checks every seam × kind was covered.
 COVERED: dict[str, Counter[tuple[str, str]]] = {"embedded": Counter(), "distributed": Counter()}
@@ -228,10 +224,7 @@ def _verdict(run: Run, result: dict[str, Any]) -> list[str]:
 
 CELLS = [
     pytest.param(mode, kind, seed, id=f"{mode}-{kind}-seed{seed}",
-                 marks=[*([pytest.mark.postgres, pytest.mark.kafka] if mode == "distributed"
-                          else []),
-                        *([pytest.mark.xfail(reason=KNOWN[mode, kind], strict=False)]
-                          if (mode, kind) in KNOWN else [])])
+                 marks=[pytest.mark.postgres, pytest.mark.kafka] if mode == "distributed" else [])
     for seed in SEEDS for mode in ("embedded", "distributed") for kind in KINDS
 ]  # fmt: skip
 

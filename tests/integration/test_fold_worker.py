@@ -144,8 +144,9 @@ def test_an_unbillable_request_is_a_warning_and_a_failing_fold_a_problem(engine:
     assert status.problems == ()
     # Kept in the dead-letter table too (it outlives the worker), which alarms until a replay
     # bills it (DESIGN.md invariant 12).
-    assert status.dead_letters_by_fold == {"billing": 1}
-    assert dead_letter_problem("billing", 1) in read_status(engine, datetime.now(UTC)).alarms
+    cluster = read_status(engine, datetime.now(UTC))
+    assert cluster.dead_letters == {"billing": 1}
+    assert dead_letter_problem("billing", 1) in cluster.alarms
     assert status.dead_letters == 1 and unpriced in status.warnings[0]
 
     def broken(records: object) -> None:

@@ -29,7 +29,7 @@ from ledger.schema import dead_letters as dead_table
 from ledger.schema import ledger_entries, request_log, upgrade
 from ledger.store import NewEvent, SqlEventStore
 from streams.status import dead_letter_problem, read_status, render_table
-from streams.worker import FoldWorker, read_fold_status, replay_dead_letters
+from streams.worker import FoldWorker, replay_dead_letters
 from tests import builders as b
 
 PRICED = "llama-3.1-8b-2026-05"
@@ -164,10 +164,9 @@ def test_a_nul_in_a_recorded_string_is_dead_lettered_and_every_fold_goes_on(
         f"{len(_logged(engine))} request_log rows, 1 dead letter ({letter['reason'][:60]})"
     )
     worker.write_status()
-    status = read_fold_status(engine, datetime.now(UTC))
-    assert status.dead_letters_by_fold == {"request_log": 1}
     # An alarm: `tollgate status` exits 2 on it and an edge's /readyz lists it.
     cluster = read_status(engine, datetime.now(UTC))
+    assert cluster.dead_letters == {"request_log": 1}
     assert cluster.dead_letters == {"request_log": 1}
     assert dead_letter_problem("request_log", 1) in cluster.problems
     assert "request_log" in render_table(cluster)
@@ -260,8 +259,9 @@ def test_a_fold_that_raises_on_one_event_dead_letters_it_and_a_replay_applies_it
     assert (row["model"], row["status"], row["completion_tokens"]) == (PRICED, "completed", 42)
     assert replay_dead_letters(engine).replayed == ()  # nothing left to replay
     worker.write_status()
-    assert read_fold_status(engine, datetime.now(UTC)).dead_letters_by_fold == {}
-    assert not any("dead letters" in p for p in read_status(engine, datetime.now(UTC)).problems)
+    cleared = read_status(engine, datetime.now(UTC))
+    assert cleared.dead_letters == {}
+    assert not any("dead letters" in p for p in cleared.problems)
 
 
 def test_a_database_failure_is_retried_never_dead_lettered(engine: sa.Engine) -> None:
