@@ -48,7 +48,27 @@ def postgres_url() -> Iterator[str]:
         finally:
             # A test that left a connection open in a transaction would make DROP wait forever.
             admin.execute("SET lock_timeout = '10s'")
-            admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            try:
+                admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            except psycopg.errors.LockNotAvailable:
+                holders = _drop_held_schema(admin, schema)
+                pytest.fail(f"connections left holding locks in {schema}: {holders}")
+
+
+def _drop_held_schema(admin: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    """Who held the schema (for the failure message), ended so the schema can still go."""
+    holders = admin.execute(
+        "SELECT DISTINCT a.pid, a.client_port, a.application_name, a.state, left(a.query, 80) "
+        "FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE n.nspname = %s AND l.pid <> pg_backend_pid()",
+        (schema,),
+    ).fetchall()
+    for pid, *_ in holders:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+    return holders
 
 
 # --- the real vLLM engine (tests/vllm/engine.py) ---------------------------------------------

@@ -76,7 +76,18 @@ class FaultyProxy:
             writer.write_eof()
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        """Aborts every open connection, then stops: a stopped loop would otherwise keep its
+        sockets open, and a PostgreSQL backend behind one (perhaps inside a transaction, holding
+        its locks) would live on until the test process ends."""
+
+        def shut() -> None:
+            for writer in list(self._writers):
+                _abort(writer)
+            self._writers.clear()
+            # After the aborts' own callbacks, which close the sockets.
+            self._loop.call_soon(self._loop.stop)
+
+        self._loop.call_soon_threadsafe(shut)
         self._thread.join(5)
 
 
