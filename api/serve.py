@@ -9,9 +9,11 @@ import gc
 import json
 import logging
 import os
+import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -242,7 +244,7 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
         lifespan="off",
         proxy_headers=False,  # no proxy in front by default; the client address is unused
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     # Everything built so far lives as long as the process: freeze it out of the collector, so
     # a full collection no longer walks ~130k start-up objects (measured: a 71 ms pause of the
     # event loop under load, the largest single stall we found). Young collections keep
@@ -263,6 +265,30 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
         for handle in handles:
             with contextlib.suppress(Exception):
                 await handle.stop()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, stopped by SIGTERM or SIGINT without dying of it. uvicorn re-raises the signal
+    once it has stopped serving, to the handler that was there before (the default: end the
+    process at once), so what `_serve` does after serving never ran on a SIGTERM: the appends
+    still waiting for their group commit, the refusals counted in the open window, the fold
+    worker's last fold. Here the signal stops the serving and `_serve` goes on to its shutdown;
+    a second signal during that shutdown ends the process as before."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _listening(settings: ServeSettings) -> list[socket.socket] | None:
