@@ -62,9 +62,10 @@ class InMemoryEventStore(EventStore):
     def _lookup(self, event_ids: list[str]) -> dict[str, Stored]:
         return {i: self._by_id[i] for i in event_ids if i in self._by_id}
 
-    def read_stream(self, stream_id: str) -> list[Recorded]:
+    def read_stream(self, stream_id: str, tenant_id: str | None = None) -> list[Recorded]:
         with self._lock:
-            return [s.recorded() for s in self._streams.get(stream_id, ())]
+            return [s.recorded() for s in self._streams.get(stream_id, ())
+                    if tenant_id is None or s.recorded().tenant_id == tenant_id]  # fmt: skip
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),

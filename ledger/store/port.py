@@ -71,11 +71,12 @@ class EventStore(Protocol):
     - `append_many(batches)` commits many independent appends together (group commit). Each
       batch succeeds or fails on its own; a conflict in one never sinks the others. Batches are
       applied in order, so two batches for one stream see each other.
-    - `read_stream` returns a stream in version order; `read_all(after_position, limit)` returns
-      events in global position order. A reader that tails `read_all` by the last position it
-      saw never skips an event, even one whose transaction commits late (PostgreSQL hides
-      events of transactions newer than the oldest one still running, and appends take positions
-      in commit order).
+    - `read_stream` returns a stream in version order (with `tenant_id`, only that tenant's
+      events: another tenant's stream reads as empty, as an unknown one does, filtered in the
+      same query); `read_all(after_position, limit)` returns events in global position order.
+      A reader that tails `read_all` by the last position it saw never skips an event, even one
+      whose transaction commits late (PostgreSQL hides events of transactions newer than the
+      oldest one still running, and appends take positions in commit order).
     - `read_streams_with_prefix(prefix)` returns every event of every stream whose id starts
       with `prefix` (or with any of a sequence of prefixes), in position order.
     - `read_streams(stream_ids)` returns each of those streams (version order), keyed by id;
@@ -96,7 +97,7 @@ class EventStore(Protocol):
 
     def append_many(self, batches: Sequence[AppendBatch]) -> list[AppendResult]: ...
 
-    def read_stream(self, stream_id: str) -> list[Recorded]: ...
+    def read_stream(self, stream_id: str, tenant_id: str | None = None) -> list[Recorded]: ...
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),

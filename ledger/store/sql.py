@@ -319,9 +319,12 @@ class SqlEventStore(EventStore):
 
     # reads
 
-    def read_stream(self, stream_id: str) -> list[Recorded]:
+    def read_stream(self, stream_id: str, tenant_id: str | None = None) -> list[Recorded]:
         c = events_table.c
-        return self._read(_SELECT.where(c.stream_id == stream_id).order_by(c.stream_version))
+        query = _SELECT.where(c.stream_id == stream_id)
+        if tenant_id is not None:
+            query = query.where(c.tenant_id == tenant_id)
+        return self._read(query.order_by(c.stream_version))
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),

@@ -334,6 +334,15 @@ def test_read_streams_answers_each_stream_in_version_order(store: EventStore) ->
     assert store.read_streams([c]) == {}
 
 
+def test_read_stream_for_a_tenant_reads_another_tenants_stream_as_empty(store: EventStore) -> None:
+    """Issue 27, item 9: a customer's read of an id filters by its tenant in the same query, so
+    another tenant's stream is answered like an unknown one without being decoded."""
+    s = stream()
+    mine = store.append(s, 0, [new(s, 1, tenant_id="acme"), new(s, 2, tenant_id="acme")])
+    assert store.read_stream(s, "acme") == mine == store.read_stream(s)
+    assert store.read_stream(s, "globex") == [] == store.read_stream("req-missing", "globex")
+
+
 def test_read_stream_window_slices_one_stream_by_position(store: EventStore) -> None:
     edge, other = stream(), stream()
     first = store.append(edge, None, [new(edge, 1)])[0]
