@@ -37,11 +37,12 @@ from domain.backoff import engine_priority
 from domain.budgets import PathView
 from domain.control import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.events import PreemptionRequested, Recorded, RunBudgetExhausted
+from domain.events import PreemptionRequested, Recorded, RefusalsCounted, RunBudgetExhausted
 from domain.hierarchy import Run
 from domain.leases import LEASE_KEEPALIVE_S
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.quota import QuotaView
+from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
 from domain.types import CancelReason
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
@@ -98,6 +99,7 @@ class Edge:
         slow_reader_s: float = 10.0,
         stream_buffer_chunks: int = MAX_BUFFERED_CHUNKS,
         paths: PathView | None = None,
+        refusals: RefusalSampler | None = None,
     ) -> None:
         self.control = control
         self.quota = quota
@@ -122,6 +124,8 @@ class Edge:
         )
         # Flex work other edges serve (from the log): what this edge may ask them to preempt.
         self.others_flex = RemoteFlex(edge_id)
+        # Which refusals are recorded one by one; the rest are counted per key and window.
+        self.refusals = refusals or RefusalSampler()
         self.auth = Authenticator(control)
         self.recorder = Recorder(events, metrics, clock=clock, new_id=new_id, commands=commands)
         self.in_flight: dict[str, Flight] = {}
@@ -915,6 +919,14 @@ class Edge:
         self._count_outcome(
             caller.tenant_id, caller.tier, model, "rejected", now, reject_reason=reason
         )
+        # An invalid request's model may be any name the client made up: counted as "".
+        counted_model = "" if reason == "invalid" else model
+        # As many in full per minute as the plan admits requests (domain.refusals).
+        rpm = self.control.limits(caller.tenant_id, "*").rpm
+        if not self.refusals.record_in_full(
+            caller.key_id, caller.tenant_id, counted_model, caller.tier, reason, now, rpm
+        ):
+            return  # counted, recorded with the others of its window once that has closed
         self.recorder.reject(
             lifecycle.RejectRequest(
                 request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
@@ -924,6 +936,20 @@ class Edge:
             caller.tenant_id,
             now,
         )
+
+    def record_counted_refusals(self, *, everything: bool = False) -> int:
+        """One `RefusalsCounted` per key, window, model, tier and reason whose window has closed
+        (`everything`: the open ones too, at shutdown); returns how many were recorded."""
+        now = self.clock()
+        counted = self.refusals.drain() if everything else self.refusals.closed(now)
+        for c in counted:
+            event = RefusalsCounted(
+                c.tenant_id, c.key_id, c.model, c.tier, c.reason, c.window_start, c.window_s,
+                c.count,
+            )
+            stream_id = "rfs_" + self.recorder.new_id().replace("-", "")
+            self.recorder.fact(stream_id, c.tenant_id, event, 0, now)
+        return len(counted)
 
     # --- leases --------------------------------------------------------------------------------
 
@@ -940,6 +966,7 @@ class Edge:
             self._keepalive_at = now
             self.quota.prune(now)
             self.paths.prune(now)
+            self.record_counted_refusals()
         self.recorder.renew(self.edge_id, list(self.in_flight.values()), everyone=keepalive)
 
 

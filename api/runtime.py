@@ -229,6 +229,9 @@ class Runtime:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.edge is not None:
+            # The refusals counted in the open windows, recorded before the writer closes.
+            self.edge.record_counted_refusals(everything=True)
         if self.fleet is not None:
             await self.fleet.stop()
         if self.session is not None:

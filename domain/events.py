@@ -81,6 +81,22 @@ class RequestRejected(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RefusalsCounted(Event):
+    """Refusals of one key in one window past the first few recorded in full
+    (`domain.refusals`): counted, per model, tier and reason, on a stream of its own."""
+
+    EVENT_TYPE: ClassVar[str] = "RefusalsCounted"
+    tenant_id: str
+    key_id: str
+    model: str  # a model Tollgate serves, or "" for a name it does not know
+    tier: str
+    reason: str  # as RequestRejected's
+    window_start: datetime
+    window_s: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRouted(Event):
     EVENT_TYPE: ClassVar[str] = "RequestRouted"
     request_id: str
@@ -631,6 +647,7 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         RequestAdmitted,
         RequestEstimated,
         RequestRejected,
+        RefusalsCounted,
         RequestRouted,
         FirstTokenStreamed,
         LeasesRenewed,

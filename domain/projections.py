@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, timedelta
 from typing import Any, Final, TypeAlias
 
 from domain.events import (
     FirstTokenStreamed,
     LeaseExpired,
     Recorded,
+    RefusalsCounted,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
@@ -65,6 +66,7 @@ REQUEST_LOG_COLUMNS: Final = (
     "reject_reason",
     "requested_model",
     "service_tier",
+    "refusals",  # a RefusalsCounted row: how many refusals it stands for (else NULL: one)
 )
 _LOGGED: Final = (
     RequestAdmitted,
@@ -88,6 +90,8 @@ def _request_log_key(recorded: Recorded) -> tuple[Any, ...] | None:
     event = recorded.event
     if isinstance(event, _LOGGED):
         return (event.request_id,)
+    if type(event) is RefusalsCounted:
+        return (recorded.stream_id,)
     return None
 
 
@@ -115,16 +119,13 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
         case RequestRejected():
             # A refused request was never admitted: its admitted_at is the instant it was
             # decided, so support finds it in the tenant's log beside the admitted ones.
-            new.update(
-                tenant_id=event.tenant_id,
-                key_id=event.key_id,
-                model=event.model,
-                tier=event.tier,
-                status="rejected",
-                admitted_at=at,
-                finished_at=at,
-                reject_reason=event.reason,
-            )
+            _refused(new, event, at, at)
+        case RefusalsCounted():
+            # One row for the window's counted refusals, so support sees them and goodput
+            # counts them: decided in [window_start, window end), ended at the window's end.
+            end = event.window_start + timedelta(seconds=event.window_s)
+            _refused(new, event, event.window_start, end)
+            new["refusals"] = event.count
         case RequestDowngraded():
             new["requested_model"] = event.requested_model
         case RequestRouted():
@@ -147,6 +148,19 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
         case _:
             return row
     return new
+
+
+def _refused(row: Row, event: RequestRejected | RefusalsCounted, decided: Any, ended: Any) -> None:
+    row.update(
+        tenant_id=event.tenant_id,
+        key_id=event.key_id,
+        model=event.model,
+        tier=event.tier,
+        status="rejected",
+        admitted_at=decided,
+        finished_at=ended,
+        reject_reason=event.reason,
+    )
 
 
 def _empty_log_row(recorded: Recorded) -> Row:

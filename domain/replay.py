@@ -17,6 +17,7 @@ from domain.events import (
     PreemptionRequested,
     QuotaRefunded,
     Recorded,
+    RefusalsCounted,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
@@ -91,6 +92,18 @@ def replay(
         effect: dict[str, int] = {}
         note = ""
         event = record.event
+        if isinstance(event, RefusalsCounted):
+            # Not a request's stream: the refusals of one key in one window, counted.
+            t.steps.append(Step(
+                position=record.position, stream_version=record.stream_version,
+                occurred_at=record.occurred_at, type=record.type, payload=to_payload(event),
+                status_after="rejected", quota_effect={}, note=(
+                    f"{event.count} refusals ({event.reason}) of key {event.key_id} in the "
+                    f"{event.window_s} s from {event.window_start.isoformat()}, past the first "
+                    "ones recorded one by one: counted, their request ids not kept"
+                ),
+            ))  # fmt: skip
+            continue
         try:
             state = lifecycle.evolve(state, record)
         except DomainError as exc:

@@ -245,7 +245,7 @@ class FinanceQueries:
         r = request_log
         query = sa.select(
             r.c.tenant_id, r.c.tier, r.c.model, r.c.status, r.c.ttft_ms, r.c.tpot_us,
-            r.c.reject_reason, r.c.admitted_at, r.c.finished_at,
+            r.c.reject_reason, r.c.admitted_at, r.c.finished_at, r.c.refusals,
         ).where(r.c.finished_at >= start, r.c.finished_at < end)
         if tenant is not None:
             query = query.where(r.c.tenant_id == tenant)
@@ -263,7 +263,8 @@ class FinanceQueries:
                     continue
                 key = tuple(_group_value(row, g) for g in group_by)
                 counts = groups.setdefault(key, {})
-                counts[found] = counts.get(found, 0) + 1
+                # A row of counted refusals (domain.refusals) stands for `refusals` of them.
+                counts[found] = counts.get(found, 0) + (row.refusals or 1)
         out = []
         for key in sorted(groups, key=lambda k: tuple(str(v) for v in k)):
             counts = groups[key]

@@ -108,6 +108,7 @@ request_log = sa.Table(
     sa.Column("reject_reason", sa.String(64)),
     sa.Column("requested_model", sa.String(200)),  # when another model served it, by consent
     sa.Column("service_tier", sa.String(16), nullable=False, server_default="default"),
+    sa.Column("refusals", sa.BigInteger),  # a row of counted refusals: how many (domain.refusals)
     sa.Index(None, "tenant_id", "admitted_at"),
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from domain.events import Recorded, RequestDowngraded
+from domain.events import Recorded, RefusalsCounted, RequestDowngraded
 from domain.projections import (
     LEDGER_ENTRIES,
     PROJECTIONS,
@@ -60,6 +60,7 @@ def test_request_log_follows_a_request_to_its_end() -> None:
         "reject_reason": None,
         "requested_model": None,
         "service_tier": "default",
+        "refusals": None,
     }
 
 
@@ -80,6 +81,18 @@ def test_request_log_records_rejections() -> None:
         records[0].occurred_at,
     )
     assert all(row[c] is not None for c in ("tenant_id", "key_id", "model", "tier", "status"))
+
+
+def test_request_log_has_one_row_for_the_refusals_a_window_counted() -> None:
+    """domain/refusals.py: refusals past a key's first ones in a window are one row with their
+    count, decided within the window and ended at its end (goodput counts them there)."""
+    counted = RefusalsCounted(b.TENANT, b.KEY, b.MODEL, "free", "requests", b.at(0), 60, 385)
+    record = b.record(counted, stream_id="rfs_1", position=9)
+    assert REQUEST_LOG.opens_row(record)
+    row = run(REQUEST_LOG, [record])[("rfs_1",)]
+    assert (row["status"], row["reject_reason"], row["refusals"]) == ("rejected", "requests", 385)
+    assert (row["admitted_at"], row["finished_at"]) == (b.at(0), b.at(60))
+    assert (row["tenant_id"], row["key_id"], row["model"]) == (b.TENANT, b.KEY, b.MODEL)
 
 
 def test_request_log_cancel_and_expiry() -> None:
