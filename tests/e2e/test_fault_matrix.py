@@ -208,7 +208,7 @@ def _execute(run: Run) -> dict[str, Any]:
 
 def _verdict(run: Run, result: dict[str, Any]) -> list[str]:
     broken = []
-    for name in ("problems", "lost", "doubled", "wrong", "over"):
+    for name in ("problems", "lost", "doubled", "wrong", "over", "under"):
         if result[name]:
             broken.append(f"{name} {len(result[name])}: {result[name][:5]}")
     if result["rebuild_differs"]:

@@ -12,7 +12,9 @@ stopped and started clean, and the run waits until every admitted request is end
 
 - each admitted request has exactly one terminal event, one `UsageBilled` and one ledger row;
 - every answer a client received complete is billed exactly the count it was shown;
-- every request cut short is billed no more than its engine generated;
+- every request cut short is billed no more than its engine generated, and no less than its
+  client was shown minus what the engine generates in `CUT_BOUND_S` (the renewals' 0.1 s, and
+  as long again for the renewal's commit: what an edge that dies mid-stream cannot record);
 - every terminal event has its bill and ledger row, with the consumers' checkpoints and offsets
   at the head (none moved past an unapplied record and stayed there);
 - every read model equals a rebuild from the store;
@@ -52,6 +54,7 @@ EDGE_SEAMS = ("store.append", "store.read", "engine.send", "engine.stream")
 WORKER_SEAMS = ("store.append", "store.read", "db.readmodel", "db.checkpoint", "db.status")
 KAFKA_WORKER_SEAMS = (*WORKER_SEAMS, "broker.poll", "broker.commit", "db.offsets")
 RELAY_SEAMS = ("store.read", "broker.produce", "db.offsets")
+CUT_BOUND_S = 0.2
 
 
 @dataclass
@@ -378,6 +381,8 @@ class Run:
         seen = billed_seen = cut_billed = cut_generated = 0
         wrong: list[str] = []
         over: list[str] = []
+        under: list[str] = []
+        worst_s = 0.0  # the largest shortfall below the client's view, in seconds of generation
         for rid, op in by_id.items():
             if rid not in admitted or rid not in ledger:
                 if op.outcome == "ok":
@@ -390,12 +395,18 @@ class Run:
                 if billed != op.seen_tokens:
                     wrong.append(f"{rid}: shown {op.seen_tokens}, billed {billed}")
                 continue
-            generated = self._engine_count(rid)
-            if generated is not None:
+            record = self._engine_record(rid)
+            if record is not None:
+                generated = int(record.get("completion_tokens") or 0)
                 cut_billed += billed
                 cut_generated += generated
                 if billed > generated:
                     over.append(f"{rid}: billed {billed}, the engine generated {generated}")
+                short_s = (op.seen_tokens - billed) / _tokens_per_s(record)
+                worst_s = max(worst_s, short_s)
+                if short_s > CUT_BOUND_S:
+                    under.append(f"{rid}: shown {op.seen_tokens}, billed {billed} "
+                                 f"({short_s:.3f} s of generation)")  # fmt: skip
         rebuilt = self._rebuild_differs(engine)
         return {
             "admitted": len(admitted),
@@ -404,6 +415,8 @@ class Run:
             "doubled": doubled,
             "wrong": wrong,
             "over": over,
+            "under": under,
+            "worst_short_s": worst_s,
             "rebuild_differs": rebuilt,
             "dead_letters": dead,
             "seen": seen,
@@ -412,14 +425,15 @@ class Run:
             "cut_generated": cut_generated,
         }
 
-    def _engine_count(self, rid: str) -> int | None:
+    def _engine_record(self, rid: str) -> dict[str, Any] | None:
         try:
             r = httpx.get(f"{self.replica_url}/sim/requests/{rid}", timeout=5)
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
             return None  # never reached the engine
-        return int(r.json().get("completion_tokens") or 0)
+        record: dict[str, Any] = r.json()
+        return record
 
     def _rebuild_differs(self, engine: sa.Engine) -> list[str]:
         """The read models whose rows differ from a rebuild from the store."""
@@ -457,7 +471,19 @@ class Run:
             f"{sum(injected.values())} ({deaths} deaths) / lost {self.lost(result)} / "
             f"doubled {len(result['doubled'])} / "
             f"billed÷seen (answered) {ratio:.3f} / billed÷generated (cut) {cut:.3f}, over the "
-            f"engine {len(result['over'])} / rebuild "
+            f"engine {len(result['over'])}, under the client's view by more than "
+            f"{CUT_BOUND_S} s {len(result['under'])} (worst {result['worst_short_s']:.3f} s) / "
+            f"rebuild "
             f"differs {result['rebuild_differs'] or 0} / dead letters {result['dead_letters']}"
             f" [{cells}]"
         )
+
+
+def _tokens_per_s(record: dict[str, Any]) -> float:
+    """The engine's generation rate for one request, from its own record (first token to
+    finish); a request with fewer than two tokens counts as generating one a millisecond."""
+    first, last = record.get("first_token_s"), record.get("finished_s")
+    tokens = int(record.get("generated_tokens") or record.get("completion_tokens") or 0)
+    if first is None or last is None or tokens < 2 or last <= first:
+        return 1000.0
+    return (tokens - 1) / (last - first)
