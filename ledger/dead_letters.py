@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from domain.errors import DomainError
 from domain.events import Recorded
 from ledger import faults
+from ledger.errors import StoreBusy, StoreUnavailable
 from ledger.schema import dead_letters as t
 
 __all__ = [
@@ -87,7 +88,10 @@ def is_transient(exc: BaseException) -> bool:
     or statement timeout, a deadlock and a serialization failure (psycopg's and sqlite3's
     classes map there); InterfaceError a connection closed under the driver; a DBAPIError whose
     connection SQLAlchemy invalidated is a disconnect whatever its class; TimeoutError the pool's
-    (SQLAlchemy's) and the OS's."""
+    (SQLAlchemy's) and the OS's; and the store's own `StoreUnavailable` and `StoreBusy`, whatever
+    their cause (the store raises the first without one when it cannot connect at all: taken for
+    the event's fault, a bill was dead-lettered — found by the fault matrix, distributed
+    `before`, seed 8)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:  # through causes: a wrapped fault
@@ -103,7 +107,8 @@ def is_transient(exc: BaseException) -> bool:
 def _transient_classes() -> tuple[type[BaseException], ...]:
     classes: list[type[BaseException]] = [
         sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError, TimeoutError,
-        ConnectionError, sqlite3.OperationalError, sqlite3.InterfaceError,
+        ConnectionError, sqlite3.OperationalError, sqlite3.InterfaceError, StoreUnavailable,
+        StoreBusy,
     ]  # fmt: skip
     try:  # the drivers' own classes, for a failure raised on the driver (COPY) unwrapped
         import psycopg

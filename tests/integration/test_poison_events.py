@@ -23,7 +23,7 @@ from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet, Recorded, RequestRejected
 from domain.projections import REQUEST_LOG
-from ledger import dead_letters
+from ledger import dead_letters, faults
 from ledger.engine import create_engine_from_url
 from ledger.schema import dead_letters as dead_table
 from ledger.schema import ledger_entries, request_log, upgrade
@@ -297,6 +297,32 @@ def test_a_database_failure_is_retried_never_dead_lettered(engine: sa.Engine) ->
     assert _logged(engine) == set(first) | {second}  # the batch retried and applied
     assert _billed(engine) == set(first) | {second}
     assert _letters(engine) == [] and worker.errors == {}
+
+
+def test_the_store_unavailable_without_a_cause_is_retried_never_dead_lettered(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fault matrix (distributed `before`, seed 8): the billing fold's appends
+    refused with the store's own `StoreUnavailable`, raised with no database error under it (as
+    the store does when it cannot connect at all), four times in a row while the database
+    answered: the bill was taken for the event's fault and dead-lettered, its request never
+    billed. A store that is away is the database's failure whatever its cause: retried."""
+    store = SqlEventStore(engine)
+    _price(store)
+    worker = FoldWorker(engine)
+    worker.catch_up()
+    rids = [_request(store, tenant) for tenant in ("acme", "globex")]
+    monkeypatch.setenv(faults.FAULTS_ENV, "")
+    monkeypatch.setattr(
+        SqlEventStore, "_append_many", faults.seam("store.append")(SqlEventStore._append_many)
+    )
+    faults.arm(";".join(f"store.append:before@{n}" for n in range(1, 5)))
+    try:
+        _passes(worker, 8)
+    finally:
+        faults.arm("")
+    assert _letters(engine) == []
+    assert _billed(engine) == set(rids) and _bills(store) == set(rids)
 
 
 def test_a_bill_that_cannot_be_decided_is_kept_and_replayed_once_priced(
