@@ -113,6 +113,7 @@ def _embedded(tmp: Path, seed: int, kind: str, edge_cli: list[str], spec: str = 
         poll("the demo keys", (data / "demo-keys.json").exists, timeout=30)
         run.secret = _secret(data)
         run.warm_up()
+        run.budgeted(env)
     except BaseException:
         _stop(run)
         raise
@@ -166,6 +167,7 @@ def _distributed(
         poll("the demo keys", (data / "demo-keys.json").exists, timeout=30)
         run.secret = _secret(data)
         run.warm_up()
+        run.budgeted(env)
     except BaseException:
         _stop(run)
         raise
@@ -208,7 +210,7 @@ def _execute(run: Run) -> dict[str, Any]:
 
 def _verdict(run: Run, result: dict[str, Any]) -> list[str]:
     broken = []
-    for name in ("problems", "lost", "doubled", "wrong", "over", "under"):
+    for name in ("problems", "lost", "doubled", "wrong", "over", "under", "budget"):
         if result[name]:
             broken.append(f"{name} {len(result[name])}: {result[name][:5]}")
     if result["rebuild_differs"]:

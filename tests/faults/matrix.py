@@ -18,6 +18,8 @@ stopped and started clean, and the run waits until every admitted request is end
 - every terminal event has its bill and ledger row, with the consumers' checkpoints and offsets
   at the head (none moved past an unapplied record and stayed there);
 - every read model equals a rebuild from the store;
+- a tenant with a daily budget (`BUDGET_USD`, spent within the run by a third of the clients)
+  never has more posted against it than its budget;
 - dead letters (a `dead_letters` table, where one exists) are counted and reported.
 """
 
@@ -44,6 +46,7 @@ from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
 from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
 from ledger.store import SqlEventStore
+from tests.e2e.conftest import TOLLGATE as TOLLGATE_CLI
 
 TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired",
              "RequestPreempted")  # fmt: skip
@@ -55,6 +58,8 @@ WORKER_SEAMS = ("store.append", "store.read", "db.readmodel", "db.checkpoint", "
 KAFKA_WORKER_SEAMS = (*WORKER_SEAMS, "broker.poll", "broker.commit", "db.offsets")
 RELAY_SEAMS = ("store.read", "broker.produce", "db.offsets")
 CUT_BOUND_S = 0.2
+BUDGET_TENANT = "matrix-budgeted"
+BUDGET_USD = "0.001"  # 1,000 micro-USD: some 50 of the workload's requests
 
 
 @dataclass
@@ -170,6 +175,7 @@ class Run:
     replica_url: str
     db_url: str
     ops: list[Op] = field(default_factory=list)
+    budget_secret: str = ""  # a key of BUDGET_TENANT (`budgeted`): a third of the clients use it
 
     def arm(self) -> None:
         """Open the gates of the services' current starts: their faults arm."""
@@ -221,15 +227,42 @@ class Run:
             engine.dispose()
         raise AssertionError(f"the warm-up request {op.request_id} was never billed")
 
+    def budgeted(self, env: dict[str, str]) -> None:
+        """BUDGET_TENANT, its daily budget and a key, made with the CLI (no faults armed in
+        it); returns once the edge admits with the key."""
+
+        def cli(*args: str) -> str:
+            done = subprocess.run(
+                [*TOLLGATE_CLI, *args, "--database-url", self.db_url], capture_output=True,
+                text=True, timeout=60, env={**os.environ, **env},
+            )  # fmt: skip
+            assert done.returncode == 0, f"tollgate {args}: {done.stderr}"
+            return done.stdout
+
+        cli("tenants", "create", BUDGET_TENANT, "--plan", "enterprise")
+        cli("budgets", "set", "--tenant", BUDGET_TENANT, "--period", "day", "--usd", BUDGET_USD)
+        self.budget_secret = (
+            cli("keys", "issue", "--tenant", BUDGET_TENANT).strip().splitlines()[-1]
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            op = Op("json")
+            self._one(op, random.Random(0), self.budget_secret)
+            if op.status == 200:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the edge never admitted the budgeted tenant's key: {op}")
+
     def workload(self, seconds: float, clients: int) -> None:
         stop = threading.Event()
         lock = threading.Lock()
 
         def client(c: int) -> None:
             rng = random.Random(f"{self.seed}:{c}")
+            secret = self.budget_secret if c % 3 == 2 and self.budget_secret else self.secret
             while not stop.is_set():
                 op = Op(rng.choice(("json", "json", "stream", "stream", "leave")))
-                self._one(op, rng)
+                self._one(op, rng, secret)
                 with lock:
                     self.ops.append(op)
                 if op.outcome in ("unknown", "failed"):
@@ -246,7 +279,7 @@ class Run:
             t.join(60)
         supervisor.join(10)
 
-    def _one(self, op: Op, rng: random.Random) -> None:
+    def _one(self, op: Op, rng: random.Random, secret: str = "") -> None:
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": rng.randint(8, 40),
@@ -256,7 +289,7 @@ class Run:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         leave_after = rng.randint(1, 6)
-        headers = {"Authorization": f"Bearer {self.secret}"}
+        headers = {"Authorization": f"Bearer {secret or self.secret}"}
         try:
             with (
                 httpx.Client(timeout=httpx.Timeout(20, connect=3)) as client,
@@ -354,6 +387,10 @@ class Run:
                     )
                 )
             }
+            spent, budget = conn.execute(sa.text(
+                "SELECT coalesce(sum(amount_micros), 0), count(*) FROM ledger_entries "
+                "WHERE tenant_id = :t"), {"t": BUDGET_TENANT},
+            ).one()  # fmt: skip
             dead = 0
             if sa.inspect(conn).has_table("dead_letters"):
                 dead = int(conn.execute(sa.text("SELECT count(*) FROM dead_letters")).scalar() or 0)
@@ -408,7 +445,13 @@ class Run:
                     under.append(f"{rid}: shown {op.seen_tokens}, billed {billed} "
                                  f"({short_s:.3f} s of generation)")  # fmt: skip
         rebuilt = self._rebuild_differs(engine)
+        limit = round(float(BUDGET_USD) * 1_000_000)
+        refused = sum(op.status == 429 for op in self.ops)
         return {
+            "budget": [f"{BUDGET_TENANT}: {spent} micro-USD posted, budget {limit}"]
+            if int(spent) > limit
+            else [],
+            "budget_spent": (int(spent), limit, int(budget), refused),
             "admitted": len(admitted),
             "problems": problems,
             "lost": lost,
@@ -473,7 +516,8 @@ class Run:
             f"billed÷seen (answered) {ratio:.3f} / billed÷generated (cut) {cut:.3f}, over the "
             f"engine {len(result['over'])}, under the client's view by more than "
             f"{CUT_BOUND_S} s {len(result['under'])} (worst {result['worst_short_s']:.3f} s) / "
-            f"rebuild "
+            f"budget {result['budget_spent'][0]} / {result['budget_spent'][1]} micro-USD "
+            f"({result['budget_spent'][2]} bills, {result['budget_spent'][3]} × 429) / rebuild "
             f"differs {result['rebuild_differs'] or 0} / dead letters {result['dead_letters']}"
             f" [{cells}]"
         )
