@@ -16,19 +16,23 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from domain.events import (
+    TERMINAL_EVENTS,
     LeaseExpired,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
     RequestEstimated,
     RequestFailed,
+    RequestPreempted,
 )
 from domain.prediction import History, RequestShape
 from ledger.store import EventStore
 
 REQUEST_STREAMS = ("req_",)
 PAGE = 5_000
-_TERMINALS = (RequestCompleted, RequestCancelled, RequestFailed, LeaseExpired)
+# Every end of a request (domain.events' one list): a request whose end the reader did not know
+# stayed open forever, out of the data (preempted flex requests were).
+_TERMINALS = TERMINAL_EVENTS
 
 
 @dataclass(slots=True)
@@ -126,6 +130,7 @@ _TERMINAL_NAMES = {
     RequestCancelled: "cancelled",
     RequestFailed: "failed",
     LeaseExpired: "lease_expired",
+    RequestPreempted: "preempted",
 }
 
 
@@ -144,8 +149,8 @@ def timeline(requests: Iterable[LoggedRequest]) -> Iterator[tuple[bool, LoggedRe
 
 def examples(requests: list[LoggedRequest], min_history: int) -> list[Example]:
     """One example per completed or cancelled request whose tenant had history enough at its
-    admission, with the features `History` gave then. Failed and expired requests stopped for
-    reasons of ours: they teach nothing about answer lengths and are left out."""
+    admission, with the features `History` gave then. Failed, expired and preempted requests
+    stopped for reasons of ours: they teach nothing about answer lengths and are left out."""
     history = History(min_history)
     out: list[Example] = []
     for is_end, q in timeline(requests):

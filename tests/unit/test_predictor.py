@@ -18,17 +18,19 @@ import pytest
 
 from domain.control import ControlView
 from domain.events import (
+    TERMINAL_EVENTS,
     QuotaRefunded,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
     RequestEstimated,
+    RequestPreempted,
     RequestRouted,
 )
 from domain.prediction import Prediction
 from ledger.store import NewEvent
 from predictor import model_file
-from predictor.dataset import examples, read_requests
+from predictor.dataset import _TERMINAL_NAMES, examples, read_requests
 from predictor.evaluate import Replay, evaluate, held_out, run
 from predictor.runtime import LoadedPredictor
 from predictor.status import realised
@@ -114,6 +116,26 @@ def test_the_log_is_read_with_the_shape_admission_saw(log: InMemoryEventStore) -
     assert len(found) < len(requests)
     assert sum(e.tenant_id == "tiny" for e in found) == 10
     assert any(e.censored for e in found)
+
+
+def test_every_terminal_event_ends_a_logged_request() -> None:
+    """Issue 28: the predictor's reader listed four of the five terminal events; a preempted
+    flex request never ended in its data. Now it reads domain.events' one list, and a preempted
+    request ends (and, stopped by us, is no example)."""
+    assert set(_TERMINAL_NAMES) == set(TERMINAL_EVENTS)
+    store = InMemoryEventStore()
+    rid = f"req_{1:032x}"
+    events = [
+        RequestAdmitted(rid, "chat", "key-chat", MODEL, "standard", "edge-1"),
+        RequestEstimated(rid, 100, CAP, 100 + CAP, 1, 40_000, CAP, "", 2, 3),
+        RequestRouted(rid, "replica-1", 100_000),
+        RequestPreempted(rid, 100, 17, 0, "replica-1", "req_other"),
+    ]
+    store.append(rid, 0, [NewEvent(f"{rid}-{k}", rid, "chat", b.at(k), e)
+                          for k, e in enumerate(events)])  # fmt: skip
+    (logged,) = read_requests(store)
+    assert (logged.terminal, logged.completion_tokens) == ("preempted", 17)
+    assert examples([logged], 0) == []
 
 
 def test_training_is_reproducible_and_calibrated_per_tenant(
