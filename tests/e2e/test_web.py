@@ -476,6 +476,28 @@ def test_login_sets_a_signed_session_and_a_key_in_a_url_is_refused(ui: UiServer)
         assert r.status_code == 401 and "tollgate_key=" in r.headers.get("set-cookie", "")
 
 
+def test_the_sign_in_form_shows_an_error_only_after_a_refused_key(ui: UiServer) -> None:
+    error = re.compile(r'<div class="msg error" id="login-error" role="alert">([^<]*)</div>')
+    with httpx.Client(base_url=ui.base, timeout=10) as browser:
+        for path in ("/ui/login", "/ui/", "/ui/finance", "/ui/support"):  # nothing sent yet
+            r = browser.get(path)
+            assert 'action="/ui/login"' in r.text, path
+            assert "msg error" not in r.text and 'role="alert"' not in r.text, path
+
+        r = browser.post("/ui/login", data={"key": "tg_not-a-key"})
+        assert r.status_code == 401
+        shown = error.search(r.text)
+        assert shown and "invalid or revoked API key" in shown.group(1)
+        shown = error.search(browser.post("/ui/login", data={"key": " "}).text)
+        assert shown and shown.group(1) == "Enter an API key."
+
+        # A session that ran out is a reason to sign in again, said without an error.
+        browser.cookies.set("tollgate_session", "key-1.1.x", path="/ui")
+        r = browser.get("/ui/finance")
+        assert r.status_code == 401 and "msg error" not in r.text
+        assert '<div class="msg info" id="login-notice">' in r.text
+
+
 def test_a_revoked_key_ends_its_sessions(ui: UiServer) -> None:
     out = subprocess.run(
         [*TOLLGATE, "keys", "issue", "--tenant", "demo-free", "--database-url", ui.db_url],
