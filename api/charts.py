@@ -10,7 +10,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 MAX_HOUR_BUCKETS = 96  # beyond this the bar chart groups by day
-MIN_BUCKETS = 24  # a short span is drawn as the day that ends with it
 MAX_BAR_WIDTH = 44.0
 STACKS = ("tenant", "model", "kind")
 # Okabe-Ito, readable by colour-blind readers; cycles past eight series.
@@ -96,7 +95,9 @@ def _series_key(row: dict[str, Any], stack: str) -> list[tuple[str, int]]:
 
 def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
     """Stacked bars of tokens per hour (or per day when the span is long), stacked by tenant,
-    model or token kind, with the billed amount as a line on the right axis."""
+    model or token kind, with the billed amount as a line on the right axis. The axis runs from
+    the first hour (day) with data to the last, quiet ones between them drawn as zero: an hour of
+    data is one bar, not a day of empty hours around it."""
     width, height = 1160, 340
     left, top, right, bottom = 78.0, 18.0, width - 86.0, height - 46.0
     chart = Chart(width, height, (left, top, right, bottom), y_label="tokens",
@@ -112,7 +113,6 @@ def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
     if unit == "day":
         first = first.replace(hour=0)
         last = last.replace(hour=0)
-    first = min(first, last - (MIN_BUCKETS - 1) * step)
     buckets: list[datetime] = []
     cursor = first
     while cursor <= last:

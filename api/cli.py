@@ -795,7 +795,7 @@ def ledger_entries(
 
 @ledger.command("invoice")
 @click.argument("tenant")
-@click.option("--period", default=None, help="YYYY-MM (default: this month)")
+@click.option("--period", default=None, help="YYYY-MM (default: the current month, UTC)")
 @format_option
 @database_option
 @one_line_errors

@@ -165,9 +165,12 @@ class WebViews:
                    "X-Request-Id": getattr(request.state, "request_id", "") or new_request_id()}
         return HTMLResponse(html, status, headers)
 
-    def login_page(self, request: Request, message: str | None, status: int,
-                   next_url: str | None = None, clear: bool = False) -> Response:
-        response = self.page(request, "login.html", status, message=message,
+    def login_page(self, request: Request, status: int, *, error: str | None = None,
+                   notice: str | None = None, next_url: str | None = None,
+                   clear: bool = False) -> Response:
+        """The sign-in form. `error` (red) is for a key that was sent and refused; `notice`
+        (neutral) says why a page asked for a sign-in, which is nobody's mistake."""
+        response = self.page(request, "login.html", status, error=error, notice=notice,
                              next_url=_safe_next(next_url or _without_key(request)), caller=None)
         if clear:
             _clear_cookie(response, request)
@@ -188,8 +191,8 @@ class WebViews:
         request.state.request_id = new_request_id()
         if "key" in request.query_params:
             return self.login_page(
-                request, "An API key is never accepted in a URL: sign in with the form (and "
-                "revoke that key if the URL was shared or logged).", 400,
+                request, 400, error="An API key is never accepted in a URL: sign in with the "
+                "form (and revoke that key if the URL was shared or logged).",
             )
         header = request.headers.get("authorization")
         cookie = request.cookies.get(COOKIE)
@@ -202,23 +205,26 @@ class WebViews:
                 key_id = self.runtime.sessions.key_id_of(cookie)
                 if key_id is None:
                     return self.login_page(
-                        request, "Your session has expired: sign in again.", 401, clear=True
+                        request, 401, notice="Your session has expired: sign in again.",
+                        clear=True,
                     )
                 return self.runtime.edge.auth.by_key_id(key_id, ALL_SCOPES)
         except ApiError as exc:
+            # A refused Authorization header is a key sent and refused; a refused session (its
+            # key revoked since) only says why the form is back.
+            error, notice = (exc.message, None) if header else (None, exc.message)
             if exc.status == 429:
-                return self.login_page(request, exc.message, 429)
-            return self.login_page(request, exc.message, 401, clear=bool(cookie and not header))
-        return self.login_page(
-            request, "Sign in with an API key to continue.", 401,
-            clear=OLD_COOKIE in request.cookies,
-        )
+                return self.login_page(request, 429, error=error, notice=notice)
+            return self.login_page(request, 401, error=error, notice=notice,
+                                   clear=bool(cookie and not header))
+        # Nothing sent yet: the form, with no error.
+        return self.login_page(request, 401, clear=OLD_COOKIE in request.cookies)
 
     # -- pages
 
     async def login_form(self, request: Request) -> Response:
         request.state.request_id = new_request_id()
-        return self.login_page(request, None, 200, request.query_params.get("next"))
+        return self.login_page(request, 200, next_url=request.query_params.get("next"))
 
     async def login_submit(self, request: Request) -> Response:
         request.state.request_id = new_request_id()
@@ -226,19 +232,19 @@ class WebViews:
         async for chunk in request.stream():
             body += chunk
             if len(body) > MAX_LOGIN_BODY:
-                return self.login_page(request, "the form is too large", 413)
+                return self.login_page(request, 413, error="the form is too large")
         form = urllib.parse.parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
         secret = (form.get("key") or [""])[0].strip()
         next_url = _safe_next((form.get("next") or [""])[0])
         if not secret:
-            return self.login_page(request, "Enter an API key.", 401, next_url)
+            return self.login_page(request, 401, error="Enter an API key.", next_url=next_url)
         try:
             caller = self._guarded(
                 request, lambda: self.runtime.edge.authenticate(f"Bearer {secret}", ALL_SCOPES)
             )
         except ApiError as exc:
             status = 429 if exc.status == 429 else 401
-            return self.login_page(request, exc.message, status, next_url)
+            return self.login_page(request, status, error=exc.message, next_url=next_url)
         if next_url == "/ui/":
             next_url = _home(caller)
         response = RedirectResponse(next_url, 303, headers=SECURITY_HEADERS)

@@ -154,6 +154,13 @@ def loadgen(base_url: str, keys_file: Path | None, demo: bool, rate: float | Non
             raise click.ClickException(f"--client openai (the default) needs the openai SDK, "
                                        f"which is not installed: {EXTRA_HINT}, or use "
                                        f"--client httpx") from None
+    if plot_dir is not None:
+        # Refused before the run, not after it: the charts are drawn only once the load is over.
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise click.ClickException(f"--plot needs matplotlib, which is not installed: "
+                                       f"{EXTRA_HINT}") from None
     base, loopback = check_base_url(base_url)
     if not loopback:
         console.print(f"[yellow]target {base} is not a loopback address; sending to it because "
@@ -292,11 +299,8 @@ async def _main(cfg: Any, console: Console, finance: str | None, reconcile_timeo
     if plot_dir:
         from loadgen.plots import write_plots
 
-        try:
-            for path in write_plots(plot_dir, stats.attempts, runner.kv_samples, p.name):
-                out_console.print(f"plot written to {path}")
-        except RuntimeError as exc:
-            console.print(f"[yellow]{exc}[/yellow]")
+        for path in write_plots(plot_dir, stats.attempts, runner.kv_samples, p.name):
+            out_console.print(f"plot written to {path}")
     if reconciliation.get("available") and not reconciliation.get("zero_difference_for_completed"):
         console.print("[bold red]reconciliation: the ledger and the clients disagree[/bold red]")
         return 3

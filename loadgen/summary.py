@@ -59,6 +59,14 @@ def print_summary(console: Console, stats: Stats, meta: dict[str, Any]) -> None:
         f"{cpu['user_s']:.2f} s user + {cpu['system_s']:.2f} s system = "
         f"{cpu['percent_of_one_core']:.0f}% of one core, {cpu['us_per_request']:.0f} µs/request"
     )
+    if meta["mode"] == "open":
+        console.print(
+            f"offered = the HTTP requests the run actually sent (retries and replays included) "
+            f"over its whole wall time; it differs from the target {meta['rate']:g} req/s "
+            f"because arrivals are random (bursty ones more so), arrivals over --max-in-flight "
+            f"are dropped, and the drain adds time without arrivals",
+            style="dim",
+        )
 
 
 def print_reconciliation(console: Console, rec: dict[str, Any]) -> None:
@@ -85,6 +93,16 @@ def print_reconciliation(console: Console, rec: dict[str, Any]) -> None:
             f"[{style}]{verdict}[/{style}]",
         )
     console.print(table)
+    replays = sum(r["replayed_not_billed"] for r in rec["tenants"].values())
+    console.print(
+        f"completed = requests whose final usage a client read, each billed once; `ok` above also "
+        f"counts the Idempotency-Key replays ({replays} in this run), answered from the stored "
+        f"response: an `ok` for the client, not a new completion in the ledger\n"
+        f"exact = zero difference; consistent = a difference the cancelled or failed requests "
+        f"account for: at most one ledger entry each and no negative tokens (they are billed "
+        f"what the engine made before they ended, which the clients never saw in a final usage)",
+        style="dim",
+    )
     for tenant, r in sorted(rec["tenants"].items()):
         pr = r.get("by_request")
         if not pr:

@@ -476,6 +476,28 @@ def test_login_sets_a_signed_session_and_a_key_in_a_url_is_refused(ui: UiServer)
         assert r.status_code == 401 and "tollgate_key=" in r.headers.get("set-cookie", "")
 
 
+def test_the_sign_in_form_shows_an_error_only_after_a_refused_key(ui: UiServer) -> None:
+    error = re.compile(r'<div class="msg error" id="login-error" role="alert">([^<]*)</div>')
+    with httpx.Client(base_url=ui.base, timeout=10) as browser:
+        for path in ("/ui/login", "/ui/", "/ui/finance", "/ui/support"):  # nothing sent yet
+            r = browser.get(path)
+            assert 'action="/ui/login"' in r.text, path
+            assert "msg error" not in r.text and 'role="alert"' not in r.text, path
+
+        r = browser.post("/ui/login", data={"key": "tg_not-a-key"})
+        assert r.status_code == 401
+        shown = error.search(r.text)
+        assert shown and "invalid or revoked API key" in shown.group(1)
+        shown = error.search(browser.post("/ui/login", data={"key": " "}).text)
+        assert shown and shown.group(1) == "Enter an API key."
+
+        # A session that ran out is a reason to sign in again, said without an error.
+        browser.cookies.set("tollgate_session", "key-1.1.x", path="/ui")
+        r = browser.get("/ui/finance")
+        assert r.status_code == 401 and "msg error" not in r.text
+        assert '<div class="msg info" id="login-notice">' in r.text
+
+
 def test_a_revoked_key_ends_its_sessions(ui: UiServer) -> None:
     out = subprocess.run(
         [*TOLLGATE, "keys", "issue", "--tenant", "demo-free", "--database-url", ui.db_url],
@@ -498,8 +520,8 @@ def test_a_revoked_key_ends_its_sessions(ui: UiServer) -> None:
 
 
 def test_usage_chart_layout() -> None:
-    """The chart maths without a browser: gaps are zero-filled, a long span is drawn per day,
-    stacks add up to the axis."""
+    """The chart maths without a browser: the axis spans the hours with data, gaps between them
+    are zero-filled, a long span is drawn per day, stacks add up to the axis."""
     from api.charts import time_chart
 
     def row(when: datetime, tenant: str, tokens: int) -> dict:
@@ -510,9 +532,25 @@ def test_usage_chart_layout() -> None:
     t0 = datetime(2026, 11, 1, tzinfo=UTC)
     chart, unit = time_chart([row(t0, "a", 50), row(t0, "b", 25),
                               row(t0 + timedelta(hours=5), "a", 10)], "tenant")
-    assert unit == "hour" and len(chart.dots) == 24  # padded to a day, ending at the last hour
+    assert unit == "hour" and len(chart.dots) == 6  # the first hour with data to the last
     assert [name for name, _ in chart.legend] == ["a", "b"]
     assert len(chart.bars) == 3 and chart.y_ticks[-1].label == "200"
+    assert [t.label for t in chart.x_ticks] == [f"11-01 {h:02d}:00" for h in range(6)]
     chart, unit = time_chart([row(t0, "a", 5), row(t0 + timedelta(days=9), "a", 5)], "kind")
-    assert unit == "day" and len(chart.dots) == 24
+    assert unit == "day" and len(chart.dots) == 10
     assert {name for name, _ in chart.legend} == {"prompt (uncached)", "cached", "completion"}
+
+
+def test_an_hour_of_usage_is_one_bar_across_the_chart() -> None:
+    from api.charts import time_chart
+
+    at = datetime(2026, 12, 7, 9, 30, tzinfo=UTC)
+    rows = [{"tenant": "a", "model": MODEL, "period_start": at.isoformat(), "requests": 1,
+             "prompt_tokens": 40, "completion_tokens": 10, "cached_tokens": 0,
+             "amount_micros": 500}]  # fmt: skip
+    chart, unit = time_chart(rows, "tenant")
+    assert unit == "hour" and len(chart.dots) == 1 and len(chart.bars) == 1
+    assert [t.label for t in chart.x_ticks] == ["12-07 09:00"]
+    left, _, right, _ = chart.plot
+    bar = chart.bars[0]
+    assert abs((bar.x + bar.w / 2) - (left + right) / 2) < 0.01  # centred, alone on the axis

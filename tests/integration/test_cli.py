@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,35 @@ def test_amounts_that_are_not_amounts_are_refused_naming_the_option(url: str) ->
     engine.dispose()
     assert after == before
     assert "25.00 USD" in ok(*budget, "--usd", "25.00", url=url)
+
+
+def test_an_invoice_is_for_the_current_month_unless_a_period_is_named(url: str) -> None:
+    from ledger.schema import ledger_entries
+
+    ok("tenants", "create", "acme", url=url)
+    now = datetime.now(UTC)
+    last_month = now.replace(day=1) - timedelta(days=1)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for n, (when, amount) in enumerate(((now, 700), (last_month, 300))):
+            conn.execute(ledger_entries.insert().values(
+                request_id=f"req-{n}", tenant_id="acme", key_id="key-1", model="m-2026-05",
+                prompt_tokens=10, completion_tokens=5, cached_tokens=0,
+                prompt_micros_per_mtok=1, completion_micros_per_mtok=1, cached_micros_per_mtok=1,
+                amount_micros=amount, terminal="completed", admitted_at=when, finished_at=when,
+                billed_at=when, position=n + 1,
+            ))  # fmt: skip
+    engine.dispose()
+    invoice = json.loads(ok("ledger", "invoice", "acme", "--format", "json", url=url))
+    assert invoice["period"] == now.strftime("%Y-%m")
+    assert (invoice["requests"], invoice["amount_micros"]) == (1, 700)
+    period = last_month.strftime("%Y-%m")
+    invoice = json.loads(ok("ledger", "invoice", "acme", "--period", period, "--format", "json",
+                            url=url))  # fmt: skip
+    assert invoice["period"] == period
+    assert (invoice["requests"], invoice["amount_micros"]) == (1, 300)
+    table = ok("ledger", "invoice", "acme", url=url)
+    assert f"invoice acme {now.strftime('%Y-%m')}: total" in table
 
 
 def test_bad_and_unreachable_databases() -> None:
