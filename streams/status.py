@@ -382,6 +382,7 @@ def stale_parts(
     folds = [w for w in status.workers if w.name != BATCH_RUNNER_NAME]
     if heartbeats and not folds and status.head_position:
         found.append(f"no worker has reported, {status.head_position} event(s) in the store")
+    following = _following(status.workers)
     for w in status.workers:
         if heartbeats and w.heartbeat_age_s > stale_s:
             found.append(
@@ -389,12 +390,25 @@ def stale_parts(
                 f"{w.heartbeat_age_s:.0f} s ago, dead or hung"
             )
         age = w.oldest_unapplied_age_s
-        if w.lag_events and age is not None and age > stale_s:
+        if w in following and w.lag_events and age is not None and age > stale_s:
             found.append(
                 f"worker {w.name}: {w.lag_events} event(s) after its position {w.position}, "
                 f"the oldest {age:.0f} s old"
             )
     return tuple(found)
+
+
+def _following(workers: Iterable[WorkerLag]) -> list[WorkerLag]:
+    """Per name, the freshest row with a store position: where that name's folds are. A dead
+    process's frozen position is not (its heartbeat says it is dead; the process that took over
+    reports its own), so a replaced worker does not hold the edges unready."""
+    freshest: dict[str, WorkerLag] = {}
+    for w in workers:
+        if w.position is not None and (
+            w.name not in freshest or w.heartbeat_age_s < freshest[w.name].heartbeat_age_s
+        ):
+            freshest[w.name] = w
+    return list(freshest.values())
 
 
 def _age(now: datetime, then: datetime) -> float:
