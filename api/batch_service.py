@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from email.parser import BytesParser
@@ -52,12 +52,16 @@ class BatchService:
         *,
         windows: Iterable[str] = (),
         clock: Clock = utcnow,
+        runner_alive: Callable[[], bool] | None = None,
     ) -> None:
         self.files = files
         self.events = events
         self.commands = commands
         self.windows = tuple(windows)  # extra completion windows this server offers (tests)
         self.clock = clock
+        # Whether a batch runner will pick a new batch up (None: one always runs beside this
+        # edge, `tollgate serve`'s; the distributed mode's edges read the runner's heartbeat).
+        self.runner_alive = runner_alive
         # custom_id -> model of each open batch's input file, parsed once (for `queue`).
         self._models: dict[str, dict[str, str]] = {}
 
@@ -115,6 +119,14 @@ class BatchService:
     # --- batches --------------------------------------------------------------------------------
 
     def create(self, caller: Caller, raw: bytes) -> dict[str, Any]:
+        if self.runner_alive is not None and not self.runner_alive():
+            # Accepted, the batch would stay `validating` forever: say so now instead.
+            raise ApiError(
+                503, "no batch runner is running, so a batch created now would never start; "
+                "start one (tollgate batch-runner, beside the edges, with the same "
+                "TOLLGATE_BATCH_TOKEN) and retry", type="server_error",
+                code="batch_runner_unavailable",
+            )  # fmt: skip
         body = _json_object(raw)
         endpoint = body.get("endpoint")
         if not isinstance(endpoint, str) or endpoint not in b.ENDPOINTS:

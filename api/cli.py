@@ -1369,11 +1369,14 @@ def status(
     stale_after: float, unbilled_alarm_after: float,
 ) -> None:
     """Print the pipeline's lags: the relay, each consumer group per partition (with
-    --kafka-bootstrap; else the embedded SQL-tail worker), the workers' heartbeats.
+    --kafka-bootstrap; else the embedded SQL-tail worker), and every worker process (each
+    member of a consumer group, the batch runner): pid, host, heartbeat, partitions, last
+    batch, lag.
 
-    Exits 2 when something is stale or an alarm fires (1 on an error): a terminal event
-    without its ledger row past --unbilled-alarm-after, an admitted request past its lease that
-    nothing ended, a reconciliation that stopped."""
+    Exits 2 when something is stale or an alarm fires (1 on an error): a worker whose heartbeat
+    is older than --stale-after (dead or hung; listed for an hour, a clean stop removes its row
+    at once), a terminal event without its ledger row past --unbilled-alarm-after, an admitted
+    request past its lease that nothing ended, a reconciliation that stopped."""
     import orjson
 
     from streams.status import cluster_status, render_table
@@ -1483,7 +1486,9 @@ def batch_runner(database_url: str | None, edge_url: str, concurrency: int) -> N
     open batch to an edge as flex requests and writes their results.
 
     The edges and the runner share TOLLGATE_BATCH_TOKEN (the runner's proof, never a flag, so
-    it is not in a process listing). `tollgate serve` runs its own runner in the fold worker."""
+    it is not in a process listing). `tollgate serve` runs its own runner in the fold worker.
+    The edges of the distributed mode refuse to create a batch (503 batch_runner_unavailable)
+    while no runner has reported for TOLLGATE_PIPELINE_STALE_S."""
     from streams.batch_runner import run_batch_runner
 
     token = os.environ.get("TOLLGATE_BATCH_TOKEN", "")
@@ -1516,7 +1521,8 @@ def batch_runner(database_url: str | None, edge_url: str, concurrency: int) -> N
 @one_line_errors
 def dev_cluster(models: tuple[str, ...], log_dir: str | None, **options: Any) -> None:
     """Run the distributed mode on this machine: the development Kafka broker, two edges, the
-    relay, two Kafka workers and a simulated fleet, supervised together (until Ctrl-C/SIGTERM).
+    relay, two Kafka workers, the batch runner and a simulated fleet, supervised together (until
+    Ctrl-C/SIGTERM).
 
     Checks PostgreSQL and migrates it first; prints where each part listens and the demo keys."""
     from pathlib import Path

@@ -1,6 +1,7 @@
 """`tollgate dev-cluster`: the distributed mode on this machine, every part a child process
-supervised together — the development broker, a simulated fleet, the relay, two Kafka workers
-and two edges over one PostgreSQL store — with where each listens and the demo keys printed.
+supervised together — the development broker, a simulated fleet, the relay, two Kafka workers,
+two edges and the batch runner over one PostgreSQL store — with where each listens and the demo
+keys printed.
 A child that dies is reported and started again, with back-off (`streams.supervisor`)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import ctypes
 import itertools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,9 +36,10 @@ from streams.topics import DEFAULT_TOPIC
 # The local test database of DESIGN.md §8 (127.0.0.1:5432, user postgres, trust auth).
 DEV_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 _PR_SET_PDEATHSIG = 1
-# Edges first (their in-flight requests end and are recorded), then what folds their events,
-# then the fleet; the broker goes last, with the supervisor itself.
-STOP_ORDER = ("edge", "relay", "worker", "replica")
+# The batch runner first (its items in flight are cancelled at the edge, billed nothing and run
+# again later), then the edges (their in-flight requests end and are recorded), then what folds
+# their events, then the fleet; the broker goes last, with the supervisor itself.
+STOP_ORDER = ("runner", "edge", "relay", "worker", "replica")
 
 
 class DevClusterError(Exception):
@@ -84,6 +87,9 @@ class DevCluster:
     _broker_started_at: float = 0.0
     _broker_restart_at: float | None = None
     _broker_backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    # The batch runner's proof to the edges, shared by them in the environment (never a flag,
+    # so it is in no process listing); drawn once, so a restarted child gets the same.
+    batch_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
 
     @property
     def log_dir(self) -> Path:
@@ -144,6 +150,12 @@ class DevCluster:
         for child in self.children:
             if child.kind == "edge":
                 self._wait_http(child, "/healthz", 90)
+        # Pointed at the first edge: it feeds batch items there as flex requests, which that
+        # edge routes over the whole fleet.
+        self._spawn(
+            "batch-runner", "runner",
+            [*tollgate, "batch-runner", *db, "--edge-url", f"http://{s.host}:{s.port + 1}"],
+        )  # fmt: skip
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None:
                 raise DevClusterError(f"{child.name} exited at start: see {child.log}")
@@ -165,6 +177,7 @@ class DevCluster:
             "TOLLGATE_KAFKA_BOOTSTRAP": self.bootstrap,
             "TOLLGATE_KAFKA_TOPIC": self.settings.topic,
             "TOLLGATE_DATA_DIR": str(data_dir()),
+            "TOLLGATE_BATCH_TOKEN": self.batch_token,
         }
         with open(child.log, "ab") as log:
             child.proc = subprocess.Popen(
@@ -210,9 +223,10 @@ class DevCluster:
             lines.append(f"  {'front (both edges)':32s} http://{s.host}:{s.port}")
         for child in self.children:
             pid = child.proc.pid if child.proc else "?"
-            where = child.url or {"relay": "store -> topic", "worker": "topic -> ledger"}.get(
-                child.kind, ""
-            )
+            where = child.url or {
+                "relay": "store -> topic", "worker": "topic -> ledger",
+                "runner": "batches -> edge-1",
+            }.get(child.kind, "")  # fmt: skip
             lines.append(f"  {child.name:32s} {where:26s} pid {pid}")
         lines.append(f"  {'logs':32s} {self.log_dir}")
         lines.append("demo keys:")

@@ -51,9 +51,9 @@ from ledger.schema import upgrade
 from ledger.store import SqlEventStore
 from ledger.writer import GroupCommitWriter
 from predictor.runtime import LoadedPredictor
-from streams.status import Reconciliation, read_status
+from streams.status import BATCH_RUNNER_NAME, Reconciliation, read_status
 from streams.supervisor import FoldWorkerSupervisor
-from streams.worker import FoldStatus, read_fold_status
+from streams.worker import FoldStatus, last_heartbeat, read_fold_status
 
 log = logging.getLogger("tollgate")
 
@@ -102,10 +102,14 @@ class Runtime:
         self.backoffice = Backoffice(self.engine, self.store, self.control)
         # The web pages' sessions (api/sessions.py): signed with a secret every edge shares.
         self.sessions = Sessions(load_secret(data_dir()))
+        # `tollgate serve`'s fold worker runs a batch runner; an edge without one (`tollgate
+        # api`) creates a batch only while a runner elsewhere reports.
         self.batches = BatchService(
             BatchStore(self.engine), self.store, CommandHandler(self.store),
             windows=self.settings.batch_windows,
+            runner_alive=None if self.settings.fold_worker else self.batch_runner_alive,
         )
+        self._runner_seen: tuple[float, bool] | None = None
         if not self.settings.batch_token:
             self.settings.batch_token = secrets.token_urlsafe(32)
         # Batch items still to run, per model version: deferred demand for the autoscaler.
@@ -384,6 +388,17 @@ class Runtime:
             self.reconciliation = status.reconciliation
             self.dead_letters = status.dead_letters
         return self._fold_status[1]
+
+    def batch_runner_alive(self) -> bool:
+        """Some batch runner's heartbeat is fresher than the pipeline's stale threshold; read at
+        most once a second (from a worker thread: the batch routes call it off the loop)."""
+        now = time.monotonic()
+        if self._runner_seen is None or now - self._runner_seen[0] > 1.0:
+            found = last_heartbeat(self.engine, BATCH_RUNNER_NAME)
+            age = None if found is None else (datetime.now(UTC) - found).total_seconds()
+            alive = age is not None and age <= self.settings.pipeline_stale_s
+            self._runner_seen = (now, alive)
+        return self._runner_seen[1]
 
     # --- views for the routes ------------------------------------------------------------------
 

@@ -64,8 +64,8 @@ SEAMS: Final[dict[str, tuple[str, str]]] = {
                       "transaction)", "db"),
     "db.offsets": ("a Kafka consumer's partition offsets, or the relay's published place, "
                    "saved", "db"),
-    "db.status": ("a worker's worker_status row written (its heartbeat, errors, dead "
-                  "letters)", "db"),
+    "db.status": ("a worker's or the batch runner's worker_status row written (heartbeat, "
+                  "errors, dead letters)", "db"),
     "broker.produce": ("the relay publishes a batch of events and waits for the broker's "
                        "acknowledgements", "broker"),
     "broker.poll": ("a Kafka worker consumes a batch of records from the topic", "broker"),

@@ -164,20 +164,30 @@ ledger_entries = sa.Table(
     ),
 )
 
-# Not an event projection: one row per fold worker, overwritten every pass (heartbeat, how far
-# billing lags, what it could not bill). The edges read it for /readyz and /metrics.
+# Not an event projection: one row per worker process (a fold worker, a member of the folds'
+# consumer group, the batch runner), overwritten every second or so (heartbeat, how far billing
+# lags, what it could not bill), deleted by a clean stop. The edges read it for /readyz,
+# /metrics and whether a batch runner runs; `tollgate status` lists it.
 worker_status = sa.Table(
     "worker_status",
     metadata,
     sa.Column("name", sa.String(100), primary_key=True),
+    # One row per process (migration 0019): "host:pid", so each member of a consumer group, and
+    # a dead one, shows.
+    sa.Column("member", sa.String(300), primary_key=True),
     sa.Column("pid", sa.Integer, nullable=False),
     sa.Column("host", sa.String(255), nullable=False),
     sa.Column("heartbeat_at", UTCDateTime, nullable=False),
-    sa.Column("position", sa.BigInteger, nullable=False),
+    # The store position it follows; NULL for a process that follows none (a Kafka member that
+    # does not lead the sweeper, the batch runner).
+    sa.Column("position", sa.BigInteger),
     sa.Column("billing_lag", sa.BigInteger, nullable=False),
     sa.Column("error", sa.Text),
     sa.Column("dead_letters", sa.Integer, nullable=False),
     sa.Column("dead_letter_sample", sa.Text),
+    sa.Column("partitions", sa.Text),  # a Kafka member's assignment, e.g. "0,1,2"
+    sa.Column("last_batch_at", UTCDateTime),  # the last batch that brought records
+    sa.Column("lag", sa.BigInteger),  # messages behind on its partitions, where it knows
 )
 
 # Not an event projection: the events a fold could not apply and moved past (migration 0017,

@@ -14,6 +14,10 @@ the same code as every flex request. It holds nothing that a restart would lose:
   killed) is billed nothing (`domain.lifecycle.billed_counts`) and simply tried again;
 - the output and error files have ids derived from the batch id, so writing them twice writes
   them once.
+
+It reports a heartbeat in `worker_status` (name "batch-runner") every HEARTBEAT_S, and deletes it
+when it stops: an edge of the distributed mode refuses to create a batch while no runner's
+heartbeat is fresh (nothing would ever run it), and `tollgate status` lists the runner.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from ledger.commands import CommandHandler, batch_stream_loader
 from ledger.idempotency import IdempotencyStore
 from ledger.ids import Clock, utcnow
 from ledger.store import EventStore
+from streams.status import BATCH_RUNNER_NAME
+from streams.worker import delete_status_row, process_row, write_status_row
 
 log = logging.getLogger("tollgate.batch")
 
@@ -54,6 +60,7 @@ PURGE_EVERY_S = 60.0
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 # A repeated failure of one batch is logged once per this many seconds, with the count since.
 LOG_EVERY_S = 60.0
+HEARTBEAT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -117,6 +124,7 @@ class BatchRunner:
         poll_s: float = 0.2,
         idle_poll_s: float = 1.0,
     ) -> None:
+        self.engine = engine
         self.files = BatchStore(engine)
         self.idempotency = IdempotencyStore(engine)
         self.events = events
@@ -146,14 +154,21 @@ class BatchRunner:
     # --- the loop -------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        asyncio.run(self._run(stop))
+        try:
+            asyncio.run(self._run(stop))
+        finally:
+            delete_status_row(self.engine, BATCH_RUNNER_NAME)
 
     async def _run(self, stop: threading.Event) -> None:
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
+        beat_at = 0.0
         async with httpx.AsyncClient(base_url=self.edge_url, timeout=timeout) as client:
             while not stop.is_set():
+                if time.monotonic() - beat_at >= HEARTBEAT_S:
+                    beat_at = time.monotonic()
+                    await asyncio.to_thread(self.heartbeat)
                 open_batches = 0
                 try:
                     open_batches = await self.tick(client)
@@ -174,6 +189,18 @@ class BatchRunner:
                 *(t for tasks in self._inflight.values() for t in tasks.values()),
                 return_exceptions=True,
             )
+
+    def heartbeat(self) -> None:
+        """Upsert this runner's `worker_status` row (a failure is logged: the next beat tries
+        again, and meanwhile the edges may refuse new batches, which is the truth)."""
+        row = {
+            **process_row(BATCH_RUNNER_NAME), "position": None, "billing_lag": 0,
+            "error": None, "dead_letters": 0,
+        }  # fmt: skip
+        try:
+            write_status_row(self.engine, row)
+        except Exception:
+            log.exception("could not write the batch runner's heartbeat")
 
     def nudge(self) -> None:
         """From any thread: a batch was created, pass now instead of at the idle poll."""

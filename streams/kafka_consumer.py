@@ -219,6 +219,23 @@ class KafkaEventConsumer(SavedOffsets):
             self._producer.flush(30)
         return batch
 
+    def lag(self) -> int | None:
+        """Messages behind on this member's partitions, from the high watermarks its own fetches
+        brought (no broker round trip); None while it does not know one of them yet."""
+        assignment = self._consumer.assignment()
+        if not assignment:
+            return None
+        total = 0
+        try:
+            for tp in self._consumer.position(assignment):
+                found = self._consumer.get_watermark_offsets(tp, cached=True)
+                if found is None or found[1] < 0 or tp.offset < 0:
+                    return None
+                total += max(0, found[1] - tp.offset)
+        except self._ck.KafkaException:
+            return None
+        return total
+
     def rewind(self) -> None:
         assignment = self._consumer.assignment()
         targets = self._seek_targets(

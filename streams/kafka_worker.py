@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +57,14 @@ from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
 from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC
-from streams.worker import DEAD_LETTERS_IN_A_ROW, WORKER_NAME, FoldBroken, write_status_row
+from streams.worker import (
+    DEAD_LETTERS_IN_A_ROW,
+    WORKER_NAME,
+    FoldBroken,
+    delete_status_row,
+    process_row,
+    write_status_row,
+)
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer
@@ -110,6 +116,7 @@ class KafkaFoldWorker:
         # rewinds_owed_first, to show what skipping a failed rewind loses.
         self._rewind_owed = False
         self.rewinds_owed_first = True
+        self.last_batch_at: datetime | None = None  # the last poll that brought records
 
     def start(self) -> None:
         """Take the sweeper's lead if it is free (a standby tries again at every sweep)."""
@@ -136,6 +143,7 @@ class KafkaFoldWorker:
             raise
         if not batch.next_offsets:
             return 0
+        self.last_batch_at = datetime.now(UTC)
         try:
             applied = self._apply(batch)
         except Exception:
@@ -332,22 +340,23 @@ class KafkaFoldWorker:
         self.sweeper.step(datetime.now(UTC))
 
     def status(self) -> dict[str, Any]:
-        """This worker's `worker_status` row. Its `position` is the sweeper's, so only the
-        sweeper's leader reports one: the group shares the row, and a standby's position (it
-        follows nothing) would read as a stalled worker."""
-        row: dict[str, Any] = {
-            "name": self.name,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "heartbeat_at": datetime.now(UTC),
+        """This member's own `worker_status` row: its partitions, its last batch and, where its
+        consumer knows it, its lag. Its `position` is the sweeper's, so only the sweeper's leader
+        reports one: a standby's (it follows nothing) would read as a stalled worker."""
+        # A consumer without partitions (the SQL tail of the tests) reports none.
+        assigned = getattr(self.consumer, "assigned", None)
+        lag = getattr(self.consumer, "lag", None)
+        return {
+            **process_row(self.name),
+            "position": self.sweeper.position if self.sweeper.leading else None,
             "billing_lag": 0,
             "error": "; ".join(f"{k}: {v}" for k, v in self.errors.items()) or None,
             "dead_letters": self.consumer.dead_letters + len(self.billing.dead_letters),
             "dead_letter_sample": None,
+            "partitions": ",".join(map(str, sorted(assigned))) if assigned is not None else None,
+            "last_batch_at": self.last_batch_at,
+            "lag": lag() if lag is not None else None,
         }
-        if self.sweeper.leading:
-            row["position"] = self.sweeper.position
-        return row
 
     def run(self, stop: threading.Event, *, sweep_every_s: float = 0.5) -> None:
         """Batch after batch until `stop`; the sweeper and the status row on their own beat."""
@@ -422,6 +431,7 @@ def run_kafka_worker(
         worker.run(stop)
     finally:
         worker.sweeper.release()
+        delete_status_row(engine, worker.name)
         consumer.close()
         if probe is not None:
             probe.close()

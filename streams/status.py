@@ -7,13 +7,17 @@ Stale means *behind and not moving*: a relay with unpublished events whose last 
 than the threshold, a partition with unconsumed messages whose group committed nothing for that
 long, a worker whose heartbeat is that old, or events after a worker's position older than that.
 A lag alone is not stale (a burst is lag too); a quiet pipeline with nothing to do is never stale.
+
+Every worker process has its own `worker_status` row (each member of a consumer group, the batch
+runner), so a dead one shows: its heartbeat ages and it is stale, until it is forgotten
+(FORGET_AFTER_S; a clean stop deletes its row at once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -31,6 +35,12 @@ from ledger.schema import (
 
 # The default threshold, also the edges' limit on a worker's heartbeat.
 DEFAULT_STALE_S = 10.0
+# A worker row whose heartbeat is older than this is a process long gone (killed, its machine
+# lost): no longer listed nor stale, and deleted when another process of its name starts. An
+# hour of alarm is enough to be seen; forever would page for a worker replaced long ago.
+FORGET_AFTER_S = 3600.0
+# The name of the batch runner's row (streams/batch_runner.py): not a fold worker.
+BATCH_RUNNER_NAME = "batch-runner"
 # A relay's last publish must be this much later than a group's last commit before the group is
 # suspected of missing it: the relay saves its place a few milliseconds after the broker
 # acknowledged, and a worker may commit those very messages within that window.
@@ -72,15 +82,25 @@ class PartitionLag:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLag:
+    """One worker process's row: a fold worker, a member of the folds' consumer group, or the
+    batch runner."""
+
     name: str
+    member: str  # "host:pid"
     pid: int
     host: str
     heartbeat_age_s: float
-    position: int  # the worker's position in the store (the SQL tail's; a Kafka worker's sweeper)
-    lag_events: int  # stored events after that position
+    # The worker's position in the store (the SQL tail's; the sweeper's, in the one Kafka
+    # member that leads it); None: it follows none.
+    position: int | None
+    lag_events: int  # stored events after that position (0 without one)
     oldest_unapplied_age_s: float | None
     billing_lag_events: int
     error: str | None
+    partitions: str | None = None  # a Kafka member's assignment
+    last_batch_age_s: float | None = None  # None: no batch with records yet
+    lag_messages: int | None = None  # on its partitions, as the member last knew
+    stale: bool = False  # its heartbeat is older than the threshold: dead, or hung
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,19 +201,33 @@ def partition_lags(
     return lags
 
 
-def worker_lags(conn: sa.Connection, now: datetime) -> list[WorkerLag]:
+def worker_lags(
+    conn: sa.Connection, now: datetime, stale_s: float = DEFAULT_STALE_S
+) -> list[WorkerLag]:
+    """Every worker process's row but the forgotten ones (FORGET_AFTER_S), with the events
+    after its position; `stale` where its heartbeat is older than `stale_s`."""
+    forgotten = now - timedelta(seconds=FORGET_AFTER_S)
     lags = []
-    for row in conn.execute(sa.select(worker_status).order_by(worker_status.c.name)).mappings():
-        after = conn.execute(
-            sa.select(sa.func.count(), sa.func.min(events.c.occurred_at)).where(
-                events.c.position > row["position"]
-            )
-        ).one()
+    for row in conn.execute(
+        sa.select(worker_status)
+        .where(worker_status.c.heartbeat_at >= forgotten)
+        .order_by(worker_status.c.name, worker_status.c.member)
+    ).mappings():
+        count, oldest = 0, None
+        if row["position"] is not None:
+            count, oldest = conn.execute(
+                sa.select(sa.func.count(), sa.func.min(events.c.occurred_at)).where(
+                    events.c.position > row["position"]
+                )
+            ).one()
+        age = _age(now, row["heartbeat_at"])
         lags.append(
             WorkerLag(
-                row["name"], row["pid"], row["host"], _age(now, row["heartbeat_at"]),
-                row["position"], int(after[0]), _age(now, after[1]) if after[1] else None,
-                row["billing_lag"], row["error"],
+                row["name"], row["member"], row["pid"], row["host"], age, row["position"],
+                int(count), _age(now, oldest) if oldest else None, row["billing_lag"],
+                row["error"], row["partitions"],
+                _age(now, row["last_batch_at"]) if row["last_batch_at"] else None, row["lag"],
+                age > stale_s,
             )
         )
     return lags
@@ -253,7 +287,7 @@ def read_status(
         relays = relay_lags(conn, now) if engine.dialect.name == "postgresql" else []
         groups = folds_groups(conn)
         partitions = partition_lags(conn, now, groups, watermarks)
-        workers = worker_lags(conn, now)
+        workers = worker_lags(conn, now, stale_s)
         checked = reconciliation(conn, now)
         dead = counts_by_fold(conn)
     mode = "kafka" if watermarks is not None else "kafka-unprobed" if relays else "embedded"
@@ -345,21 +379,36 @@ def stale_parts(
                 f"consumer group {group}: nothing committed for {latest:.0f} s, the relay "
                 f"published {published:.0f} s ago"
             )
-    if heartbeats and not status.workers and status.head_position:
+    folds = [w for w in status.workers if w.name != BATCH_RUNNER_NAME]
+    if heartbeats and not folds and status.head_position:
         found.append(f"no worker has reported, {status.head_position} event(s) in the store")
+    following = _following(status.workers)
     for w in status.workers:
         if heartbeats and w.heartbeat_age_s > stale_s:
             found.append(
                 f"worker {w.name} (pid {w.pid} on {w.host}): last heartbeat "
-                f"{w.heartbeat_age_s:.0f} s ago"
+                f"{w.heartbeat_age_s:.0f} s ago, dead or hung"
             )
         age = w.oldest_unapplied_age_s
-        if w.lag_events and age is not None and age > stale_s:
+        if w in following and w.lag_events and age is not None and age > stale_s:
             found.append(
                 f"worker {w.name}: {w.lag_events} event(s) after its position {w.position}, "
                 f"the oldest {age:.0f} s old"
             )
     return tuple(found)
+
+
+def _following(workers: Iterable[WorkerLag]) -> list[WorkerLag]:
+    """Per name, the freshest row with a store position: where that name's folds are. A dead
+    process's frozen position is not (its heartbeat says it is dead; the process that took over
+    reports its own), so a replaced worker does not hold the edges unready."""
+    freshest: dict[str, WorkerLag] = {}
+    for w in workers:
+        if w.position is not None and (
+            w.name not in freshest or w.heartbeat_age_s < freshest[w.name].heartbeat_age_s
+        ):
+            freshest[w.name] = w
+    return list(freshest.values())
 
 
 def _age(now: datetime, then: datetime) -> float:
@@ -450,12 +499,16 @@ def render_table(status: ClusterStatus) -> str:
         )
     if status.workers:
         out += _table(
-            ("WORKER", "PID", "HOST", "HEARTBEAT", "POSITION", "HEAD", "LAG (EVENTS)",
-             "BILLING LAG", "ERROR"),
-            [(w.name, w.pid, w.host, f"{w.heartbeat_age_s:.1f} s ago", w.position,
-              status.head_position, w.lag_events, w.billing_lag_events, w.error or "-")
+            ("WORKER", "PID", "HOST", "STATE", "HEARTBEAT", "PARTITIONS", "LAST BATCH", "LAG",
+             "POSITION", "HEAD", "LAG (EVENTS)", "BILLING LAG", "ERROR"),
+            [(w.name, w.pid, w.host, "STALE" if w.stale else "alive",
+              f"{w.heartbeat_age_s:.1f} s ago", w.partitions or "-",
+              "-" if w.last_batch_age_s is None else f"{w.last_batch_age_s:.1f} s ago",
+              "-" if w.lag_messages is None else w.lag_messages,
+              "-" if w.position is None else w.position, status.head_position,
+              w.lag_events, w.billing_lag_events, w.error or "-")
              for w in status.workers],
-        )
+        )  # fmt: skip
     else:
         out += ["no worker has reported (worker_status is empty)", ""]
     r = status.reconciliation

@@ -265,7 +265,9 @@ def test_a_short_window_expires_the_rest_and_keeps_what_completed(fleet: Server)
 
 
 def worker_pid(server: Server) -> int:
-    rows = server.query("SELECT pid FROM worker_status")
+    rows = server.query(
+        "SELECT pid FROM worker_status WHERE name = 'folds' ORDER BY heartbeat_at DESC"
+    )
     return int(rows[0]["pid"])
 
 

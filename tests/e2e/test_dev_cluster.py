@@ -1,10 +1,12 @@
 """`tollgate dev-cluster` as a user runs it: one command starts the broker, the fleet, the relay,
-two Kafka workers and two edges behind one address; requests through both edges and that address
-with the official openai SDK are billed exactly once in the PostgreSQL ledger, to the fleet's own
-counts; a child that dies is reported; SIGTERM stops every child."""
+two Kafka workers, the batch runner and two edges behind one address; requests through both edges
+and that address with the official openai SDK are billed exactly once in the PostgreSQL ledger,
+to the fleet's own counts; a batch created through the front completes; `tollgate status` lists
+each worker process; a child that dies is reported; SIGTERM stops every child."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -79,7 +81,8 @@ def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
         assert keys["demo-standard"] in banner and keys["finance"] in banner
         pids = {name: int(pid) for name, pid in re.findall(r"^  (\S+) .*pid (\d+)\)?$", banner,
                                                           re.M)}  # fmt: skip
-        assert {"edge-1", "edge-2", "relay", "worker-1", "worker-2", "kafka"} <= set(pids), banner
+        assert {"edge-1", "edge-2", "relay", "worker-1", "worker-2", "batch-runner",
+                "kafka"} <= set(pids), banner  # fmt: skip
         replicas = re.findall(r"^  replica-\S+\s+(http://\S+)", banner, re.M)
         assert len(replicas) == 2, banner
 
@@ -151,6 +154,31 @@ def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
         assert [row[2], row[3], row[4], REQUESTS] == fleet
         assert [row[2], row[3], row[4]] == usage
 
+        # A batch through the front address: the cluster's runner feeds its items to edge-1.
+        client = OpenAI(base_url=f"{edges[2]}/v1", api_key=keys["demo-standard"], max_retries=0,
+                        timeout=30)  # fmt: skip
+        items = [{"custom_id": f"b-{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}],
+                           "max_tokens": 8}} for i in range(3)]  # fmt: skip
+        content = b"".join(json.dumps(x).encode() + b"\n" for x in items)
+        file_id = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch").id
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        done = poll("the batch completed", lambda: (b := client.batches.retrieve(batch.id))
+                    .status in ("completed", "failed") and b, timeout=120, every=0.5)  # fmt: skip
+        assert done.status == "completed" and done.request_counts is not None
+        assert done.request_counts.completed == len(items)
+
+        # Every worker process has its own row: both Kafka workers and the batch runner.
+        status = subprocess.run(
+            [*TOLLGATE, "status", "--database-url", postgres_url, "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        listed = {w["pid"]: w for w in json.loads(status.stdout)["workers"]}
+        for name in ("worker-1", "worker-2", "batch-runner"):
+            assert pids[name] in listed and not listed[pids[name]]["stale"], status.stdout
+        assert listed[pids["batch-runner"]]["name"] == "batch-runner"
+
         # A child that dies is reported, and the rest keep running.
         os.kill(pids["worker-2"], signal.SIGKILL)
         poll("the dead worker reported",
@@ -163,7 +191,7 @@ def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
         stopped = out.read_text()
         # The edges too: uvicorn stops serving, then Tollgate's own shutdown runs (it used to
         # re-raise the SIGTERM it caught, exit -15, and the shutdown after it never ran).
-        for name in ("relay", "worker-1", "edge-1", "edge-2"):
+        for name in ("batch-runner", "relay", "worker-1", "edge-1", "edge-2"):
             assert f"stopped {name} (exit 0)" in stopped, stopped[-3000:]
     finally:
         _stop_process(proc, grace=60)

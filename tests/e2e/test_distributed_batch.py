@@ -1,8 +1,10 @@
 """The batch tier in distributed mode, every part a real process: an edge (`tollgate api`), the
 relay, a Kafka worker and `tollgate batch-runner` over one PostgreSQL store and the real
-Kafka-protocol broker. The official SDK drives a batch; the runner is SIGKILLed mid-batch and
-started again; every item ends once in the output file and is billed once, at the flex price,
-with the engine's own counts, and every other attempt is billed nothing."""
+Kafka-protocol broker. Before any runner reports, the edge refuses to create a batch (503
+batch_runner_unavailable: nothing would run it); once the runner's heartbeat is there it accepts.
+The official SDK drives a batch; the runner is SIGKILLed mid-batch and started again; every item
+ends once in the output file and is billed once, at the flex price, with the engine's own
+counts, and every other attempt is billed nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from openai import OpenAI
+from openai import APIStatusError, OpenAI
 
 from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
@@ -62,7 +64,6 @@ def test_a_batch_runs_through_the_separate_runner_and_survives_its_kill(
         wait_http(f"{edge_url}/healthz", edge, tmp_path / "edge.log", timeout=60)
         start("relay", "relay")
         start("worker", "worker")
-        runner = start("runner", "batch-runner", "--edge-url", edge_url, "--concurrency", "4")
 
         keys = json.loads((tmp_path / "data" / "demo-keys.json").read_text())
         client = OpenAI(base_url=f"{edge_url}/v1", api_key=keys["demo-standard"], max_retries=0,
@@ -75,8 +76,31 @@ def test_a_batch_runs_through_the_separate_runner_and_survives_its_kill(
         ]  # fmt: skip
         content = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
         file_id = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch").id
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")  # fmt: skip
+
+        def create() -> Any:
+            return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")  # fmt: skip
+
+        with pytest.raises(APIStatusError) as refused:
+            create()
+        assert refused.value.status_code == 503
+        error = refused.value.body
+        assert isinstance(error, dict) and error["code"] == "batch_runner_unavailable", error
+        assert "tollgate batch-runner" in error["message"]
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM batches")).scalar() == 0
+
+        runner = start("runner", "batch-runner", "--edge-url", edge_url, "--concurrency", "4")
+
+        def accepted() -> Any:
+            try:
+                return create()
+            except APIStatusError as exc:
+                assert exc.status_code == 503, exc
+                return None
+
+        batch = poll("the edge accepting a batch once the runner reports", accepted,
+                     timeout=60, every=0.5)  # fmt: skip
 
         def completed() -> int:
             counts = client.batches.retrieve(batch.id).request_counts

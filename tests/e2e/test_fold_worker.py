@@ -31,7 +31,9 @@ def _completed(server: Server) -> str:
 
 
 def _worker_pid(server: Server) -> int:
-    return int(server.query("SELECT pid FROM worker_status")[0]["pid"])
+    # The newest fold worker's: a killed one's row stays (it shows as dead) until forgotten.
+    newest = "SELECT pid FROM worker_status WHERE name = 'folds' ORDER BY heartbeat_at DESC"
+    return int(server.query(newest)[0]["pid"])
 
 
 def _alive(pid: int) -> bool:

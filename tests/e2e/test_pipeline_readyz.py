@@ -1,9 +1,10 @@
 """An edge's /readyz shows a stale pipeline: an edge over PostgreSQL with its fold worker as a
 process of its own, the staleness threshold set to 2 s; embedded (`tollgate serve
 --no-fold-worker` + the SQL-tail `tollgate worker`) and distributed (`tollgate api`, the relay
-and a Kafka `tollgate worker` on the real broker). The worker stops with requests to bill: 503
-naming the worker's old heartbeat and the events after its position, and `tollgate status` exits
-2; the worker starts again and catches up: 200, nothing stale, every request billed."""
+and a Kafka `tollgate worker` on the real broker). The worker is killed with requests to bill:
+503 naming the worker's old heartbeat and the events after its position, and `tollgate status`
+exits 2; a worker starts again and catches up: 200, nothing stale on the edge, every request
+billed, and `tollgate status` lists the new worker caught up beside the killed one, STALE."""
 
 from __future__ import annotations
 
@@ -98,7 +99,9 @@ def test_readyz_is_503_while_the_worker_is_stopped_and_200_once_it_caught_up(
         scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert "tollgate_billing_lag_seconds_count 3.0" in scrape
 
-        _stop_process(worker, grace=15)
+        killed = worker.pid
+        worker.kill()  # a clean stop would delete its row: this one goes silent
+        worker.wait(15)
         for i in range(3, 8):
             _complete(base, key, i)
         def unready() -> str:
@@ -123,11 +126,15 @@ def test_readyz_is_503_while_the_worker_is_stopped_and_200_once_it_caught_up(
         poll("/readyz 200", lambda: ready().status_code == 200, timeout=60, every=0.5)
         poll("8 requests billed", lambda: ledger() == 8, timeout=30)
 
-        def caught_up() -> bool:
+        def caught_up() -> tuple[int, list[dict[str, object]]] | None:
             code, out = _status(postgres_url, env, "--json")
-            return code == 0 and [w["lag_events"] for w in json.loads(out)["workers"]] == [0]
+            listed = json.loads(out)["workers"]
+            live = [w["lag_events"] for w in listed if w["pid"] == worker.pid]
+            return (code, listed) if live == [0] else None
 
-        poll("tollgate status: the worker caught up", caught_up, timeout=30, every=0.5)
+        code, listed = poll("tollgate status: the worker caught up", caught_up, timeout=30,
+                            every=0.5)  # fmt: skip
+        assert code == 2 and [w["pid"] for w in listed if w["stale"]] == [killed]
         poll("/readyz without problems", lambda: ready().json()["problems"] == [], timeout=30)
     finally:
         engine.dispose()
