@@ -432,13 +432,14 @@ class TollgateApp:
             headers = {"X-Request-Id": request_id, **exc.headers}
             await json_response(exc.status, exc.body(), headers)(scope, receive, send)
         except Exception as exc:
+            ids = {"request_id": request_id, "tenant_id": caller and caller.tenant_id}
             answer = store_unavailable(exc)
             if answer is not None:
-                runtime.log.warning("store unavailable on /v1/chat/completions: %s", exc)
+                runtime.log.warning("store unavailable on /v1/chat/completions: %s", exc, extra=ids)
                 headers = {"X-Request-Id": request_id, **answer.headers}
                 await json_response(answer.status, answer.body(), headers)(scope, receive, send)
                 return
-            runtime.log.exception("unhandled error on /v1/chat/completions")
+            runtime.log.exception("unhandled error on /v1/chat/completions", extra=ids)
             await json_response(
                 500, error_body("internal error", "server_error", None, "internal_error"),
                 {"X-Request-Id": request_id},

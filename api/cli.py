@@ -14,6 +14,7 @@ import click
 
 from api import control_service as control
 from api.config import DEFAULT_MODELS, ServeSettings, default_database_url
+from api.logs import LOG_FORMATS, setup_logging
 from domain.errors import MAX_AMOUNT_MICROS
 from domain.leases import LEASE_TTL_S
 
@@ -28,6 +29,15 @@ database_option = click.option(
     default=None,
     help="sqlite:///path.db or postgresql+psycopg://user@host/db "
     "(env TOLLGATE_DATABASE_URL; default: a SQLite file under ./data).",
+)
+
+log_format_option = click.option(
+    "--log-format",
+    envvar="TOLLGATE_LOG_FORMAT",
+    default="plain",
+    show_default=True,
+    type=click.Choice(LOG_FORMATS),
+    help="the log on stderr: plain text lines or json, one object a line (env TOLLGATE_LOG_FORMAT)",
 )
 
 
@@ -1096,6 +1106,7 @@ def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
 @click.option(
     "--no-predictor", is_flag=True, help="reserve every request's whole output cap"
 )
+@log_format_option
 @one_line_errors
 def serve(
     host: str,
@@ -1126,6 +1137,7 @@ def serve(
     no_fold_worker: bool,
     predictor_path: str | None,
     no_predictor: bool,
+    log_format: str,
 ) -> None:
     """Run Tollgate embedded: migrate, seed the demo, start the fleet, serve the API."""
     from api.serve import run
@@ -1160,6 +1172,7 @@ def serve(
         predictor_enabled=not no_predictor,
         batch_windows=batch_windows,
         batch_concurrency=batch_concurrency,
+        log_format=log_format,
     )
     for window in batch_windows:
         if window_seconds(window, (window,)) is None:
@@ -1213,19 +1226,18 @@ def api_command(ctx: click.Context, **options: Any) -> None:
     ctx.invoke(serve, no_fold_worker=True, **options)
 
 
-def _start_process(database_url: str | None, postgres_only: str | None = None) -> str:
-    """What every long-running process of the pipeline does first: log to stderr, check the
-    store (`postgres_only`: the error to give when it is not PostgreSQL), migrate it. Returns
-    the store's URL."""
-    import logging
-
+def _start_process(
+    database_url: str | None, log_format: str, postgres_only: str | None = None
+) -> str:
+    """What every long-running process of the pipeline does first: log to stderr in
+    `log_format`, check the store (`postgres_only`: the error to give when it is not
+    PostgreSQL), migrate it. Returns the store's URL."""
     from ledger.schema import upgrade
 
     url = database_url or default_database_url()
     if postgres_only and not url.startswith("postgresql"):
         raise click.UsageError(postgres_only)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    setup_logging(log_format)
     upgrade(url)
     return url
 
@@ -1263,6 +1275,7 @@ metrics_port_option = click.option(
     "(streams/README.md)",
 )
 @metrics_port_option
+@log_format_option
 @one_line_errors
 def worker(
     database_url: str | None,
@@ -1272,6 +1285,7 @@ def worker(
     topic: str,
     kafka_client: str,
     metrics_port: int,
+    log_format: str,
 ) -> None:
     """Run the folds: billing, the read models and the lease sweeper (until SIGTERM).
 
@@ -1284,7 +1298,7 @@ def worker(
         from streams.supervisor import die_with_parent
 
         die_with_parent(parent_pid)
-    url = _start_process(database_url)
+    url = _start_process(database_url, log_format)
     if parent_pid:
         # `tollgate serve`'s child shares the machine with the edge it serves: billing, the read
         # models and the batch runner can lag a little, a client's first token should not.
@@ -1321,10 +1335,11 @@ def worker(
     help="partitions of the event topic when the relay creates it",
 )
 @metrics_port_option
+@log_format_option
 @one_line_errors
 def relay(
     database_url: str | None, kafka_bootstrap: str | None, topic: str, partitions: int,
-    metrics_port: int,
+    metrics_port: int, log_format: str,
 ) -> None:
     """Publish every committed event of the PostgreSQL store to the event topic (until SIGTERM).
 
@@ -1335,7 +1350,7 @@ def relay(
     if not kafka_bootstrap:
         raise click.UsageError("--kafka-bootstrap (or TOLLGATE_KAFKA_BOOTSTRAP) is required")
     url = _start_process(
-        database_url, "the relay needs the PostgreSQL event store (--database-url)"
+        database_url, log_format, "the relay needs the PostgreSQL event store (--database-url)"
     )
     try:
         run_relay(url, kafka_bootstrap, topic, partitions, metrics_port=metrics_port)
@@ -1480,8 +1495,11 @@ def dead_letters_replay(database_url: str | None, fold: str | None) -> None:
     type=click.IntRange(min=1, max=1024),
     help="batch items in flight at most",
 )
+@log_format_option
 @one_line_errors
-def batch_runner(database_url: str | None, edge_url: str, concurrency: int) -> None:
+def batch_runner(
+    database_url: str | None, edge_url: str, concurrency: int, log_format: str
+) -> None:
     """Run the batch runner of the distributed mode (until SIGTERM): it feeds the items of every
     open batch to an edge as flex requests and writes their results.
 
@@ -1495,7 +1513,8 @@ def batch_runner(database_url: str | None, edge_url: str, concurrency: int) -> N
     if len(token) < 16:
         raise click.UsageError("set TOLLGATE_BATCH_TOKEN (16+ characters) here and on the edges")
     url = _start_process(
-        database_url, "the batch runner of the distributed mode needs the PostgreSQL store "
+        database_url, log_format,
+        "the batch runner of the distributed mode needs the PostgreSQL store "
         "(--database-url or TOLLGATE_DATABASE_URL)",
     )  # fmt: skip
     run_batch_runner(url, edge_url=edge_url.rstrip("/"), token=token, concurrency=concurrency)
@@ -1540,11 +1559,13 @@ def dev_cluster(models: tuple[str, ...], log_dir: str | None, **options: Any) ->
 @click.option("--model", default=DEFAULT_MODELS[0], show_default=True)
 @click.option("--seed", default=0, type=int)
 @click.option("--speed", default=1.0, type=float)
+@log_format_option
 @one_line_errors
-def replica_sim(host: str, port: int, model: str, seed: int, speed: float) -> None:
+def replica_sim(host: str, port: int, model: str, seed: int, speed: float, log_format: str) -> None:
     """Run one simulated vLLM replica (vLLM 0.33 protocol and metrics) in this process."""
     from engine_adapter.simulator.cli import serve_forever
 
+    setup_logging(log_format)
     serve_forever(host=host, port=port, model=model, seed=seed, speed=speed)
 
 

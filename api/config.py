@@ -109,6 +109,9 @@ class ServeSettings:
     unbilled_alarm_s: float = field(
         default_factory=lambda: float(os.environ.get("TOLLGATE_UNBILLED_ALARM_S", "30"))
     )
+    # How the process logs (api/logs.py): "plain" text lines or "json", one object a line;
+    # the fold worker child logs the same way.
+    log_format: str = field(default_factory=lambda: os.environ.get("TOLLGATE_LOG_FORMAT", "plain"))
     scrape_interval_s: float = 0.25
     tpot_target_us: int = 40_000
     seed_demo: bool = True

@@ -171,7 +171,10 @@ class Recorder:
         An ask that finds it ended, or already asked for, records nothing."""
         if self.commands is None:
             self.metrics.append_failures.inc()
-            log.error("no command handler: cannot ask for the preemption of %s", request_id)
+            log.error(
+                "no command handler: cannot ask for the preemption of %s", request_id,
+                extra={"request_id": request_id, "tenant_id": tenant_id},
+            )  # fmt: skip
             return
         self._background(self._ask(request_id, tenant_id, command))
 
@@ -189,11 +192,17 @@ class Recorder:
                 at=self.clock(),
             )
         except DomainError as exc:
-            log.warning("preemption of %s not asked for: %s", request_id, exc.message)
+            log.warning(
+                "preemption of %s not asked for: %s", request_id, exc.message,
+                extra={"request_id": request_id, "tenant_id": tenant_id},
+            )  # fmt: skip
             return
         except Exception:
             self.metrics.append_failures.inc()
-            log.exception("asking for the preemption of %s failed", request_id)
+            log.exception(
+                "asking for the preemption of %s failed", request_id,
+                extra={"request_id": request_id, "tenant_id": tenant_id},
+            )  # fmt: skip
             return
         for record in handled.records:
             self.metrics.events_of(record.type).inc()
@@ -353,12 +362,15 @@ class Recorder:
             log.warning(
                 "request %s was changed by another writer (%s); %s not recorded: %s",
                 flight.request_id, conflict, ", ".join(type(c).__name__ for c in commands),
-                exc.message,
+                exc.message, extra={"request_id": flight.request_id, "tenant_id": flight.tenant_id},
             )
             return False
         except Exception:
             self.metrics.append_failures.inc()
-            log.exception("deciding again for %s failed", flight.request_id)
+            log.exception(
+                "deciding again for %s failed", flight.request_id,
+                extra={"request_id": flight.request_id, "tenant_id": flight.tenant_id},
+            )  # fmt: skip
             return False
         for record in handled.records:
             self.metrics.events_of(record.type).inc()

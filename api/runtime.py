@@ -360,6 +360,7 @@ class Runtime:
             "--database-url", self.settings.database_url,
             "--lease-ttl", str(self.settings.lease_ttl_s),
             "--parent-pid", str(os.getpid()),
+            "--log-format", self.settings.log_format,
         ]
 
     def _worker_env(self) -> dict[str, str]:

@@ -20,10 +20,12 @@ from typing import Any
 
 import uvicorn
 import uvloop
+from uvicorn.config import LOGGING_CONFIG
 
 from api.app import create_app
 from api.config import DEFAULT_MODELS, ServeSettings, data_dir
 from api.control_service import ControlService
+from api.logs import setup_logging
 from api.runtime import Runtime
 from engine_adapter.fleet import Fleet
 
@@ -187,8 +189,7 @@ def run(settings: ServeSettings) -> None:
     # made every send cost up to 5 ms (py-spy: 18 % of the loop in transport.write). 0.5 ms keeps
     # the loop responsive; the threads' throughput barely changes.
     sys.setswitchinterval(float(os.environ.get("TOLLGATE_SWITCH_INTERVAL_S", "0.0005")))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    setup_logging(settings.log_format)
     if settings.replicas and settings.models == DEFAULT_MODELS:
         settings.models = tuple(
             dict.fromkeys(m for _, m, _ in parse_replica_flags(settings.replicas))
@@ -241,6 +242,8 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
         access_log=False,
         timeout_keep_alive=settings.keep_alive_s,
         log_level="warning",
+        # json: uvicorn's own lines through the process's handler instead of its text one
+        log_config=None if settings.log_format == "json" else LOGGING_CONFIG,
         lifespan="off",
         proxy_headers=False,  # no proxy in front by default; the client address is unused
     )

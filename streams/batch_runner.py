@@ -354,7 +354,7 @@ class BatchRunner:
             self._refused(tenant)
             return
         except Exception:
-            log.exception("%s: sending failed", where)
+            log.exception("%s: sending failed", where, extra={"tenant_id": tenant})
             self._refused(tenant)
             return
         if r.status_code in RETRY_STATUSES:
@@ -372,7 +372,10 @@ class BatchRunner:
         try:
             await self._keep(state, line, request_id, status, body)
         except Exception:
-            log.exception("batch %s line %d: keeping its result failed", state.batch_id, line.line)
+            log.exception(
+                "batch %s line %d: keeping its result failed", state.batch_id, line.line,
+                extra={"request_id": request_id, "tenant_id": state.tenant_id},
+            )  # fmt: skip
             self._refused(state.tenant_id)
             return False
         return True

@@ -6,8 +6,10 @@ Start one on the running loop with `start_simulated_replica(SimConfig(...))`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import logging
 import re
 import time
 import zlib
@@ -28,6 +30,8 @@ from engine_adapter.simulator.engine import (
     token_text,
 )
 from engine_adapter.simulator.tokenizer import prompt_token_ids, text_token_ids
+
+log = logging.getLogger("tollgate.simulator")
 
 VLLM_VERSION = "0.33.0"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -335,13 +339,31 @@ class SimulatedReplica:
             )
             return _json_response(503, e.body)
         try:
-            if p.stream:
-                return await self._stream(request, r, p, f"chatcmpl-{base}")
-            return await self._full(r, p, f"chatcmpl-{base}")
-        except BaseException:
+            if not p.stream:
+                return await self._full(r, p, f"chatcmpl-{base}")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            try:
+                return await self._stream(request, resp, r, p, f"chatcmpl-{base}")
+            except ConnectionResetError:
+                # A write found the connection closing before the disconnect cancelled this
+                # handler. Raised, aiohttp would log it as an error with two tracebacks.
+                self._client_gone(r, base)
+                return resp
+        except asyncio.CancelledError:
             # Client disconnect cancels this handler (handler_cancellation): abort at once.
+            self._client_gone(r, base)
+            raise
+        except BaseException:
             self.engine.abort(r)
             raise
+
+    def _client_gone(self, r: SimRequest, request_id: str) -> None:
+        """A client that leaves is expected, not an error: its request is aborted (its KV freed
+        at once) with one INFO line, as vLLM logs its aborts."""
+        if not r.finished:
+            log.info("Aborted request %s: the client disconnected.", request_id,
+                     extra={"request_id": request_id})  # fmt: skip
+        self.engine.abort(r)
 
     def _final_usage(self, r: SimRequest, completion: int, *, chunk: bool) -> dict[str, Any]:
         usage: dict[str, Any] = {
@@ -421,9 +443,13 @@ class SimulatedReplica:
         return web.Response(body=payload, content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, r: SimRequest, p: _Parsed, response_id: str
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        r: SimRequest,
+        p: _Parsed,
+        response_id: str,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         created = int(time.time())
         head = (

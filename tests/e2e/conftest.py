@@ -62,13 +62,20 @@ def _stop_all() -> None:  # a last resort if a fixture's teardown never ran
         _stop_process(proc, 2.0)
 
 
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    args: list[str], log: Path, env: dict[str, str] | None = None, stderr: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a process, its stdout appended to `log`, its stderr too unless `stderr` names a
+    file of its own (a process's log, apart from what it prints)."""
     out = open(log, "ab")  # noqa: SIM115 - closed with the process (inherited by it)
+    err = open(stderr, "ab") if stderr is not None else None  # noqa: SIM115 - the same
     proc = subprocess.Popen(
-        args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        args, cwd=REPO, stdout=out, stderr=err or subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
     out.close()
+    if err is not None:
+        err.close()
     with _LIVE_LOCK:
         _LIVE.append(proc)
     return proc

@@ -117,3 +117,22 @@ def test_a_client_gone_while_its_admission_commits_is_cancelled_not_left_to_expi
     types = server.event_types(request_id)
     assert "LeaseExpired" not in types and types.count("QuotaRefunded") == 1, types
     assert server.wait_billed(request_id)["completion_tokens"] == 0
+
+
+def test_clients_gone_mid_stream_leave_no_traceback_in_any_log(server: Server) -> None:
+    """A client that leaves is expected: neither the edge nor the replica it was streaming from
+    logs an error about it. The replica wrote tracebacks ("Error handling request") when a
+    write found the connection closing before the disconnect cancelled its handler."""
+    logs = [server.log, *(r.log for r in server.replicas)]
+    before = {log: log.stat().st_size for log in logs}
+    secret = server.keys["demo-enterprise"]
+    for model, frames in [(MODEL, n) for n in (1, 2, 3, 5, 8, 13)] + [(SLOW_MODEL, 2)]:
+        request_id = stream_then_leave(server, secret, model, frames)
+        assert server.wait_billed(request_id)["terminal"] == "cancelled"
+    for log in logs:
+        with open(log, "rb") as f:
+            f.seek(before[log])
+            written = f.read().decode(errors="replace")
+        assert "Traceback" not in written and "Error handling request" not in written, (
+            f"{log.name}:\n{written[-3000:]}"
+        )
