@@ -18,7 +18,11 @@ from tests.e2e.conftest import FAST, MODEL, Server, poll, running_server
 pytestmark = pytest.mark.e2e
 
 CLIENTS = 12
-MAX_TOKENS = 3000  # ~1 MB of chunks with their usage: more than every buffer on the way
+# ~2.4 MB of chunks with their usage: more than every default buffer on the way, and room for
+# the guard (the buffers fill after ~700 tokens, then 2 s of nothing read, at the fast
+# replica's ~1,000 tokens a second; 3,000 left too little margin on a loaded machine: once the
+# engine had generated them all before the cancel)
+MAX_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
