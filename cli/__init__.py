@@ -1,0 +1,5 @@
+"""The `tollgate` command: one module per command group."""
+
+from api.cli import main
+
+__all__ = ["main"]
