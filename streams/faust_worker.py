@@ -13,6 +13,11 @@ seek does not empty faust's queues, so after one a partition's messages are take
 one at the offset sought: what was queued before the seek is dropped, whatever its offset
 (taking a message queued beyond the seek target would move the saved order key past records
 never applied). `claim` still drops every record at or below the saved key, as on confluent.
+Two more guards keep that key from passing a record never applied: a message of another epoch
+than the partition's reads the partition again from its start (or from that message, the new
+epoch's first), and offsets that did not come in order are read again before any after them.
+Every seek holds one lock with the expectation it sets, so a rebalance's placement and the
+agent's own seek never leave the partition at one offset and the agent waiting for another.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from streams.kafka_consumer import SavedOffsets, _epoch
 from streams.topics import KafkaSettingError, client_settings
 
 log = logging.getLogger("tollgate.faust_worker")
+
+# `_resume`'s mark for a partition being placed: no offset matches it.
+_PLACING = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,10 @@ class FaustEventConsumer(SavedOffsets):
         self._failure: BaseException | None = None
         # Set while an assignment's saved offsets cannot be read (`_seek_saved`).
         self._seek_failure: BaseException | None = None
+        # Held by every seek with the expectation it sets (`_seek_saved`, `_read_from`):
+        # a rebalance's seek that ran while the agent sought a partition to a new epoch's start
+        # left the partition at one offset and the agent waiting for another, for good.
+        self._placing = asyncio.Lock()
         self._thread = threading.Thread(target=self._run_app, name=f"faust-{name}", daemon=True)
         self._thread.start()
         # The app's start returns once the group assigned it partitions; a refusal ends the wait.
@@ -139,28 +151,67 @@ class FaustEventConsumer(SavedOffsets):
                 continue
             p, offset = message.partition, message.offset
             resume = self._resume.get(p)
-            if resume is not None:
+            if resume == _PLACING:
+                continue  # a rebalance is placing the partition
+            headers = message.headers
+            epoch = _epoch(list(headers.items()) if isinstance(headers, Mapping) else headers)
+            known = self._epochs.get(p)
+            if known is not None and epoch != known:
+                # The relay re-published the topic (a broker loss), or a message queued before
+                # a seek: whatever the offsets sought or expected were, they were another
+                # epoch's. From the new epoch's first message on, or from the partition's start.
+                if offset > 0:
+                    log.warning(
+                        "%s: partition %d at epoch %d after %d: reading it from its start",
+                        self.name, p, epoch, known,
+                    )
+                    await self._read_from_start(p)
+                    continue
+                self._resume.pop(p, None)
+            elif resume is not None:
                 if offset != resume:
                     continue  # queued before the seek, or the sought one is still to come
                 del self._resume[p]
             elif offset < self._expected.get(p, 0):
                 continue  # taken already (read again after a rebalance)
-            headers = message.headers
-            epoch = _epoch(list(headers.items()) if isinstance(headers, Mapping) else headers)
-            known = self._epochs.get(p)
-            if known is not None and epoch > known and offset > 0:
-                # The relay re-published the topic (a broker loss): read the partition's new
-                # epoch from its start.
-                log.warning("%s: partition %d re-published (epoch %d)", self.name, p, epoch)
-                await self._app.consumer.seek(_tp(self.topic, p), 0)
-                self._epochs[p], self._resume[p] = None, 0
+            elif offset > self._expected.get(p, offset):
+                # Offsets the partition holds never came (the relay's idempotent producer
+                # leaves none out, so they were lost between the client and the agent): taking
+                # this one would move the saved order key past them, and `claim` would drop
+                # them for good. They are read again; were they truly missing on the broker,
+                # the partition would wait there, its lag growing, rather than skip them.
+                log.error(
+                    "%s: partition %d went from offset %d to %d: reading the gap again",
+                    self.name, p, self._expected[p], offset,
+                )
+                await self._read_from(p, self._expected[p])
                 continue
             self._epochs[p] = epoch
             self._expected[p] = offset + 1
             taken.append(_Message(p, offset, epoch, message.key, message.value))
         return taken
 
+    async def _read_from_start(self, p: int) -> None:
+        await self._read_from(p, 0, new_epoch=True)
+
+    async def _read_from(self, p: int, offset: int, *, new_epoch: bool = False) -> None:
+        """Partition `p` read again from `offset`, the expectation set with the seek. A
+        rebalance may have placed the partition while this waited for the lock: then the seek
+        still goes to `offset` (at worst slower: `claim` drops what was applied), unless the
+        partition is no longer this member's."""
+        async with self._placing:
+            if p not in self.assigned:
+                return
+            await self._app.consumer.seek(_tp(self.topic, p), offset)
+            self._resume[p] = offset
+            if new_epoch:
+                self._epochs[p] = None
+
     async def _seek_saved(self, consumer: Any) -> dict[Any, int]:
+        async with self._placing:
+            return await self._place_saved(consumer)
+
+    async def _place_saved(self, consumer: Any) -> dict[Any, int]:
         """Every assigned partition of the topic to its offset saved in PostgreSQL.
 
         While PostgreSQL is down the saved offsets cannot be read, and raised from here the
@@ -171,7 +222,7 @@ class FaustEventConsumer(SavedOffsets):
         mine = {tp for tp in consumer.assignment() if tp.topic == self.topic}
         partitions = sorted(tp.partition for tp in mine)
         for p in partitions:
-            self._resume[p] = -1
+            self._resume[p] = _PLACING
         wait_s = 0.1
         while True:
             try:

@@ -247,8 +247,24 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
                     )
                 consumer.commit(conn, batch)
             with engine.connect() as conn:
-                if conn.execute(sa.select(sa.func.count()).select_from(effects)).scalar() >= want:
-                    return
+                applied = conn.execute(sa.select(sa.func.count()).select_from(effects)).scalar()
+            if applied >= want:
+                return
+        # Not on to the final check in silence: what held the events back tells which side
+        # kept them (the relay below a held xmin, or the consumer).
+        with engine.connect() as conn:
+            holders = conn.execute(sa.text(
+                "SELECT pid, state, backend_xid::text, backend_xmin::text, "
+                "now() - xact_start, left(query, 80) FROM pg_stat_activity "
+                "WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL"
+            )).all()  # fmt: skip
+        pytest.fail(
+            f"{applied} of {want} events applied after 90 s; relay epoch {relay.state.epoch}, "
+            f"{relay.state.published} published, lag {relay.lag()}; consumer resume "
+            f"{getattr(consumer, '_resume', None)}, expected "
+            f"{getattr(consumer, '_expected', None)}, epochs {consumer._epochs}; "  # noqa: SLF001
+            f"transactions holding xmin: {holders}"
+        )
 
     before = append_requests(store, ["a", "b", "c", "d"], 30, group=20)
     relay.check_topic()
