@@ -356,7 +356,7 @@ class Runtime:
     def _worker_command(self) -> list[str]:
         # `tollgate worker`, told this process's pid so that it stops when the edge is gone.
         return [
-            sys.executable, "-m", "api.cli", "worker",
+            sys.executable, "-m", "cli", "worker",
             "--database-url", self.settings.database_url,
             "--lease-ttl", str(self.settings.lease_ttl_s),
             "--parent-pid", str(os.getpid()),

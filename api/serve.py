@@ -3,7 +3,6 @@ starts a simulated fleet (or uses real replicas), prints the keys and a curl lin
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import json
@@ -27,6 +26,7 @@ from api.config import DEFAULT_MODELS, ServeSettings, data_dir
 from api.control_service import ControlService
 from api.logs import setup_logging
 from api.runtime import Runtime
+from api.scaling import Actuator
 from engine_adapter.fleet import Fleet
 
 log = logging.getLogger("tollgate.serve")
@@ -126,51 +126,6 @@ def parse_model_flags(flags: tuple[str, ...], option: str) -> list[tuple[str, st
     return out
 
 
-class SimulatedActuator:
-    """`tollgate serve --autoscale`: simulated replicas added by the autoscaling signal, each
-    serving only after the configured cold start (a real replica loads its weights meanwhile),
-    and stopped once the fleet has drained and removed them."""
-
-    def __init__(
-        self, settings: ServeSettings, fleet: Callable[[], Fleet], handles: dict[str, Any]
-    ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.handles = handles  # replica id -> simulated replica handle
-        self._starting: dict[str, int] = {}
-        self._next = dict.fromkeys(settings.models, settings.simulated_replicas)
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def starting(self, model: str) -> int:
-        return self._starting.get(model, 0)
-
-    async def add(self, model: str) -> None:
-        self._starting[model] = self.starting(model) + 1
-        task = asyncio.get_running_loop().create_task(self._start(model))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _start(self, model: str) -> None:
-        try:
-            await asyncio.sleep(self.settings.cold_start_s)
-            index = self._next.get(model, 0)
-            self._next[model] = index + 1
-            handle = await start_simulated_replica_of(self.settings, model, index)
-            replica_id = f"sim-{model}-{index}"
-            self.handles[replica_id] = handle
-            self.fleet().add(replica_id, handle.url, model)
-            await self.fleet().refresh(check_health_too=True)
-            log.info("replica %s of %s serving after its cold start", replica_id, model)
-        finally:
-            self._starting[model] -= 1
-
-    async def remove(self, replica_id: str) -> None:
-        handle = self.handles.pop(replica_id, None)
-        if handle is not None:
-            await handle.stop()
-            log.info("replica %s stopped", replica_id)
-
-
 def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
     out = []
     for i, flag in enumerate(flags):
@@ -183,7 +138,13 @@ def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return out
 
 
-def run(settings: ServeSettings) -> None:
+# What `--autoscale` acts through: built from the settings, the fleet (once the runtime has
+# started it) and the simulated replicas by id, which it then owns. The command line injects it
+# (cli/dev/actuator.py), so serving imports no development tool.
+ActuatorFactory = Callable[[ServeSettings, Callable[[], Fleet], dict[str, Any]], Actuator]
+
+
+def run(settings: ServeSettings, actuator_factory: ActuatorFactory | None = None) -> None:
     # The event loop shares the GIL with the fold and group-commit threads. After each socket
     # send it must win the GIL back, and with the default 5 ms switch interval a busy fold thread
     # made every send cost up to 5 ms (py-spy: 18 % of the loop in transport.write). 0.5 ms keeps
@@ -199,10 +160,12 @@ def run(settings: ServeSettings) -> None:
         ensure_demo_prices(settings, list(settings.models))
     # uvloop: the same asyncio API with the loop and its transports in C; measured here it cut
     # the CPU of a 16-chunk stream by about a fifth (bench/gateway.py, A/B in one run).
-    uvloop.run(_serve(settings, keys))
+    uvloop.run(_serve(settings, keys, actuator_factory))
 
 
-async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
+async def _serve(
+    settings: ServeSettings, keys: dict[str, Any], actuator_factory: ActuatorFactory | None
+) -> None:
     handles: list[Any] = []
     if settings.replicas:
         replicas = parse_replica_flags(settings.replicas)
@@ -213,9 +176,11 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
     if settings.autoscale:
         if settings.replicas:
             raise ValueError("--autoscale adds simulated replicas: it needs no --replica")
+        if actuator_factory is None:
+            raise ValueError("--autoscale needs an actuator to add and remove replicas")
         by_id = {r[0]: h for r, h in zip(replicas, handles, strict=True)}
         fleet = lambda: runtime.fleet  # noqa: E731 - the fleet exists once the runtime started
-        actuator = SimulatedActuator(settings, fleet, by_id)  # type: ignore[arg-type]
+        actuator = actuator_factory(settings, fleet, by_id)
         handles = []  # the actuator owns them now (it stops those it removes)
     try:
         await runtime.start(

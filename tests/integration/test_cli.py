@@ -181,7 +181,7 @@ def test_only_the_load_generator_imports_its_http_client() -> None:
     # `tollgate --help` lists `loadgen` without importing it; running it loads the real command.
     probe = (
         "import sys\n"
-        "from api.cli import main\n"
+        "from cli import main\n"
         "try:\n"
         "    main(sys.argv[1:])\n"
         "except SystemExit:\n"
@@ -201,7 +201,7 @@ def test_only_the_load_generator_imports_its_http_client() -> None:
 
 
 def test_the_lazy_loadgen_entry_shows_the_commands_own_summary() -> None:
-    from api.cli import main
+    from cli import main
     from loadgen.cli import loadgen
 
     lazy = main.commands["loadgen"]

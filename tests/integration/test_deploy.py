@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from api.cli import main
+from cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -121,7 +121,7 @@ class DevCluster:
             raise DevClusterError(f"the development broker did not start: {exc}") from exc
         self._broker_started_at = time.monotonic()
         python = [sys.executable]
-        tollgate = [*python, "-m", "api.cli"]
+        tollgate = [*python, "-m", "cli"]
         replicas: list[str] = []
         for m_index, model in enumerate(s.models):
             for i in range(s.simulated_replicas):

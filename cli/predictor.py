@@ -16,8 +16,8 @@ import click
 import httpx
 
 from api import control_service as control
-from api.cli import one_line_errors
 from api.config import default_database_url, default_predictor_dir
+from cli.common import one_line_errors
 from ledger.control import ControlLog
 from ledger.store import SqlEventStore, create_engine_from_url
 from predictor import model_file
