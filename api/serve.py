@@ -22,7 +22,7 @@ import uvloop
 from uvicorn.config import LOGGING_CONFIG
 
 from api.app import create_app
-from api.config import DEFAULT_MODELS, ServeSettings, data_dir
+from api.config import DEFAULT_MODELS, Settings
 from api.control_service import ControlService
 from api.logs import setup_logging
 from api.runtime import Runtime
@@ -43,15 +43,15 @@ DEMO_PRICES = {
 }
 
 
-def demo_keys_file() -> Path:
-    return data_dir() / "demo-keys.json"
+def demo_keys_file(settings: Settings) -> Path:
+    return settings.data_path() / "demo-keys.json"
 
 
-def seed_demo(settings: ServeSettings) -> dict[str, Any]:
+def seed_demo(settings: Settings) -> dict[str, Any]:
     """Create the demo tenants, keys and prices once. The demo secrets are also written to
     data/demo-keys.json (mode 600) so a restart and `tollgate loadgen --demo` can show them:
     the store itself keeps only their hashes."""
-    path = demo_keys_file()
+    path = demo_keys_file(settings)
     if path.exists():
         return dict(json.loads(path.read_text()))
     keys: dict[str, Any] = {}
@@ -71,7 +71,7 @@ def seed_demo(settings: ServeSettings) -> dict[str, Any]:
     return keys
 
 
-def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
+def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
     """Give each served model without any price the demo list price, so the demo can bill it.
     (Outside the demo an unpriced model is simply not offered: see Edge.models.)"""
     from datetime import UTC, datetime
@@ -85,7 +85,7 @@ def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
                 service.set_price(model, *prices)
 
 
-async def start_simulated_replica_of(settings: ServeSettings, model: str, index: int) -> Any:
+async def start_simulated_replica_of(settings: Settings, model: str, index: int) -> Any:
     from engine_adapter.simulator.engine import SimConfig
     from engine_adapter.simulator.server import start_simulated_replica
 
@@ -104,7 +104,7 @@ async def start_simulated_replica_of(settings: ServeSettings, model: str, index:
 
 
 async def start_simulated_fleet(
-    settings: ServeSettings,
+    settings: Settings,
 ) -> tuple[list[Any], list[tuple[str, str, str]]]:
     handles, replicas = [], []
     for model in settings.models:
@@ -141,15 +141,15 @@ def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
 # What `--autoscale` acts through: built from the settings, the fleet (once the runtime has
 # started it) and the simulated replicas by id, which it then owns. The command line injects it
 # (cli/dev/actuator.py), so serving imports no development tool.
-ActuatorFactory = Callable[[ServeSettings, Callable[[], Fleet], dict[str, Any]], Actuator]
+ActuatorFactory = Callable[[Settings, Callable[[], Fleet], dict[str, Any]], Actuator]
 
 
-def run(settings: ServeSettings, actuator_factory: ActuatorFactory | None = None) -> None:
+def run(settings: Settings, actuator_factory: ActuatorFactory | None = None) -> None:
     # The event loop shares the GIL with the fold and group-commit threads. After each socket
     # send it must win the GIL back, and with the default 5 ms switch interval a busy fold thread
     # made every send cost up to 5 ms (py-spy: 18 % of the loop in transport.write). 0.5 ms keeps
     # the loop responsive; the threads' throughput barely changes.
-    sys.setswitchinterval(float(os.environ.get("TOLLGATE_SWITCH_INTERVAL_S", "0.0005")))
+    sys.setswitchinterval(settings.switch_interval_s)
     setup_logging(settings.log_format)
     if settings.replicas and settings.models == DEFAULT_MODELS:
         settings.models = tuple(
@@ -164,7 +164,7 @@ def run(settings: ServeSettings, actuator_factory: ActuatorFactory | None = None
 
 
 async def _serve(
-    settings: ServeSettings, keys: dict[str, Any], actuator_factory: ActuatorFactory | None
+    settings: Settings, keys: dict[str, Any], actuator_factory: ActuatorFactory | None
 ) -> None:
     handles: list[Any] = []
     if settings.replicas:
@@ -259,7 +259,7 @@ class _Server(uvicorn.Server):
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _listening(settings: ServeSettings) -> list[socket.socket] | None:
+def _listening(settings: Settings) -> list[socket.socket] | None:
     """The listening socket, bound here when client connections get a fixed kernel send buffer
     (Linux gives accepted sockets the listener's; a fixed size also turns off the kernel's
     autotuning, which on loopback grows to megabytes). None: uvicorn binds its own."""
@@ -277,7 +277,7 @@ def _listening(settings: ServeSettings) -> list[socket.socket] | None:
 
 
 def _print_banner(
-    base: str, settings: ServeSettings, keys: dict[str, Any], replicas: list[tuple[str, str, str]]
+    base: str, settings: Settings, keys: dict[str, Any], replicas: list[tuple[str, str, str]]
 ) -> None:
     lines = [
         f"Tollgate serving on {base}  (database: {settings.database_url})",

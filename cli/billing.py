@@ -37,7 +37,7 @@ def prices_set(
     completion: str,
     cached: str,
     effective_at: str | None,
-    database_url: str | None,
+    database_url: str,
 ) -> None:
     at = instant(effective_at) if effective_at else None
     with control.ControlService.open(database_url) as service:
@@ -58,7 +58,7 @@ def prices_set(
 @database_option
 @one_line_errors
 def prices_flex_discount(
-    model: str, percent: float, effective_at: str | None, database_url: str | None
+    model: str, percent: float, effective_at: str | None, database_url: str
 ) -> None:
     """The flex class's (and the Batch API's) discount on a model's price, effective-dated."""
     at = instant(effective_at) if effective_at else None
@@ -137,7 +137,7 @@ def ledger_usage(
     start: str | None,
     end: str | None,
     fmt: str,
-    database_url: str | None,
+    database_url: str,
 ) -> None:
     from api.backoffice import GROUP_COLUMNS, USAGE_COLUMNS, parse_range
 
@@ -166,7 +166,7 @@ def ledger_entries(
     start: str | None,
     end: str | None,
     fmt: str,
-    database_url: str | None,
+    database_url: str,
 ) -> None:
     from api.backoffice import ENTRY_COLUMNS, parse_range
 
@@ -184,7 +184,7 @@ def ledger_entries(
 @format_option
 @database_option
 @one_line_errors
-def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str | None) -> None:
+def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str) -> None:
     from api.backoffice import INVOICE_COLUMNS
 
     with control.open_backoffice(database_url) as bo:
@@ -220,7 +220,7 @@ def ledger_goodput(
     start: str | None,
     end: str | None,
     fmt: str,
-    database_url: str | None,
+    database_url: str,
 ) -> None:
     """Requests that ended in the range, by outcome against their tier's objective (attained,
     missed_ttft, missed_tpot, cancelled, failed, ..., refused_quota, invalid), with attainment
@@ -241,7 +241,7 @@ def ledger_goodput(
 @_with_range
 @database_option
 @one_line_errors
-def ledger_reconcile(start: str | None, end: str | None, database_url: str | None) -> None:
+def ledger_reconcile(start: str | None, end: str | None, database_url: str) -> None:
     """Admitted vs terminal vs ledger entries, reserved vs refunded vs billed; exit 1 on any
     mismatch."""
     import orjson

@@ -1,5 +1,4 @@
-"""What every command shares: the store option, the log format, one-line errors, amounts and
-instants."""
+"""What every command shares: the store option, one-line errors, amounts and instants."""
 
 from __future__ import annotations
 
@@ -13,27 +12,21 @@ from typing import Any, TypeVar
 
 import click
 
-from api.logs import LOG_FORMATS
+from api.config import Settings
+from cli.options import settings_options
 from domain.errors import MAX_AMOUNT_MICROS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-database_option = click.option(
-    "--database-url",
-    envvar="TOLLGATE_DATABASE_URL",
-    default=None,
-    help="sqlite:///path.db or postgresql+psycopg://user@host/db "
-    "(env TOLLGATE_DATABASE_URL; default: a SQLite file under ./data).",
-)
+def database_option(fn: F) -> F:
+    """--database-url and --config (generated from the settings, cli/options.py): the command
+    is called with the store's URL as `database_url`."""
 
-log_format_option = click.option(
-    "--log-format",
-    envvar="TOLLGATE_LOG_FORMAT",
-    default="plain",
-    show_default=True,
-    type=click.Choice(LOG_FORMATS),
-    help="the log on stderr: plain text lines or json, one object a line (env TOLLGATE_LOG_FORMAT)",
-)
+    @functools.wraps(fn)
+    def with_url(*args: Any, settings: Settings, **kwargs: Any) -> Any:
+        return fn(*args, database_url=settings.store_url(), **kwargs)
+
+    return settings_options("database_url")(with_url)
 
 
 def one_line_errors(fn: F) -> F:
@@ -49,6 +42,7 @@ def one_line_errors(fn: F) -> F:
         except click.ClickException:
             raise
         except Exception as exc:  # noqa: BLE001 - the CLI's one place that renders every error
+            # Read here, not from the settings: it must work when the settings themselves fail.
             if os.environ.get("TOLLGATE_DEBUG"):
                 raise
             message = getattr(exc, "message", None) or str(exc) or type(exc).__name__

@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from api import control_service as control
-from api.config import default_database_url
 from cli.common import (
     database_option,
     one_line_errors,
@@ -22,9 +21,9 @@ def db() -> None:
 @db.command("upgrade")
 @database_option
 @one_line_errors
-def db_upgrade(database_url: str | None) -> None:
+def db_upgrade(database_url: str) -> None:
     """Create or migrate every table to the latest revision."""
-    url = database_url or default_database_url()
+    url = database_url
     revision = control.upgrade(url)
     click.echo(f"database at revision {revision}")
 
@@ -41,7 +40,7 @@ def projections() -> None:
 @click.argument("name", required=False)
 @database_option
 @one_line_errors
-def projections_rebuild(name: str | None, database_url: str | None) -> None:
+def projections_rebuild(name: str | None, database_url: str) -> None:
     """Drop and refold a projection (all of them without NAME); prints each table's digest."""
     for projection, digest, rows in control.rebuild_projections(database_url, name):
         click.echo(f"{projection}\t{rows} rows\tsha256 {digest}")
@@ -62,7 +61,7 @@ def dead_letters_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine output (one JSON array)")
 @one_line_errors
 def dead_letters_list(
-    database_url: str | None, fold: str | None, include_replayed: bool, as_json: bool
+    database_url: str, fold: str | None, include_replayed: bool, as_json: bool
 ) -> None:
     """The unreplayed dead letters, oldest first: fold, where the event is (store position;
     topic, partition and offset when a Kafka worker met it), the event and why it failed."""
@@ -71,7 +70,7 @@ def dead_letters_list(
     from ledger import dead_letters
     from ledger.engine import create_engine_from_url
 
-    engine = create_engine_from_url(database_url or default_database_url())
+    engine = create_engine_from_url(database_url)
     try:
         with engine.connect() as conn:
             rows = dead_letters.listing(conn, fold=fold, include_replayed=include_replayed)
@@ -101,14 +100,14 @@ def dead_letters_list(
 @database_option
 @click.option("--fold", default=None, help="only this fold's (billing, request_log, ...)")
 @one_line_errors
-def dead_letters_replay(database_url: str | None, fold: str | None) -> None:
+def dead_letters_replay(database_url: str, fold: str | None) -> None:
     """Apply the dead letters again through their folds' own code (after the fix); each that
     applies is marked replayed, each that still fails stays with its new reason. Exits 2 when
     some still fail."""
     from ledger.engine import create_engine_from_url
     from streams.worker import replay_dead_letters
 
-    engine = create_engine_from_url(database_url or default_database_url())
+    engine = create_engine_from_url(database_url)
     try:
         outcome = replay_dead_letters(engine, fold=fold)
     finally:

@@ -54,7 +54,7 @@ def models_register(
     rope_dim: int | None,
     max_model_len: int | None,
     effective_at: str | None,
-    database_url: str | None,
+    database_url: str,
 ) -> None:
     """Record a model's KV profile. Flags given with --hf-config override what it says."""
     shape = control.profile_shape(
@@ -76,7 +76,7 @@ def models_register(
 @click.option("--at", "at_", default=None, help="ISO 8601 instant (default: now)")
 @database_option
 @one_line_errors
-def models_show(model: str, at_: str | None, database_url: str | None) -> None:
+def models_show(model: str, at_: str | None, database_url: str) -> None:
     """The profile in force (registered, else built-in), and the registered history."""
     import dataclasses
 
@@ -111,7 +111,7 @@ def slo() -> None:
 @database_option
 @one_line_errors
 def slo_set(
-    tier: str, ttft_ms: int, tpot_ms: float, effective_at: str | None, database_url: str | None
+    tier: str, ttft_ms: int, tpot_ms: float, effective_at: str | None, database_url: str
 ) -> None:
     at = instant(effective_at) if effective_at else None
     with control.ControlService.open(database_url) as service:
@@ -125,7 +125,7 @@ def slo_set(
 @click.option("--at", "at_", default=None, help="ISO 8601 instant (default: now)")
 @database_option
 @one_line_errors
-def slo_show(at_: str | None, database_url: str | None) -> None:
+def slo_show(at_: str | None, database_url: str) -> None:
     at = instant(at_) if at_ else datetime.now(UTC)
     with control.ControlService.open(database_url) as service:
         for tier in ("free", "standard", "enterprise"):

@@ -6,123 +6,56 @@ import os
 
 import click
 
-from api.config import default_database_url
+from api.config import Settings
 from api.logs import setup_logging
-from cli.common import (
-    F,
-    database_option,
-    log_format_option,
-    one_line_errors,
-)
-from domain.leases import LEASE_TTL_S
+from cli.common import one_line_errors
+from cli.options import settings_options
 
 # The embedded fold worker runs at this lower CPU priority than the edge (nice(2) steps).
 EMBEDDED_WORKER_NICENESS = 10
 
-kafka_options = [
-    click.option(
-        "--kafka-bootstrap",
-        envvar="TOLLGATE_KAFKA_BOOTSTRAP",
-        default=None,
-        help="host:port[,host:port]: the Kafka cluster of the distributed mode (env "
-        "TOLLGATE_KAFKA_BOOTSTRAP; other librdkafka settings as TOLLGATE_KAFKA_<SETTING>)",
-    ),
-    click.option(
-        "--topic",
-        envvar="TOLLGATE_KAFKA_TOPIC",
-        default="tollgate.events",
-        show_default=True,
-        help="the event topic (env TOLLGATE_KAFKA_TOPIC)",
-    ),
-]
+KAFKA = ("kafka_bootstrap", "kafka_topic")
 
 
-def with_kafka(fn: F) -> F:
-    for option in reversed(kafka_options):
-        fn = option(fn)
-    return fn
-
-
-def _start_process(
-    database_url: str | None, log_format: str, postgres_only: str | None = None
-) -> str:
-    """What every long-running process of the pipeline does first: log to stderr in
-    `log_format`, check the store (`postgres_only`: the error to give when it is not
+def _start_process(settings: Settings, postgres_only: str | None = None) -> str:
+    """What every long-running process of the pipeline does first: log to stderr in the
+    settings' format, check the store (`postgres_only`: the error to give when it is not
     PostgreSQL), migrate it. Returns the store's URL."""
     from ledger.schema import upgrade
 
-    url = database_url or default_database_url()
+    url = settings.store_url()
     if postgres_only and not url.startswith("postgresql"):
         raise click.UsageError(postgres_only)
-    setup_logging(log_format)
+    setup_logging(settings.log_format)
     upgrade(url)
     return url
 
 
-metrics_port_option = click.option(
-    "--metrics-port",
-    envvar="TOLLGATE_METRICS_PORT",
-    default=0,
-    show_default=True,
-    type=click.IntRange(min=0, max=65535),
-    help="serve Prometheus /metrics on this port (0: off; host TOLLGATE_METRICS_HOST, default "
-    "127.0.0.1)",
-)
-
-
 @click.command()
-@database_option
-@click.option(
-    "--lease-ttl",
-    default=float(LEASE_TTL_S),
-    show_default=True,
-    type=click.FloatRange(min=1.0),
-    help="seconds without a renewal after which a request's lease expires",
-)
 @click.option("--parent-pid", default=0, type=int, hidden=True)
-@with_kafka
-@click.option(
-    "--kafka-client",
-    envvar="TOLLGATE_WORKER_KAFKA_CLIENT",
-    type=click.Choice(["confluent", "faust"]),
-    default="confluent",
-    show_default=True,
-    help="the library that reads the topic (env TOLLGATE_WORKER_KAFKA_CLIENT): confluent-kafka "
-    "or faust-streaming; the same folds and the same exactly-once transaction either way "
-    "(streams/README.md)",
-)
-@metrics_port_option
-@log_format_option
+@settings_options("database_url", "lease_ttl_s", *KAFKA, "worker_kafka_client", "metrics_port",
+                  "log_format")  # fmt: skip
 @one_line_errors
-def worker(
-    database_url: str | None,
-    lease_ttl: float,
-    parent_pid: int,
-    kafka_bootstrap: str | None,
-    topic: str,
-    kafka_client: str,
-    metrics_port: int,
-    log_format: str,
-) -> None:
+def worker(settings: Settings, parent_pid: int) -> None:
     """Run the folds: billing, the read models and the lease sweeper (until SIGTERM).
 
     Without a Kafka cluster they tail the SQL log (`tollgate serve` starts one itself; run this
     when serving with --no-fold-worker). With --kafka-bootstrap (TOLLGATE_KAFKA_BOOTSTRAP) they
     read the event topic the relay fills, as one member of a consumer group: run several."""
-    from streams.worker import run_worker
+    from streams.worker import BatchRunnerSettings, run_worker
 
     if parent_pid:  # `tollgate serve`'s child: killed by the kernel when serve dies
         from streams.supervisor import die_with_parent
 
         die_with_parent(parent_pid)
-    url = _start_process(database_url, log_format)
+    url = _start_process(settings)
     if parent_pid:
         # `tollgate serve`'s child shares the machine with the edge it serves: billing, the read
         # models and the batch runner can lag a little, a client's first token should not.
         os.nice(EMBEDDED_WORKER_NICENESS)
     # The embedded fold worker (`tollgate serve`'s child, --parent-pid) always tails the SQL
     # log, whatever the environment says.
-    if kafka_bootstrap and not parent_pid:
+    if settings.kafka_bootstrap and not parent_pid:
         from streams.kafka_worker import run_kafka_worker
 
         if not url.startswith("postgresql"):
@@ -131,75 +64,58 @@ def worker(
 
         try:
             run_kafka_worker(
-                url, kafka_bootstrap, topic, lease_ttl_s=lease_ttl, metrics_port=metrics_port,
-                client=kafka_client,
-            )
+                url, settings.kafka_bootstrap, settings.kafka_topic,
+                lease_ttl_s=settings.lease_ttl_s, metrics_port=settings.metrics_port,
+                metrics_host=settings.metrics_host, client=settings.worker_kafka_client,
+                kafka_settings=settings.kafka_client_settings(),
+            )  # fmt: skip
         except KafkaSettingError as exc:
             raise click.UsageError(str(exc)) from exc
         return
-    run_worker(url, lease_ttl_s=lease_ttl, parent_pid=parent_pid, metrics_port=metrics_port)
+    # The batch runner beside the folds, when the edge said where it is and how to prove
+    # itself (`tollgate serve` does, in its child's environment).
+    batches = None
+    if settings.edge_url and settings.batch_token:
+        batches = BatchRunnerSettings(
+            edge_url=settings.edge_url, token=settings.batch_token,
+            concurrency=settings.batch_concurrency,
+        )  # fmt: skip
+    run_worker(
+        url, lease_ttl_s=settings.lease_ttl_s, parent_pid=parent_pid,
+        metrics_port=settings.metrics_port, metrics_host=settings.metrics_host, batches=batches,
+    )  # fmt: skip
 
 
 @click.command()
-@database_option
-@with_kafka
-@click.option(
-    "--partitions",
-    envvar="TOLLGATE_KAFKA_PARTITIONS",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="partitions of the event topic when the relay creates it",
-)
-@metrics_port_option
-@log_format_option
+@settings_options("database_url", *KAFKA, "kafka_partitions", "metrics_port", "log_format")
 @one_line_errors
-def relay(
-    database_url: str | None, kafka_bootstrap: str | None, topic: str, partitions: int,
-    metrics_port: int, log_format: str,
-) -> None:
+def relay(settings: Settings) -> None:
     """Publish every committed event of the PostgreSQL store to the event topic (until SIGTERM).
 
     At least once, keyed by tenant id; resumes from its own place; re-publishes from the store
     when the broker lost the topic."""
     from streams.relay import TopicMismatch, run_relay
 
-    if not kafka_bootstrap:
+    if not settings.kafka_bootstrap:
         raise click.UsageError("--kafka-bootstrap (or TOLLGATE_KAFKA_BOOTSTRAP) is required")
     url = _start_process(
-        database_url, log_format, "the relay needs the PostgreSQL event store (--database-url)"
+        settings, "the relay needs the PostgreSQL event store (--database-url)"
     )
     try:
-        run_relay(url, kafka_bootstrap, topic, partitions, metrics_port=metrics_port)
+        run_relay(
+            url, settings.kafka_bootstrap, settings.kafka_topic, settings.kafka_partitions,
+            metrics_port=settings.metrics_port, metrics_host=settings.metrics_host,
+            kafka_settings=settings.kafka_client_settings(),
+        )  # fmt: skip
     except TopicMismatch as exc:
         raise click.UsageError(str(exc)) from exc
 
 
 @click.command("status")
-@database_option
-@with_kafka
 @click.option("--json", "as_json", is_flag=True, help="machine output (one JSON object)")
-@click.option(
-    "--stale-after",
-    envvar="TOLLGATE_PIPELINE_STALE_S",
-    default=10.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="seconds a lagging part may go without moving before it is stale",
-)
-@click.option(
-    "--unbilled-alarm-after",
-    envvar="TOLLGATE_UNBILLED_ALARM_S",
-    default=30.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="seconds a terminal event may go without its ledger row before it alarms",
-)
+@settings_options("database_url", *KAFKA, "pipeline_stale_s", "unbilled_alarm_s")
 @one_line_errors
-def status(
-    database_url: str | None, kafka_bootstrap: str | None, topic: str, as_json: bool,
-    stale_after: float, unbilled_alarm_after: float,
-) -> None:
+def status(settings: Settings, as_json: bool) -> None:
     """Print the pipeline's lags: the relay, each consumer group per partition (with
     --kafka-bootstrap; else the embedded SQL-tail worker), and every worker process (each
     member of a consumer group, the batch runner): pid, host, heartbeat, partitions, last
@@ -213,8 +129,10 @@ def status(
 
     from streams.status import cluster_status, render_table
 
-    url = database_url or default_database_url()
-    found = cluster_status(url, kafka_bootstrap, stale_after, unbilled_alarm_after)
+    found = cluster_status(
+        settings.store_url(), settings.kafka_bootstrap, settings.pipeline_stale_s,
+        settings.unbilled_alarm_s, kafka_settings=settings.kafka_client_settings(),
+    )  # fmt: skip
     if as_json:
         click.echo(orjson.dumps(found.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
@@ -224,26 +142,10 @@ def status(
 
 
 @click.command("batch-runner")
-@database_option
-@click.option(
-    "--edge-url",
-    envvar="TOLLGATE_EDGE_URL",
-    required=True,
-    help="an edge (`tollgate api`) to send batch items to [env TOLLGATE_EDGE_URL]",
-)
-@click.option(
-    "--concurrency",
-    envvar="TOLLGATE_BATCH_CONCURRENCY",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1, max=1024),
-    help="batch items in flight at most",
-)
-@log_format_option
+@settings_options("database_url", "edge_url", "batch_concurrency", "log_format",
+                  flags={"batch_concurrency": "--concurrency"})  # fmt: skip
 @one_line_errors
-def batch_runner(
-    database_url: str | None, edge_url: str, concurrency: int, log_format: str
-) -> None:
+def batch_runner(settings: Settings) -> None:
     """Run the batch runner of the distributed mode (until SIGTERM): it feeds the items of every
     open batch to an edge as flex requests and writes their results.
 
@@ -253,15 +155,19 @@ def batch_runner(
     while no runner has reported for TOLLGATE_PIPELINE_STALE_S."""
     from streams.batch_runner import run_batch_runner
 
-    token = os.environ.get("TOLLGATE_BATCH_TOKEN", "")
-    if len(token) < 16:
+    if not settings.edge_url:
+        raise click.UsageError("--edge-url (or TOLLGATE_EDGE_URL) is required")
+    if len(settings.batch_token) < 16:
         raise click.UsageError("set TOLLGATE_BATCH_TOKEN (16+ characters) here and on the edges")
     url = _start_process(
-        database_url, log_format,
+        settings,
         "the batch runner of the distributed mode needs the PostgreSQL store "
         "(--database-url or TOLLGATE_DATABASE_URL)",
+    )
+    run_batch_runner(
+        url, edge_url=settings.edge_url.rstrip("/"), token=settings.batch_token,
+        concurrency=settings.batch_concurrency,
     )  # fmt: skip
-    run_batch_runner(url, edge_url=edge_url.rstrip("/"), token=token, concurrency=concurrency)
 
 
 COMMANDS = (worker, relay, status, batch_runner)

@@ -18,7 +18,7 @@ from cli.common import (
 @click.option("--json", "as_json", is_flag=True, help="the full timeline as JSON")
 @database_option
 @one_line_errors
-def replay(request_id: str, as_json: bool, database_url: str | None) -> None:
+def replay(request_id: str, as_json: bool, database_url: str) -> None:
     """Re-fold a request's events: every step, the state after it, quota and billing effects,
     the limits in force at admission, and anomalies."""
     import orjson

@@ -31,7 +31,7 @@ def tenants() -> None:
 )
 @database_option
 @one_line_errors
-def tenants_create(name: str, plan: str, database_url: str | None) -> None:
+def tenants_create(name: str, plan: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.create_tenant(name, plan)
     click.echo(f"tenant {name} created on the {plan} plan")
@@ -42,7 +42,7 @@ def tenants_create(name: str, plan: str, database_url: str | None) -> None:
 @click.option("--plan", required=True, help="free | standard | enterprise")
 @database_option
 @one_line_errors
-def tenants_plan(name: str, plan: str, database_url: str | None) -> None:
+def tenants_plan(name: str, plan: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.change_plan(name, plan)
     click.echo(f"tenant {name} moved to the {plan} plan")
@@ -51,7 +51,7 @@ def tenants_plan(name: str, plan: str, database_url: str | None) -> None:
 @tenants.command("list")
 @database_option
 @one_line_errors
-def tenants_list(database_url: str | None) -> None:
+def tenants_list(database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         for tenant in service.list_tenants():
             click.echo(f"{tenant.tenant_id}\t{tenant.plan}")
@@ -73,7 +73,7 @@ def keys() -> None:
 @click.option("--project", default=None, help="its project (default: the organization)")
 @database_option
 @one_line_errors
-def keys_issue(tenant: str, scope: str, project: str | None, database_url: str | None) -> None:
+def keys_issue(tenant: str, scope: str, project: str | None, database_url: str) -> None:
     """Print a new key: its id, then the secret alone on the last line (shown once)."""
     with control.ControlService.open(database_url) as service:
         key_id, secret = service.issue_key(tenant, scope, project)
@@ -87,7 +87,7 @@ def keys_issue(tenant: str, scope: str, project: str | None, database_url: str |
 @click.option("--project", required=True)
 @database_option
 @one_line_errors
-def keys_assign(key_id: str, tenant: str, project: str, database_url: str | None) -> None:
+def keys_assign(key_id: str, tenant: str, project: str, database_url: str) -> None:
     """Move a key into a project (its requests are then bounded by the project's levels)."""
     with control.ControlService.open(database_url) as service:
         service.assign_key(tenant, key_id, project)
@@ -99,7 +99,7 @@ def keys_assign(key_id: str, tenant: str, project: str, database_url: str | None
 @click.option("--tenant", required=True)
 @database_option
 @one_line_errors
-def keys_revoke(key_id: str, tenant: str, database_url: str | None) -> None:
+def keys_revoke(key_id: str, tenant: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.revoke_key(tenant, key_id)
     click.echo(f"key {key_id} revoked")
@@ -176,7 +176,7 @@ def limits_set(
     max_output: int | None,
     kv_seconds: int | None,
     reserved_kv_seconds: int | None,
-    database_url: str | None,
+    database_url: str,
 ) -> None:
     """Limits of the organization (no level option) or of one workspace, project or key; a
     request is admitted only if every level on its path has room."""
@@ -211,7 +211,7 @@ def limits_set(
 @click.option("--at", "at_", default=None, help="ISO 8601 instant (default: now)")
 @database_option
 @one_line_errors
-def limits_show(tenant: str, model: str, at_: str | None, database_url: str | None) -> None:
+def limits_show(tenant: str, model: str, at_: str | None, database_url: str) -> None:
     """The limits in force for a tenant and model, now or at a past instant."""
     at = instant(at_) if at_ else None
     with control.ControlService.open(database_url) as service:
@@ -233,7 +233,7 @@ def workspaces() -> None:
 @click.option("--tenant", required=True)
 @database_option
 @one_line_errors
-def workspaces_create(name: str, tenant: str, database_url: str | None) -> None:
+def workspaces_create(name: str, tenant: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.create_workspace(tenant, name)
     click.echo(f"workspace {name} created in {tenant}")
@@ -243,7 +243,7 @@ def workspaces_create(name: str, tenant: str, database_url: str | None) -> None:
 @click.option("--tenant", required=True)
 @database_option
 @one_line_errors
-def workspaces_list(tenant: str, database_url: str | None) -> None:
+def workspaces_list(tenant: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         tree = service.view.hierarchy
         for workspace in tree.workspaces(tenant):
@@ -264,7 +264,7 @@ def projects() -> None:
 @click.option("--workspace", required=True)
 @database_option
 @one_line_errors
-def projects_create(name: str, tenant: str, workspace: str, database_url: str | None) -> None:
+def projects_create(name: str, tenant: str, workspace: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.create_project(tenant, name, workspace)
     click.echo(f"project {name} created in workspace {workspace} of {tenant}")
@@ -276,7 +276,7 @@ def projects_create(name: str, tenant: str, workspace: str, database_url: str | 
 @click.option("--workspace", required=True, help="the workspace it belongs to from now on")
 @database_option
 @one_line_errors
-def projects_move(name: str, tenant: str, workspace: str, database_url: str | None) -> None:
+def projects_move(name: str, tenant: str, workspace: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.move_project(tenant, name, workspace)
     click.echo(f"project {name} is in workspace {workspace}")
@@ -297,7 +297,7 @@ def budgets() -> None:
 @one_line_errors
 def budgets_set(
     tenant: str, workspace: str | None, project: str | None, key_id: str | None, period: str,
-    usd: str | None, clear: bool, database_url: str | None,
+    usd: str | None, clear: bool, database_url: str,
 ) -> None:  # fmt: skip
     """Periods are calendar days and months in the organization's time zone (UTC unless set
     with `tollgate budgets timezone`); a new one starts from zero at its first instant."""
@@ -318,7 +318,7 @@ def budgets_set(
 @click.option("--zone", required=True, help="an IANA time zone, e.g. Europe/Paris")
 @database_option
 @one_line_errors
-def budgets_timezone(tenant: str, zone: str, database_url: str | None) -> None:
+def budgets_timezone(tenant: str, zone: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         service.set_time_zone(tenant, zone)
     click.echo(f"budget periods of {tenant} begin at midnight {zone}")
@@ -365,7 +365,7 @@ def runs() -> None:
 @with_run_limits
 @database_option
 @one_line_errors
-def runs_policy(tenant: str, project: str, database_url: str | None, **limits: Any) -> None:
+def runs_policy(tenant: str, project: str, database_url: str, **limits: Any) -> None:
     """The run budget a project's runs get where their creator gives none."""
     with control.ControlService.open(database_url) as service:
         service.set_run_policy(tenant, project, run_limits(**limits))
@@ -383,7 +383,7 @@ def fallbacks() -> None:
 @click.option("--to", "to_model", required=True, help="the model that may serve it instead")
 @database_option
 @one_line_errors
-def fallbacks_allow(tenant: str, from_model: str, to_model: str, database_url: str | None) -> None:
+def fallbacks_allow(tenant: str, from_model: str, to_model: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
         changed = service.allow_fallback(tenant, from_model, to_model)
     state = "allowed" if changed else "was already allowed"
@@ -397,7 +397,7 @@ def fallbacks_allow(tenant: str, from_model: str, to_model: str, database_url: s
 @database_option
 @one_line_errors
 def fallbacks_revoke(
-    tenant: str, from_model: str, to_model: str, database_url: str | None
+    tenant: str, from_model: str, to_model: str, database_url: str
 ) -> None:
     with control.ControlService.open(database_url) as service:
         changed = service.revoke_fallback(tenant, from_model, to_model)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from api.config import ServeSettings
+from api.config import Settings
 from api.serve import start_simulated_replica_of
 from engine_adapter.fleet import Fleet
 
@@ -21,7 +21,7 @@ class SimulatedActuator:
     and stopped once the fleet has drained and removed them."""
 
     def __init__(
-        self, settings: ServeSettings, fleet: Callable[[], Fleet], handles: dict[str, Any]
+        self, settings: Settings, fleet: Callable[[], Fleet], handles: dict[str, Any]
     ) -> None:
         self.settings = settings
         self.fleet = fleet
