@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 import uvloop
@@ -138,10 +138,17 @@ def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return out
 
 
-# What `--autoscale` acts through: built from the settings, the fleet (once the runtime has
-# started it) and the simulated replicas by id, which it then owns. The command line injects it
-# (cli/dev/actuator.py), so serving imports no development tool.
-ActuatorFactory = Callable[[Settings, Callable[[], Fleet], dict[str, Any]], Actuator]
+class OwningActuator(Actuator, Protocol):
+    """What `--autoscale` acts through: an actuator that owns the simulated replicas it runs
+    (`handles`, by replica id), which serving stops when it ends."""
+
+    handles: dict[str, Any]
+
+
+# Builds it from the settings, the fleet (once the runtime has started it) and the simulated
+# replicas by id. The command line injects it (cli/dev/actuator.py), so serving imports no
+# development tool.
+ActuatorFactory = Callable[[Settings, Callable[[], Fleet], dict[str, Any]], OwningActuator]
 
 
 def run(settings: Settings, actuator_factory: ActuatorFactory | None = None) -> None:
@@ -179,7 +186,11 @@ async def _serve(
         if actuator_factory is None:
             raise ValueError("--autoscale needs an actuator to add and remove replicas")
         by_id = {r[0]: h for r, h in zip(replicas, handles, strict=True)}
-        fleet = lambda: runtime.fleet  # noqa: E731 - the fleet exists once the runtime started
+
+        def fleet() -> Fleet:
+            assert runtime.fleet is not None  # started before the scaling loop ever acts
+            return runtime.fleet
+
         actuator = actuator_factory(settings, fleet, by_id)
         handles = []  # the actuator owns them now (it stops those it removes)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import typing
 from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -26,7 +27,7 @@ def database_option(fn: F) -> F:
     def with_url(*args: Any, settings: Settings, **kwargs: Any) -> Any:
         return fn(*args, database_url=settings.store_url(), **kwargs)
 
-    return settings_options("database_url")(with_url)
+    return settings_options("database_url")(typing.cast(F, with_url))
 
 
 def one_line_errors(fn: F) -> F:
