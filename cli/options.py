@@ -91,6 +91,8 @@ def option_for(name: str, flag: str | None = None, default: Any = None) -> Calla
     --concurrency); `default`: this command's own default, shown in its help."""
     field = Settings.model_fields[name]
     extra = _extra(field)
+    if extra.get("option") is False:  # a secret, or a setting only files and variables give
+        raise ValueError(f"setting {name} has no command-line option")
     flag = flag or flag_of(name)
     shown = field.default if default is None else default
     hint = f"env {env_of(name)}"
