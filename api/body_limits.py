@@ -7,7 +7,7 @@ ASGI step in front of all of them: a body declared larger than its route's limit
 once, and one that grows past it while arriving is a 413 when it does; a body within its limit
 is handed to the route whole. An edge holds at most the limit per request in flight. The chat
 route is not behind this step: it reads its body itself with `read_body`, under
-`ServeSettings.max_body_bytes`, on its hot path.
+`Settings.max_body_bytes`, on its hot path.
 """
 
 from __future__ import annotations

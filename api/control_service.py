@@ -15,7 +15,6 @@ from typing import Any
 
 import orjson
 
-from api.config import default_database_url
 from domain import control as c
 from domain import hierarchy as h
 from domain.cost import ModelProfile, profile_from_hf_config
@@ -47,9 +46,9 @@ def hash_secret(secret: str) -> str:
 
 
 def rebuild_projections(
-    database_url: str | None, name: str | None
+    database_url: str, name: str | None
 ) -> list[tuple[str, str, int]]:
-    url = database_url or default_database_url()
+    url = database_url
     upgrade(url)
     engine = create_engine_from_url(url)
     try:
@@ -70,12 +69,12 @@ def rebuild_projections(
 
 
 @contextmanager
-def open_backoffice(database_url: str | None) -> Iterator[Any]:
+def open_backoffice(database_url: str) -> Iterator[Any]:
     """A Backoffice over the database, with the control view folded (the CLI acts as an
     operator: it has every scope)."""
     from api.backoffice import Backoffice
 
-    url = database_url or default_database_url()
+    url = database_url
     upgrade(url)
     engine = create_engine_from_url(url)
     try:
@@ -94,8 +93,8 @@ class ControlService:
 
     @classmethod
     @contextmanager
-    def open(cls, database_url: str | None) -> Iterator[ControlService]:
-        url = database_url or default_database_url()
+    def open(cls, database_url: str) -> Iterator[ControlService]:
+        url = database_url
         upgrade(url)
         engine = create_engine_from_url(url)
         try:

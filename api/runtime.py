@@ -24,7 +24,7 @@ import aiohttp
 
 from api.backoffice import Backoffice
 from api.batch_service import BatchService
-from api.config import ServeSettings, data_dir, default_predictor_dir
+from api.config import Settings
 from api.edge import Edge
 from api.idempotency_service import AsyncIdempotency
 from api.metrics import Metrics
@@ -78,7 +78,7 @@ def new_edge_id() -> str:
 
 @dataclass
 class Runtime:
-    settings: ServeSettings
+    settings: Settings
     log: logging.Logger = log
     metrics: Metrics = field(default_factory=Metrics)
     edge_id: str = field(default_factory=new_edge_id)
@@ -101,7 +101,9 @@ class Runtime:
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
         self.backoffice = Backoffice(self.engine, self.store, self.control)
         # The web pages' sessions (api/sessions.py): signed with a secret every edge shares.
-        self.sessions = Sessions(load_secret(data_dir()))
+        self.sessions = Sessions(
+            load_secret(self.settings.data_path(), self.settings.session_secret)
+        )
         # `tollgate serve`'s fold worker runs a batch runner; an edge without one (`tollgate
         # api`) creates a batch only while a runner elsewhere reports.
         self.batches = BatchService(
@@ -267,7 +269,7 @@ class Runtime:
 
     def _predictor_path(self) -> Path:
         configured = self.settings.predictor_path
-        return Path(configured) if configured else default_predictor_dir()
+        return Path(configured) if configured else self.settings.predictor_dir()
 
     def _load_predictor(self) -> LoadedPredictor:
         """The output predictor, its history warmed from the log (a model file that cannot be
@@ -354,17 +356,21 @@ class Runtime:
     # --- the fold worker -----------------------------------------------------------------------
 
     def _worker_command(self) -> list[str]:
-        # `tollgate worker`, told this process's pid so that it stops when the edge is gone.
+        # `tollgate worker`, told this process's pid so that it stops when the edge is gone. A
+        # process, not an import: the command line (cli/) is the layer above this one.
         return [
-            sys.executable, "-m", "api.cli", "worker",
+            sys.executable, "-m", "cli", "worker",
             "--database-url", self.settings.database_url,
             "--lease-ttl", str(self.settings.lease_ttl_s),
             "--parent-pid", str(os.getpid()),
             "--log-format", self.settings.log_format,
+            *(["--config", str(self.settings.config)] if self.settings.config else []),
         ]
 
     def _worker_env(self) -> dict[str, str]:
-        # The batch runner inside the worker sends items to this edge as flex requests.
+        # The batch runner inside the worker sends items to this edge as flex requests. The rest
+        # of this process's environment (and so its settings: the data directory, the Kafka
+        # settings, ...) is the child's too; the token goes this way, never on a command line.
         host = self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return {
             **os.environ,

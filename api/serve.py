@@ -3,7 +3,6 @@ starts a simulated fleet (or uses real replicas), prints the keys and a curl lin
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import json
@@ -16,17 +15,18 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 import uvloop
 from uvicorn.config import LOGGING_CONFIG
 
 from api.app import create_app
-from api.config import DEFAULT_MODELS, ServeSettings, data_dir
+from api.config import DEFAULT_MODELS, Settings
 from api.control_service import ControlService
 from api.logs import setup_logging
 from api.runtime import Runtime
+from api.scaling import Actuator
 from engine_adapter.fleet import Fleet
 
 log = logging.getLogger("tollgate.serve")
@@ -43,15 +43,15 @@ DEMO_PRICES = {
 }
 
 
-def demo_keys_file() -> Path:
-    return data_dir() / "demo-keys.json"
+def demo_keys_file(settings: Settings) -> Path:
+    return settings.data_path() / "demo-keys.json"
 
 
-def seed_demo(settings: ServeSettings) -> dict[str, Any]:
+def seed_demo(settings: Settings) -> dict[str, Any]:
     """Create the demo tenants, keys and prices once. The demo secrets are also written to
     data/demo-keys.json (mode 600) so a restart and `tollgate loadgen --demo` can show them:
     the store itself keeps only their hashes."""
-    path = demo_keys_file()
+    path = demo_keys_file(settings)
     if path.exists():
         return dict(json.loads(path.read_text()))
     keys: dict[str, Any] = {}
@@ -71,7 +71,7 @@ def seed_demo(settings: ServeSettings) -> dict[str, Any]:
     return keys
 
 
-def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
+def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
     """Give each served model without any price the demo list price, so the demo can bill it.
     (Outside the demo an unpriced model is simply not offered: see Edge.models.)"""
     from datetime import UTC, datetime
@@ -85,7 +85,7 @@ def ensure_demo_prices(settings: ServeSettings, models: list[str]) -> None:
                 service.set_price(model, *prices)
 
 
-async def start_simulated_replica_of(settings: ServeSettings, model: str, index: int) -> Any:
+async def start_simulated_replica_of(settings: Settings, model: str, index: int) -> Any:
     from engine_adapter.simulator.engine import SimConfig
     from engine_adapter.simulator.server import start_simulated_replica
 
@@ -104,7 +104,7 @@ async def start_simulated_replica_of(settings: ServeSettings, model: str, index:
 
 
 async def start_simulated_fleet(
-    settings: ServeSettings,
+    settings: Settings,
 ) -> tuple[list[Any], list[tuple[str, str, str]]]:
     handles, replicas = [], []
     for model in settings.models:
@@ -126,51 +126,6 @@ def parse_model_flags(flags: tuple[str, ...], option: str) -> list[tuple[str, st
     return out
 
 
-class SimulatedActuator:
-    """`tollgate serve --autoscale`: simulated replicas added by the autoscaling signal, each
-    serving only after the configured cold start (a real replica loads its weights meanwhile),
-    and stopped once the fleet has drained and removed them."""
-
-    def __init__(
-        self, settings: ServeSettings, fleet: Callable[[], Fleet], handles: dict[str, Any]
-    ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.handles = handles  # replica id -> simulated replica handle
-        self._starting: dict[str, int] = {}
-        self._next = dict.fromkeys(settings.models, settings.simulated_replicas)
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def starting(self, model: str) -> int:
-        return self._starting.get(model, 0)
-
-    async def add(self, model: str) -> None:
-        self._starting[model] = self.starting(model) + 1
-        task = asyncio.get_running_loop().create_task(self._start(model))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _start(self, model: str) -> None:
-        try:
-            await asyncio.sleep(self.settings.cold_start_s)
-            index = self._next.get(model, 0)
-            self._next[model] = index + 1
-            handle = await start_simulated_replica_of(self.settings, model, index)
-            replica_id = f"sim-{model}-{index}"
-            self.handles[replica_id] = handle
-            self.fleet().add(replica_id, handle.url, model)
-            await self.fleet().refresh(check_health_too=True)
-            log.info("replica %s of %s serving after its cold start", replica_id, model)
-        finally:
-            self._starting[model] -= 1
-
-    async def remove(self, replica_id: str) -> None:
-        handle = self.handles.pop(replica_id, None)
-        if handle is not None:
-            await handle.stop()
-            log.info("replica %s stopped", replica_id)
-
-
 def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
     out = []
     for i, flag in enumerate(flags):
@@ -183,12 +138,25 @@ def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return out
 
 
-def run(settings: ServeSettings) -> None:
+class OwningActuator(Actuator, Protocol):
+    """What `--autoscale` acts through: an actuator that owns the simulated replicas it runs
+    (`handles`, by replica id), which serving stops when it ends."""
+
+    handles: dict[str, Any]
+
+
+# Builds it from the settings, the fleet (once the runtime has started it) and the simulated
+# replicas by id. The command line injects it (cli/dev/actuator.py), so serving imports no
+# development tool.
+ActuatorFactory = Callable[[Settings, Callable[[], Fleet], dict[str, Any]], OwningActuator]
+
+
+def run(settings: Settings, actuator_factory: ActuatorFactory | None = None) -> None:
     # The event loop shares the GIL with the fold and group-commit threads. After each socket
     # send it must win the GIL back, and with the default 5 ms switch interval a busy fold thread
     # made every send cost up to 5 ms (py-spy: 18 % of the loop in transport.write). 0.5 ms keeps
     # the loop responsive; the threads' throughput barely changes.
-    sys.setswitchinterval(float(os.environ.get("TOLLGATE_SWITCH_INTERVAL_S", "0.0005")))
+    sys.setswitchinterval(settings.switch_interval_s)
     setup_logging(settings.log_format)
     if settings.replicas and settings.models == DEFAULT_MODELS:
         settings.models = tuple(
@@ -199,10 +167,12 @@ def run(settings: ServeSettings) -> None:
         ensure_demo_prices(settings, list(settings.models))
     # uvloop: the same asyncio API with the loop and its transports in C; measured here it cut
     # the CPU of a 16-chunk stream by about a fifth (bench/gateway.py, A/B in one run).
-    uvloop.run(_serve(settings, keys))
+    uvloop.run(_serve(settings, keys, actuator_factory))
 
 
-async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
+async def _serve(
+    settings: Settings, keys: dict[str, Any], actuator_factory: ActuatorFactory | None
+) -> None:
     handles: list[Any] = []
     if settings.replicas:
         replicas = parse_replica_flags(settings.replicas)
@@ -213,9 +183,15 @@ async def _serve(settings: ServeSettings, keys: dict[str, Any]) -> None:
     if settings.autoscale:
         if settings.replicas:
             raise ValueError("--autoscale adds simulated replicas: it needs no --replica")
+        if actuator_factory is None:
+            raise ValueError("--autoscale needs an actuator to add and remove replicas")
         by_id = {r[0]: h for r, h in zip(replicas, handles, strict=True)}
-        fleet = lambda: runtime.fleet  # noqa: E731 - the fleet exists once the runtime started
-        actuator = SimulatedActuator(settings, fleet, by_id)  # type: ignore[arg-type]
+
+        def fleet() -> Fleet:
+            assert runtime.fleet is not None  # started before the scaling loop ever acts
+            return runtime.fleet
+
+        actuator = actuator_factory(settings, fleet, by_id)
         handles = []  # the actuator owns them now (it stops those it removes)
     try:
         await runtime.start(
@@ -294,7 +270,7 @@ class _Server(uvicorn.Server):
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _listening(settings: ServeSettings) -> list[socket.socket] | None:
+def _listening(settings: Settings) -> list[socket.socket] | None:
     """The listening socket, bound here when client connections get a fixed kernel send buffer
     (Linux gives accepted sockets the listener's; a fixed size also turns off the kernel's
     autotuning, which on loopback grows to megabytes). None: uvicorn binds its own."""
@@ -312,7 +288,7 @@ def _listening(settings: ServeSettings) -> list[socket.socket] | None:
 
 
 def _print_banner(
-    base: str, settings: ServeSettings, keys: dict[str, Any], replicas: list[tuple[str, str, str]]
+    base: str, settings: Settings, keys: dict[str, Any], replicas: list[tuple[str, str, str]]
 ) -> None:
     lines = [
         f"Tollgate serving on {base}  (database: {settings.database_url})",

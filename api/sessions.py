@@ -23,8 +23,9 @@ SESSION_TTL_S = 8 * 3600
 ENV = "TOLLGATE_SESSION_SECRET"
 
 
-def load_secret(data_dir: Path) -> bytes:
-    configured = os.environ.get(ENV)
+def load_secret(data_dir: Path, configured: str | None = None) -> bytes:
+    """The configured secret (the session_secret setting, TOLLGATE_SESSION_SECRET), else the one
+    drawn once into `data_dir`."""
     if configured:
         return configured.encode()
     path = data_dir / "session-secret"

@@ -551,7 +551,7 @@ def _profile_rows(title: str, p: dict[str, Any]) -> list[str]:
         "| --- | --- |",
     ]
     own = ("(api/", "(ledger/", "(streams/", "(domain/", "(engine_adapter/")
-    skip = ("serve (api/cli", "one_line_errors", "run (api/serve", "run_worker", "worker (api/cli")
+    skip = ("serve (cli/serve", "one_line_errors", "run (api/serve", "run_worker", "worker (cli/pipeline")
     for f, pct in p.get("top_inclusive_pct", []):
         if f.startswith(skip) or not any(o in f for o in own):
             continue

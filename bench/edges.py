@@ -47,7 +47,7 @@ from ledger.schema import events
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b-2026-05"
 TENANT = "demo-standard"
-TOLLGATE = [sys.executable, "-m", "api.cli"]
+TOLLGATE = [sys.executable, "-m", "cli"]
 # The bound stated in api/README.md: the other edges' admissions within one propagation delay.
 # As a ratio target at this flood: within 10 % of what the tenant may have.
 TARGET_RATIO = 1.10

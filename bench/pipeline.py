@@ -210,7 +210,7 @@ def sustained_run(
             **os.environ, "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
             "TOLLGATE_KAFKA_TOPIC": topic, "PYTHONPATH": str(ROOT),
         }  # fmt: skip
-        tollgate = [sys.executable, "-m", "api.cli"]
+        tollgate = [sys.executable, "-m", "cli"]
         names = ["relay", *(f"worker-{i + 1}" for i in range(workers))]
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:

@@ -163,6 +163,9 @@ def parse(spec: str) -> dict[str, int]:
     return armed
 
 
+# The one environment read below the command line that is not a setting (api/config.py): a
+# test-only fault hook, armed at import in every process a test starts (children included),
+# before any settings exist, and never part of a deployment's configuration.
 _armed: dict[str, int] = parse(os.environ.get(ENV, ""))
 _plan: dict[str, list[_Arm]] = {}
 _hang_s = 5.0

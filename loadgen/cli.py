@@ -77,6 +77,8 @@ def load_keys(path: Path) -> tuple[dict[str, str], dict[str, str], str | None]:
 
 
 def demo_keys_path() -> Path:
+    # Read here and not through Tollgate's settings: the load generator imports nothing of
+    # Tollgate (an import contract), and this is only where `tollgate serve` wrote its keys.
     return Path(os.environ.get("TOLLGATE_DATA_DIR", "data")).resolve() / "demo-keys.json"
 
 

@@ -70,11 +70,14 @@ class FaustEventConsumer(SavedOffsets):
         *,
         max_records: int = 5000,
         within_s: float = 0.2,
+        kafka_settings: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(engine, bootstrap, topic, name)
+        super().__init__(engine, bootstrap, topic, name, kafka_settings)
         self._bootstrap = bootstrap
         # Refused here, before any thread, when a setting cannot be taken.
-        self._credentials = faust_credentials(client_settings(bootstrap))
+        self._credentials = faust_credentials(
+            client_settings(bootstrap, kafka_settings=self.kafka_settings)
+        )
         self._max_records = max_records
         self._within_s = within_s
         # Two batches ahead of the worker at most: faust pauses fetching behind them.

@@ -35,7 +35,10 @@ class SavedOffsets:
     topic. A subclass reads the messages and seeks its client to `_seek_targets` on every
     assignment."""
 
-    def __init__(self, engine: sa.Engine, bootstrap: str, topic: str, name: str) -> None:
+    def __init__(
+        self, engine: sa.Engine, bootstrap: str, topic: str, name: str,
+        kafka_settings: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         ck = confluent()
         self._ck = ck
         self.engine = engine
@@ -47,7 +50,10 @@ class SavedOffsets:
         # Per partition, the relay epoch of the messages being read (None: reading from the
         # start, whatever epoch that is).
         self._epochs: dict[int, int | None] = {}
-        self._producer = ck.Producer(client_settings(bootstrap, {"enable.idempotence": True}))
+        self.kafka_settings = dict(kafka_settings or {})  # the cluster's own (TLS, SASL)
+        self._producer = ck.Producer(client_settings(
+            bootstrap, {"enable.idempotence": True}, kafka_settings=self.kafka_settings
+        ))  # fmt: skip
 
     def _seek_targets(self, partitions: list[int], beginning: int) -> dict[int, int]:
         epoch = current_epoch(self.engine, self.topic)
@@ -116,8 +122,9 @@ class KafkaEventConsumer(SavedOffsets):
         name: str,
         *,
         settings: Mapping[str, Any] | None = None,
+        kafka_settings: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(engine, bootstrap, topic, name)
+        super().__init__(engine, bootstrap, topic, name, kafka_settings)
         self._consumer = self._ck.Consumer(
             client_settings(
                 bootstrap,

@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -394,7 +394,9 @@ def run_kafka_worker(
     group: str | None = None,
     lease_ttl_s: float = LEASE_TTL_S,
     metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1",
     client: str = "confluent",
+    kafka_settings: Mapping[str, str] | None = None,
 ) -> None:
     """`tollgate worker` with a Kafka cluster: fold until SIGTERM/SIGINT (its /metrics on
     `metrics_port`, 0: off), reading the topic through `client`: confluent-kafka, or
@@ -411,18 +413,20 @@ def run_kafka_worker(
     if client == "faust":
         from streams.faust_worker import FaustEventConsumer
 
-        consumer = FaustEventConsumer(engine, bootstrap, topic, group)
+        consumer = FaustEventConsumer(engine, bootstrap, topic, group,
+                                      kafka_settings=kafka_settings)  # fmt: skip
     else:
-        consumer = KafkaEventConsumer(engine, bootstrap, topic, group)
+        consumer = KafkaEventConsumer(engine, bootstrap, topic, group,
+                                      kafka_settings=kafka_settings)  # fmt: skip
     worker = KafkaFoldWorker(engine, consumer, lease_ttl_s=lease_ttl_s)
     # Watermarks through a client of their own: the scrape runs on another thread than the
     # consumer's loop.
-    probe = BrokerWatermarks(bootstrap) if metrics_port else None
+    probe = BrokerWatermarks(bootstrap, kafka_settings=kafka_settings) if metrics_port else None
     if probe is not None:
         worker.metrics.registry.register(
             ConsumerLagCollector(engine, group, topic, lambda: set(consumer.assigned), probe)
         )
-    serve_metrics(metrics_port, worker.metrics.registry)
+    serve_metrics(metrics_port, worker.metrics.registry, metrics_host)
     start_reconciler(engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics)
     try:
         worker.start()

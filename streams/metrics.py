@@ -5,7 +5,6 @@ Label values are bounded: topic, partition (the topic's partition count) and con
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -158,10 +157,9 @@ class DeadLettersCollector(Collector):
         yield family
 
 
-def serve_metrics(port: int, registry: CollectorRegistry) -> None:
-    """Serve `registry` on /metrics at `port` in a daemon thread (0: not at all), on
-    TOLLGATE_METRICS_HOST (default 127.0.0.1, like the edge; 0.0.0.0 for a remote Prometheus)."""
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> None:
+    """Serve `registry` on /metrics at `host`:`port` in a daemon thread (0: not at all); the
+    host is the metrics_host setting (default 127.0.0.1, like the edge; 0.0.0.0 for a remote
+    Prometheus)."""
     if port:
-        start_http_server(
-            port, addr=os.environ.get("TOLLGATE_METRICS_HOST", "127.0.0.1"), registry=registry
-        )
+        start_http_server(port, addr=host, registry=registry)

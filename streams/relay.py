@@ -66,6 +66,7 @@ class OutboxRelay:
         partitions: int = DEFAULT_PARTITIONS,
         batch: int = 5000,
         settings: Mapping[str, Any] | None = None,
+        kafka_settings: Mapping[str, str] | None = None,
         check_every_s: float = 1.0,
     ) -> None:
         self._ck = confluent()
@@ -76,11 +77,13 @@ class OutboxRelay:
         self.batch = batch
         self.check_every_s = check_every_s
         self._settings = dict(settings or {})
+        self.kafka_settings = dict(kafka_settings or {})  # the cluster's own (TLS, SASL)
         self.reader = OutboxReader(engine)
         self.state = self.reader.load_state(topic)
         self._producer = self._new_producer()
         self._probe = self._ck.Consumer(
-            client_settings(bootstrap, {"group.id": f"{topic}.relay-probe"})
+            client_settings(bootstrap, {"group.id": f"{topic}.relay-probe"},
+                            kafka_settings=self.kafka_settings)  # fmt: skip
         )
         self._checked_at = 0.0
         self.epochs_started = 0
@@ -103,6 +106,7 @@ class OutboxRelay:
                     "message.timeout.ms": 15_000,
                     **self._settings,
                 },
+                kafka_settings=self.kafka_settings,
             )
         )
 
@@ -115,9 +119,13 @@ class OutboxRelay:
         lost, count = self._lost()
         if lost is None and self.state.published and count == self.partitions:
             return False
-        created = ensure_topic(self.bootstrap, self.topic, self.partitions)
+        created = ensure_topic(
+            self.bootstrap, self.topic, self.partitions, kafka_settings=self.kafka_settings
+        )
         if not created:  # it was there, or another client's creation came first
-            count = partition_count(self.bootstrap, self.topic)
+            count = partition_count(
+                self.bootstrap, self.topic, kafka_settings=self.kafka_settings
+            )
         if count is not None and count != self.partitions:
             if lost is None or not self.state.published:
                 raise TopicMismatch(
@@ -132,7 +140,9 @@ class OutboxRelay:
                 "topic %s came back with %d partitions, not %d: creating it again",
                 self.topic, count, self.partitions,
             )
-            replace_topic(self.bootstrap, self.topic, self.partitions)
+            replace_topic(
+                self.bootstrap, self.topic, self.partitions, kafka_settings=self.kafka_settings
+            )
         if lost is None or (created and not self.state.published):
             if self.state.published == 0 and self.state.last_txid == 0:
                 self.reader.save_state(self.state)  # the first epoch, on record for consumers
@@ -248,6 +258,7 @@ class OutboxRelay:
 def run_relay(
     database_url: str, bootstrap: str, topic: str = DEFAULT_TOPIC,
     partitions: int = DEFAULT_PARTITIONS, *, metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1", kafka_settings: Mapping[str, str] | None = None,
 ) -> None:
     """`tollgate relay`: publish until SIGTERM/SIGINT (its /metrics on `metrics_port`, 0: off)."""
     import signal
@@ -259,10 +270,12 @@ def run_relay(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    relay = OutboxRelay(engine, bootstrap, topic, partitions=partitions)
+    relay = OutboxRelay(
+        engine, bootstrap, topic, partitions=partitions, kafka_settings=kafka_settings
+    )
     metrics = PipelineMetrics(billing=False)
     metrics.add_relay(topic, relay.lag, lambda: relay.state.last_position)
-    serve_metrics(metrics_port, metrics.registry)
+    serve_metrics(metrics_port, metrics.registry, metrics_host)
     try:
         while True:  # a broker or a database that is away at start is waited for
             try:

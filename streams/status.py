@@ -422,14 +422,18 @@ class BrokerWatermarks:
     """High watermarks from the cluster (confluent-kafka, imported here: a plain install reports
     what is missing when this is built, not before)."""
 
-    def __init__(self, bootstrap: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, bootstrap: str, *, timeout_s: float = 10.0,
+        kafka_settings: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         from streams.topics import client_settings, confluent
 
         self._ck = confluent()
         self.timeout_s = timeout_s
         self._consumer = self._ck.Consumer(
             client_settings(bootstrap, {"group.id": "tollgate.status-probe",
-                                        "enable.auto.commit": False})
+                                        "enable.auto.commit": False},
+                            kafka_settings=kafka_settings)
         )
 
     def __call__(self, topic: str, partitions: Iterable[int] | None) -> dict[int, int]:
@@ -455,13 +459,16 @@ class BrokerWatermarks:
 def cluster_status(
     database_url: str, bootstrap: str | None, stale_s: float = DEFAULT_STALE_S,
     unbilled_alarm_s: float = DEFAULT_UNBILLED_ALARM_S,
+    *, kafka_settings: Mapping[str, str] | None = None,
 ) -> ClusterStatus:
     """`tollgate status`: the pipeline behind `database_url`, with the broker's watermarks when
     `bootstrap` is given (the distributed mode), else the embedded SQL-tail worker's lag."""
     from ledger.engine import create_engine_from_url
 
     engine = create_engine_from_url(database_url)
-    watermarks = BrokerWatermarks(bootstrap) if bootstrap else None
+    watermarks = (
+        BrokerWatermarks(bootstrap, kafka_settings=kafka_settings) if bootstrap else None
+    )
     try:
         return read_status(
             engine, datetime.now(UTC), watermarks=watermarks, stale_s=stale_s,

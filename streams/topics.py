@@ -4,7 +4,6 @@ extra still starts (and says what is missing when a Kafka command runs)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -31,27 +30,29 @@ def confluent() -> Any:
     return confluent_kafka
 
 
-def client_settings(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """librdkafka settings: the bootstrap servers, then `TOLLGATE_KAFKA_<SETTING>` variables
-    (`TOLLGATE_KAFKA_SECURITY_PROTOCOL=SASL_SSL` -> `security.protocol`), then `extra`. This is
-    how a production cluster's TLS/SASL settings arrive with no code change."""
-    settings: dict[str, Any] = {"bootstrap.servers": bootstrap}
-    for name, value in os.environ.items():
-        if name.startswith("TOLLGATE_KAFKA_") and name != "TOLLGATE_KAFKA_BOOTSTRAP":
-            key = name.removeprefix("TOLLGATE_KAFKA_").lower().replace("_", ".")
-            if key not in ("topic", "partitions"):
-                settings[key] = value
-    settings.update(extra or {})
-    return settings
+def client_settings(
+    bootstrap: str,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    kafka_settings: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """librdkafka settings: the bootstrap servers, then the configured `kafka_settings`
+    (`TOLLGATE_KAFKA_SECURITY_PROTOCOL=SASL_SSL` or the file's [kafka] table, read once at start
+    by api/config.py), then `extra`. This is how a production cluster's TLS/SASL settings
+    arrive with no code change."""
+    return {"bootstrap.servers": bootstrap, **(kafka_settings or {}), **(extra or {})}
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS) -> bool:
+def ensure_topic(
+    bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS,
+    *, kafka_settings: Mapping[str, str] | None = None,
+) -> bool:  # fmt: skip
     """Create `topic` (and its dead-letter topic) if missing; True if this call created the
     event topic (not when another client's creation came first)."""
     ck = confluent()
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient(client_settings(bootstrap))
+    admin = AdminClient(client_settings(bootstrap, kafka_settings=kafka_settings))
     present = set(admin.list_topics(timeout=10).topics)
     wanted = [t for t in (topic, dead_letter_topic(topic)) if t not in present]
     created = False
@@ -67,26 +68,32 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITION
     return created
 
 
-def partition_count(bootstrap: str, topic: str) -> int | None:
+def partition_count(
+    bootstrap: str, topic: str, *, kafka_settings: Mapping[str, str] | None = None
+) -> int | None:
     """The topic's partition count, None if the cluster does not have it."""
     confluent()
     from confluent_kafka.admin import AdminClient
 
-    metadata = AdminClient(client_settings(bootstrap)).list_topics(topic, timeout=10)
+    admin = AdminClient(client_settings(bootstrap, kafka_settings=kafka_settings))
+    metadata = admin.list_topics(topic, timeout=10)
     found = metadata.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         return None
     return len(found.partitions)
 
 
-def replace_topic(bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:
+def replace_topic(
+    bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0,
+    *, kafka_settings: Mapping[str, str] | None = None,
+) -> None:  # fmt: skip
     """Delete `topic` and create it again with `partitions` (the relay's own count), for a topic
     that another client created behind the relay's back after a broker loss. A deletion can take
     a moment to finish on a real cluster: the creation is retried until it does."""
     ck = confluent()
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient(client_settings(bootstrap))
+    admin = AdminClient(client_settings(bootstrap, kafka_settings=kafka_settings))
     for future in admin.delete_topics([topic], operation_timeout=timeout_s).values():
         try:
             future.result(timeout_s)

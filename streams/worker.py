@@ -600,10 +600,11 @@ def read_fold_status(
 
 def run_worker(
     database_url: str, *, lease_ttl_s: float = LEASE_TTL_S, parent_pid: int = 0,
-    metrics_port: int = 0,
+    metrics_port: int = 0, metrics_host: str = "127.0.0.1",
+    batches: BatchRunnerSettings | None = None,
 ) -> None:
     """`tollgate worker`: catch up, then fold until SIGTERM/SIGINT (or the parent is gone); its
-    /metrics on `metrics_port` (0: off)."""
+    /metrics on `metrics_port` (0: off); a batch runner beside the folds with `batches`."""
     engine = create_engine_from_url(database_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -615,9 +616,9 @@ def run_worker(
     )
     if metrics_port:
         worker.metrics.registry.register(DeadLettersCollector(engine))
-    serve_metrics(metrics_port, worker.metrics.registry)
+    serve_metrics(metrics_port, worker.metrics.registry, metrics_host)
     start_reconciler(engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics)
-    runner = _batch_runner(engine, worker, stop)
+    runner = _batch_runner(engine, worker, stop, batches)
     try:
         while True:  # a database that is away at start (or drops us meanwhile) is waited for
             try:
@@ -640,21 +641,30 @@ def run_worker(
         engine.dispose()
 
 
+@dataclass(frozen=True, slots=True)
+class BatchRunnerSettings:
+    """Where the embedded batch runner sends items and how it proves itself: the edge's URL
+    and token, which `tollgate serve` hands its fold worker (settings edge_url, batch_token)."""
+
+    edge_url: str
+    token: str
+    concurrency: int = 8
+
+
 def _batch_runner(
-    engine: sa.Engine, worker: FoldWorker, stop: threading.Event
+    engine: sa.Engine, worker: FoldWorker, stop: threading.Event,
+    batches: BatchRunnerSettings | None,
 ) -> threading.Thread | None:
     """The batch runner beside the folds, when the edge told this worker where it is and how to
-    prove itself (`tollgate serve` does, in the environment)."""
+    prove itself (`tollgate serve` does)."""
     from streams.batch_runner import BatchRunner
 
-    edge_url = os.environ.get("TOLLGATE_EDGE_URL")
-    token = os.environ.get("TOLLGATE_BATCH_TOKEN")
-    if not edge_url or not token:
+    if batches is None:
         log.info("no TOLLGATE_EDGE_URL/TOLLGATE_BATCH_TOKEN: batches are not run here")
         return None
     runner = BatchRunner(
-        engine, worker.store, edge_url=edge_url, token=token,
-        concurrency=int(os.environ.get("TOLLGATE_BATCH_CONCURRENCY", "8")),
+        engine, worker.store, edge_url=batches.edge_url, token=batches.token,
+        concurrency=batches.concurrency,
     )
     worker.on_batch_created = runner.nudge  # idle, it polls once a second: start a new one now
     return threading.Thread(target=runner.run, args=(stop,), name="batch-runner", daemon=True)

@@ -29,7 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOLLGATE = (
-    [str(BIN / "tollgate")] if (BIN / "tollgate").exists() else [sys.executable, "-m", "api.cli"]
+    [str(BIN / "tollgate")] if (BIN / "tollgate").exists() else [sys.executable, "-m", "cli"]
 )
 
 MODEL = "llama-3.1-8b-2026-05"  # fast replicas

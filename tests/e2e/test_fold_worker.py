@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from api.cli import EMBEDDED_WORKER_NICENESS
+from cli.pipeline import EMBEDDED_WORKER_NICENESS
 from tests.e2e.conftest import FAST, MODEL, Server, auth, poll, running_server, short_body
 
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,7 @@ and must find what that loses: answers a client holds complete, billed other tha
 from __future__ import annotations
 
 from api import edge, recorder
-from api.cli import main
+from cli import main
 
 
 async def _not_waiting(ended: object) -> bool:

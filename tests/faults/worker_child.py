@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.cli import main
+from cli import main
 from streams import kafka_worker
 
 _init = kafka_worker.KafkaFoldWorker.__init__

@@ -181,7 +181,7 @@ def test_only_the_load_generator_imports_its_http_client() -> None:
     # `tollgate --help` lists `loadgen` without importing it; running it loads the real command.
     probe = (
         "import sys\n"
-        "from api.cli import main\n"
+        "from cli import main\n"
         "try:\n"
         "    main(sys.argv[1:])\n"
         "except SystemExit:\n"
@@ -200,8 +200,43 @@ def test_only_the_load_generator_imports_its_http_client() -> None:
         assert done.stdout.strip().splitlines()[-1] == imported, args
 
 
+def test_serving_imports_no_development_tool(tmp_path: Path) -> None:
+    # The dev-cluster's proxy and supervisor and --autoscale's simulated actuator live in
+    # cli/dev/, imported only by what uses them. `api.serve.run` is replaced by a probe: the
+    # command line is what is under test, up to the point where serving starts.
+    probe = (
+        "import sys\n"
+        "import api.serve\n"
+        "def run(settings, actuator_factory=None):\n"
+        "    print('actuator', getattr(actuator_factory, '__name__', None))\n"
+        "api.serve.run = run\n"
+        "from cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('cli.dev.')))\n"
+    )
+    env = {**os.environ, "TOLLGATE_DATA_DIR": str(tmp_path)}
+    for args, actuator, imported in (
+        (["--help"], None, "[]"),
+        (["serve", "--help"], None, "[]"),
+        (["api", "--help"], None, "[]"),
+        (["serve"], "actuator None", "[]"),
+        (["serve", "--autoscale"], "actuator SimulatedActuator", "['cli.dev.actuator']"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,
+            env=env,
+        )  # fmt: skip
+        lines = done.stdout.strip().splitlines()
+        assert lines[-1] == imported, (args, done.stdout, done.stderr)
+        if actuator:
+            assert actuator in lines, (args, done.stdout)
+
+
 def test_the_lazy_loadgen_entry_shows_the_commands_own_summary() -> None:
-    from api.cli import main
+    from cli import main
     from loadgen.cli import loadgen
 
     lazy = main.commands["loadgen"]
@@ -236,3 +271,83 @@ def test_models_register_from_a_config_json_and_from_flags(url: str, tmp_path: P
                    "--dtype-bytes", "--kv-heads", "--head-dim")  # fmt: skip
     done = run("models", "show", "--model", "nobody-2026-05", url=url)
     one_line_error(done, "no model profile", "tollgate models register --model nobody-2026-05")
+
+
+def test_serve_runs_from_a_config_file_with_the_environment_over_it(tmp_path: Path) -> None:
+    """`tollgate serve --config F`: every setting from the file (its port, data directory and
+    fleet), one from the environment over the file, and its fold worker child on the same
+    file: a request is served and billed."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "data"
+    config = tmp_path / "tollgate.toml"
+    config.write_text(
+        f'port = {port}\ndata_dir = "{data}"\nsimulated_replicas = 1\n'
+        'models = ["llama-3.1-8b-2026-05"]\nsim_speed = 5.0\nkeep_alive_s = 9\n'
+        'metrics_token = "file-token-0123"\n'
+    )
+    shown = ok("config", "show", "--config", str(config), url="")
+    assert f"port = {port}" in shown and "keep_alive_s = 9" in shown
+    assert "file-token" not in shown  # masked
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
+    env["TOLLGATE_METRICS_TOKEN"] = "env-token-4567"  # the environment over the file
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [TOLLGATE, "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, cwd=tmp_path,
+        )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        banner = log.read_text()
+        assert f"database: sqlite:///{data / 'tollgate.db'}" in banner
+        assert "fleet: 1 replicas of llama-3.1-8b-2026-05" in banner
+        keys = json.loads((data / "demo-keys.json").read_text())  # the file's data directory
+        done = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {keys['demo-standard']}"},
+            json={"model": "llama-3.1-8b-2026-05", "max_tokens": 4,
+                  "messages": [{"role": "user", "content": "Hello!"}]},
+            timeout=30,
+        )  # fmt: skip
+        assert done.status_code == 200, done.text
+        # /metrics answers the environment's token, not the file's.
+        for token, status in (("env-token-4567", 200), ("file-token-0123", 401)):
+            answer = httpx.get(f"{base}/metrics", timeout=10,
+                               headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+            assert answer.status_code == status, (token, answer.status_code)
+        # Billed by the fold worker child, which read the same file (its data directory).
+        engine = sa.create_engine(f"sqlite:///{data / 'tollgate.db'}")
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                with engine.connect() as conn:
+                    billed = conn.execute(sa.text("SELECT COUNT(*) FROM ledger_entries")).scalar()
+                if billed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            engine.dispose()
+        assert billed, log.read_text()
+        workers = subprocess.run(["ps", "-ww", "-o", "args=", "--ppid", str(proc.pid)],
+                                 capture_output=True, text=True).stdout  # fmt: skip
+        assert f"--config {config}" in workers, workers
+    finally:
+        proc.terminate()
+        proc.wait(20)

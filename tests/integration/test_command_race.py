@@ -36,7 +36,7 @@ def gated(view, command):
     return decide(view, command)
 
 control.decide_control = gated
-from api.cli import main
+from cli import main
 main(["tenants", "create", "acme", "--plan", "free", "--database-url", sys.argv[2]])
 """
 

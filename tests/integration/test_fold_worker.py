@@ -175,7 +175,7 @@ def test_tollgate_worker_runs_until_sigterm_and_folds_what_came_before(sqlite_ur
         store = SqlEventStore(engine)
         _price(store)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "worker", "--database-url", sqlite_url],
+            [sys.executable, "-m", "cli", "worker", "--database-url", sqlite_url],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from api.dev_cluster import FrontDoor
+from cli.dev.cluster import FrontDoor
 
 
 def _free_port() -> int:

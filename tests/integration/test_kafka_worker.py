@@ -107,7 +107,7 @@ def _worker(
         [
             sys.executable,
             "-m",
-            "api.cli",
+            "cli",
             "worker",
             "--database-url",
             postgres_url,

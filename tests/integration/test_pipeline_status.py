@@ -48,7 +48,7 @@ def status_cli(url: str, *args: str, bootstrap: str | None = None) -> tuple[int,
     if bootstrap:
         env["TOLLGATE_KAFKA_BOOTSTRAP"] = bootstrap
     done = subprocess.run(
-        [sys.executable, "-m", "api.cli", "status", "--database-url", url, *args],
+        [sys.executable, "-m", "cli", "status", "--database-url", url, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode in (0, 2), done.stderr
@@ -258,7 +258,7 @@ def test_status_runs_without_confluent_kafka_and_says_what_the_kafka_view_needs(
     missing package instead of a traceback."""
     upgrade(sqlite_url)
     blocked = (
-        "import sys; sys.modules['confluent_kafka'] = None; from api.cli import main; "
+        "import sys; sys.modules['confluent_kafka'] = None; from cli import main; "
         "main(sys.argv[1:], prog_name='tollgate')"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}

@@ -450,7 +450,7 @@ def _tollgate(*args: str, url: str) -> Any:
     import sys
 
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args, "--database-url", url],
+        [sys.executable, "-m", "cli", *args, "--database-url", url],
         capture_output=True, text=True, timeout=120, env=dict(os.environ),
     )  # fmt: skip
 

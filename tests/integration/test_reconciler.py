@@ -139,7 +139,7 @@ def test_tollgate_status_exits_2_on_an_alarm(url: str, engine: sa.Engine) -> Non
 
     def status(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "api.cli", "status", "--database-url", url, *args],
+            [sys.executable, "-m", "cli", "status", "--database-url", url, *args],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 

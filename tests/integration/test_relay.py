@@ -126,7 +126,7 @@ def test_a_relay_killed_mid_publish_and_restarted_leaves_every_event_on_the_topi
     append_requests(store, tenants, 500, group=200)  # 18,000 events
     reader = OutboxReader(engine)
     command = [
-        sys.executable, "-m", "api.cli", "relay", "--database-url", postgres_url,
+        sys.executable, "-m", "cli", "relay", "--database-url", postgres_url,
         "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic, "--partitions", "4",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -305,7 +305,7 @@ def test_a_topic_with_another_partition_count_is_refused_with_the_count_named(
             relay.publish_once()
         assert relay.state.published == 0
         command = [
-            sys.executable, "-m", "api.cli", "relay", "--database-url", postgres_url,
+            sys.executable, "-m", "cli", "relay", "--database-url", postgres_url,
             "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic,
         ]  # the default count, 8
         done = subprocess.run(
@@ -360,7 +360,7 @@ def test_relay_kills_while_transactions_commit_out_of_position_order(
             time.sleep(0.002)
 
     command = [
-        sys.executable, "-m", "api.cli", "relay", "--database-url", postgres_url,
+        sys.executable, "-m", "cli", "relay", "--database-url", postgres_url,
         "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic, "--partitions", "4",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -45,7 +45,7 @@ def _status(url: str, *args: str) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
-        [sys.executable, "-m", "api.cli", "status", "--database-url", url, *args],
+        [sys.executable, "-m", "cli", "status", "--database-url", url, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode in (0, 2), done.stderr

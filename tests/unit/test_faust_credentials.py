@@ -8,6 +8,7 @@ import certifi
 import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
+from api.config import load_settings
 from streams.faust_worker import faust_credentials
 from streams.topics import KafkaSettingError, client_settings
 
@@ -27,7 +28,9 @@ def test_sasl_ssl_from_the_environment_reaches_the_client(monkeypatch) -> None:
     monkeypatch.setenv("TOLLGATE_KAFKA_SASL_USERNAME", "tollgate")
     monkeypatch.setenv("TOLLGATE_KAFKA_SASL_PASSWORD", "s3cret")
     monkeypatch.setenv("TOLLGATE_KAFKA_SSL_CA_LOCATION", certifi.where())
-    auth = _auth(client_settings("k:9093"))
+    # Read once, by the settings object, and passed down (api/config.py).
+    kafka_settings = load_settings().kafka_client_settings()
+    auth = _auth(client_settings("k:9093", kafka_settings=kafka_settings))
     assert auth["security_protocol"] == "SASL_SSL"
     assert auth["sasl_mechanism"] == "SCRAM-SHA-512"
     assert auth["sasl_plain_username"] == "tollgate"

@@ -26,15 +26,15 @@ import httpx
 import psycopg
 from sqlalchemy.engine import make_url
 
-from api.config import DEFAULT_MODELS, ServeSettings, data_dir
+from api.config import DEFAULT_MODELS, Settings
 from api.control_service import ControlService, hash_secret
 from api.serve import demo_keys_file, ensure_demo_prices, seed_demo
+from cli.dev import DEV_DATABASE_URL
 from streams.dev_broker import DevBroker
 from streams.supervisor import RestartBackoff
 from streams.topics import DEFAULT_TOPIC
 
 # The local test database of DESIGN.md §8 (127.0.0.1:5432, user postgres, trust auth).
-DEV_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 _PR_SET_PDEATHSIG = 1
 # The batch runner first (its items in flight are cancelled at the edge, billed nothing and run
 # again later), then the edges (their in-flight requests end and are recorded), then what folds
@@ -57,6 +57,7 @@ class DevClusterSettings:
     sim_speed: float = 1.0
     topic: str = DEFAULT_TOPIC
     log_dir: Path | None = None  # default: <data dir>/logs
+    data_dir: Path = Path("data").resolve()  # the children's too
     stop_grace_s: float = 20.0
 
 
@@ -93,7 +94,7 @@ class DevCluster:
 
     @property
     def log_dir(self) -> Path:
-        return self.settings.log_dir or data_dir() / "logs"
+        return self.settings.log_dir or self.settings.data_dir / "logs"
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -105,7 +106,7 @@ class DevCluster:
         check_postgres(s.database_url)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Migrations and the demo tenants once, here, before any child races to do them.
-        self.keys = demo_keys(s.database_url, s.models)
+        self.keys = demo_keys(s)
         self.broker = DevBroker(
             s.kafka_port or None, log_path=self.log_dir / "broker.log",
             popen_options={"process_group": 0, "preexec_fn": _die_with_parent},
@@ -121,7 +122,7 @@ class DevCluster:
             raise DevClusterError(f"the development broker did not start: {exc}") from exc
         self._broker_started_at = time.monotonic()
         python = [sys.executable]
-        tollgate = [*python, "-m", "api.cli"]
+        tollgate = [*python, "-m", "cli"]
         replicas: list[str] = []
         for m_index, model in enumerate(s.models):
             for i in range(s.simulated_replicas):
@@ -176,7 +177,7 @@ class DevCluster:
             "TOLLGATE_DATABASE_URL": self.settings.database_url,
             "TOLLGATE_KAFKA_BOOTSTRAP": self.bootstrap,
             "TOLLGATE_KAFKA_TOPIC": self.settings.topic,
-            "TOLLGATE_DATA_DIR": str(data_dir()),
+            "TOLLGATE_DATA_DIR": str(self.settings.data_dir),
             "TOLLGATE_BATCH_TOKEN": self.batch_token,
         }
         with open(child.log, "ab") as log:
@@ -443,17 +444,19 @@ def check_postgres(url: str) -> None:
         ) from exc
 
 
-def demo_keys(database_url: str, models: tuple[str, ...]) -> dict[str, str]:
+def demo_keys(settings: DevClusterSettings) -> dict[str, str]:
     """Migrate, seed the demo tenants and prices, and return the demo keys — issued again when
     the saved ones are not this database's (another database, or one reset since)."""
-    settings = ServeSettings(database_url=database_url)
-    keys = seed_demo(settings)
+    database_url, models = settings.database_url, settings.models
+    # Only what seeding reads: this database and data directory, nothing from the environment.
+    settings_ = Settings.model_construct(database_url=database_url, data_dir=settings.data_dir)
+    keys = seed_demo(settings_)
     with ControlService.open(database_url) as service:
         known = all(service.view.key_by_hash(hash_secret(k)) for k in keys.values())
     if not known:
-        demo_keys_file().unlink()
-        keys = seed_demo(settings)
-    ensure_demo_prices(settings, list(models))
+        demo_keys_file(settings_).unlink()
+        keys = seed_demo(settings_)
+    ensure_demo_prices(settings_, list(models))
     return {name: str(secret) for name, secret in keys.items()}
 
 

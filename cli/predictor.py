@@ -16,25 +16,23 @@ import click
 import httpx
 
 from api import control_service as control
-from api.cli import one_line_errors
-from api.config import default_database_url, default_predictor_dir
+from api.config import Settings
+from cli.common import one_line_errors
+from cli.options import settings_options
 from ledger.control import ControlLog
 from ledger.store import SqlEventStore, create_engine_from_url
 from predictor import model_file
 
-database_option = click.option(
-    "--database-url", envvar="TOLLGATE_DATABASE_URL", default=None,
-    help="the event store (env TOLLGATE_DATABASE_URL; default: a SQLite file under ./data)",
-)  # fmt: skip
 model_option = click.option(
     "--model", "model_path", default=None,
-    help="a model file, or a directory whose newest model is used (default: ./data/predictor)",
+    help="a model file, or a directory whose newest model is used (default: the data "
+    "directory's predictor/)",
 )  # fmt: skip
 
 
 @contextmanager
-def _store(database_url: str | None) -> Iterator[SqlEventStore]:
-    url = database_url or default_database_url()
+def _store(settings: Settings) -> Iterator[SqlEventStore]:
+    url = settings.store_url()
     control.upgrade(url)
     engine = create_engine_from_url(url)
     try:
@@ -43,8 +41,8 @@ def _store(database_url: str | None) -> Iterator[SqlEventStore]:
         engine.dispose()
 
 
-def _model(model_path: str | None) -> tuple[Path, model_file.ModelFile]:
-    path = Path(model_path) if model_path else default_predictor_dir()
+def _model(model_path: str | None, settings: Settings) -> tuple[Path, model_file.ModelFile]:
+    path = Path(model_path) if model_path else settings.predictor_dir()
     found = model_file.latest(path) if path.is_dir() else path
     if found is None or not found.is_file():
         raise click.ClickException(f"no model file at {path}: run `tollgate predictor train`")
@@ -57,7 +55,7 @@ def predictor() -> None:
 
 
 @predictor.command()
-@database_option
+@settings_options("database_url")
 @click.option("--out", default=None, help="directory for the model file (default ./data/predictor)")
 @click.option("--quantile", default=0.95, show_default=True, type=click.FloatRange(0.5, 0.999))
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -73,7 +71,7 @@ def predictor() -> None:
               help="ReLU units of a hidden layer (0: linear in log space)")
 @one_line_errors
 def train(
-    database_url: str | None, out: str | None, quantile: float, seed: int, holdout: float,
+    settings: Settings, out: str | None, quantile: float, seed: int, holdout: float,
     max_seconds: float, max_requests: int, min_calibration: int, hidden: int,
 ) -> None:
     """Train on the completed and cancelled requests of the event log; write a model file."""
@@ -85,9 +83,9 @@ def train(
     config = TrainConfig(quantile=quantile, seed=seed, holdout=holdout, max_seconds=max_seconds,
                          max_requests=max_requests, min_calibration=min_calibration,
                          hidden=hidden)  # fmt: skip
-    with _store(database_url) as store:
+    with _store(settings) as store:
         try:
-            path, mf = train_and_save(store, config, Path(out) if out else default_predictor_dir())
+            path, mf = train_and_save(store, config, Path(out) if out else settings.predictor_dir())
         except NotEnoughData as exc:
             raise click.ClickException(str(exc)) from None
     t = mf.training
@@ -104,17 +102,17 @@ def train(
 
 
 @predictor.command()
-@database_option
+@settings_options("database_url")
 @model_option
 @click.option("--json", "as_json", is_flag=True)
 @one_line_errors
-def status(database_url: str | None, model_path: str | None, as_json: bool) -> None:
+def status(settings: Settings, model_path: str | None, as_json: bool) -> None:
     """The model `tollgate serve` loads, its training window, and per tenant its realised
     coverage (read from the log: requests this model predicted, over the last 500 each)."""
-    path, mf = _model(model_path)
+    path, mf = _model(model_path, settings)
     from predictor.status import realised
 
-    with _store(database_url) as store:
+    with _store(settings) as store:
         tenants = realised(store, mf)
     report = {
         "model": mf.version, "file": str(path), "quantile": mf.model.quantile,
@@ -138,7 +136,7 @@ def status(database_url: str | None, model_path: str | None, as_json: bool) -> N
 
 
 @predictor.command()
-@database_option
+@settings_options("database_url")
 @model_option
 @click.option("--from", "since", default=None, help="ISO 8601: replay from here (default: the "
               "model's held-out slice)")
@@ -152,7 +150,7 @@ def status(database_url: str | None, model_path: str | None, as_json: bool) -> N
 @click.option("--json", "as_json", is_flag=True)
 @one_line_errors
 def evaluate(
-    database_url: str | None, model_path: str | None, since: str | None, time_scale: float,
+    settings: Settings, model_path: str | None, since: str | None, time_scale: float,
     tpm: int | None, tpm_per_offered: float | None, kv_gib_seconds: int | None, as_json: bool,
 ) -> None:
     """Replay a held-out slice through admission with max_tokens, the model, and an oracle."""
@@ -161,9 +159,9 @@ def evaluate(
     from predictor.evaluate import Replay, held_out
     from predictor.evaluate import evaluate as run_evaluation
 
-    _, mf = _model(model_path)
+    _, mf = _model(model_path, settings)
     override = {k: v for k, v in (("tpm", tpm), ("kv_gib_seconds", kv_gib_seconds)) if v}
-    with _store(database_url) as store:
+    with _store(settings) as store:
         requests = read_requests(store)
         control_view = ControlLog(store).view
     before, sliced = held_out(requests, mf, parse_instant(since) if since else None)
@@ -196,7 +194,7 @@ GENERATION_LIMITS = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_output": 4096,
 
 
 @predictor.command()
-@database_option
+@settings_options("database_url")
 @click.option("--url", default="http://127.0.0.1:8080", show_default=True,
               help="a running `tollgate serve` on the same database, with simulated replicas")
 @click.option("--requests", "n", default=6_000, show_default=True, type=click.IntRange(min=1))
@@ -208,7 +206,7 @@ GENERATION_LIMITS = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_output": 4096,
 @click.option("--model", default="llama-3.1-8b-2026-05", show_default=True)
 @one_line_errors
 def generate(
-    database_url: str | None, url: str, n: int, rate: float, concurrency: int, seed: int,
+    settings: Settings, url: str, n: int, rate: float, concurrency: int, seed: int,
     prefix: str, model: str,
 ) -> None:
     """Send chat, summarisation and agent traffic (per-tenant answer lengths; every client
@@ -216,7 +214,7 @@ def generate(
     from predictor.generate import TENANT_KINDS, drive
 
     keys: dict[str, list[str]] = {}
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(settings.store_url()) as service:
         known = {t.name for t in service.list_tenants()}
         for kind in TENANT_KINDS:
             tenant = f"{prefix}-{kind}"

@@ -1,0 +1,105 @@
+"""What every command shares: the store option, one-line errors, amounts and instants."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import typing
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any, TypeVar
+
+import click
+
+from api.config import Settings
+from cli.options import settings_options
+from domain.errors import MAX_AMOUNT_MICROS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+def database_option(fn: F) -> F:
+    """--database-url and --config (generated from the settings, cli/options.py): the command
+    is called with the store's URL as `database_url`."""
+
+    @functools.wraps(fn)
+    def with_url(*args: Any, settings: Settings, **kwargs: Any) -> Any:
+        return fn(*args, database_url=settings.store_url(), **kwargs)
+
+    return settings_options("database_url")(typing.cast(F, with_url))
+
+
+def one_line_errors(fn: F) -> F:
+    """Known failures print `tollgate: error: ...` and exit 1; never a traceback (unless
+    TOLLGATE_DEBUG=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the CLI's one place that renders every error
+            # Read here, not from the settings: it must work when the settings themselves fail.
+            if os.environ.get("TOLLGATE_DEBUG"):
+                raise
+            message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            click.echo(f"tollgate: error: {message}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def micros(text: str, option: str) -> int:
+    """A decimal amount of dollars as micro-dollars, or a usage error naming `option`."""
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        value = Decimal("NaN")
+    if not value.is_finite():
+        raise click.BadParameter(f"{text!r} is not a decimal amount", param_hint=option)
+    if value < 0:
+        raise click.BadParameter(f"{text} is negative", param_hint=option)
+    if value > MAX_AMOUNT_MICROS // 1_000_000:  # before any arithmetic: 1e999999999 overflows
+        raise click.BadParameter(
+            f"{text} is over {MAX_AMOUNT_MICROS // 1_000_000:,} dollars", param_hint=option
+        )
+    micros = value * 1_000_000
+    if micros != micros.to_integral_value():
+        raise click.BadParameter(
+            f"{text} has more precision than a micro-dollar", param_hint=option
+        )
+    return int(micros)
+
+
+def instant(text: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not an ISO 8601 instant") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+
+class LazyCommand(click.Command):
+    """A subcommand whose module is imported only when it runs or prints its own help.
+
+    `tollgate --help` lists it from `help` alone, so no other command imports what it needs
+    (the load generator's httpx and rich views are not part of serving)."""
+
+    def __init__(self, name: str, load: Callable[[], click.Command], help: str) -> None:
+        super().__init__(name, help=help)
+        self.load = load
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        # The group runs `ctx.command`, so handing over the real command's context is enough.
+        return self.load().make_context(info_name, args, parent=parent, **extra)

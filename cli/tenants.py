@@ -1,0 +1,408 @@
+"""Who may call and how much: tenants, keys, limits, workspaces, projects, budgets, runs,
+fallbacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from api import control_service as control
+from cli.common import (
+    F,
+    database_option,
+    instant,
+    micros,
+    one_line_errors,
+)
+
+# --- tenants, keys, limits, prices ---------------------------------------------------------------
+
+
+@click.group()
+def tenants() -> None:
+    """Tenants and their plans."""
+
+
+@tenants.command("create")
+@click.argument("name")
+@click.option(
+    "--plan", type=str, default="standard", show_default=True, help="free | standard | enterprise"
+)
+@database_option
+@one_line_errors
+def tenants_create(name: str, plan: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.create_tenant(name, plan)
+    click.echo(f"tenant {name} created on the {plan} plan")
+
+
+@tenants.command("plan")
+@click.argument("name")
+@click.option("--plan", required=True, help="free | standard | enterprise")
+@database_option
+@one_line_errors
+def tenants_plan(name: str, plan: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.change_plan(name, plan)
+    click.echo(f"tenant {name} moved to the {plan} plan")
+
+
+@tenants.command("list")
+@database_option
+@one_line_errors
+def tenants_list(database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        for tenant in service.list_tenants():
+            click.echo(f"{tenant.tenant_id}\t{tenant.plan}")
+
+
+@click.group()
+def keys() -> None:
+    """API keys (stored only as SHA-256 hashes)."""
+
+
+@keys.command("issue")
+@click.option("--tenant", required=True)
+@click.option(
+    "--scope",
+    type=click.Choice(["customer", "finance", "support", "admin"]),
+    default="customer",
+    show_default=True,
+)
+@click.option("--project", default=None, help="its project (default: the organization)")
+@database_option
+@one_line_errors
+def keys_issue(tenant: str, scope: str, project: str | None, database_url: str) -> None:
+    """Print a new key: its id, then the secret alone on the last line (shown once)."""
+    with control.ControlService.open(database_url) as service:
+        key_id, secret = service.issue_key(tenant, scope, project)
+    click.echo(f"issued {scope} key {key_id} for tenant {tenant}; store it now, it is not kept:")
+    click.echo(secret)
+
+
+@keys.command("assign")
+@click.argument("key_id")
+@click.option("--tenant", required=True)
+@click.option("--project", required=True)
+@database_option
+@one_line_errors
+def keys_assign(key_id: str, tenant: str, project: str, database_url: str) -> None:
+    """Move a key into a project (its requests are then bounded by the project's levels)."""
+    with control.ControlService.open(database_url) as service:
+        service.assign_key(tenant, key_id, project)
+    click.echo(f"key {key_id} belongs to project {project}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@click.option("--tenant", required=True)
+@database_option
+@one_line_errors
+def keys_revoke(key_id: str, tenant: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.revoke_key(tenant, key_id)
+    click.echo(f"key {key_id} revoked")
+
+
+@click.group()
+def limits() -> None:
+    """Per-tenant, per-model limits (unset options keep the plan's default)."""
+
+
+def _non_negative(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise click.BadParameter("must be zero or more", ctx=ctx, param=param)
+    return value
+
+
+def _level(
+    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
+) -> tuple[str, str] | None:
+    """The one level named by --workspace / --project / --key (None: the organization)."""
+    given = [(kind, value) for kind, value in
+             (("workspace", workspace), ("project", project), ("key", key)) if value]  # fmt: skip
+    if len(given) > 1:
+        raise click.UsageError("give at most one of --workspace, --project, --key")
+    if given:
+        return given[0]
+    return ("org", tenant) if org else None
+
+
+level_options = [
+    click.option("--workspace", default=None, help="a workspace of the tenant"),
+    click.option("--project", default=None, help="a project of the tenant"),
+    click.option("--key", "key_id", default=None, help="an API key id of the tenant"),
+]
+
+
+def with_level(fn: F) -> F:
+    for option in reversed(level_options):
+        fn = option(fn)
+    return fn
+
+
+@limits.command("set")
+@click.option("--tenant", required=True)
+@with_level
+@click.option("--model", required=True, help="model name, version, or * for every model")
+@click.option("--rpm", type=int, callback=_non_negative, help="requests per minute")
+@click.option("--tpm", type=int, callback=_non_negative, help="tokens per minute")
+@click.option("--max-context", type=int, callback=_non_negative, help="max prompt tokens")
+@click.option("--max-output", type=int, callback=_non_negative, help="max completion tokens")
+@click.option(
+    "--kv-seconds",
+    type=int,
+    callback=_non_negative,
+    help="cap on concurrent estimated KV GiB-seconds in flight",
+)
+@click.option(
+    "--reserved-kv-seconds",
+    type=int,
+    callback=_non_negative,
+    help="enterprise reserved floor, KV GiB-seconds",
+)
+@database_option
+@one_line_errors
+def limits_set(
+    tenant: str,
+    workspace: str | None,
+    project: str | None,
+    key_id: str | None,
+    model: str,
+    rpm: int | None,
+    tpm: int | None,
+    max_context: int | None,
+    max_output: int | None,
+    kv_seconds: int | None,
+    reserved_kv_seconds: int | None,
+    database_url: str,
+) -> None:
+    """Limits of the organization (no level option) or of one workspace, project or key; a
+    request is admitted only if every level on its path has room."""
+    level = _level(tenant, workspace, project, key_id, org=False)
+    if level is not None:
+        if reserved_kv_seconds is not None:
+            raise click.UsageError("--reserved-kv-seconds is an organization's limit")
+        with control.ControlService.open(database_url) as service:
+            service.set_level_limits(
+                tenant, *level, model, rpm=rpm, tpm=tpm, max_context=max_context,
+                max_output=max_output, kv_gib_seconds=kv_seconds,
+            )  # fmt: skip
+        click.echo(f"limits for {level[0]} {level[1]} of {tenant} on {model} recorded")
+        return
+    with control.ControlService.open(database_url) as service:
+        service.set_limits(
+            tenant,
+            model,
+            rpm=rpm,
+            tpm=tpm,
+            max_context=max_context,
+            max_output=max_output,
+            kv_gib_seconds=kv_seconds,
+            reserved_kv_gib_seconds=reserved_kv_seconds,
+        )
+    click.echo(f"limits for {tenant} on {model} recorded")
+
+
+@limits.command("show")
+@click.option("--tenant", required=True)
+@click.option("--model", required=True)
+@click.option("--at", "at_", default=None, help="ISO 8601 instant (default: now)")
+@database_option
+@one_line_errors
+def limits_show(tenant: str, model: str, at_: str | None, database_url: str) -> None:
+    """The limits in force for a tenant and model, now or at a past instant."""
+    at = instant(at_) if at_ else None
+    with control.ControlService.open(database_url) as service:
+        shown = service.limits_in_force(tenant, model, at)
+    for name, value in shown.items():
+        click.echo(f"{name}\t{value}")
+
+
+# --- the hierarchy, budgets and runs -------------------------------------------------------------
+
+
+@click.group()
+def workspaces() -> None:
+    """Workspaces: the level between an organization and its projects."""
+
+
+@workspaces.command("create")
+@click.argument("name")
+@click.option("--tenant", required=True)
+@database_option
+@one_line_errors
+def workspaces_create(name: str, tenant: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.create_workspace(tenant, name)
+    click.echo(f"workspace {name} created in {tenant}")
+
+
+@workspaces.command("list")
+@click.option("--tenant", required=True)
+@database_option
+@one_line_errors
+def workspaces_list(tenant: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        tree = service.view.hierarchy
+        for workspace in tree.workspaces(tenant):
+            click.echo(workspace.level_id)
+            for project, parent in tree.projects(tenant):
+                if parent == workspace.level_id:
+                    click.echo(f"  {project.level_id}")
+
+
+@click.group()
+def projects() -> None:
+    """Projects: each in a workspace; keys belong to one (`keys issue --project`)."""
+
+
+@projects.command("create")
+@click.argument("name")
+@click.option("--tenant", required=True)
+@click.option("--workspace", required=True)
+@database_option
+@one_line_errors
+def projects_create(name: str, tenant: str, workspace: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.create_project(tenant, name, workspace)
+    click.echo(f"project {name} created in workspace {workspace} of {tenant}")
+
+
+@projects.command("move")
+@click.argument("name")
+@click.option("--tenant", required=True)
+@click.option("--workspace", required=True, help="the workspace it belongs to from now on")
+@database_option
+@one_line_errors
+def projects_move(name: str, tenant: str, workspace: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.move_project(tenant, name, workspace)
+    click.echo(f"project {name} is in workspace {workspace}")
+
+
+@click.group()
+def budgets() -> None:
+    """Spend budgets per calendar day or month, at any level."""
+
+
+@budgets.command("set")
+@click.option("--tenant", required=True)
+@with_level
+@click.option("--period", required=True, type=click.Choice(["day", "month"]))
+@click.option("--usd", default=None, help="the budget, e.g. 25.00")
+@click.option("--clear", is_flag=True, help="remove the budget of that level and period")
+@database_option
+@one_line_errors
+def budgets_set(
+    tenant: str, workspace: str | None, project: str | None, key_id: str | None, period: str,
+    usd: str | None, clear: bool, database_url: str,
+) -> None:  # fmt: skip
+    """Periods are calendar days and months in the organization's time zone (UTC unless set
+    with `tollgate budgets timezone`); a new one starts from zero at its first instant."""
+    if (usd is None) == (not clear):
+        raise click.UsageError("give --usd AMOUNT or --clear")
+    level = _level(tenant, workspace, project, key_id, org=True)
+    assert level is not None
+    amount = None if clear else micros(usd or "", "--usd")
+    with control.ControlService.open(database_url) as service:
+        service.set_budget(tenant, *level, period, amount)
+    shown = "cleared" if amount is None else f"{usd} USD"
+    periodly = {"day": "daily", "month": "monthly"}[period]
+    click.echo(f"{periodly} budget of {level[0]} {level[1]}: {shown}")
+
+
+@budgets.command("timezone")
+@click.option("--tenant", required=True)
+@click.option("--zone", required=True, help="an IANA time zone, e.g. Europe/Paris")
+@database_option
+@one_line_errors
+def budgets_timezone(tenant: str, zone: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        service.set_time_zone(tenant, zone)
+    click.echo(f"budget periods of {tenant} begin at midnight {zone}")
+
+
+run_limit_options = [
+    click.option("--max-calls", type=int, callback=_non_negative, help="model calls per run"),
+    click.option("--max-tool-calls", type=int, callback=_non_negative,
+                 help="tool calls the engine may return within a run"),  # fmt: skip
+    click.option("--max-wall-s", type=int, callback=_non_negative,
+                 help="seconds since the run started"),  # fmt: skip
+    click.option("--max-usd", default=None, help="cost per run, e.g. 0.50"),
+    click.option("--max-in-flight", type=int, callback=_non_negative,
+                 help="calls in flight at once"),  # fmt: skip
+]
+
+
+def with_run_limits(fn: F) -> F:
+    for option in reversed(run_limit_options):
+        fn = option(fn)
+    return fn
+
+
+def run_limits(
+    max_calls: int | None, max_tool_calls: int | None, max_wall_s: int | None,
+    max_usd: str | None, max_in_flight: int | None,
+) -> Any:  # fmt: skip
+    from domain.hierarchy import RunLimits
+
+    return RunLimits(
+        max_calls, max_tool_calls, None if max_wall_s is None else max_wall_s * 1000,
+        None if max_usd is None else micros(max_usd, "--max-usd"), max_in_flight,
+    )  # fmt: skip
+
+
+@click.group()
+def runs() -> None:
+    """Agent runs: the model calls of one task, under one run budget."""
+
+
+@runs.command("policy")
+@click.option("--tenant", required=True)
+@click.option("--project", required=True)
+@with_run_limits
+@database_option
+@one_line_errors
+def runs_policy(tenant: str, project: str, database_url: str, **limits: Any) -> None:
+    """The run budget a project's runs get where their creator gives none."""
+    with control.ControlService.open(database_url) as service:
+        service.set_run_policy(tenant, project, run_limits(**limits))
+    click.echo(f"run policy of project {project} recorded")
+
+
+@click.group()
+def fallbacks() -> None:
+    """A tenant's consent to be served another model when the one it asks for has no capacity."""
+
+
+@fallbacks.command("allow")
+@click.option("--tenant", required=True)
+@click.option("--from", "from_model", required=True, help="the model asked for (name or version)")
+@click.option("--to", "to_model", required=True, help="the model that may serve it instead")
+@database_option
+@one_line_errors
+def fallbacks_allow(tenant: str, from_model: str, to_model: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        changed = service.allow_fallback(tenant, from_model, to_model)
+    state = "allowed" if changed else "was already allowed"
+    click.echo(f"{tenant}: {from_model} -> {to_model} {state}")
+
+
+@fallbacks.command("revoke")
+@click.option("--tenant", required=True)
+@click.option("--from", "from_model", required=True)
+@click.option("--to", "to_model", required=True)
+@database_option
+@one_line_errors
+def fallbacks_revoke(
+    tenant: str, from_model: str, to_model: str, database_url: str
+) -> None:
+    with control.ControlService.open(database_url) as service:
+        changed = service.revoke_fallback(tenant, from_model, to_model)
+    state = "revoked" if changed else "was not allowed"
+    click.echo(f"{tenant}: {from_model} -> {to_model} {state}")
+
+
+COMMANDS = (tenants, keys, limits, workspaces, projects, budgets, runs, fallbacks)
