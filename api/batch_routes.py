@@ -58,7 +58,6 @@ def add_batch_routes(
         )
         return render(200, found, ids(request))
 
-    # One route per path, its methods together: a 405 then names them all in its Allow.
     # One route per method, each described apart; a 405 names every method of the path in its
     # Allow (app.py `_routing_error`).
     @app.get(
@@ -81,10 +80,8 @@ def add_batch_routes(
         "/v1/files/{file_id}/content",
         summary="A file's content (an input file, or a batch's output or error file: one JSON "
         "object a line, keyed by custom_id)",
-        response_class=Response, responses=answers(*AUTHENTICATED, 404, description="JSONL") | {
-            200: {**answers(description="JSONL")[200],
-                  "content": {"application/jsonl": {"schema": {"type": "string"}}}},
-        },
+        response_class=Response,
+        responses=answers(*AUTHENTICATED, 404, description="JSONL", media_type="application/jsonl"),
     )  # fmt: skip
     async def file_content(request: Request, caller: CustomerDep, file_id: FileId) -> Response:
         content = await asyncio.to_thread(service.content, caller, file_id)

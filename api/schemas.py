@@ -513,13 +513,17 @@ def error_answers(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def answers(
-    *errors: int, csv: bool = False, description: str = "OK"
+    *errors: int, csv: bool = False, description: str = "OK", media_type: str | None = None
 ) -> dict[int | str, dict[str, Any]]:
-    """A route's `responses=`: the 200 (its body is the route's `response_model`) with its
-    X-Request-Id, and a CSV rendering with `?format=csv`; then `error_answers(*errors)`."""
+    """A route's `responses=`: the 200 with its X-Request-Id, its body the route's
+    `response_model` (or text of `media_type`), and a CSV rendering with `?format=csv`; then
+    `error_answers(*errors)`."""
     success: dict[str, Any] = {"description": description, "headers": REQUEST_ID_HEADER}
+    text = {"schema": {"type": "string"}}
+    if media_type:
+        success["content"] = {media_type: text}
     if csv:
-        success["content"] = {"text/csv": {"schema": {"type": "string"}}}
+        success["content"] = {"text/csv": text}
     return {200: success, **error_answers(*errors)}
 
 
