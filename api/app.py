@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from api.auth import Caller, single_authorization
@@ -25,8 +26,9 @@ from api.backoffice import (
     GROUP_BY,
     GROUP_COLUMNS,
     INVOICE_COLUMNS,
+    MAX_ENTRIES,
+    REQUEST_ID,
     USAGE_COLUMNS,
-    choice,
     groups,
     parse_range,
     timeline_json,
@@ -39,6 +41,26 @@ from api.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailabl
 from api.openapi import install as install_openapi
 from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
 from api.runtime import Runtime
+from api.schemas import (
+    AUTHENTICATED,
+    BearerDep,
+    Fleet,
+    GoodputRows,
+    Health,
+    IntegerText,
+    Invoice,
+    LedgerEntries,
+    ModelList,
+    Readiness,
+    Reconciliation,
+    RequestTimeline,
+    Run,
+    RunCreate,
+    UsageRows,
+    answers,
+    error_answers,
+    request_body,
+)
 from domain.hierarchy import RUN_ID
 from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
 from ledger.ids import new_request_id, utcnow
@@ -98,7 +120,7 @@ def metrics_token(runtime: Runtime, limits: RefusalLimits, request: Request) -> 
     limits.authenticate(request_source(request), attempt)
 
 
-async def customer(request: Request) -> Caller:
+async def customer(request: Request, _bearer: BearerDep) -> Caller:
     request.state.request_id = new_request_id()
     return key_caller(request, CUSTOMER)
 
@@ -106,12 +128,45 @@ async def customer(request: Request) -> Caller:
 CustomerDep = Annotated[Caller, Depends(customer)]
 
 
-async def any_key(request: Request) -> Caller:
+async def any_key(request: Request, _bearer: BearerDep) -> Caller:
     request.state.request_id = new_request_id()
     return key_caller(request, ALL_SCOPES)
 
 
 AnyKeyDep = Annotated[Caller, Depends(any_key)]
+
+# The routes' parameters, typed: FastAPI checks them before the route runs (a bad one is a 400
+# naming it, in OpenAI's error body: `_invalid` below) and describes them in /openapi.json. A
+# query parameter is absent or text, never null (`openapi.py` drops the null FastAPI writes).
+
+# Empty means "the default", as the web pages' forms send it.
+Instant = Annotated[str, WithJsonSchema({
+    "anyOf": [{"type": "string", "format": "date-time"}, {"type": "string", "maxLength": 0}]
+})]  # fmt: skip
+TenantQuery = Annotated[
+    str | None, Query(description="a tenant (finance keys; a customer key only its own)")
+]
+FromQuery = Annotated[Instant | None, Query(
+    alias="from",
+    description="ISO 8601 instant, e.g. 2026-11-01T00:00:00Z (default: 30 days before `to`); "
+    "the range is at most 366 days",
+)]  # fmt: skip
+ToQuery = Annotated[
+    Instant | None, Query(alias="to", description="ISO 8601 instant (default: now)")
+]
+ModelQuery = Annotated[str | None, Query(description="a model name or version")]
+FormatQuery = Annotated[Literal[FORMATS], Query(alias="format", description="default json")]
+UsageGroupQuery = Annotated[Literal[GROUP_BY], Query(
+    description="default hour; key, workspace, project and run add that column (null: the "
+    "organization's own, or outside any run)",
+)]  # fmt: skip
+GOODPUT_GROUPS_PATTERN = "^({0})(,({0}))*$".format("|".join(GOODPUT_GROUPS))
+PERIOD = "^[0-9]{4}-(0[1-9]|1[0-2])$"
+# Described, not checked here: an id that is not a run's is a run that does not exist (404).
+RunIdPath = Annotated[
+    str, Path(description="the run's id"),
+    WithJsonSchema({"type": "string", "pattern": RUN_ID.pattern}),
+]
 
 
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
@@ -119,7 +174,11 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
 
 
 def create_app(runtime: Runtime) -> FastAPI:
-    app = FastAPI(title="Tollgate", version="0.1.0", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="Tollgate", version="0.1.0", docs_url=None, redoc_url=None,
+        description="Tollgate: an OpenAI-compatible chat-completions API with exact, "
+        "event-sourced billing. Authenticate with `Authorization: Bearer <key>`.",
+    )  # fmt: skip
     app.state.runtime = runtime
     # A key may be refused as often a minute as its plan lets it make requests.
     app.state.limits = RefusalLimits(
@@ -144,7 +203,16 @@ def create_app(runtime: Runtime) -> FastAPI:
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
-        answer = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette's Allow names the methods of the first route on the path only; a path
+            # has a route per method (each described apart), and the Allow names them all.
+            headers["Allow"] = ", ".join(sorted({
+                method for route in app.router.routes if isinstance(route, Route)
+                and route.matches(request.scope)[0] is not Match.NONE
+                for method in route.methods or ()
+            }))  # fmt: skip
+        answer = ApiError(exc.status_code, message, code=code, headers=headers)
         return await _api_error(request, answer)
 
     @app.exception_handler(RequestValidationError)
@@ -179,7 +247,10 @@ def create_app(runtime: Runtime) -> FastAPI:
             500, error_body("internal error", "server_error", None, "internal_error"), headers
         )
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models", summary="Models on sale",
+        response_model=ModelList, responses=answers(401, 403, 429),
+    )  # fmt: skip
     async def list_models(request: Request, caller: CustomerDep) -> Response:
         return json_response(
             200,
@@ -187,60 +258,91 @@ def create_app(runtime: Runtime) -> FastAPI:
             {"X-Request-Id": request.state.request_id},
         )
 
-    @app.get("/v1/billing/usage")
-    async def billing_usage(request: Request, caller: AnyKeyDep) -> Response:
-        q = request.query_params
+    @app.get(
+        "/v1/billing/usage", summary="Usage by hour, day, model or key",
+        response_model=UsageRows, responses=answers(*AUTHENTICATED, 404, csv=True),
+    )  # fmt: skip
+    async def billing_usage(
+        request: Request, caller: AnyKeyDep, tenant: TenantQuery = None,
+        start: FromQuery = None, end: ToQuery = None, model: ModelQuery = None,
+        group_by: UsageGroupQuery = "hour", fmt: FormatQuery = "json",
+    ) -> Response:  # fmt: skip
         bo = runtime.backoffice
-        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
-        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
-        group_by = choice(q.get("group_by"), GROUP_BY, "hour", "group_by")
-        fmt = choice(q.get("format"), FORMATS, "json", "format")
-        rows = await asyncio.to_thread(bo.usage, tenant, start, end, q.get("model"), group_by)
+        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, tenant)
+        since, until = parse_range(start, end, utcnow())
+        rows = await asyncio.to_thread(bo.usage, tenant, since, until, model, group_by)
         extra = GROUP_COLUMNS.get(group_by)
         columns = USAGE_COLUMNS + ((extra,) if extra else ())
         return render_rows(rows, fmt, columns, request.state.request_id)
 
-    @app.get("/v1/billing/ledger")
-    async def billing_ledger(request: Request, caller: AnyKeyDep) -> Response:
-        q = request.query_params
+    @app.get(
+        "/v1/billing/ledger", summary="Billing ledger entries, oldest first",
+        response_model=LedgerEntries, responses=answers(*AUTHENTICATED, 404, csv=True),
+    )  # fmt: skip
+    async def billing_ledger(
+        request: Request, caller: AnyKeyDep, tenant: TenantQuery = None,
+        start: FromQuery = None, end: ToQuery = None, model: ModelQuery = None,
+        fmt: FormatQuery = "json",
+        limit: Annotated[
+            int, Query(ge=1, le=MAX_ENTRIES, description="default 1000"), IntegerText
+        ] = 1000,
+        after: Annotated[
+            str | None, Query(description="the last request_id of the previous page")
+        ] = None,
+    ) -> Response:  # fmt: skip
         bo = runtime.backoffice
-        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
-        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
-        fmt = choice(q.get("format"), FORMATS, "json", "format")
-        limit = _int_param(q.get("limit"), 1000, "limit")
-        rows = await asyncio.to_thread(
-            bo.entries, tenant, start, end, q.get("model"), limit, q.get("after")
-        )
+        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, tenant)
+        since, until = parse_range(start, end, utcnow())
+        rows = await asyncio.to_thread(bo.entries, tenant, since, until, model, limit, after)
         return render_rows(rows, fmt, ENTRY_COLUMNS, request.state.request_id)
 
-    @app.get("/v1/billing/invoices/{tenant}")
-    async def billing_invoice(request: Request, tenant: str, caller: AnyKeyDep) -> Response:
-        q = request.query_params
+    @app.get(
+        "/v1/billing/invoices/{tenant}", summary="A tenant's invoice for a calendar month",
+        response_model=Invoice, responses=answers(*AUTHENTICATED, 404, csv=True),
+    )  # fmt: skip
+    async def billing_invoice(
+        request: Request, tenant: Annotated[str, Path(description="the tenant")],
+        caller: AnyKeyDep, fmt: FormatQuery = "json",
+        period: Annotated[
+            str | None, Query(pattern=PERIOD, description="YYYY-MM (default: this month)")
+        ] = None,
+    ) -> Response:  # fmt: skip
         bo = runtime.backoffice
         bo.billing_tenant(caller.scope, caller.tenant_id, tenant)
-        fmt = choice(q.get("format"), FORMATS, "json", "format")
-        period = q.get("period")
-        if period is not None and not PERIOD.fullmatch(period):
-            raise ApiError(400, "'period' must be YYYY-MM", param="period", code="invalid_value")
         invoice = await asyncio.to_thread(bo.invoice, tenant, period, utcnow())
         if fmt == "csv":
             return render_rows(invoice["lines"], fmt, INVOICE_COLUMNS, request.state.request_id)
         return json_response(200, invoice, {"X-Request-Id": request.state.request_id})
 
-    @app.get("/v1/billing/goodput")
-    async def billing_goodput(request: Request, caller: AnyKeyDep) -> Response:
-        q = request.query_params
+    @app.get(
+        "/v1/billing/goodput",
+        summary="Requests that ended in the range, by outcome against their tier's SLO",
+        response_model=GoodputRows, responses=answers(*AUTHENTICATED, 404, csv=True),
+    )  # fmt: skip
+    async def billing_goodput(
+        request: Request, caller: AnyKeyDep, tenant: TenantQuery = None,
+        start: FromQuery = None, end: ToQuery = None,
+        group_by: Annotated[str | None, Query(
+            pattern=GOODPUT_GROUPS_PATTERN,
+            description=f"comma-separated subset of {', '.join(GOODPUT_GROUPS)} (default tier)",
+        )] = None,
+        fmt: FormatQuery = "json",
+    ) -> Response:  # fmt: skip
         bo = runtime.backoffice
-        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
-        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
-        group_by = groups(q.get("group_by"), GOODPUT_GROUPS, ("tier",), "group_by")
-        fmt = choice(q.get("format"), FORMATS, "json", "format")
-        rows = await asyncio.to_thread(bo.goodput, tenant, start, end, group_by)
-        return render_rows(rows, fmt, group_by + GOODPUT_COLUMNS, request.state.request_id)
+        tenant = bo.billing_tenant(caller.scope, caller.tenant_id, tenant)
+        since, until = parse_range(start, end, utcnow())
+        chosen = groups(group_by, GOODPUT_GROUPS, ("tier",), "group_by")
+        rows = await asyncio.to_thread(bo.goodput, tenant, since, until, chosen)
+        return render_rows(rows, fmt, chosen + GOODPUT_COLUMNS, request.state.request_id)
 
-    @app.get("/v1/billing/reconciliation")
-    async def billing_reconciliation(request: Request, caller: AnyKeyDep) -> Response:
-        q = request.query_params
+    @app.get(
+        "/v1/billing/reconciliation",
+        summary="Admitted vs ended vs refunded vs billed, with every mismatch (finance keys)",
+        response_model=Reconciliation, responses=answers(*AUTHENTICATED),
+    )  # fmt: skip
+    async def billing_reconciliation(
+        request: Request, caller: AnyKeyDep, start: FromQuery = None, end: ToQuery = None
+    ) -> Response:
         bo = runtime.backoffice
         if bo.billing_tenant(caller.scope, caller.tenant_id, None) is not None:
             raise ApiError(
@@ -249,12 +351,22 @@ def create_app(runtime: Runtime) -> FastAPI:
                 type="permission_error",
                 code="insufficient_scope",
             )
-        start, end = parse_range(q.get("from"), q.get("to"), utcnow())
-        report = await asyncio.to_thread(bo.reconciliation, start, end)
+        since, until = parse_range(start, end, utcnow())
+        report = await asyncio.to_thread(bo.reconciliation, since, until)
         return json_response(200, report, {"X-Request-Id": request.state.request_id})
 
-    @app.get("/v1/requests/{request_id}/events")
-    async def request_events(request: Request, request_id: str, caller: AnyKeyDep) -> Response:
+    @app.get(
+        "/v1/requests/{request_id}/events", operation_id="get_request_events",
+        summary="A request's event timeline, re-folded (support keys; a customer its own)",
+        response_model=RequestTimeline, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def request_events(
+        request: Request,
+        request_id: Annotated[str, Path(
+            pattern=REQUEST_ID.pattern, description="the X-Request-Id of a response"
+        )],
+        caller: AnyKeyDep,
+    ) -> Response:  # fmt: skip
         timeline = await asyncio.to_thread(
             runtime.backoffice.timeline, request_id, caller.scope, caller.tenant_id, utcnow()
         )
@@ -262,23 +374,42 @@ def create_app(runtime: Runtime) -> FastAPI:
             200, timeline_json(timeline), {"X-Request-Id": request.state.request_id}
         )
 
-    @app.post("/v1/runs")
+    @app.post(
+        "/v1/runs",
+        summary="Start an agent run with a budget (limits not given: the project's policy)",
+        response_model=Run, responses=answers(
+            *AUTHENTICATED, 404, 409, 413, description="the run, started"
+        ),
+        openapi_extra=request_body(RunCreate, required=False),
+    )  # fmt: skip
     async def runs_start(request: Request, caller: CustomerDep) -> Response:
         raw = await request.body()
         run = await asyncio.to_thread(runtime.runs.start, caller, raw)
         return json_response(200, run, {"X-Request-Id": request.state.request_id})
 
-    @app.get("/v1/runs/{run_id}")
-    async def runs_show(request: Request, run_id: str, caller: CustomerDep) -> Response:
+    @app.get(
+        "/v1/runs/{run_id}",
+        summary="A run's budget, consumption and state (the caller's tenant's runs only)",
+        response_model=Run, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def runs_show(request: Request, run_id: RunIdPath, caller: CustomerDep) -> Response:
         run = runtime.runs.show(caller, run_id)
         return json_response(200, run, {"X-Request-Id": request.state.request_id})
 
-    @app.post("/v1/runs/{run_id}/end")
-    async def runs_end(request: Request, run_id: str, caller: CustomerDep) -> Response:
+    @app.post(
+        "/v1/runs/{run_id}/end",
+        summary="End a run: its later calls are refused (run_budget_exceeded, ended)",
+        response_model=Run, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def runs_end(request: Request, run_id: RunIdPath, caller: CustomerDep) -> Response:
         run = await asyncio.to_thread(runtime.runs.end, caller, run_id)
         return json_response(200, run, {"X-Request-Id": request.state.request_id})
 
-    @app.get("/v1/fleet")
+    @app.get(
+        "/v1/fleet",
+        summary="Every replica as the router sees it, and the autoscaling signal (admin keys)",
+        response_model=Fleet, responses=answers(*AUTHENTICATED, 503),
+    )  # fmt: skip
     async def fleet(caller: AnyKeyDep) -> Response:
         if caller.scope != "admin":
             raise ApiError(403, "the fleet view is for admin keys", type="permission_error",
@@ -287,11 +418,19 @@ def create_app(runtime: Runtime) -> FastAPI:
             raise ApiError(503, "the fleet is starting", type="server_error", code="starting")
         return json_response(200, runtime.scaling.view())
 
-    @app.get("/healthz")
+    @app.get(
+        "/healthz", summary="Liveness", response_model=Health,
+        responses={200: {"description": "alive"}},
+    )  # fmt: skip
     async def healthz() -> Response:
         return json_response(200, {"status": "ok"})
 
-    @app.get("/readyz")
+    @app.get(
+        "/readyz", summary="Readiness: folds healthy, control plane followed, a replica healthy",
+        response_model=Readiness, responses={
+            200: {"description": "ready"}, 503: {"model": Readiness, "description": "not ready"},
+        },
+    )  # fmt: skip
     async def readyz() -> Response:
         # Off the event loop: once a second it reads the pipeline's state from the database.
         problems, warnings = await asyncio.to_thread(runtime.readiness)
@@ -305,7 +444,15 @@ def create_app(runtime: Runtime) -> FastAPI:
             },
         )
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics (with `--metrics-token`: `Authorization: Bearer <token>`)",
+        response_class=Response, responses={
+            200: {"description": "Prometheus text format",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **error_answers(401, 429),
+        },
+    )  # fmt: skip
     async def metrics(request: Request) -> Response:
         metrics_token(runtime, app.state.limits, request)
         runtime.refresh_gauges()
@@ -538,18 +685,6 @@ def render_rows(
     return json_response(200, {"data": rows}, headers)
 
 
-# Only ASCII digits: int() also takes " 7", "+7", "7_000" and other scripts' digits, which the
-# published schema (an integer) does not.
-INTEGER = re.compile(r"-?[0-9]{1,18}")
-PERIOD = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")
-
-
-def _int_param(value: str | None, default: int, name: str) -> int:
-    if value is None:
-        return default
-    if not INTEGER.fullmatch(value):
-        raise ApiError(400, f"'{name}' must be an integer", param=name, code="invalid_value")
-    return int(value)
 
 
 def _int_header(value: str | None) -> int:

@@ -8,11 +8,16 @@ engine-side `priority`, `cache_salt` or `request_id` of its own accord.
 
 Error messages name the field and the rule, never the value: a value can be megabytes long, and the
 message is echoed to the client and stored (truncated) in the refusal event.
+
+`FIELDS` is the one table of the body's fields: each field's check and its JSON schema, made from
+the same bounds, beside each other. `request_schema()` is the published schema of the body
+(`/openapi.json`, api/openapi.py), built from it; parsing reads only the checks (`_CHECKS`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,8 +328,25 @@ def _need(obj: dict[str, Any], key: str, kind: type, expected: str, where: str =
 
 # --- the other fields, each checked only when present and not null ------------------------------
 
+Check = Callable[[Any, dict[str, Any]], None]
 
-def _number(name: str, low: float, high: float, *, low_open: bool = False) -> Any:
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A body field: how it is checked when present and not null (None: by `parse_chat_request`
+    itself), and its JSON schema. `required` fields take no null; every other field does, for
+    "not given"."""
+
+    check: Check | None
+    schema: dict[str, Any]
+    required: bool = False
+    description: str | None = None
+
+    def described(self, description: str) -> Spec:
+        return Spec(self.check, self.schema, self.required, description)
+
+
+def _number(name: str, low: float, high: float, *, low_open: bool = False) -> Spec:
     rule = f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
 
     def check(value: Any, body: dict[str, Any]) -> None:
@@ -333,10 +355,11 @@ def _number(name: str, low: float, high: float, *, low_open: bool = False) -> An
         if not (low < value if low_open else low <= value) or not value <= high:
             raise bad_request(f"'{name}' {rule}", name)
 
-    return check
+    bound = {"exclusiveMinimum": low} if low_open else {"minimum": low}
+    return Spec(check, {"type": "number", **bound, "maximum": high})
 
 
-def _integer(name: str, low: int, high: int) -> Any:
+def _integer(name: str, low: int, high: int) -> Spec:
     rule = f"an integer >= {low}" if high == INT64_MAX else f"an integer in [{low}, {high}]"
 
     def check(value: Any, body: dict[str, Any]) -> None:
@@ -345,24 +368,24 @@ def _integer(name: str, low: int, high: int) -> Any:
         if not low <= value <= high:
             raise bad_request(f"'{name}' must be {rule}", name)
 
-    return check
+    return Spec(check, {"type": "integer", "minimum": low, "maximum": high})
 
 
-def _boolean(name: str) -> Any:
+def _boolean(name: str) -> Spec:
     def check(value: Any, body: dict[str, Any]) -> None:
         if type(value) is not bool:
             raise _type(name, "a boolean")
 
-    return check
+    return Spec(check, BOOLEAN)
 
 
-def _string(name: str) -> Any:
+def _string(name: str) -> Spec:
     def check(value: Any, body: dict[str, Any]) -> None:
         if type(value) is not str:
             raise _type(name, "a string")
         _check_storable(value, name)
 
-    return check
+    return Spec(check, STRING)
 
 
 def _check_metadata(value: Any, body: dict[str, Any]) -> None:
@@ -375,8 +398,8 @@ def _check_metadata(value: Any, body: dict[str, Any]) -> None:
         raise bad_request(exc.message, exc.field, code=code) from None
 
 
-_n_range = _integer("n", 1, MAX_N)
-_top_logprobs_range = _integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+_n_range = _integer("n", 1, MAX_N).check
+_top_logprobs_range = _integer("top_logprobs", 0, MAX_TOP_LOGPROBS).check
 
 
 def _check_n(value: Any, body: dict[str, Any]) -> None:
@@ -515,38 +538,221 @@ def _optional(obj: dict[str, Any], key: str, kind: type, expected: str, where: s
         raise _Bad(f"{where}.{key}", f"must be {expected}", "invalid_type")
 
 
-_CHECKS: dict[str, Any] = {
+# --- the table ---------------------------------------------------------------------------------
+# The schemas of the structured fields state what their checks above check; the cross-field rules
+# (stream_options only with stream, top_logprobs only with logprobs, tool_choice only with tools)
+# are stated in the body's `allOf`, nesting in its description.
+
+STRING: dict[str, Any] = {"type": "string"}
+BOOLEAN: dict[str, Any] = {"type": "boolean"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _obj(required: list[str], **properties: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _const(value: str) -> dict[str, Any]:
+    return {"type": "string", "const": value}
+
+
+def _enum(values: frozenset[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": sorted(values)}
+
+
+def _url_part(kind: str, **extra: Any) -> dict[str, Any]:
+    return _obj(["type", kind], type=_const(kind), **{kind: _obj(["url"], url=STRING, **extra)})
+
+
+# What `_check_part` takes, by part type.
+_PART_SCHEMAS = {
+    "text": _obj(["type", "text"], type=_const("text"), text=STRING),
+    "refusal": _obj(["type", "refusal"], type=_const("refusal"), refusal=STRING),
+    "image_url": _url_part("image_url", detail=_nullable(_enum(IMAGE_DETAILS))),
+    "input_audio": _obj(
+        ["type", "input_audio"], type=_const("input_audio"),
+        input_audio=_obj(["data", "format"], data=STRING, format=_enum(AUDIO_FORMATS)),
+    ),
+    "file": _obj(["type", "file"], type=_const("file"), file=_obj(
+        [], **dict.fromkeys(("file_data", "file_id", "filename"), _nullable(STRING))
+    )),
+    "audio_url": _url_part("audio_url"),
+    "video_url": _url_part("video_url"),
+}  # fmt: skip
+_TOOL_CALL = _obj(
+    ["id", "function"], id=STRING, type=_const("function"),
+    function=_obj(["name", "arguments"], name=STRING, arguments=STRING),
+)  # fmt: skip
+
+
+def _message_schema(role: str) -> dict[str, Any]:
+    """What `_check_message` takes from a message of `role` (by `_PARTS_BY_ROLE` and
+    `_CONTENT_REQUIRED`)."""
+    parts = sorted(_PARTS_BY_ROLE[role])
+    content: dict[str, Any] = STRING
+    if parts:
+        content = {"anyOf": [STRING, {"type": "array", "items": {
+            "anyOf": [_PART_SCHEMAS[p] for p in parts]
+        }}]}  # fmt: skip
+    required = ["role"]
+    fields = {k: _nullable(STRING) for k in ("name", "tool_call_id", "refusal")}
+    if role in _CONTENT_REQUIRED:
+        required.append("content")
+    else:
+        content = _nullable(content)
+    if role == "tool":
+        required.append("tool_call_id")
+        fields["tool_call_id"] = STRING
+    calls = _nullable({"type": "array", "items": _TOOL_CALL}) if role == "assistant" else {
+        "type": "null"
+    }
+    schema = _obj(required, role=_const(role), content=content, **fields, tool_calls=calls)
+    if role == "assistant":  # content unless tool calls (or a legacy function_call)
+        schema["anyOf"] = [
+            {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+            {"required": ["tool_calls"],
+             "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+            {"required": ["function_call"],
+             "properties": {"function_call": {"not": {"type": "null"}}}},
+        ]  # fmt: skip
+    return schema
+
+
+def _named_schema(schema_key: str) -> dict[str, Any]:
+    """`_check_named_schema`'s."""
+    return _obj(
+        ["name"], name={"type": "string", "pattern": f"^{FUNCTION_NAME.pattern}$"},
+        description=_nullable(STRING), strict=_nullable(BOOLEAN),
+        **{schema_key: _nullable({"type": "object"})},
+    )  # fmt: skip
+
+
+# `max_completion_tokens` and `max_tokens`, checked by `_positive_int`.
+_POSITIVE = Spec(None, {"type": "integer", "minimum": 1, "maximum": INT64_MAX})
+
+
+FIELDS: dict[str, Spec] = {
+    "model": Spec(None, {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS}, True,
+                  "a model name (its newest version on sale) or a pinned version "
+                  "(`llama-3.1-8b-2026-05`); GET /v1/models lists them. No NUL (U+0000): a 400"),
+    "messages": Spec(None, {"type": "array", "minItems": 1, "items": {
+        "oneOf": [_message_schema(role) for role in sorted(ROLES)]
+    }}, True),
+    "stream": Spec(None, BOOLEAN),
+    "stream_options": Spec(None, _obj(
+        [], include_usage=_nullable(BOOLEAN), continuous_usage_stats=_nullable(BOOLEAN)
+    )),
+    "max_completion_tokens": _POSITIVE,
+    "max_tokens": _POSITIVE.described(
+        "max_completion_tokens wins; both are capped by the tenant's max_output"
+    ),
+    "n": Spec(_check_n, {"type": "integer", "minimum": 1, "maximum": 1},
+              description=f"OpenAI takes up to {MAX_N}; only 1 is served"),
     "temperature": _number("temperature", 0, 2),
     # vLLM refuses top_p = 0 (OpenAI takes it): refused here rather than after admission.
-    "top_p": _number("top_p", 0, 1, low_open=True),
+    "top_p": _number("top_p", 0, 1, low_open=True).described("(0, 1], as vLLM takes it"),
     "presence_penalty": _number("presence_penalty", -2, 2),
     "frequency_penalty": _number("frequency_penalty", -2, 2),
     "min_p": _number("min_p", 0, 1),
     "repetition_penalty": _number("repetition_penalty", 0, 2, low_open=True),
     "seed": _integer("seed", INT64_MIN, INT64_MAX),
     # vLLM 0.33: 0 or -1 disables top-k, else at least 1.
-    "top_k": _integer("top_k", -1, INT64_MAX),
+    "top_k": _integer("top_k", -1, INT64_MAX).described("vLLM: 0 or -1 disables top-k"),
     "min_tokens": _integer("min_tokens", 0, INT64_MAX),
-    "sim_fail_after_tokens": _integer("sim_fail_after_tokens", 0, INT64_MAX),
-    "sim_drop_after_tokens": _integer("sim_drop_after_tokens", 0, INT64_MAX),
-    "n": _check_n,
     "logprobs": _boolean("logprobs"),
-    "top_logprobs": _check_top_logprobs,
+    "top_logprobs": Spec(
+        _check_top_logprobs, {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        description="needs logprobs: true",
+    ),
     "parallel_tool_calls": _boolean("parallel_tool_calls"),
     "ignore_eos": _boolean("ignore_eos"),
     "include_stop_str_in_output": _boolean("include_stop_str_in_output"),
     "skip_special_tokens": _boolean("skip_special_tokens"),
-    "user": _string("user"),
-    "metadata": _check_metadata,
-    "stop": _check_stop,
-    "stop_token_ids": _check_stop_token_ids,
-    "logit_bias": _check_logit_bias,
-    "response_format": _check_response_format,
-    "tools": _check_tools,
-    "tool_choice": _check_tool_choice,
-    "reasoning_effort": _check_reasoning_effort,
-    "chat_template_kwargs": _check_chat_template_kwargs,
+    "user": _string("user").described("no NUL (U+0000): a 400"),
+    "metadata": Spec(_check_metadata, {
+        "type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+        "additionalProperties": {"type": "string", "maxLength": 512},
+    }),  # fmt: skip
+    "service_tier": Spec(None, {"type": "string", "enum": list(SERVICE_TIERS)}, description=(
+        "flex: idle capacity only, preemptible, at the flex price; a 429 "
+        "`resource_unavailable` when there is none (not billed)"
+    )),  # fmt: skip
+    "stop": Spec(_check_stop, {"anyOf": [STRING, {
+        "type": "array", "items": STRING, "minItems": 1, "maxItems": MAX_STOP_SEQUENCES
+    }]}),  # fmt: skip
+    "stop_token_ids": Spec(_check_stop_token_ids, {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}
+    }),  # fmt: skip
+    "logit_bias": Spec(_check_logit_bias, {
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    }),  # fmt: skip
+    "response_format": Spec(_check_response_format, {"oneOf": [
+        _obj(["type"], type=_const(kind)) if kind != "json_schema" else _obj(
+            ["type", "json_schema"], type=_const(kind), json_schema=_named_schema("schema")
+        ) for kind in sorted(RESPONSE_FORMATS)
+    ]}),  # fmt: skip
+    "tools": Spec(_check_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": _obj(
+        ["type", "function"], type=_const("function"), function=_named_schema("parameters")
+    )}),  # fmt: skip
+    "tool_choice": Spec(_check_tool_choice, {"anyOf": [_enum(TOOL_CHOICES), _obj(
+        ["type", "function"], type=_const("function"), function=_obj(["name"], name=STRING)
+    )]}),  # fmt: skip
+    "reasoning_effort": Spec(_check_reasoning_effort, _enum(REASONING_EFFORTS)),
+    "chat_template_kwargs": Spec(_check_chat_template_kwargs, {"type": "object"}),
+    # The simulated replica's fault injection (engine_adapter/README.md); not published.
+    "sim_fail_after_tokens": _integer("sim_fail_after_tokens", 0, INT64_MAX),
+    "sim_drop_after_tokens": _integer("sim_drop_after_tokens", 0, INT64_MAX),
 }
+_UNPUBLISHED = frozenset({"sim_fail_after_tokens", "sim_drop_after_tokens"})
+# What parsing reads: the checks of the fields `parse_chat_request` does not check itself.
+_CHECKS: dict[str, Check] = {
+    name: spec.check for name, spec in FIELDS.items() if spec.check is not None
+}
+
+
+def _if_given(field: str, when: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": {"required": [field], "properties": {field: when}}, "then": then}
+
+
+def request_schema() -> dict[str, Any]:
+    """The body's JSON schema, from `FIELDS`: what /openapi.json publishes."""
+    properties = {}
+    for name, spec in FIELDS.items():
+        if name in _UNPUBLISHED:
+            continue
+        schema = spec.schema if spec.required else _nullable(spec.schema)
+        properties[name] = {**schema, "description": spec.description} if spec.description else (
+            schema
+        )
+    return {
+        "type": "object",
+        "required": [name for name, spec in FIELDS.items() if spec.required],
+        "description": (
+            "OpenAI's chat-completions request. Fields not listed are accepted and ignored (as "
+            "vLLM does); only the listed ones reach the engine, and never a client's "
+            "`priority`, `cache_salt` or `request_id`. Also answered 400: `stream_options` "
+            "without `stream: true`, `top_logprobs` without `logprobs: true`, a `tool_choice` "
+            "other than `none` without `tools` (or naming a function not in them), and any "
+            f"field nested more than {MAX_NESTING} levels below the body."
+        ),
+        "allOf": [
+            _if_given("stream_options", {"type": "object"},
+                      {"required": ["stream"], "properties": {"stream": {"const": True}}}),
+            _if_given("top_logprobs", {"type": "integer"},
+                      {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+            _if_given("tool_choice", {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}},
+                      {"required": ["tools"],
+                       "properties": {"tools": {"type": "array", "minItems": 1}}}),
+        ],  # fmt: skip
+        "properties": properties,
+    }
 
 
 # --- helpers -------------------------------------------------------------------------------------
