@@ -266,20 +266,22 @@ def test_a_consumer_reading_through_a_broker_loss_applies_every_event_once(
             f"transactions holding xmin: {holders}"
         )
 
-    before = append_requests(store, ["a", "b", "c", "d"], 30, group=20)
-    relay.check_topic()
-    pump(len(before))
-    kafka_broker.restart()
-    if squatter:
-        ensure_topic(kafka_broker.bootstrap, kafka_topic, 5)
-    after = append_requests(store, ["a", "e"], 25, group=10)
-    pump(len(before) + len(after))
-    # Let it run on a little: late copies of the re-published epoch must change nothing.
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        pump(0)
-    consumer.close()
-    relay.close()
+    try:  # closed on a failure too: a faust consumer left running kept the process alive
+        before = append_requests(store, ["a", "b", "c", "d"], 30, group=20)
+        relay.check_topic()
+        pump(len(before))
+        kafka_broker.restart()
+        if squatter:
+            ensure_topic(kafka_broker.bootstrap, kafka_topic, 5)
+        after = append_requests(store, ["a", "e"], 25, group=10)
+        pump(len(before) + len(after))
+        # Let it run on a little: late copies of the re-published epoch must change nothing.
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            pump(0)
+    finally:
+        consumer.close()
+        relay.close()
     with engine.connect() as conn:
         rows = dict(conn.execute(sa.select(effects.c.event_id, effects.c.applied)).all())
     assert sorted(rows) == sorted(before + after)
