@@ -68,7 +68,7 @@ from domain.events import (  # noqa: E402
     TenantRegistered,
     UsageBilled,
 )
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
 from ledger import schema  # noqa: E402
 from ledger.engine import create_engine_from_url  # noqa: E402
 from ledger.projections import ProjectionRunner  # noqa: E402
@@ -416,7 +416,7 @@ class Folder:
                    [tuple(row[c] for c in USAGE_HOURLY.columns) for row in self.usage.values()])
         now = datetime.now(UTC)
         with self.conn.cursor() as cur:
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+            for spec in PROJECTIONS:
                 cur.execute(
                     "INSERT INTO projection_checkpoints (name, position, updated_at) "
                     "VALUES (%s, %s, %s)",
@@ -608,7 +608,7 @@ def probe_runner(engine: sa.Engine, store: SqlEventStore, total_events: int, sec
     `seconds`, to project how long run_to_end over the whole log would take."""
     out: dict[str, Any] = {}
     projected = 0.0
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         name = f"probe_{spec.name}"
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
@@ -828,7 +828,7 @@ def main() -> None:
         if args.projections == "runner":
             started = time.perf_counter()
             per = {}
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+            for spec in PROJECTIONS:
                 t = time.perf_counter()
                 runner = ProjectionRunner(engine, store, spec)
                 runner.run_to_end(1000)
@@ -852,7 +852,7 @@ def main() -> None:
                 budget = args.runner_budget_min * 60
                 if probe["projected_run_to_end_all_three_s"] <= budget:
                     per, digests = {}, {}
-                    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+                    for spec in PROJECTIONS:
                         runner = ProjectionRunner(engine, store, spec)
                         folded = runner.table_digest()
                         t = time.perf_counter()

@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from domain.control import ControlView
 from domain.events import TERMINAL_TYPES, Recorded, UsageBilled
 from domain.leases import LEASE_TTL_S
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
@@ -96,9 +96,15 @@ class KafkaFoldWorker:
         self.control = ControlView()
         self.control_log = ControlLog(self.store, self.control)
         self.billing = BillingFold(self.store, Checkpoints(engine), self.control, engine=engine)
-        self.request_log = ProjectionRunner(engine, self.store, REQUEST_LOG)
-        self.usage_hourly = ProjectionRunner(engine, self.store, USAGE_HOURLY)
-        self.ledger = ProjectionRunner(engine, self.store, LEDGER_ENTRIES)
+        # One runner per read model of domain's list, each fed by what it follows: request_log
+        # every record, usage_hourly and ledger_entries each posted bill (written together). A
+        # view added to the list and not fed here stops the worker at start, not silently.
+        runners = {spec.name: ProjectionRunner(engine, self.store, spec) for spec in PROJECTIONS}
+        self.request_log = runners.pop(REQUEST_LOG.name)
+        self.usage_hourly = runners.pop(USAGE_HOURLY.name)
+        self.ledger = runners.pop(LEDGER_ENTRIES.name)
+        if runners:
+            raise RuntimeError(f"read models this worker does not feed: {sorted(runners)}")
         self.sweeper = GroupSweeper(
             engine, self.store, name=name, ttl_s=lease_ttl_s,
             on_expired=IdempotencyStore(engine).release_request,

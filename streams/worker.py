@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from domain.control import ControlView
 from domain.events import TERMINAL_TYPES, BatchCreated, Recorded
 from domain.leases import LEASE_TTL_S
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
@@ -95,7 +95,7 @@ class FoldWorker:
         self.checkpoints = Checkpoints(engine)
         self.runners = [
             ProjectionRunner(engine, self.store, spec)
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+            for spec in PROJECTIONS
         ]
         # Each read model's position: they commit together while in step (one transaction a
         # pass), apart while one is behind or failing.
@@ -684,7 +684,7 @@ def replay_dead_letters(
         r.name: r
         for r in runners or [
             ProjectionRunner(engine, store, spec)
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+            for spec in PROJECTIONS
         ]
     }
     billing: BillingFold | None = None

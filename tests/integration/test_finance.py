@@ -13,7 +13,7 @@ from domain import lifecycle as lc
 from domain.control import ControlView
 from domain.cost import Estimate, amount_micros
 from domain.events import PriceSet, TenantRegistered
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import PROJECTIONS
 from ledger.engine import create_engine_from_url
 from ledger.finance import FinanceQueries, month_bounds
 from ledger.projections import ProjectionRunner
@@ -112,7 +112,7 @@ def _request(
 
 
 def _project(engine: sa.Engine, store: SqlEventStore) -> None:
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         ProjectionRunner(engine, store, spec).run_to_end()
 
 

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import PROJECTIONS, USAGE_HOURLY
 from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
 from ledger.schema import consumer_offsets, events, ledger_entries, request_log, upgrade
@@ -184,7 +184,7 @@ def _assert_billed_once(
         ledger, bills = _ledger_and_bills(conn)
     assert ledger == truth  # exactly the requests, each with the engine's counts
     assert set(bills) == set(truth) and set(bills.values()) == {1}
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         runner = ProjectionRunner(engine, store, spec)
         from_topic = runner.table_digest()
         runner.rebuild()
@@ -435,7 +435,7 @@ def test_kafka_workers_killed_again_and_again_at_named_points_lose_and_double_no
     assert died >= kills
     assert lost == set() and doubled == [] and wrong == []
     assert set(ledger) == set(truth)
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         runner = ProjectionRunner(engine, store, spec)
         from_topic = runner.table_digest()
         runner.rebuild()

@@ -253,7 +253,7 @@ def test_the_real_read_models_fold_every_kind_of_request(
     expired requests all fit the schema, and a rebuild reaches the same rows."""
     from dataclasses import replace as dc_replace
 
-    from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+    from domain.projections import PROJECTIONS
     from tests import builders as b
 
     engine, store = db
@@ -279,7 +279,7 @@ def test_the_real_read_models_fold_every_kind_of_request(
         store.append(rid, 0, new)
     runners = [
         ProjectionRunner(engine, store, spec)
-        for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+        for spec in PROJECTIONS
     ]
     digests = []
     for runner in runners:
@@ -333,7 +333,7 @@ def test_rows_are_read_back_as_sqlalchemy_reads_them(db: tuple[sa.Engine, SqlEve
     instant columns, NULLs, a key with an instant in it)."""
     from dataclasses import replace as dc_replace
 
-    from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+    from domain.projections import PROJECTIONS
     from tests import builders as b
 
     engine, store = db
@@ -349,7 +349,7 @@ def test_rows_are_read_back_as_sqlalchemy_reads_them(db: tuple[sa.Engine, SqlEve
                      dc_replace(e, request_id=rid))  # type: ignore[type-var]
             for j, e in enumerate(events)
         ])
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         runner = ProjectionRunner(engine, store, spec)
         runner.run_to_end()
         table = schema.metadata.tables[spec.name]
