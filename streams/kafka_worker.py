@@ -53,29 +53,23 @@ from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.consumer import Batch, Delivery, EventConsumer
 from streams.gc_settings import settle_for_batches
+from streams.kafka_consumer import KafkaEventConsumer
 from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
+from streams.status import BrokerWatermarks
 from streams.sweeper import GroupSweeper
-from streams.topics import DEFAULT_TOPIC
+from streams.topics import DEFAULT_TOPIC, group_for
 from streams.worker import (
     DEAD_LETTERS_IN_A_ROW,
     WORKER_NAME,
     FoldBroken,
-    delete_status_row,
-    process_row,
-    write_status_row,
 )
+from streams.worker_rows import delete_status_row, process_row, write_status_row
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer
 
 log = logging.getLogger("tollgate.kafka_worker")
-
-
-def group_for(topic: str) -> str:
-    """The folds' consumer group: one per event topic (two deployments sharing a cluster, or
-    two test runs sharing a broker, never share members)."""
-    return f"{topic}.folds"
 
 
 class KafkaFoldWorker:
@@ -405,9 +399,6 @@ def run_kafka_worker(
     """`tollgate worker` with a Kafka cluster: fold until SIGTERM/SIGINT (its /metrics on
     `metrics_port`, 0: off), reading the topic through `client`: confluent-kafka, or
     faust-streaming (`streams/faust_worker.py`), the same batches either way."""
-    from streams.kafka_consumer import KafkaEventConsumer
-    from streams.status import BrokerWatermarks
-
     engine = create_engine_from_url(database_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

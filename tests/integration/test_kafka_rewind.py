@@ -84,7 +84,7 @@ def ledger_ids(engine: sa.Engine) -> set[str]:
 
 
 def open_consumer(client: str, engine: sa.Engine, bootstrap: str, topic: str) -> Any:
-    from streams.kafka_worker import group_for
+    from streams.topics import group_for
 
     if client == "faust":
         from streams.faust_worker import FaustEventConsumer

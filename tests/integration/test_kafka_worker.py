@@ -308,7 +308,8 @@ def test_a_ledger_row_commits_with_its_terminal_event_not_after_the_bills_trip(
     claims the terminal event, before the relay has published the bill; the bill coming back
     through the topic then changes nothing."""
     from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker, group_for
+    from streams.kafka_worker import KafkaFoldWorker
+    from streams.topics import group_for
 
     store = SqlEventStore(engine)
     _price(store)

@@ -360,8 +360,9 @@ def _kafka_poisoned(
     import time
 
     from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker, group_for
+    from streams.kafka_worker import KafkaFoldWorker
     from streams.relay import OutboxRelay
+    from streams.topics import group_for
     from tests.integration.test_kafka_worker import PARTITIONS
     from tests.integration.test_kafka_worker import _price as price
     from tests.integration.test_kafka_worker import _requests as requests
