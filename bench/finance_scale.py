@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
-import json
 import math
 import os
 import platform
@@ -43,6 +42,7 @@ from sqlalchemy import event as sa_event  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
 from api.backoffice import Backoffice  # noqa: E402
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain.control import (  # noqa: E402
     CONTROL_PREFIXES,
     PLAN_LIMITS,
@@ -74,7 +74,7 @@ from ledger.engine import create_engine_from_url  # noqa: E402
 from ledger.projections import ProjectionRunner  # noqa: E402
 from ledger.store import AppendBatch, NewEvent, SqlEventStore  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "finance_scale.json"
+RESULTS = RESULTS_DIR / "finance_scale.json"
 T0 = datetime(2026, 9, 1, tzinfo=UTC)  # data covers 2026-09-01 .. 2026-10-31 (60 days)
 DAYS = 60
 TENANTS = 50
@@ -945,10 +945,8 @@ def main() -> None:
             conn.execute(f'DROP DATABASE "{db}"')
         log(f"dropped database {db}")
     report["total_seconds"] = round(time.perf_counter() - began, 1)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {out}")
+    write_result(args.output, report)
+    log(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
