@@ -4,27 +4,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 import sqlalchemy as sa
 
 from domain.projections import PROJECTIONS_BY_NAME
-from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
-from ledger.schema import upgrade
 from streams.kafka_worker import KafkaFoldWorker
 from streams.worker import FoldWorker
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[sa.Engine]:
-    url = f"sqlite:///{tmp_path / 'tollgate.db'}"
-    upgrade(url)
-    engine = create_engine_from_url(url)
-    yield engine
-    engine.dispose()
 
 
 def _runners(worker: object) -> list[ProjectionRunner]:

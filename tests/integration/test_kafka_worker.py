@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,9 +24,8 @@ from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
 from domain.projections import PROJECTIONS, USAGE_HOURLY
-from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
-from ledger.schema import consumer_offsets, events, ledger_entries, request_log, upgrade
+from ledger.schema import consumer_offsets, events, ledger_entries, request_log
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.relay import OutboxRelay
 from tests import builders as b
@@ -40,11 +38,8 @@ ASSIGNED = re.compile(r"assigned \[([0-9, ]*)\]")
 
 
 @pytest.fixture
-def engine(postgres_url: str) -> Iterator[sa.Engine]:
-    upgrade(postgres_url)
-    engine = create_engine_from_url(postgres_url)
-    yield engine
-    engine.dispose()
+def engine(postgres_engine: sa.Engine) -> sa.Engine:
+    return postgres_engine  # the relay tails the outbox by xid8: PostgreSQL only
 
 
 def _price(store: SqlEventStore) -> None:

@@ -4,7 +4,6 @@ and usable inline in the append transaction."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -85,16 +84,10 @@ def routed(stream_id: str, replica: str) -> NewEvent:
     return NewEvent(str(uuid.uuid4()), stream_id, "acme", T0, RequestRouted(stream_id, replica, 1))
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest) -> Iterator[tuple[sa.Engine, SqlEventStore]]:
-    url = request.getfixturevalue(f"{request.param}_url")
-    schema.upgrade(url)
-    engine = create_engine_from_url(url)
+@pytest.fixture
+def db(engine: sa.Engine) -> tuple[sa.Engine, SqlEventStore]:
     stream_counts.create(engine)  # a test-only table, not part of the schema
-    try:
-        yield engine, SqlEventStore(engine)
-    finally:
-        engine.dispose()
+    return engine, SqlEventStore(engine)
 
 
 def rows(engine: sa.Engine) -> list[tuple[Any, ...]]:
