@@ -370,7 +370,7 @@ class Folder:
         self.usage: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.out_logs: list[tuple[Any, ...]] = []
         self.out_entries: list[tuple[Any, ...]] = []
-        self.rows = {"request_log": 0, "usage_hourly": 0, "ledger_entries": 0}
+        self.rows = {spec.name: 0 for spec in PROJECTIONS}
         self.seconds = 0.0
         self.last_position = 0
 
