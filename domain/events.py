@@ -252,7 +252,7 @@ class UsageBilled(Event):
 
 # A request stream ends with exactly one of these (DESIGN §3), each with the status it leaves.
 # Every reader names them from here (two hand-kept copies once drifted and lost preempted
-# requests); tests/unit/test_terminal_events.py fails when a consumer lists its own.
+# requests); tests/unit/test_defined_once.py fails when a consumer lists its own.
 TERMINAL_STATUS_OF: Mapping[type[Event], TerminalStatus] = MappingProxyType({
     RequestCompleted: "completed",
     RequestCancelled: "cancelled",
@@ -261,6 +261,7 @@ TERMINAL_STATUS_OF: Mapping[type[Event], TerminalStatus] = MappingProxyType({
     RequestPreempted: "preempted",
 })  # fmt: skip
 TERMINAL_EVENTS: tuple[type[Event], ...] = tuple(TERMINAL_STATUS_OF)
+TERMINAL_TYPES: frozenset[str] = frozenset(cls.EVENT_TYPE for cls in TERMINAL_EVENTS)
 # The same five as a type, for signatures (a unit test holds it to TERMINAL_EVENTS).
 TerminalEvent: TypeAlias = (
     RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted
@@ -270,7 +271,6 @@ TerminalEvent: TypeAlias = (
 def is_terminal(event: Event) -> TypeGuard[TerminalEvent]:
     return type(event) in TERMINAL_STATUS_OF
 
-TERMINAL_TYPES: frozenset[str] = frozenset(cls.EVENT_TYPE for cls in TERMINAL_EVENTS)
 
 # --- control plane ------------------------------------------------------------------------------
 # Tenant streams are "tenant-<tenant_id>"; keys and limits live in their tenant's stream so one
