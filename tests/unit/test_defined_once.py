@@ -117,7 +117,7 @@ def _sources() -> list[Path]:
     found = []
     for folder in SCANNED:
         found += sorted((ROOT / folder).rglob("*.py"))
-    return [p for p in found if ".venv" not in p.parts and "vllm" not in p.parts]
+    return [p for p in found if ".venv" not in p.parts]
 
 
 def _named(node: ast.AST) -> str | None:
