@@ -164,6 +164,12 @@ def _findings(text: str, where: str) -> list[str]:
                 found.append(f"{line}: a hand-written map of terminal events {sorted(names)}")
             elif names != TERMINAL_NAMES:
                 found.append(f"{line}: a dispatch table missing {sorted(TERMINAL_NAMES - names)}")
+        elif isinstance(node, ast.Match):
+            patterns = [c.pattern for c in node.cases]
+            classes = [p.cls for p in patterns if isinstance(p, ast.MatchClass)]
+            names = {n for n in map(_named, classes) if n}
+            if len(names) >= 2 and names != TERMINAL_NAMES:
+                found.append(f"{line}: a match missing {sorted(TERMINAL_NAMES - names)}")
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
             names = {n for n in map(_named, _union_members(node)) if n}
             if len(names) >= 2 and names != TERMINAL_NAMES:
@@ -178,7 +184,8 @@ def _findings(text: str, where: str) -> list[str]:
 def test_no_consumer_keeps_its_own_copy_of_the_terminal_events() -> None:
     """Lists, status maps and SQL name the terminal events through `TERMINAL_EVENTS`,
     `TERMINAL_TYPES` or `TERMINAL_STATUS_OF`; a dispatch table or a type union that names them
-    one by one names every one (a new terminal event fails here until each has it)."""
+    one by one, or a `match` on them, names every one (a new terminal event fails here until
+    each has it)."""
     sources = [p for p in _sources() if p.relative_to(ROOT) not in (DEFINITION, HERE)]
     assert len(sources) > 100  # the scan reached the packages
     findings = [f for p in sources for f in _findings(p.read_text(), str(p.relative_to(ROOT)))]
@@ -193,6 +200,7 @@ def test_no_consumer_keeps_its_own_copy_of_the_terminal_events() -> None:
         ('X = {RequestCompleted: "completed", RequestFailed: "failed"}', "a hand-written map"),
         ("X = {RequestCompleted: f, RequestFailed: f}", "a dispatch table missing"),
         ("x: RequestCompleted | RequestCancelled", "a union missing"),
+        ("match e:\n case RequestCompleted(): pass\n case LeaseExpired(): pass", "a match missing"),
         ("q = \"type IN ('RequestCompleted','LeaseExpired')\"", "terminal types written into SQL"),
     ],
 )
