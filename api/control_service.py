@@ -20,7 +20,7 @@ from domain import hierarchy as h
 from domain.cost import ModelProfile, profile_from_hf_config
 from domain.errors import DomainError
 from domain.events import Event
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import PROJECTIONS_BY_NAME
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
 from ledger.engine import create_engine_from_url
@@ -30,7 +30,6 @@ from ledger.store import SqlEventStore
 
 # How far ahead a new SLO takes effect by default (see ControlService.set_slo).
 SLO_LEAD = timedelta(seconds=5)
-PROJECTIONS = {spec.name: spec for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)}
 
 
 def upgrade(url: str) -> str:
@@ -53,13 +52,13 @@ def rebuild_projections(
     engine = create_engine_from_url(url)
     try:
         store = SqlEventStore(engine)
-        if name is not None and name not in PROJECTIONS:
+        if name is not None and name not in PROJECTIONS_BY_NAME:
             raise DomainError(
                 "unknown_projection",
-                f"unknown projection {name!r}; known: {', '.join(sorted(PROJECTIONS))}",
+                f"unknown projection {name!r}; known: {', '.join(sorted(PROJECTIONS_BY_NAME))}",
             )
         out = []
-        for spec in [PROJECTIONS[name]] if name else PROJECTIONS.values():
+        for spec in [PROJECTIONS_BY_NAME[name]] if name else PROJECTIONS_BY_NAME.values():
             runner = ProjectionRunner(engine, store, spec)
             rows = runner.rebuild()
             out.append((spec.name, runner.table_digest(), rows))
@@ -234,20 +233,6 @@ class ControlService:
 
     def set_run_policy(self, tenant: str, project: str, limits: h.RunLimits) -> None:
         self.execute(c.tenant_stream(tenant), h.SetRunPolicy(tenant, project, limits))
-
-    def start_run(
-        self, tenant: str, run_id: str, project: str | None, limits: h.RunLimits
-    ) -> h.Run:
-        self.execute(h.run_stream(tenant, run_id), h.StartRun(tenant, run_id, project, limits))
-        run = self.view.hierarchy.run(tenant, run_id)
-        assert run is not None
-        return run
-
-    def end_run(self, tenant: str, run_id: str) -> h.Run:
-        self.execute(h.run_stream(tenant, run_id), h.EndRun(tenant, run_id))
-        run = self.view.hierarchy.run(tenant, run_id)
-        assert run is not None
-        return run
 
     def allow_fallback(self, tenant: str, from_model: str, to_model: str) -> bool:
         command = c.AllowFallback(tenant, from_model, to_model)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain.admission import Admitted, ReserveQuota, decide  # noqa: E402
 from domain.control import PLAN_LIMITS  # noqa: E402
 from domain.cost import profile_for  # noqa: E402
@@ -90,9 +91,7 @@ def main() -> None:
         "p99_us_runs": [round(v, 2) for v in p99s],
         "target_p99_us": 50,
     }
-    out = Path(__file__).resolve().parent / "results" / "admission_latency.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS_DIR / "admission_latency.json", result)
     print(json.dumps(result, indent=2))
 
 

@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,23 +39,17 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from bench.pipeline import fresh_schema
+from bench.common import ROOT, free_port, fresh_schema, uptime, write_result
+from bench.harness import run_wrk
 from ledger.engine import create_engine_from_url
 from ledger.schema import events
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b-2026-05"
 TENANT = "demo-standard"
 TOLLGATE = [sys.executable, "-m", "cli"]
 # The bound stated in api/README.md: the other edges' admissions within one propagation delay.
 # As a ratio target at this flood: within 10 % of what the tenant may have.
 TARGET_RATIO = 1.10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> None:
@@ -107,8 +100,6 @@ def _flood_wrk(bases: list[str], key: str, duration: float, concurrency: int) ->
     few thousand requests a second, where the Python client above drives ~150."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from bench.gateway import run_wrk
-
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     per_edge = max(1, concurrency // len(bases))
     with ThreadPoolExecutor(len(bases)) as pool:
@@ -151,7 +142,7 @@ def one_run(
         bases: list[str] = []
         try:
             for i in range(edges):  # the first seeds the demo tenants; all serve them
-                port = _free_port()
+                port = free_port()
                 args = [*TOLLGATE, "api", "--port", str(port), "--database-url", url,
                         "--simulated-replicas", "1", "--sim-speed", "50",
                         *(["--no-demo"] if i else [])]  # fmt: skip
@@ -222,7 +213,7 @@ def main() -> None:
     ap.add_argument("--output", default="bench/results/edges.json")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-edges-"))
-    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    uptime_before = uptime()
     floods = []
     for client in args.clients.split(","):
         for n in [int(x) for x in args.edges.split(",") if x]:
@@ -243,14 +234,14 @@ def main() -> None:
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench.edges", *sys.argv[1:]]),
         "uptime_before": uptime_before,
-        "uptime_after": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "uptime_after": uptime(),
         "rpm": args.rpm,
         "duration_s": args.duration,
         "concurrency": args.concurrency,
         "target_ratio": TARGET_RATIO,
         "floods": floods,
     }
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.output, result)
     print(json.dumps(result, indent=2))
 
 

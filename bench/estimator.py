@@ -18,12 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from engine_adapter.simulator.tokenizer import count_prompt_tokens  # noqa: E402
 from engine_adapter.tokenizers import ChatTemplateEstimator  # noqa: E402
 from tests.vllm.engine import engine_python, tiny_model  # noqa: E402
 from tests.vllm.prompts import CHATS  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 
 
 def per_call_us(fn: object, repeat: int) -> float:
@@ -75,8 +74,7 @@ def main() -> None:
         "splitter_error_pct_max": errors[-1],
         "rows": rows,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "estimator.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS_DIR / "estimator.json", result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
 
 

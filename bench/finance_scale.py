@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
-import json
 import math
 import os
 import platform
@@ -43,6 +42,7 @@ from sqlalchemy import event as sa_event  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
 from api.backoffice import Backoffice  # noqa: E402
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain.control import (  # noqa: E402
     CONTROL_PREFIXES,
     PLAN_LIMITS,
@@ -68,13 +68,13 @@ from domain.events import (  # noqa: E402
     TenantRegistered,
     UsageBilled,
 )
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
 from ledger import schema  # noqa: E402
 from ledger.engine import create_engine_from_url  # noqa: E402
 from ledger.projections import ProjectionRunner  # noqa: E402
 from ledger.store import AppendBatch, NewEvent, SqlEventStore  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "finance_scale.json"
+RESULTS = RESULTS_DIR / "finance_scale.json"
 T0 = datetime(2026, 9, 1, tzinfo=UTC)  # data covers 2026-09-01 .. 2026-10-31 (60 days)
 DAYS = 60
 TENANTS = 50
@@ -370,7 +370,7 @@ class Folder:
         self.usage: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.out_logs: list[tuple[Any, ...]] = []
         self.out_entries: list[tuple[Any, ...]] = []
-        self.rows = {"request_log": 0, "usage_hourly": 0, "ledger_entries": 0}
+        self.rows = {spec.name: 0 for spec in PROJECTIONS}
         self.seconds = 0.0
         self.last_position = 0
 
@@ -416,7 +416,7 @@ class Folder:
                    [tuple(row[c] for c in USAGE_HOURLY.columns) for row in self.usage.values()])
         now = datetime.now(UTC)
         with self.conn.cursor() as cur:
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+            for spec in PROJECTIONS:
                 cur.execute(
                     "INSERT INTO projection_checkpoints (name, position, updated_at) "
                     "VALUES (%s, %s, %s)",
@@ -608,7 +608,7 @@ def probe_runner(engine: sa.Engine, store: SqlEventStore, total_events: int, sec
     `seconds`, to project how long run_to_end over the whole log would take."""
     out: dict[str, Any] = {}
     projected = 0.0
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         name = f"probe_{spec.name}"
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
@@ -828,7 +828,7 @@ def main() -> None:
         if args.projections == "runner":
             started = time.perf_counter()
             per = {}
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+            for spec in PROJECTIONS:
                 t = time.perf_counter()
                 runner = ProjectionRunner(engine, store, spec)
                 runner.run_to_end(1000)
@@ -852,7 +852,7 @@ def main() -> None:
                 budget = args.runner_budget_min * 60
                 if probe["projected_run_to_end_all_three_s"] <= budget:
                     per, digests = {}, {}
-                    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+                    for spec in PROJECTIONS:
                         runner = ProjectionRunner(engine, store, spec)
                         folded = runner.table_digest()
                         t = time.perf_counter()
@@ -945,10 +945,8 @@ def main() -> None:
             conn.execute(f'DROP DATABASE "{db}"')
         log(f"dropped database {db}")
     report["total_seconds"] = round(time.perf_counter() - began, 1)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {out}")
+    write_result(args.output, report)
+    log(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,16 +32,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "fleet_ops.json"
+from bench.common import RESULTS_DIR, ROOT, free_port, write_result
+
+RESULTS = RESULTS_DIR / "fleet_ops.json"
 TOLLGATE = str(Path(sys.executable).with_name("tollgate"))
 MODEL = "llama-3.1-8b-2026-05"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(data: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
@@ -245,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         "ramp": ramp_lead(work, args.cold_start_s, args.slope) if args.only != "mix" else None,
         "logs": str(work),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result)
     if result["ramp"]:
         print(json.dumps({k: v for k, v in result["ramp"].items() if "samples" not in k}, indent=2))
     print(json.dumps(result["goodput_mix"], indent=2))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain import lifecycle as lc  # noqa: E402
 from domain.control import PLAN_LIMITS  # noqa: E402
 from domain.events import (  # noqa: E402
@@ -167,9 +168,7 @@ def main() -> None:
         "quota_view_apply_events_per_s_runs": [round(r) for r in quota_runs],
         "target_events_per_s": 200_000,
     }
-    out = Path(__file__).resolve().parent / "results" / "fold_throughput.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS_DIR / "fold_throughput.json", result)
     print(json.dumps(result, indent=2))
 
 

@@ -32,29 +32,47 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "gateway.json"
-LUA = ROOT / "bench" / "lua" / "post.lua"
-MODEL = "llama-3.1-8b-2026-05"
-OUTPUT_TOKENS = 16
-PROMPT = "Say hello to the benchmark, please."
-LITELLM_KEY = "sk-litellm-bench-master"
+from bench.common import (
+    RESULTS_DIR,
+    ROOT,
+    machine,
+    write_result,
+)
+from bench.gateway_children import open_loop, serve_upstream
+from bench.harness import (
+    MODEL,
+    OUTPUT_TOKENS,
+    Proc,
+    add_budget_path,
+    baseline_checkout,
+    body_for,
+    commit_of,
+    descendants,
+    litellm_version,
+    own_cpu_s,
+    post,
+    run_wrk,
+    start_distributed,
+    start_litellm,
+    start_tollgate,
+    start_upstream,
+    thread_cpu_s,
+    tree_cpu_s,
+)
+
+RESULTS = RESULTS_DIR / "gateway.json"
+NAN = float("nan")
 
 # Targets printed beside the figures (from the issue).
 TARGET_CPU_RATIO = 10  # Tollgate CPU/request <= LiteLLM's / 10
@@ -69,702 +87,6 @@ CALIBRATION_CPU_MS = {
     "bare aiohttp pass-through": {"json": 0.36, "stream": 0.49},
     "FastAPI + pydantic + aiohttp": {"json": 0.63, "stream": 1.5},
 }
-
-
-# --- the cheap upstream -----------------------------------------------------------------------
-
-
-def _render_frames(model: str, *, include_usage: bool, continuous: bool) -> list[bytes]:
-    import orjson
-
-    prompt = 17
-    frames = []
-    base = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion.chunk",
-        "created": 1767225600,
-        "model": model,
-    }
-    for i in range(OUTPUT_TOKENS):
-        delta: dict[str, Any] = {"content": f" tok{i}"}
-        if i == 0:
-            delta = {"role": "assistant", "content": " tok0"}
-        chunk: dict[str, Any] = {
-            **base,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": "length" if i == OUTPUT_TOKENS - 1 else None,
-                }
-            ],
-        }
-        if continuous:
-            chunk["usage"] = {
-                "prompt_tokens": prompt,
-                "total_tokens": prompt + i + 1,
-                "completion_tokens": i + 1,
-            }
-        frames.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
-    if include_usage:
-        usage = {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + OUTPUT_TOKENS,
-            "completion_tokens": OUTPUT_TOKENS,
-            "prompt_tokens_details": {"cached_tokens": 0},
-        }
-        frames.append(b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n")
-    frames.append(b"data: [DONE]\n\n")
-    return frames
-
-
-def _completion_json(model: str) -> bytes:
-    import orjson
-
-    return orjson.dumps(
-        {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion",
-            "created": 1767225600,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": "".join(f" tok{i}" for i in range(16)),
-                    },
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": 17,
-                "total_tokens": 33,
-                "completion_tokens": 16,
-                "prompt_tokens_details": {"cached_tokens": 0},
-            },
-        }
-    )
-
-
-def _metrics_text(model: str) -> bytes:
-    lab = f'engine="0",model_name="{model}"'
-    lines = [
-        f"vllm:num_requests_running{{{lab}}} 0.0",
-        f"vllm:num_requests_waiting{{{lab}}} 0.0",
-        f"vllm:kv_cache_usage_perc{{{lab}}} 0.0",
-        f"vllm:num_preemptions_total{{{lab}}} 0.0",
-        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1048576"} 1.0',
-    ]
-    for le in ("0.01", "0.025", "0.05", "0.075", "0.1", "+Inf"):
-        lines.append(f'vllm:request_time_per_output_token_seconds_bucket{{{lab},le="{le}"}} 0.0')
-    lines.append(f"vllm:request_time_per_output_token_seconds_count{{{lab}}} 0.0")
-    lines.append(f"vllm:request_time_per_output_token_seconds_sum{{{lab}}} 0.0")
-    return ("\n".join(lines) + "\n").encode()
-
-
-def serve_upstream(port: int, model: str, gap_ms: float) -> None:
-    import orjson
-    from aiohttp import web
-
-    variants = {
-        (inc, cont): _render_frames(model, include_usage=inc, continuous=cont)
-        for inc in (False, True)
-        for cont in (False, True)
-    }
-    completion = _completion_json(model)
-    metrics = _metrics_text(model)
-    gap = gap_ms / 1000.0
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        if not body.get("stream"):
-            if gap:
-                await asyncio.sleep(gap * OUTPUT_TOKENS)
-            return web.Response(body=completion, content_type="application/json")
-        opts = body.get("stream_options") or {}
-        frames = variants[
-            (bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")))
-        ]
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-        last = len(frames) - 1
-        for i, frame in enumerate(frames):
-            if gap and i < OUTPUT_TOKENS:
-                # Token i is ready at start + (i + 1) gaps, as in the JSON answer, which is sent
-                # when the last one is: sleeping a gap after each write instead let the timer's
-                # overshoot pile up over 16 sleeps and made streams ~1-4 ms slower than JSON.
-                await asyncio.sleep(max(0.0, start + (i + 1) * gap - loop.time()))
-            elif i < last:
-                await asyncio.sleep(0)
-            await resp.write(frame)
-        await resp.write_eof()
-        return resp
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(body=b"")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.Response(
-            body=orjson.dumps(
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": model,
-                            "object": "model",
-                            "created": 0,
-                            "owned_by": "vllm",
-                            "max_model_len": 32768,
-                        }
-                    ],
-                }
-            ),
-            content_type="application/json",
-        )
-
-    async def metrics_h(request: web.Request) -> web.Response:
-        return web.Response(body=metrics, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics_h)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
-# --- the open-loop generator ------------------------------------------------------------------
-
-
-async def _open_loop(
-    url: str, body: bytes, auth: str, rate: float, duration: float, stream: bool
-) -> dict[str, Any]:
-    import aiohttp
-
-    headers = {"Content-Type": "application/json"}
-    if auth:
-        headers["Authorization"] = "Bearer " + auth
-    n = int(rate * duration)
-    lat: list[float] = []
-    statuses: Counter[str] = Counter()
-    late: list[float] = []
-    first_error: dict[str, str] = {}
-    loop = asyncio.get_running_loop()
-    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-
-        async def one(scheduled: float) -> None:
-            try:
-                async with session.post(url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    statuses[str(resp.status)] += 1
-                    if resp.status == 200:
-                        lat.append(loop.time() - scheduled)
-            except Exception as exc:  # counted, never silent
-                statuses[type(exc).__name__] += 1
-                first_error.setdefault(type(exc).__name__, repr(exc)[:200])
-
-        # warm the pool: a few connections before the clock starts
-        await asyncio.gather(*(one(loop.time()) for _ in range(8)))
-        lat.clear()
-        statuses.clear()
-        tasks = []
-        t0 = loop.time() + 0.05
-        for i in range(n):
-            scheduled = t0 + i / rate
-            delay = scheduled - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            late.append(loop.time() - scheduled)
-            tasks.append(asyncio.ensure_future(one(scheduled)))
-        await asyncio.gather(*tasks)
-        elapsed = loop.time() - t0
-    lat.sort()
-    late.sort()
-
-    def pct(xs: list[float], p: float) -> float:
-        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1000 if xs else float("nan")
-
-    return {
-        "offered_rps": rate,
-        "sent": n,
-        "ok": len(lat),
-        "statuses": dict(statuses),
-        "achieved_rps": round(len(lat) / elapsed, 1),
-        "latency_ms": {
-            "p50": pct(lat, 50),
-            "p90": pct(lat, 90),
-            "p99": pct(lat, 99),
-            "p999": pct(lat, 99.9),
-            "max": lat[-1] * 1000 if lat else float("nan"),
-        },
-        "send_lateness_ms": {"p50": pct(late, 50), "p99": pct(late, 99)},
-        "stream": stream,
-        "first_errors": first_error,
-    }
-
-
-# --- process helpers --------------------------------------------------------------------------
-
-TICK = os.sysconf("SC_CLK_TCK")
-nan = float("nan")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rindex(")") + 2 :].split()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st:
-                children.setdefault(int(st[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for c in children.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def tree_cpu_s(pid: int) -> float:
-    """utime+stime (+ reaped children's) of pid and its live descendants, in seconds."""
-    ticks = 0
-    for p in [pid, *_descendants(pid)]:
-        st = _stat(p)
-        if st:  # fields 14-17 of stat: utime stime cutime cstime (st[0] is field 3)
-            ticks += int(st[11]) + int(st[12]) + int(st[13]) + int(st[14])
-    return ticks / TICK
-
-
-def own_cpu_s(pid: int) -> float:
-    """utime+stime of pid itself (no children), in seconds."""
-    st = _stat(pid)
-    return (int(st[11]) + int(st[12])) / TICK if st else 0.0
-
-
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of pid, summed by thread name (comm, 15 chars)."""
-    out: dict[str, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        main_comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                data = f.read()
-        except OSError:
-            continue
-        st = data[data.rindex(")") + 2 :].split()
-        # CPython 3.11 does not name OS threads: they all carry the process's comm
-        name = "event_loop" if tid == str(pid) else comm if comm != main_comm else "other_threads"
-        out[name] = out.get(name, 0.0) + (int(st[11]) + int(st[12])) / TICK
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode} before {url} was up")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} not up after {timeout}s")
-
-
-def post(url: str, body: dict[str, Any], auth: str = "") -> tuple[int, bytes]:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    if auth:
-        req.add_header("Authorization", "Bearer " + auth)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-class Proc:
-    def __init__(
-        self,
-        name: str,
-        cmd: list[str],
-        env: dict[str, str] | None = None,
-        log_dir: Path | None = None,
-        cwd: Path = ROOT,
-    ) -> None:
-        self.name = name
-        log = open(  # noqa: SIM115  (the child owns it until the end of the run)
-            (log_dir or Path(tempfile.gettempdir())) / f"bench-{name}.log", "wb"
-        )
-        self.log_path = log.name
-        self.p = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.p.pid, signal.SIGINT)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(5)
-
-
-# --- targets ----------------------------------------------------------------------------------
-
-
-def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
-    port = free_port()
-    if kind == "cheap":
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.gateway",
-            "upstream",
-            "--port",
-            str(port),
-            "--model",
-            MODEL,
-            "--gap-ms",
-            str(gap_ms),
-        ]
-    else:  # the simulated vLLM replica, as fast as it goes, exactly 16 tokens, big KV
-        cmd = [
-            sys.executable,
-            "-m",
-            "engine_adapter.simulator",
-            "--port",
-            str(port),
-            "--model",
-            MODEL,
-            "--step-base-ms",
-            str(gap_ms),
-            "--per-seq-ms",
-            "0",
-            "--prefill-ms-per-1k-tokens",
-            "0",
-            "--mean-output-tokens",
-            "16",
-            "--output-sigma",
-            "0.0",
-            "--num-gpu-blocks",
-            "65536",
-            "--max-num-seqs",
-            "256",
-            "--max-model-len",
-            "32768",
-        ]
-    proc = Proc("upstream", cmd, log_dir=log_dir)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 30, proc.p)
-    return proc, url
-
-
-def start_tollgate(
-    upstream: str, data_dir: Path, log_dir: Path, tree: Path = ROOT, name: str = "tollgate",
-    command: str = "serve", env_extra: dict[str, str] | None = None,
-    extra_args: tuple[str, ...] = (), wrapper: tuple[str, ...] = (), ready_timeout_s: float = 90,
-) -> tuple[Proc, str, str]:
-    """`tollgate serve` of the checkout `tree` (its own .venv: for an A/B, another commit);
-    `command` "api" with TOLLGATE_DATABASE_URL in `env_extra`: an edge of the distributed mode.
-    `wrapper`: a command the edge runs under (e.g. valgrind), given the tree's python."""
-    port = free_port()
-    env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
-    env.pop("TOLLGATE_DATABASE_URL", None)
-    env.update(env_extra or {})
-    # Another tree must import its own code: `python -m bench` puts this checkout on PYTHONPATH,
-    # and the fold worker child (`python -m ...`) imports from its working directory.
-    env.pop("PYTHONPATH", None)
-    bin_dir = tree / ".venv" / "bin"
-    # extra serve flags for experiments, e.g. "--no-fold-worker"
-    args = (*extra_args, *os.environ.get("TOLLGATE_BENCH_SERVE_ARGS", "").split())
-    launcher = [*wrapper, str(bin_dir / "python")] if wrapper else []
-    proc = Proc(
-        name,
-        [
-            *launcher,
-            str(bin_dir / "tollgate"),
-            command,
-            "--replica",
-            f"{MODEL}={upstream}",
-            "--port",
-            str(port),
-            *args,
-        ],
-        env,
-        log_dir,
-        cwd=tree,
-    )
-    url = f"http://127.0.0.1:{port}"
-    # Without a fold worker /readyz stays 503 (no heartbeat): then the edge's liveness.
-    ready = "/healthz" if "--no-fold-worker" in args else "/readyz"
-    try:
-        wait_http(url + ready, ready_timeout_s, proc.p)
-    except BaseException:
-        proc.stop()  # not handed to the caller yet: it would outlive the run
-        raise
-    key = json.loads((data_dir / "demo-keys.json").read_text())["demo-enterprise"]
-    subprocess.run(
-        [
-            str(bin_dir / "tollgate"),
-            "limits",
-            "set",
-            "--tenant",
-            "demo-enterprise",
-            "--model",
-            "*",
-            "--rpm",
-            "10000000",
-            "--tpm",
-            "1000000000",
-            "--kv-seconds",
-            "100000000",
-        ],
-        env=env,
-        check=True,
-        cwd=tree,
-        capture_output=True,
-    )
-    time.sleep(1.5)  # the control-plane follower picks the new limits up within 0.5 s
-    return proc, url, key
-
-
-BUDGET_PATH = ("bench-ws", "bench-project")
-
-
-def add_budget_path(tree: Path, data_dir: Path, tenant: str = "demo-enterprise") -> str:
-    """A four-level path for `tenant` in the store under `data_dir`: workspace, project, and a
-    key of that project, with requests/min, tokens/min and KV limits at every level and a day
-    and a month budget at each (all far above what a run spends: the decisions are taken, none
-    refuses). Returns the new key: its requests are admitted on the whole path."""
-    env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
-    env.pop("TOLLGATE_DATABASE_URL", None)
-    env.pop("PYTHONPATH", None)
-    tollgate = str(tree / ".venv" / "bin" / "tollgate")
-
-    def cli(*args: str) -> str:
-        done = subprocess.run(
-            [tollgate, *args], env=env, cwd=tree, capture_output=True, text=True, check=True
-        )
-        return done.stdout
-
-    workspace, project = BUDGET_PATH
-    cli("workspaces", "create", workspace, "--tenant", tenant)
-    cli("projects", "create", project, "--tenant", tenant, "--workspace", workspace)
-    issued = cli("keys", "issue", "--tenant", tenant, "--project", project).split()
-    key_id = next(w for w in issued if w.startswith("key_"))
-    secret = issued[-1]
-    levels = [[], ["--workspace", workspace], ["--project", project], ["--key", key_id]]
-    for level in levels:
-        if level:  # the organization's limits are set by start_tollgate
-            cli("limits", "set", "--tenant", tenant, *level, "--model", "*", "--rpm", "10000000",
-                "--tpm", "1000000000", "--kv-seconds", "100000000")  # fmt: skip
-        for period in ("day", "month"):
-            cli("budgets", "set", "--tenant", tenant, *level, "--period", period,
-                "--usd", "1000000000")  # fmt: skip
-    time.sleep(1.5)  # the control-plane follower picks the hierarchy up within 0.5 s
-    return secret
-
-
-def start_distributed(
-    upstream: str, work: Path, stack: contextlib.ExitStack
-) -> tuple[Proc, str, str, list[Proc], tuple[int, ...]]:
-    """The distributed mode beside the embedded one: the development broker, a fresh
-    PostgreSQL schema, one `tollgate api` edge, `tollgate relay` and one Kafka `tollgate worker`.
-    Returns the edge, its URL and key, the relay and worker, and the pipeline's pids (relay,
-    worker, broker; the broker is stopped by `stack`)."""
-    from bench.pipeline import fresh_schema
-    from streams.dev_broker import DevBroker
-
-    broker = DevBroker(log_path=work / "bench-broker.log")
-    broker.start()
-    stack.callback(broker.stop)
-    url = stack.enter_context(fresh_schema())
-    env = {"TOLLGATE_DATABASE_URL": url, "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
-           "TOLLGATE_KAFKA_TOPIC": "bench-gateway.events"}  # fmt: skip
-    tollgate = str(ROOT / ".venv" / "bin" / "tollgate")
-    full_env = {**os.environ, **env}
-    # The pipeline first: the edge is ready only once a worker reports.
-    pipeline = [Proc(name, [tollgate, name], full_env, work) for name in ("relay", "worker")]
-    for proc in pipeline:
-        stack.callback(proc.stop)
-    edge, edge_url, key = start_tollgate(
-        upstream, work / "data-distributed", work, name="distributed", command="api",
-        env_extra=env,
-    )  # fmt: skip
-    pids = tuple(p.pid for p in pipeline) + ((broker.pid,) if broker.pid else ())
-    return edge, edge_url, key, pipeline, pids
-
-
-def start_litellm(venv: Path, upstream: str, log_dir: Path) -> tuple[Proc, str, str]:
-    port = free_port()
-    cfg = log_dir / "litellm.yaml"
-    cfg.write_text(
-        "model_list:\n"
-        f"  - model_name: {MODEL}\n"
-        "    litellm_params:\n"
-        f"      model: openai/{MODEL}\n"
-        f"      api_base: {upstream}/v1\n"
-        "      api_key: sk-upstream\n"
-        "general_settings:\n"
-        f"  master_key: {LITELLM_KEY}\n"
-        "litellm_settings:\n"
-        "  telemetry: false\n"
-        # no internet here: without this every stream waits ~23 s on a HF tokenizer download
-        "  disable_hf_tokenizer_download: true\n"
-    )
-    env = {
-        **os.environ,
-        "LITELLM_LOG": "ERROR",
-        "LITELLM_TELEMETRY": "False",
-        "NO_DOCS": "True",
-        "DISABLE_ADMIN_UI": "True",
-    }
-    for var in ("DATABASE_URL", "LITELLM_MASTER_KEY"):
-        env.pop(var, None)
-    proc = Proc(
-        "litellm",
-        [
-            str(venv / "bin" / "litellm"),
-            "--config",
-            str(cfg),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--num_workers",
-            "1",
-        ],
-        env,
-        log_dir,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health/liveliness", 180, proc.p)
-    return proc, url, LITELLM_KEY
-
-
-def _commit(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "?"
-
-
-def baseline_checkout(commit: str) -> Path:
-    """A detached checkout of `commit` with its own .venv, built once and kept for re-runs."""
-    tree = Path(tempfile.gettempdir()) / f"tollgate-baseline-{commit}"
-    if not (tree / ".venv" / "bin" / "tollgate").exists():
-        if not tree.exists():
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit],
-                check=True,
-            )
-        subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
-        subprocess.run(
-            # [dev]: before the load generator left api/, a plain install's CLI needed httpx.
-            [str(tree / ".venv" / "bin" / "pip"), "install", "--quiet", "-e", f"{tree}[dev]"],
-            check=True,
-        )
-    return tree
-
-
-def litellm_version(venv: Path) -> str:
-    out = subprocess.run(
-        [
-            str(venv / "bin" / "python"),
-            "-c",
-            "import importlib.metadata as m; print(m.version('litellm'))",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip() or "?"
-
-
-# --- measurements -----------------------------------------------------------------------------
-
-
-def body_for(stream: bool) -> dict[str, Any]:
-    b: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": OUTPUT_TOKENS,
-    }
-    if stream:
-        b["stream"] = True
-    return b
-
-
-def run_wrk(
-    url: str, body: dict[str, Any], auth: str, conns: int, seconds: float
-) -> dict[str, Any]:
-    env = {**os.environ, "BENCH_BODY": json.dumps(body), "BENCH_AUTH": auth}
-    cmd = [
-        "wrk",
-        "-t1",
-        f"-c{conns}",
-        f"-d{max(1, round(seconds))}s",
-        "--timeout",
-        "10s",
-        "-s",
-        str(LUA),
-        url + "/v1/chat/completions",
-    ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
-    summary: dict[str, Any] | None = None
-    statuses: dict[str, int] = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("BENCH_JSON "):
-            summary = dict(json.loads(line[len("BENCH_JSON ") :]))
-        elif line.startswith("BENCH_STATUS "):
-            _, status, n = line.split()
-            statuses[status] = statuses.get(status, 0) + int(n)
-    if summary is None:
-        raise RuntimeError(f"wrk gave no summary: {out.stdout}\n{out.stderr}")
-    summary["non_2xx"] = statuses
-    return summary
 
 
 def closed_loop_once(
@@ -900,7 +222,7 @@ def profile_tollgate(
     """py-spy record (raw collapsed stacks) of the edge and of each child process (the fold
     worker) while wrk loads Tollgate; top self and inclusive, per process."""
     mode = "stream" if stream else "json"
-    pids = {"edge": pid, **{f"child-{c}": c for c in _descendants(pid)}}
+    pids = {"edge": pid, **{f"child-{c}": c for c in descendants(pid)}}
     spies = {}
     for name, p in pids.items():
         raw = out_dir / f"tollgate-{mode}-{name.split('-')[0]}.txt"
@@ -964,25 +286,6 @@ def _collapse(raw: Path) -> dict[str, Any]:
 # --- main -------------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    cpu = "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem_kb = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        mem_kb = int(f.readline().split()[1])
-    return {
-        "nproc": os.cpu_count(),
-        "ram_gib": round(mem_kb / 2**20, 1),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="gateway overhead: direct vs Tollgate vs LiteLLM")
     sub = ap.add_subparsers(dest="cmd")
@@ -1044,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.cmd == "openloop":
         res = asyncio.run(
-            _open_loop(
+            open_loop(
                 args.url,
                 args.body.encode(),
                 args.auth,
@@ -1101,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             procs.append(base)
             targets["baseline"] = (base_url, base_key, base.pid)
-            result["baseline"] = {"tree": str(tree), "commit": _commit(tree)}
+            result["baseline"] = {"tree": str(tree), "commit": commit_of(tree)}
         if args.budgets:
             bud, bud_url, _ = start_tollgate(up_url, work / "data-budgets", work, name="budgets")
             procs.append(bud)
@@ -1149,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
                         print(
                             f"run {run + 1}/{args.runs} {name:8s} {mode:6s} c={c:<3d} "
                             f"{r['rps']:8.1f} req/s p50 {r['p50_ms']:7.2f} ms p99 "
-                            f"{r['p99_ms']:7.2f} ms cpu {r['cpu_ms_per_req'] or nan:6.3f} ms/req "
+                            f"{r['p99_ms']:7.2f} ms cpu {r['cpu_ms_per_req'] or NAN:6.3f} ms/req "
                             f"(upstream {r['upstream_cpu_ms_per_req']:.3f}) err {r['error_total']} "
                             f"{r['non_2xx'] or ''}",
                             flush=True,
@@ -1333,11 +636,9 @@ def main(argv: list[str] | None = None) -> None:
         stack.close()
         result["logs"] = str(work)
         result["tollgate_deaths"] = deaths
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.output, result)
     print(json.dumps(result.get("verdicts", {}), indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -43,17 +43,10 @@ from typing import Any
 
 import httpx
 
-from bench.gateway import (
-    ROOT,
-    Proc,
-    baseline_checkout,
-    body_for,
-    machine,
-    start_tollgate,
-    start_upstream,
-)
+from bench.common import RESULTS_DIR, ROOT, machine, write_result
+from bench.harness import Proc, baseline_checkout, body_for, start_tollgate, start_upstream
 
-RESULTS = ROOT / "bench" / "results" / "instructions.json"
+RESULTS = RESULTS_DIR / "instructions.json"
 FIXTURE_REQUESTS = 3_000
 
 
@@ -232,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         "edge": edge_rows,
         "worker": worker_rows,
     }
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.output, result)
     print(json.dumps(result, indent=2))
 
 

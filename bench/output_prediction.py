@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,8 +43,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "output_prediction.json"
+from bench.common import RESULTS_DIR, ROOT, free_port, write_result
+
+RESULTS = RESULTS_DIR / "output_prediction.json"
 TOLLGATE = str(Path(sys.executable).with_name("tollgate"))
 MODEL = "llama-3.1-8b-2026-05"
 KV_GIB_SECONDS = 256
@@ -58,12 +58,6 @@ TARGETS = {
     "peak_over_admission_max": 0.05,
     "inference_p99_us_max": 20.0,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def generate(data: Path, requests: int, rate: float, seed: int, speed: float) -> dict[str, Any]:
@@ -227,8 +221,7 @@ def main() -> None:
         "ceiling": ceiling(requests),
         "inference": timing, "targets": TARGETS,
     }  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result)
     print(json.dumps(result, indent=2))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain import hierarchy as h  # noqa: E402
 from domain.admission import Admitted, ReserveQuota, decide, decide_on_path  # noqa: E402
 from domain.budgets import PathView  # noqa: E402
@@ -199,9 +200,7 @@ def main() -> None:
         "path_cpu_p99_us_runs": [round(v, 2) for v in figures["path"]["cpu_p99"]],
         "target_p99_us": 50,
     }
-    out = Path(__file__).resolve().parent / "results" / "path_admission.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS_DIR / "path_admission.json", result)
     print(json.dumps(result, indent=2))
 
 

@@ -31,32 +31,27 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import sqlalchemy as sa
 
-from bench.gateway import machine
+from bench.common import ROOT, fresh_schema, machine, uptime, write_result
 from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
 from ledger.engine import create_engine_from_url
 from ledger.ids import new_event_id, new_request_id
-from ledger.schema import upgrade
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.dev_broker import DevBroker
 from streams.kafka_consumer import KafkaEventConsumer
 from streams.kafka_worker import KafkaFoldWorker, group_for
 from streams.relay import OutboxRelay
 
-BASE = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 MODEL = "llama-3.1-8b-2026-05"
 TARGET = 10_000
 TARGET_LAG_P99_S = 2.0
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _decided(*commands: lc.Command, at: datetime) -> list:
@@ -118,21 +113,6 @@ def _fill(store: SqlEventStore, requests: int) -> int:
             batches = []
     [r.unwrap() for r in store.append_many(batches)]
     return total
-
-
-@contextlib.contextmanager
-def fresh_schema() -> Iterator[str]:
-    """A URL whose connections see only a new, migrated schema (dropped afterwards)."""
-    schema = "bench_pipeline_" + uuid.uuid4().hex[:8]
-    admin = psycopg.connect("host=127.0.0.1 user=postgres dbname=test", autocommit=True)
-    admin.execute(f'CREATE SCHEMA "{schema}"')
-    url = f"{BASE}?options=-csearch_path%3D{schema}"
-    try:
-        upgrade(url)
-        yield url
-    finally:
-        admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
-        admin.close()
 
 
 def one_run(broker: DevBroker, requests: int) -> dict[str, float]:
@@ -387,7 +367,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     broker = DevBroker(log_path=log_dir / "broker.log")
     broker.start()
-    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    uptime_before = uptime()
     try:
         runs = [one_run(broker, args.requests) for _ in range(args.runs)]
         rates = [float(r) for r in args.rates.split(",") if r]
@@ -400,7 +380,7 @@ def main() -> None:
         }
     finally:
         broker.stop()
-    uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    uptime_after = uptime()
 
     def median(key: str, rows: list[dict[str, Any]]) -> float:
         return statistics.median(r[key] for r in rows)
@@ -441,7 +421,7 @@ def main() -> None:
         "sustained_other_loads": [summary(rate, loads[rate]) for rate in rates[1:]],
     }
     result["bottleneck"] = bottleneck(result)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.output, result)
     print(json.dumps(result, indent=2))
 
 

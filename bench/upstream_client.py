@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,10 @@ import httpx
 import orjson
 import uvloop
 
+from bench.common import free_port
 from engine_adapter.vllm_http import VLLMReplica, make_session
 
 MODEL = "bench-model"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _body(tokens: int) -> dict:
@@ -154,7 +148,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # as `tollgate serve` runs
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,

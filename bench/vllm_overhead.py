@@ -29,9 +29,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from tests.vllm.engine import VllmServer, engine_python, free_port, tiny_model  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -212,8 +212,7 @@ def main() -> None:
         result["added_ttft_p50_ms"] = round(t["ttft_p50_ms"] - d["ttft_p50_ms"], 1)
         result["added_ttft_p99_ms"] = round(t["ttft_p99_ms"] - d["ttft_p99_ms"], 1)
         result["tokens_per_s_ratio"] = round(t["tokens_per_s"] / d["tokens_per_s"], 3)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "vllm_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_result(RESULTS_DIR / "vllm_overhead.json", result)
         print(json.dumps(result, indent=2))
     finally:
         if gateway is not None:

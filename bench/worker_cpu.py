@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import streams.worker as worker_mod
+from domain.projections import PROJECTIONS
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from streams.worker import FoldWorker
@@ -152,7 +153,7 @@ def _write_history(path: str, fixture_path: str, copies: int) -> None:
         db.executemany(f"INSERT INTO events (position, {COLS}) VALUES (?,?,?,?,?,?,?,?,?,?)", out)
     # The folds are caught up with the history (as a live worker is); its read-model rows are
     # not written (the replayed requests touch none of them).
-    for name in ("request_log", "usage_hourly", "ledger_entries", "billing"):
+    for name in (*(spec.name for spec in PROJECTIONS), "billing"):
         db.execute(
             "INSERT INTO projection_checkpoints (name, position, updated_at) VALUES (?, ?, ?)",
             (name, position, "2026-01-01 00:00:00.000000"),

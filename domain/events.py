@@ -12,9 +12,11 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, ClassVar, TypeAlias, get_type_hints
+from types import MappingProxyType
+from typing import Any, ClassVar, TypeAlias, TypeGuard, get_type_hints
 
 from domain.errors import DomainError
+from domain.types import TerminalStatus
 
 
 class Event:
@@ -248,15 +250,27 @@ class UsageBilled(Event):
     run_id: str | None = None
 
 
-# A request stream ends with exactly one of these (DESIGN §3); every reader names them from here.
-TERMINAL_EVENTS: tuple[type[Event], ...] = (
-    RequestCompleted,
-    RequestCancelled,
-    RequestFailed,
-    LeaseExpired,
-    RequestPreempted,
-)
+# A request stream ends with exactly one of these (DESIGN §3), each with the status it leaves.
+# Every reader names them from here (two hand-kept copies once drifted and lost preempted
+# requests); tests/unit/test_defined_once.py fails when a consumer lists its own.
+TERMINAL_STATUS_OF: Mapping[type[Event], TerminalStatus] = MappingProxyType({
+    RequestCompleted: "completed",
+    RequestCancelled: "cancelled",
+    RequestFailed: "failed",
+    LeaseExpired: "lease_expired",
+    RequestPreempted: "preempted",
+})  # fmt: skip
+TERMINAL_EVENTS: tuple[type[Event], ...] = tuple(TERMINAL_STATUS_OF)
 TERMINAL_TYPES: frozenset[str] = frozenset(cls.EVENT_TYPE for cls in TERMINAL_EVENTS)
+# The same five as a type, for signatures (a unit test holds it to TERMINAL_EVENTS).
+TerminalEvent: TypeAlias = (
+    RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted
+)
+
+
+def is_terminal(event: Event) -> TypeGuard[TerminalEvent]:
+    return type(event) in TERMINAL_STATUS_OF
+
 
 # --- control plane ------------------------------------------------------------------------------
 # Tenant streams are "tenant-<tenant_id>"; keys and limits live in their tenant's stream so one

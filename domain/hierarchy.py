@@ -384,9 +384,6 @@ class Hierarchy:
 
     # --- questions ----------------------------------------------------------------------------
 
-    def governed(self, tenant_id: str) -> bool:
-        return tenant_id in self._governed
-
     def workspace(self, tenant_id: str, workspace_id: str) -> Level | None:
         node = self._tenant(tenant_id).workspaces.get(workspace_id)
         return None if node is None else Level("workspace", node.level_id, node.name)
@@ -394,10 +391,6 @@ class Hierarchy:
     def project(self, tenant_id: str, project_id: str) -> Level | None:
         node = self._tenant(tenant_id).projects.get(project_id)
         return None if node is None else Level("project", node.level_id, node.name)
-
-    def workspace_of(self, tenant_id: str, project_id: str) -> str | None:
-        node = self._tenant(tenant_id).projects.get(project_id)
-        return None if node is None else node.parent
 
     def project_of_key(self, tenant_id: str, key_id: str) -> str | None:
         return self._tenant(tenant_id).key_projects.get(key_id)

@@ -12,6 +12,7 @@ from typing import Any, Final
 from domain.cost import Estimate, Price, amount_micros, base_model
 from domain.errors import DomainError
 from domain.events import (
+    TERMINAL_STATUS_OF,
     BudgetReserved,
     Event,
     FirstTokenStreamed,
@@ -30,6 +31,7 @@ from domain.events import (
     RequestPreempted,
     RequestRejected,
     RequestRouted,
+    TerminalEvent,
     ToolCallsReturned,
     UsageBilled,
 )
@@ -659,7 +661,7 @@ def _counts_of(state: RequestState) -> tuple[int, int, int]:
 
 def _with_refund(
     state: RequestState,
-    terminal: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted,
+    terminal: TerminalEvent,
     tool_calls: int = 0,
     used: int | None = None,
 ) -> tuple[Event, ...]:
@@ -929,11 +931,7 @@ _EVOLVERS: Final[dict[type[Event], Callable[[RequestState, Any, int, datetime], 
     RequestRejected: _rejected,
     RequestRouted: _routed,
     FirstTokenStreamed: _first_token,
-    RequestCompleted: _terminal("completed"),
-    RequestCancelled: _terminal("cancelled"),
-    RequestFailed: _terminal("failed"),
-    LeaseExpired: _terminal("lease_expired"),
-    RequestPreempted: _terminal("preempted"),
+    **{kind: _terminal(status) for kind, status in TERMINAL_STATUS_OF.items()},
     PreemptionRequested: _preemption_requested,
     QuotaRefunded: _refunded,
     UsageBilled: _billed,
@@ -953,7 +951,7 @@ def _ended(
     state: RequestState,
     version: int,
     at: datetime,
-    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted,
+    event: TerminalEvent,
     status: str,
 ) -> RequestState:
     if state.terminal is not None:

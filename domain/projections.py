@@ -5,12 +5,14 @@ which is what makes the additive `usage_hourly` safe under redelivery.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, timedelta
+from types import MappingProxyType
 from typing import Any, Final, TypeAlias
 
 from domain.events import (
+    TERMINAL_STATUS_OF,
     FirstTokenStreamed,
     LeaseExpired,
     Recorded,
@@ -23,10 +25,15 @@ from domain.events import (
     RequestPreempted,
     RequestRejected,
     RequestRouted,
+    TerminalEvent,
     UsageBilled,
+    is_terminal,
 )
 
-__all__ = ["Row", "ProjectionSpec", "REQUEST_LOG", "USAGE_HOURLY", "LEDGER_ENTRIES", "PROJECTIONS"]
+__all__ = [
+    "Row", "ProjectionSpec", "REQUEST_LOG", "USAGE_HOURLY", "LEDGER_ENTRIES", "PROJECTIONS",
+    "PROJECTIONS_BY_NAME",
+]  # fmt: skip
 
 Row: TypeAlias = dict[str, Any]  # primitives only: int, str, None, aware UTC datetime
 
@@ -38,7 +45,6 @@ class ProjectionSpec:
     columns: tuple[str, ...]  # every column, key columns first
     key: Callable[[Recorded], tuple[Any, ...] | None]  # None: this event does not touch the view
     project: Callable[[Row | None, Recorded], Row | None]  # the new row; None deletes it
-    runs: str = "async"  # "inline" (same transaction as the append) or "async" (a worker)
     # True for a record no earlier event can have made a row for (its row's first), so a runner
     # that has not applied it yet need not look its row up: most rows are made and finished
     # within one batch, and their reads were most of a runner's queries.
@@ -74,21 +80,14 @@ _LOGGED: Final = (
     RequestRejected,
     RequestRouted,
     FirstTokenStreamed,
-    RequestCompleted,
-    RequestCancelled,
-    RequestFailed,
-    LeaseExpired,
-    RequestPreempted,
 )
-_TERMINAL_STATUS: Final = frozenset(
-    {"completed", "cancelled", "failed", "lease_expired", "preempted", "rejected"}
-)
+_TERMINAL_STATUS: Final = frozenset({*TERMINAL_STATUS_OF.values(), "rejected"})
 _RANK: Final = {"admitted": 1, "routed": 2, "streaming": 3}
 
 
 def _request_log_key(recorded: Recorded) -> tuple[Any, ...] | None:
     event = recorded.event
-    if isinstance(event, _LOGGED):
+    if isinstance(event, _LOGGED) or is_terminal(event):
         return (event.request_id,)
     if type(event) is RefusalsCounted:
         return (recorded.stream_id,)
@@ -182,7 +181,7 @@ def _advance(row: Row, status: str) -> None:
 
 def _finish(
     row: Row,
-    event: RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted,
+    event: TerminalEvent,
     at: Any,
     status: str,
     finish_reason: str,
@@ -338,4 +337,9 @@ LEDGER_ENTRIES: Final = ProjectionSpec(
     project=project_ledger_entry,
 )
 
+# Every read model, each run async by a worker (none inline with the append). Every runner and
+# rebuild names them from here: a view missing from one list would silently stop being written.
 PROJECTIONS: Final = (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+PROJECTIONS_BY_NAME: Final[Mapping[str, ProjectionSpec]] = MappingProxyType(
+    {spec.name: spec for spec in PROJECTIONS}
+)

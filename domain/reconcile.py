@@ -15,15 +15,13 @@ from typing import Final
 
 from domain.events import (
     TERMINAL_EVENTS,
-    LeaseExpired,
+    TERMINAL_STATUS_OF,
     QuotaRefunded,
     Recorded,
     RequestAdmitted,
-    RequestCancelled,
-    RequestCompleted,
     RequestEstimated,
-    RequestFailed,
     RequestPreempted,
+    TerminalEvent,
     UsageBilled,
 )
 from domain.lifecycle import billed_counts, refund_due
@@ -31,10 +29,6 @@ from domain.lifecycle import billed_counts, refund_due
 __all__ = ["Finding", "RequestAccount", "account"]
 
 _TERMINALS: Final = tuple(TERMINAL_EVENTS)
-_STATUS: Final[dict[type, str]] = {
-    RequestCompleted: "completed", RequestCancelled: "cancelled", RequestFailed: "failed",
-    LeaseExpired: "lease_expired", RequestPreempted: "preempted",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +66,7 @@ def account(
     admitted_at: datetime | None = None
     batch_item = ""
     reserved = 0
-    terminals: list[
-        RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted
-    ] = []
+    terminals: list[TerminalEvent] = []
     refunds: list[QuotaRefunded] = []
     bills: list[UsageBilled] = []
     for record in records:
@@ -106,7 +98,7 @@ def account(
         # bills is `billed_counts`'s rule.
         counts = (end.prompt_tokens, end.completion_tokens, end.cached_tokens)
         used = 0 if isinstance(end, RequestPreempted) else counts[0] + counts[1]
-        charged = billed_counts(_STATUS[type(end)], batch_item, counts)
+        charged = billed_counts(TERMINAL_STATUS_OF[type(end)], batch_item, counts)
         if len(refunds) != 1:
             findings.append(Finding("refunds", f"{len(refunds)} refunds"))
         elif refunds[0].refunded_tokens != refund_due(reserved, used):

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 
 from domain.errors import DomainError
 from domain.events import Recorded
+from domain.projections import PROJECTIONS
 from ledger import faults
 from ledger.errors import StoreBusy, StoreUnavailable
 from ledger.schema import dead_letters as t
@@ -45,9 +46,9 @@ __all__ = [
     "storable",
 ]
 
-# The folds that dead-letter (the billing fold and the read models), a bounded label set:
+# The folds that dead-letter (the billing fold and every read model), a bounded label set:
 # /metrics shows each, at 0 when it has none.
-FOLDS = ("billing", "request_log", "usage_hourly", "ledger_entries")
+FOLDS = ("billing", *(spec.name for spec in PROJECTIONS))
 
 # The reason kept per dead letter: enough for the exception and the value that broke it.
 REASON_CHARS = 500

@@ -17,13 +17,9 @@ from datetime import datetime
 
 from domain.events import (
     TERMINAL_EVENTS,
-    LeaseExpired,
+    TERMINAL_STATUS_OF,
     RequestAdmitted,
-    RequestCancelled,
-    RequestCompleted,
     RequestEstimated,
-    RequestFailed,
-    RequestPreempted,
 )
 from domain.prediction import History, RequestShape
 from ledger.store import EventStore
@@ -117,21 +113,12 @@ def read_requests(
                 req = open_.pop(r.stream_id, None)
                 if req is None or not req.estimated:
                     continue
-                req.terminal = _TERMINAL_NAMES[type(event)]
+                req.terminal = TERMINAL_STATUS_OF[type(event)]
                 req.ended_at = r.occurred_at
                 req.prompt_tokens = event.prompt_tokens
                 req.completion_tokens = event.completion_tokens
                 done.append(req)
     return sorted(done, key=lambda q: order[q.request_id])
-
-
-_TERMINAL_NAMES = {
-    RequestCompleted: "completed",
-    RequestCancelled: "cancelled",
-    RequestFailed: "failed",
-    LeaseExpired: "lease_expired",
-    RequestPreempted: "preempted",
-}
 
 
 def timeline(requests: Iterable[LoggedRequest]) -> Iterator[tuple[bool, LoggedRequest]]:

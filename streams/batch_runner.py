@@ -46,7 +46,7 @@ from ledger.idempotency import IdempotencyStore
 from ledger.ids import Clock, utcnow
 from ledger.store import EventStore
 from streams.status import BATCH_RUNNER_NAME
-from streams.worker import delete_status_row, process_row, write_status_row
+from streams.worker_rows import delete_status_row, process_row, write_status_row
 
 log = logging.getLogger("tollgate.batch")
 

@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from domain.control import ControlView
 from domain.events import TERMINAL_TYPES, Recorded, UsageBilled
 from domain.leases import LEASE_TTL_S
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
@@ -53,29 +53,23 @@ from ledger.store import SqlEventStore
 from streams.billing import BillingFold
 from streams.consumer import Batch, Delivery, EventConsumer
 from streams.gc_settings import settle_for_batches
+from streams.kafka_consumer import KafkaEventConsumer
 from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
+from streams.status import BrokerWatermarks
 from streams.sweeper import GroupSweeper
-from streams.topics import DEFAULT_TOPIC
+from streams.topics import DEFAULT_TOPIC, group_for
 from streams.worker import (
     DEAD_LETTERS_IN_A_ROW,
     WORKER_NAME,
     FoldBroken,
-    delete_status_row,
-    process_row,
-    write_status_row,
 )
+from streams.worker_rows import delete_status_row, process_row, write_status_row
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer
 
 log = logging.getLogger("tollgate.kafka_worker")
-
-
-def group_for(topic: str) -> str:
-    """The folds' consumer group: one per event topic (two deployments sharing a cluster, or
-    two test runs sharing a broker, never share members)."""
-    return f"{topic}.folds"
 
 
 class KafkaFoldWorker:
@@ -96,9 +90,15 @@ class KafkaFoldWorker:
         self.control = ControlView()
         self.control_log = ControlLog(self.store, self.control)
         self.billing = BillingFold(self.store, Checkpoints(engine), self.control, engine=engine)
-        self.request_log = ProjectionRunner(engine, self.store, REQUEST_LOG)
-        self.usage_hourly = ProjectionRunner(engine, self.store, USAGE_HOURLY)
-        self.ledger = ProjectionRunner(engine, self.store, LEDGER_ENTRIES)
+        # One runner per read model of domain's list, each fed by what it follows: request_log
+        # every record, usage_hourly and ledger_entries each posted bill (written together). A
+        # view added to the list and not fed here stops the worker at start, not silently.
+        runners = {spec.name: ProjectionRunner(engine, self.store, spec) for spec in PROJECTIONS}
+        self.request_log = runners.pop(REQUEST_LOG.name)
+        self.usage_hourly = runners.pop(USAGE_HOURLY.name)
+        self.ledger = runners.pop(LEDGER_ENTRIES.name)
+        if runners:
+            raise RuntimeError(f"read models this worker does not feed: {sorted(runners)}")
         self.sweeper = GroupSweeper(
             engine, self.store, name=name, ttl_s=lease_ttl_s,
             on_expired=IdempotencyStore(engine).release_request,
@@ -401,9 +401,6 @@ def run_kafka_worker(
     """`tollgate worker` with a Kafka cluster: fold until SIGTERM/SIGINT (its /metrics on
     `metrics_port`, 0: off), reading the topic through `client`: confluent-kafka, or
     faust-streaming (`streams/faust_worker.py`), the same batches either way."""
-    from streams.kafka_consumer import KafkaEventConsumer
-    from streams.status import BrokerWatermarks
-
     engine = create_engine_from_url(database_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,6 +32,7 @@ from ledger.schema import (
     relay_state,
     worker_status,
 )
+from streams.topics import client_settings, confluent, group_for
 
 # The default threshold, also the edges' limit on a worker's heartbeat.
 DEFAULT_STALE_S = 10.0
@@ -256,9 +257,6 @@ def reconciliation(conn: sa.Connection, now: datetime) -> Reconciliation | None:
 def folds_groups(conn: sa.Connection) -> dict[str, str]:
     """The consumer groups to report: every group with saved offsets, and the folds' group of
     every topic the relay publishes (a group that never committed lags too)."""
-    # Here, not at the top: streams.kafka_worker imports the metrics, which import this module.
-    from streams.kafka_worker import group_for
-
     groups = {
         r.consumer_group: r.topic
         for r in conn.execute(
@@ -419,15 +417,13 @@ def _age(now: datetime, then: datetime) -> float:
 
 
 class BrokerWatermarks:
-    """High watermarks from the cluster (confluent-kafka, imported here: a plain install reports
-    what is missing when this is built, not before)."""
+    """High watermarks from the cluster (confluent-kafka, imported when this is built: a plain
+    install reports what is missing then, not before)."""
 
     def __init__(
         self, bootstrap: str, *, timeout_s: float = 10.0,
         kafka_settings: Mapping[str, str] | None = None,
     ) -> None:  # fmt: skip
-        from streams.topics import client_settings, confluent
-
         self._ck = confluent()
         self.timeout_s = timeout_s
         self._consumer = self._ck.Consumer(

@@ -20,6 +20,12 @@ def dead_letter_topic(topic: str) -> str:
     return f"{topic}.dead-letters"
 
 
+def group_for(topic: str) -> str:
+    """The folds' consumer group: one per event topic (two deployments sharing a cluster, or
+    two test runs sharing a broker, never share members)."""
+    return f"{topic}.folds"
+
+
 def confluent() -> Any:
     try:
         import confluent_kafka

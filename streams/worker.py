@@ -21,13 +21,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -36,7 +35,7 @@ import sqlalchemy as sa
 from domain.control import ControlView
 from domain.events import TERMINAL_TYPES, BatchCreated, Recorded
 from domain.leases import LEASE_TTL_S
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog
@@ -46,13 +45,15 @@ from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
 from ledger.schema import worker_status
 from ledger.store import SqlEventStore
+from streams.batch_runner import BatchRunner
 from streams.billing import BillingFold
 from streams.gc_settings import settle_for_batches
 from streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import start_reconciler
 from streams.sql_tail import SqlTail
-from streams.status import DEFAULT_STALE_S, FORGET_AFTER_S
+from streams.status import DEFAULT_STALE_S
 from streams.sweeper import LeaseSweeper, resume_sweeper
+from streams.worker_rows import delete_status_row, process_row, write_status_row
 
 log = logging.getLogger("tollgate.worker")
 
@@ -95,7 +96,7 @@ class FoldWorker:
         self.checkpoints = Checkpoints(engine)
         self.runners = [
             ProjectionRunner(engine, self.store, spec)
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+            for spec in PROJECTIONS
         ]
         # Each read model's position: they commit together while in step (one transaction a
         # pass), apart while one is behind or failing.
@@ -483,60 +484,6 @@ class FoldWorker:
         return read
 
 
-def member_id() -> str:
-    """This process's key among its name's rows in `worker_status`: its host and pid."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def process_row(name: str) -> dict[str, Any]:
-    """The identity and heartbeat of this process's `worker_status` row, as of now."""
-    return {
-        "name": name,
-        "member": member_id(),
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "heartbeat_at": datetime.now(UTC),
-    }
-
-
-@faults.seam("db.status")
-def write_status_row(engine: sa.Engine, row: dict[str, Any]) -> None:
-    """Upsert one process's `worker_status` row (keyed by `row["name"]` and `row["member"]`).
-    The row is created at the process's first report, in the transaction that deletes the rows
-    of its name forgotten since (a process killed without a clean stop leaves its row: it shows
-    as dead until then)."""
-    key = (worker_status.c.name == row["name"]) & (worker_status.c.member == row["member"])
-    with engine.connect() as conn:
-        conn.execution_options(**{WRITE: True})
-        with conn.begin():
-            updated = conn.execute(worker_status.update().where(key).values(**row)).rowcount
-            if not updated:
-                forgotten = row["heartbeat_at"] - timedelta(seconds=FORGET_AFTER_S)
-                conn.execute(
-                    worker_status.delete().where(
-                        (worker_status.c.name == row["name"])
-                        & (worker_status.c.heartbeat_at < forgotten)
-                    )
-                )
-                conn.execute(worker_status.insert().values(**row))
-
-
-def delete_status_row(engine: sa.Engine, name: str) -> None:
-    """A clean stop: this process's row goes, so a process that is gone by intent is not
-    reported dead. Best effort (the database may be what stopped it)."""
-    try:
-        with engine.connect() as conn:
-            conn.execution_options(**{WRITE: True})
-            with conn.begin():
-                conn.execute(
-                    worker_status.delete().where(
-                        (worker_status.c.name == name) & (worker_status.c.member == member_id())
-                    )
-                )
-    except Exception:
-        log.warning("could not delete this process's worker status row", exc_info=True)
-
-
 def last_heartbeat(engine: sa.Engine, name: str) -> datetime | None:
     """The freshest heartbeat of the processes named `name`; None if none reported."""
     with engine.connect() as conn:
@@ -657,8 +604,6 @@ def _batch_runner(
 ) -> threading.Thread | None:
     """The batch runner beside the folds, when the edge told this worker where it is and how to
     prove itself (`tollgate serve` does)."""
-    from streams.batch_runner import BatchRunner
-
     if batches is None:
         log.info("no TOLLGATE_EDGE_URL/TOLLGATE_BATCH_TOKEN: batches are not run here")
         return None
@@ -694,7 +639,7 @@ def replay_dead_letters(
         r.name: r
         for r in runners or [
             ProjectionRunner(engine, store, spec)
-            for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES)
+            for spec in PROJECTIONS
         ]
     }
     billing: BillingFold | None = None

@@ -245,8 +245,16 @@ class SimEngine:
         self._id_rng = random.Random(config.seed)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.metrics = SimMetrics(config)
+        self.metrics = SimMetrics(
+            config.model, block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_gpu_blocks=config.num_gpu_blocks,
+        )  # fmt: skip
         self.steps = 0
+
+    def publish_gauges(self) -> None:
+        """The running, waiting and KV-usage gauges, as of now (each step, and each scrape)."""
+        self.metrics.set_gauges(len(self.running), self.num_waiting, self.pool.usage())
 
     # waiting queue helpers (priority mode keeps a heap on (priority, arrival))
     @property
@@ -345,7 +353,7 @@ class SimEngine:
             heapq.heappush(self.waiting_heap, r)
         else:
             self.waiting_fcfs.append(r)
-        self.metrics.set_gauges(self)
+        self.publish_gauges()
         self._wake.set()
         return r
 
@@ -361,7 +369,7 @@ class SimEngine:
             with contextlib.suppress(ValueError):
                 self._waiting_remove(r)
         self._finish(r, "abort")
-        self.metrics.set_gauges(self)
+        self.publish_gauges()
 
     def _finish(self, r: SimRequest, reason: str) -> None:
         r.finished = True
@@ -372,7 +380,7 @@ class SimEngine:
         # completion_tokens is not touched here: the HTTP handler counts what it wrote, which for
         # an abort is less than what the engine generated.
         rec.finish_reason = reason
-        self.metrics.on_finish(self, r, reason)
+        self.metrics.on_finish(reason, r.arrival, r.generated, r.first_token_at, r.last_token_at)
         r.event.set()
 
     # -- scheduling
@@ -533,7 +541,7 @@ class SimEngine:
                 await self._wake.wait()
                 next_at = time.monotonic()
             scheduled, prefill_tokens = self._schedule()
-            self.metrics.set_gauges(self)
+            self.publish_gauges()
             step_ms = (
                 cfg.step_base_ms
                 + cfg.per_seq_ms * len(scheduled)
@@ -548,7 +556,7 @@ class SimEngine:
                 await asyncio.sleep(0)
             self.steps += 1
             self._apply(scheduled, time.monotonic())
-            self.metrics.set_gauges(self)
+            self.publish_gauges()
 
     def stats(self) -> dict[str, Any]:
         by_reason: dict[str, int] = {}

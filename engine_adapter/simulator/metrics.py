@@ -1,16 +1,13 @@
-"""The simulated replica's Prometheus metrics, under vLLM 0.33's names and buckets."""
+"""The simulated replica's Prometheus metrics, under vLLM 0.33's names and buckets. The engine
+hands them numbers: they know nothing of its classes."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-if TYPE_CHECKING:
-    # Types only: the engine owns one SimMetrics, so a runtime import would be a cycle.
-    from engine_adapter.simulator.engine import SimConfig, SimEngine, SimRequest
 
 TTFT_BUCKETS = (
     0.001,
@@ -83,10 +80,12 @@ REQUEST_LATENCY_BUCKETS = (
 
 
 class SimMetrics:
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(
+        self, model: str, *, block_size: int, enable_prefix_caching: bool, num_gpu_blocks: int
+    ) -> None:
         self.registry = reg = CollectorRegistry()
         ln = ["model_name", "engine"]
-        lv = {"model_name": cfg.model, "engine": "0"}
+        lv = {"model_name": model, "engine": "0"}
 
         def g(name: str, doc: str) -> Any:
             return Gauge(name, doc, ln, registry=reg).labels(**lv)
@@ -178,26 +177,30 @@ class SimMetrics:
             registry=reg,
         )
         info.labels(
-            block_size=str(cfg.block_size),
+            block_size=str(block_size),
             cache_dtype="auto",
-            enable_prefix_caching=str(cfg.enable_prefix_caching),
+            enable_prefix_caching=str(enable_prefix_caching),
             gpu_memory_utilization="0.9",
             num_cpu_blocks="None",
-            num_gpu_blocks=str(cfg.num_gpu_blocks),
+            num_gpu_blocks=str(num_gpu_blocks),
             num_gpu_blocks_override="None",
             prefix_caching_hash_algo="sha256",
             engine="0",
         ).set(1)
 
-    def set_gauges(self, eng: SimEngine) -> None:
-        self.running.set(len(eng.running))
-        self.waiting.set(eng.num_waiting)
-        self.kv_usage.set(eng.pool.usage())
+    def set_gauges(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
 
-    def on_finish(self, eng: SimEngine, r: SimRequest, reason: str) -> None:
+    def on_finish(
+        self, reason: str, arrival: float, generated: int,
+        first_token_at: float | None, last_token_at: float | None,
+    ) -> None:  # fmt: skip
+        """One request ended (`arrival` and the token instants: `time.monotonic()` seconds)."""
         self.success[reason].inc()
         now = time.monotonic()
-        self.e2e.observe(now - r.arrival)
-        self.gen_per_req.observe(r.generated)
-        if r.generated > 1 and r.first_token_at is not None and r.last_token_at is not None:
-            self.tpot.observe((r.last_token_at - r.first_token_at) / (r.generated - 1))
+        self.e2e.observe(now - arrival)
+        self.gen_per_req.observe(generated)
+        if generated > 1 and first_token_at is not None and last_token_at is not None:
+            self.tpot.observe((last_token_at - first_token_at) / (generated - 1))

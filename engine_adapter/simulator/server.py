@@ -172,7 +172,7 @@ class SimulatedReplica:
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.engine.metrics.set_gauges(self.engine)
+        self.engine.publish_gauges()
         body = generate_latest(self.engine.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 

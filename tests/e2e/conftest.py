@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
+from domain.events import TERMINAL_TYPES
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOLLGATE = (
@@ -34,8 +36,7 @@ TOLLGATE = (
 
 MODEL = "llama-3.1-8b-2026-05"  # fast replicas
 SLOW_MODEL = "llama-3.1-70b-2026-05"  # one slow replica: long streams that stay in flight
-TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired",
-             "RequestPreempted")
+TERMINALS = tuple(sorted(TERMINAL_TYPES))
 
 _LIVE: list[subprocess.Popen[bytes]] = []
 _LIVE_LOCK = threading.Lock()
@@ -349,9 +350,7 @@ class Server:
         rows = self.query(
             "SELECT stream_id, "
             " sum(type = 'RequestAdmitted') AS admitted, "
-            " sum(type IN ('RequestCompleted','RequestCancelled','RequestFailed','LeaseExpired',"
-            "              'RequestPreempted'))"
-            "   AS terminal, "
+            f" sum(type IN ({', '.join(repr(t) for t in TERMINALS)})) AS terminal, "
             " sum(type = 'QuotaRefunded') AS refunded, "
             " sum(type = 'UsageBilled') AS billed, "
             " (SELECT count(*) FROM ledger_entries l WHERE l.request_id = e.stream_id) AS ledger "

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from domain.events import TERMINAL_TYPES
 from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     MODEL,
@@ -40,8 +41,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 SMALL = {"num_gpu_blocks": 64, "max_model_len": 1024, "step_base_ms": 60, "speed": 1,
          "scheduling_policy": "priority"}  # fmt: skip
-TERMINALS = {"RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired",
-             "RequestPreempted"}  # fmt: skip
+TERMINALS = TERMINAL_TYPES
 
 
 def words(n: int) -> str:

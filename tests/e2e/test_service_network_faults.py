@@ -22,6 +22,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
+from domain.events import TERMINAL_TYPES
 from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, auth, free_port, spawn, wait_http
 from tests.faults.clients import Operation, chat
 from tests.faults.proxy import FaultyProxy
@@ -37,8 +38,7 @@ SCHEDULE = (
     ("latency", "latency", 1.5), ("reset", "pass", 0.3), ("pass", "pass", 3.0),
 )  # fmt: skip
 CLIENTS = 6
-TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired",
-             "RequestPreempted")  # fmt: skip
+TERMINALS = tuple(sorted(TERMINAL_TYPES))
 
 
 

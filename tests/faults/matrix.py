@@ -42,14 +42,14 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
+from domain.events import TERMINAL_TYPES
+from domain.projections import PROJECTIONS
 from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
 from ledger.store import SqlEventStore
 from tests.e2e.conftest import TOLLGATE as TOLLGATE_CLI
 
-TERMINALS = ("RequestCompleted", "RequestCancelled", "RequestFailed", "LeaseExpired",
-             "RequestPreempted")  # fmt: skip
+TERMINALS = tuple(sorted(TERMINAL_TYPES))
 INJECTED = re.compile(r"fault injected: (\S+) (\S+) hit")
 
 # Which process reaches which seam (a `die` rotation kills each process at each of its seams).
@@ -482,7 +482,7 @@ class Run:
         """The read models whose rows differ from a rebuild from the store."""
         store = SqlEventStore(engine)
         differs = []
-        for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+        for spec in PROJECTIONS:
             runner = ProjectionRunner(engine, store, spec)
             live = runner.table_digest()
             runner.rebuild()

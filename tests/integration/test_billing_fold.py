@@ -14,8 +14,6 @@ from domain.control import ControlView
 from domain.cost import Estimate
 from domain.events import PriceSet, Recorded
 from ledger.checkpoints import Checkpoints
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from streams.billing import BillingFold
 from tests import builders as b
@@ -23,15 +21,6 @@ from tests import builders as b
 PRICED = "llama-3.1-8b-2026-05"
 UNPRICED = "llama-3.1-70b-2026-05"
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
-    upgrade(url)
-    engine = create_engine_from_url(url)
-    yield SqlEventStore(engine)
-    engine.dispose()
 
 
 def _control(store: SqlEventStore) -> ControlView:

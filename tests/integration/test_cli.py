@@ -42,11 +42,6 @@ def one_line_error(done: subprocess.CompletedProcess[str], *words: str) -> None:
         assert word in lines[0], lines[0]
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
-
-
 def test_tenants_keys_limits_round_trip(url: str) -> None:
     assert "database at revision" in ok("db", "upgrade", url=url)
     ok("tenants", "create", "acme", "--plan", "standard", url=url)

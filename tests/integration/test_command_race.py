@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from domain.events import TenantRegistered
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
@@ -39,11 +37,6 @@ control.decide_control = gated
 from cli import main
 main(["tenants", "create", "acme", "--plan", "free", "--database-url", sys.argv[2]])
 """
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest) -> str:
-    return str(request.getfixturevalue(f"{request.param}_url"))
 
 
 def test_concurrent_creates_register_one_tenant(url: str, tmp_path: Path) -> None:

@@ -5,28 +5,14 @@ the last one."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-
-import pytest
 
 from domain.events import PriceSet
 from ledger.control import ControlLog
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from tests.integration.test_fold_worker import _request
 
 MODEL = "llama-3.1-8b-2026-05"
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request: pytest.FixtureRequest) -> Iterator[SqlEventStore]:
-    url = str(request.getfixturevalue(f"{request.param}_url"))
-    upgrade(url)
-    engine = create_engine_from_url(url)
-    yield SqlEventStore(engine)
-    engine.dispose()
 
 
 def _set_price(store: SqlEventStore, micros: int) -> None:

@@ -13,11 +13,9 @@ from domain import lifecycle as lc
 from domain.control import ControlView
 from domain.cost import Estimate, amount_micros
 from domain.events import PriceSet, TenantRegistered
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
-from ledger.engine import create_engine_from_url
+from domain.projections import PROJECTIONS
 from ledger.finance import FinanceQueries, month_bounds
 from ledger.projections import ProjectionRunner
-from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 
 MODEL = "llama-3.1-8b-2026-05"
@@ -29,13 +27,9 @@ def _new(stream: str, tenant: str, at: datetime, event: object) -> NewEvent:
     return NewEvent(str(uuid.uuid4()), stream, tenant, at, event)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
-    upgrade(url)
-    engine = create_engine_from_url(url)
-    yield engine, SqlEventStore(engine)
-    engine.dispose()
+@pytest.fixture
+def db(engine: sa.Engine) -> tuple[sa.Engine, SqlEventStore]:
+    return engine, SqlEventStore(engine)
 
 
 def _seed(store: SqlEventStore) -> ControlView:
@@ -112,7 +106,7 @@ def _request(
 
 
 def _project(engine: sa.Engine, store: SqlEventStore) -> None:
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         ProjectionRunner(engine, store, spec).run_to_end()
 
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -29,15 +28,6 @@ from tests import builders as b
 PRICED = "llama-3.1-8b-2026-05"
 UNPRICED = "llama-3.1-70b-2026-05"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
-    url = str(request.getfixturevalue(f"{request.param}_url"))
-    upgrade(url)
-    engine = create_engine_from_url(url)
-    yield engine
-    engine.dispose()
 
 
 def _price(store: SqlEventStore) -> None:

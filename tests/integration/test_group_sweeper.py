@@ -5,7 +5,6 @@ progress), and the leader's expiries are the ones its successor would make."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -16,7 +15,6 @@ from sqlalchemy.engine import make_url
 from domain.events import Event
 from ledger.engine import create_engine_from_url
 from ledger.leadership import Leadership
-from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from streams.sweeper import SWEEPER_RESUME, GroupSweeper
 from tests import builders as b
@@ -27,13 +25,8 @@ T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
 
 
 @pytest.fixture
-def store(postgres_url: str) -> Iterator[SqlEventStore]:
-    upgrade(postgres_url)
-    engine = create_engine_from_url(postgres_url)
-    try:
-        yield SqlEventStore(engine)
-    finally:
-        engine.dispose()
+def store(postgres_engine: sa.Engine) -> SqlEventStore:
+    return SqlEventStore(postgres_engine)  # the sweeper's lead is a PostgreSQL lock
 
 
 def _append(store: SqlEventStore, stream: str, event: Event, seconds: float) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -24,8 +23,7 @@ import sqlalchemy as sa
 from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
-from ledger.engine import create_engine_from_url
-from ledger.schema import ledger_entries, upgrade
+from ledger.schema import ledger_entries
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.relay import OutboxRelay
 from tests import builders as b
@@ -41,11 +39,8 @@ class DatabaseDown(sa.exc.OperationalError):
 
 
 @pytest.fixture
-def engine(postgres_url: str) -> Iterator[sa.Engine]:
-    upgrade(postgres_url)
-    engine = create_engine_from_url(postgres_url)
-    yield engine
-    engine.dispose()
+def engine(postgres_engine: sa.Engine) -> sa.Engine:
+    return postgres_engine  # offsets and the outbox: PostgreSQL only
 
 
 def append_requests(store: SqlEventStore, count: int, rng: random.Random) -> set[str]:
@@ -84,7 +79,7 @@ def ledger_ids(engine: sa.Engine) -> set[str]:
 
 
 def open_consumer(client: str, engine: sa.Engine, bootstrap: str, topic: str) -> Any:
-    from streams.kafka_worker import group_for
+    from streams.topics import group_for
 
     if client == "faust":
         from streams.faust_worker import FaustEventConsumer

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -24,10 +23,9 @@ import sqlalchemy as sa
 from domain import lifecycle as lc
 from domain.cost import Estimate
 from domain.events import PriceSet
-from domain.projections import LEDGER_ENTRIES, REQUEST_LOG, USAGE_HOURLY
-from ledger.engine import create_engine_from_url
+from domain.projections import PROJECTIONS, USAGE_HOURLY
 from ledger.projections import ProjectionRunner
-from ledger.schema import consumer_offsets, events, ledger_entries, request_log, upgrade
+from ledger.schema import consumer_offsets, events, ledger_entries, request_log
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.relay import OutboxRelay
 from tests import builders as b
@@ -40,11 +38,8 @@ ASSIGNED = re.compile(r"assigned \[([0-9, ]*)\]")
 
 
 @pytest.fixture
-def engine(postgres_url: str) -> Iterator[sa.Engine]:
-    upgrade(postgres_url)
-    engine = create_engine_from_url(postgres_url)
-    yield engine
-    engine.dispose()
+def engine(postgres_engine: sa.Engine) -> sa.Engine:
+    return postgres_engine  # the relay tails the outbox by xid8: PostgreSQL only
 
 
 def _price(store: SqlEventStore) -> None:
@@ -184,7 +179,7 @@ def _assert_billed_once(
         ledger, bills = _ledger_and_bills(conn)
     assert ledger == truth  # exactly the requests, each with the engine's counts
     assert set(bills) == set(truth) and set(bills.values()) == {1}
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         runner = ProjectionRunner(engine, store, spec)
         from_topic = runner.table_digest()
         runner.rebuild()
@@ -308,7 +303,8 @@ def test_a_ledger_row_commits_with_its_terminal_event_not_after_the_bills_trip(
     claims the terminal event, before the relay has published the bill; the bill coming back
     through the topic then changes nothing."""
     from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker, group_for
+    from streams.kafka_worker import KafkaFoldWorker
+    from streams.topics import group_for
 
     store = SqlEventStore(engine)
     _price(store)
@@ -435,7 +431,7 @@ def test_kafka_workers_killed_again_and_again_at_named_points_lose_and_double_no
     assert died >= kills
     assert lost == set() and doubled == [] and wrong == []
     assert set(ledger) == set(truth)
-    for spec in (REQUEST_LOG, USAGE_HOURLY, LEDGER_ENTRIES):
+    for spec in PROJECTIONS:
         runner = ProjectionRunner(engine, store, spec)
         from_topic = runner.table_digest()
         runner.rebuild()

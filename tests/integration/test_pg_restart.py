@@ -116,7 +116,8 @@ def test_a_postgres_restart_under_a_kafka_worker_loses_no_bill(
     kafka_broker: Any, kafka_topic: str, tmp_path: Path, safeguard: str
 ) -> None:
     from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker, group_for
+    from streams.kafka_worker import KafkaFoldWorker
+    from streams.topics import group_for
 
     class Worker(KafkaFoldWorker):
         """Stops the cluster when armed, once it holds a batch: the batch fails, then its

@@ -22,11 +22,13 @@ from ledger.engine import create_engine_from_url
 from ledger.schema import events, ledger_entries, upgrade
 from ledger.store import SqlEventStore
 from streams.kafka_consumer import KafkaEventConsumer
-from streams.kafka_worker import KafkaFoldWorker, group_for
+from streams.kafka_worker import KafkaFoldWorker
 from streams.metrics import ConsumerLagCollector, PipelineMetrics
 from streams.relay import OutboxRelay
 from streams.status import BrokerWatermarks, read_status
-from streams.worker import FoldWorker, write_status_row
+from streams.topics import group_for
+from streams.worker import FoldWorker
+from streams.worker_rows import write_status_row
 from tests.integration import test_kafka_worker
 from tests.integration.test_kafka_worker import _price, _requests
 

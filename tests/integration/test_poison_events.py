@@ -45,16 +45,6 @@ def _engine(url: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
-    yield from _engine(str(request.getfixturevalue(f"{request.param}_url")))
-
-
-@pytest.fixture
-def pg_engine(postgres_url: str) -> Iterator[sa.Engine]:
-    yield from _engine(postgres_url)
-
-
 def _price(store: SqlEventStore) -> None:
     at = datetime.now(UTC) - timedelta(days=1)
     new = NewEvent(
@@ -133,9 +123,9 @@ def _request_log_runner(worker: FoldWorker) -> Any:
 
 @pytest.mark.postgres
 def test_a_nul_in_a_recorded_string_is_dead_lettered_and_every_fold_goes_on(
-    pg_engine: sa.Engine,
+    postgres_engine: sa.Engine,
 ) -> None:
-    engine = pg_engine
+    engine = postgres_engine
     store = SqlEventStore(engine)
     _price(store)
     worker = FoldWorker(engine)
@@ -187,9 +177,9 @@ def test_a_nul_in_a_recorded_string_is_dead_lettered_and_every_fold_goes_on(
 
 
 @pytest.mark.postgres
-def test_with_the_isolation_off_the_same_nul_stops_billing(pg_engine: sa.Engine) -> None:
+def test_with_the_isolation_off_the_same_nul_stops_billing(postgres_engine: sa.Engine) -> None:
     """The safeguard-off twin: the read window pinned at the failing read model, as before."""
-    engine = pg_engine
+    engine = postgres_engine
     store = SqlEventStore(engine)
     _price(store)
     worker = FoldWorker(engine)
@@ -360,8 +350,9 @@ def _kafka_poisoned(
     import time
 
     from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker, group_for
+    from streams.kafka_worker import KafkaFoldWorker
     from streams.relay import OutboxRelay
+    from streams.topics import group_for
     from tests.integration.test_kafka_worker import PARTITIONS
     from tests.integration.test_kafka_worker import _price as price
     from tests.integration.test_kafka_worker import _requests as requests

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 
 from domain import lifecycle as lc
 from domain.events import TERMINAL_TYPES, PreemptionRequested
 from ledger.commands import CommandHandler, request_stream
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
 
@@ -23,11 +21,8 @@ EDGES = 8
 
 
 @pytest.fixture
-def store(postgres_url: str) -> Iterator[SqlEventStore]:
-    upgrade(postgres_url)
-    engine = create_engine_from_url(postgres_url)
-    yield SqlEventStore(engine)
-    engine.dispose()
+def store(postgres_engine: sa.Engine) -> SqlEventStore:
+    return SqlEventStore(postgres_engine)  # many edges at once: real PostgreSQL
 
 
 def _flex(store: SqlEventStore) -> str:

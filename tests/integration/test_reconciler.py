@@ -9,16 +9,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
-import pytest
 import sqlalchemy as sa
 
 from domain.events import PriceSet
 from ledger.checkpoints import Checkpoints
-from ledger.engine import create_engine_from_url
-from ledger.schema import ledger_entries, upgrade
+from ledger.schema import ledger_entries
 from ledger.store import NewEvent, SqlEventStore
 from streams.metrics import PipelineMetrics
 from streams.reconciler import Reconciler
@@ -28,20 +25,6 @@ from tests import builders as b
 
 PRICED, UNPRICED = b.PRICED, b.UNPRICED
 _price, _request = b.append_price, b.append_request
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest) -> str:
-    url = str(request.getfixturevalue(f"{request.param}_url"))
-    upgrade(url)
-    return url
-
-
-@pytest.fixture
-def engine(url: str) -> Iterator[sa.Engine]:
-    engine = create_engine_from_url(url)
-    yield engine
-    engine.dispose()
 
 
 def _fold(worker: FoldWorker) -> None:

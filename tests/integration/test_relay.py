@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
 from ledger.outbox import OutboxReader
 from ledger.schema import events as events_table
-from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
 from ledger.store.planning import encode as encode_row
 from streams.relay import OutboxRelay, TopicMismatch
@@ -36,11 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def engine(postgres_url: str) -> Iterator[sa.Engine]:
-    upgrade(postgres_url)
-    engine = create_engine_from_url(postgres_url)
-    yield engine
-    engine.dispose()
+def engine(postgres_engine: sa.Engine) -> sa.Engine:
+    return postgres_engine  # the relay tails the outbox by xid8: PostgreSQL only
 
 
 def _stored_ids(engine: sa.Engine) -> list[str]:

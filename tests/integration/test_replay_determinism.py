@@ -11,11 +11,9 @@ from __future__ import annotations
 import hashlib
 import random
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import orjson
-import pytest
 import sqlalchemy as sa
 
 from domain import lifecycle as lc
@@ -31,15 +29,6 @@ from tests import builders as b
 MODEL = "llama-3.1-8b-2026-05"
 TENANTS = ("acme", "globex", "initech")
 T0 = datetime.now(UTC) - timedelta(hours=6)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
-    url = str(request.getfixturevalue(f"{request.param}_url"))
-    upgrade(url)
-    engine = create_engine_from_url(url)
-    yield engine
-    engine.dispose()
 
 
 def _history(store: SqlEventStore, rng: random.Random) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import psycopg
@@ -22,17 +21,6 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 def new(stream_id: str) -> NewEvent:
     return NewEvent(str(uuid.uuid4()), stream_id, "acme", T0, FirstTokenStreamed(stream_id, 5))
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest) -> Iterator[SqlEventStore]:
-    url = request.getfixturevalue(f"{request.param}_url")
-    schema.upgrade(url)
-    engine = create_engine_from_url(url)
-    try:
-        yield SqlEventStore(engine)
-    finally:
-        engine.dispose()
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import orjson
 from api.edge import JsonOutcome, StreamOutcome
 from domain import lifecycle as lc
 from domain.events import (
+    TERMINAL_TYPES,
     PreemptionRequested,
     QuotaRefunded,
     Recorded,
@@ -251,7 +252,7 @@ def test_the_edge_serving_an_asked_for_stream_preempts_it_within_the_observe_cal
         # race and was decided again on the stored stream, after the ask.
         assert types[-2:] == ["RequestPreempted", "QuotaRefunded"]
         assert types.index("PreemptionRequested") < types.index("RequestPreempted")
-        assert sum(t in ("RequestCompleted", "RequestPreempted") for t in types) == 1
+        assert sum(t in TERMINAL_TYPES for t in types) == 1
         assert flex_id not in h.edge.in_flight
         # Read again (a follower that restarts, or a second ask): nothing more happens.
         h.edge.observe(handled.records)

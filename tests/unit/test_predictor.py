@@ -19,6 +19,7 @@ import pytest
 from domain.control import ControlView
 from domain.events import (
     TERMINAL_EVENTS,
+    TERMINAL_STATUS_OF,
     QuotaRefunded,
     RequestAdmitted,
     RequestCancelled,
@@ -29,8 +30,8 @@ from domain.events import (
 )
 from domain.prediction import Prediction
 from ledger.store import NewEvent
-from predictor import model_file
-from predictor.dataset import _TERMINAL_NAMES, examples, read_requests
+from predictor import dataset, model_file
+from predictor.dataset import examples, read_requests
 from predictor.evaluate import Replay, evaluate, held_out, run
 from predictor.runtime import LoadedPredictor
 from predictor.status import realised
@@ -122,7 +123,8 @@ def test_every_terminal_event_ends_a_logged_request() -> None:
     """Issue 28: the predictor's reader listed four of the five terminal events; a preempted
     flex request never ended in its data. Now it reads domain.events' one list, and a preempted
     request ends (and, stopped by us, is no example)."""
-    assert set(_TERMINAL_NAMES) == set(TERMINAL_EVENTS)
+    assert dataset.TERMINAL_STATUS_OF is TERMINAL_STATUS_OF
+    assert dataset.TERMINAL_EVENTS is TERMINAL_EVENTS
     store = InMemoryEventStore()
     rid = f"req_{1:032x}"
     events = [
