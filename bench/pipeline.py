@@ -46,8 +46,9 @@ from ledger.ids import new_event_id, new_request_id
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.dev_broker import DevBroker
 from streams.kafka_consumer import KafkaEventConsumer
-from streams.kafka_worker import KafkaFoldWorker, group_for
+from streams.kafka_worker import KafkaFoldWorker
 from streams.relay import OutboxRelay
+from streams.topics import group_for
 
 MODEL = "llama-3.1-8b-2026-05"
 TARGET = 10_000
