@@ -29,12 +29,13 @@ from api.chat_request import ChatRequest, parse_chat_request
 from api.errors import ApiError, error_frame
 from api.idempotency_service import replay_frames
 from api.metrics import Metrics
-from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
+from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, Replica, TokenEstimator
 from api.recorder import Flight, Recorder
 from domain import admission, goodput, hierarchy, lifecycle
 from domain.admission import DEFAULT_POLICY, AdmissionPolicy
 from domain.backoff import engine_priority
 from domain.budgets import PathView
+from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
 from domain.events import PreemptionRequested, Recorded, RefusalsCounted, RunBudgetExhausted
@@ -46,7 +47,6 @@ from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
 from domain.types import CancelReason
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
-from engine_adapter.fleet import Choice, Refusal, UnknownModel
 from engine_adapter.usage import DONE, Collector, Progress, relay_stream
 from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken, ReplicaUnavailable
 from ledger.commands import CommandHandler
@@ -420,7 +420,7 @@ class Edge:
 
     def _route(
         self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str
-    ) -> Choice | Refusal | UnknownModel:
+    ) -> Choice[Replica] | Refusal | UnknownModel:
         tokens = estimate.prompt_tokens + estimate.reserved_output_tokens
         return self.fleet.choose(
             model, tier, tokens, self.rng, service_tier=service_tier, request_id=request_id

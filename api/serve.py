@@ -28,6 +28,7 @@ from api.control_service import ControlService
 from api.logs import setup_logging
 from api.runtime import Runtime
 from engine_adapter.fleet import Fleet
+from engine_adapter.vllm_http import VLLMReplica
 
 log = logging.getLogger("tollgate.serve")
 
@@ -158,7 +159,7 @@ class SimulatedActuator:
             handle = await start_simulated_replica_of(self.settings, model, index)
             replica_id = f"sim-{model}-{index}"
             self.handles[replica_id] = handle
-            self.fleet().add(replica_id, handle.url, model)
+            self.fleet().add(VLLMReplica(replica_id, handle.url, model))
             await self.fleet().refresh(check_health_too=True)
             log.info("replica %s of %s serving after its cold start", replica_id, model)
         finally:
