@@ -24,28 +24,26 @@ from typing import Any
 import orjson
 
 from api import http
+from api.admission import Admission, Refused
 from api.auth import Authenticator, Caller
 from api.chat_request import ChatRequest, parse_chat_request
 from api.errors import ApiError, error_frame
 from api.idempotency_service import replay_frames
 from api.metrics import Metrics
-from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, Replica, TokenEstimator
+from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
 from api.recorder import Flight, Recorder
-from domain import admission, goodput, hierarchy, lifecycle
+from domain import goodput, lifecycle
 from domain.admission import DEFAULT_POLICY, AdmissionPolicy
 from domain.backoff import engine_priority
 from domain.budgets import PathView
-from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control import ControlView
-from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.events import PreemptionRequested, Recorded, RefusalsCounted, RunBudgetExhausted
-from domain.hierarchy import Run
+from domain.events import PreemptionRequested, Recorded, RefusalsCounted
 from domain.leases import LEASE_KEEPALIVE_S
-from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.quota import QuotaView
 from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
 from domain.types import CancelReason
+from domain.views import AdmissionViews
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
 from engine_adapter.usage import DONE, Collector, Progress, relay_stream
 from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken, ReplicaUnavailable
@@ -102,32 +100,37 @@ class Edge:
         refusals: RefusalSampler | None = None,
     ) -> None:
         self.control = control
-        self.quota = quota
         self.fleet = fleet
         self.idempotency = idempotency
         self.metrics = metrics
-        self.tokens = tokens
         self.edge_id = edge_id
-        self.tpot_target_us = tpot_target_us
         self.rng = rng or random.Random()
         self.clock = clock
         self.policy = policy
-        self.predictor = predictor
         self.slow_reader_s = slow_reader_s  # 0: slow readers are never cancelled
         self.stream_buffer_chunks = stream_buffer_chunks
-        # Every level below the organization, and the runs (domain.budgets).
-        # Its buckets of levels it has not decided on yet are sized from the hierarchy when
+        # The quota, every level below the organization and the runs (domain.budgets), and the
+        # flex work other edges serve: one facade, kept in step by `domain.views`. The path
+        # view's buckets of levels it has not decided on yet are sized from the hierarchy when
         # another edge's admission there is folded (`observe`).
-        self.paths = paths or PathView(
-            backoff=policy.backoff,
-            rates_for=lambda *level: self.control.hierarchy.level_rates(*level),
-        )
-        # Flex work other edges serve (from the log): what this edge may ask them to preempt.
-        self.others_flex = RemoteFlex(edge_id)
+        self.views = AdmissionViews(
+            quota,
+            paths or PathView(
+                backoff=policy.backoff,
+                rates_for=lambda *level: self.control.hierarchy.level_rates(*level),
+            ),
+            RemoteFlex(edge_id),
+        )  # fmt: skip
         # Which refusals are recorded one by one; the rest are counted per key and window.
         self.refusals = refusals or RefusalSampler()
         self.auth = Authenticator(control)
         self.recorder = Recorder(events, metrics, clock=clock, new_id=new_id, commands=commands)
+        self.admission = Admission(
+            control=control, views=self.views, fleet=fleet, metrics=metrics, tokens=tokens,
+            recorder=self.recorder, reject=self._reject, preempt=self.preempt, edge_id=edge_id,
+            rng=self.rng, clock=clock, policy=policy, predictor=predictor,
+            tpot_target_us=tpot_target_us,
+        )
         self.in_flight: dict[str, Flight] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         # Slow readers cancelled at the engine, whose client is dropped if it still reads
@@ -135,12 +138,29 @@ class Edge:
         self._stalled: dict[str, tuple[Flight, float]] = {}
         self._keepalive_at: datetime | None = None  # the last renewal of every lease
 
+    @property
+    def quota(self) -> QuotaView:
+        return self.views.quota
+
+    @property
+    def paths(self) -> PathView:
+        return self.views.paths
+
+    @property
+    def others_flex(self) -> RemoteFlex:
+        return self.views.others_flex
+
+    @property
+    def predictor(self) -> OutputPredictor | None:
+        return self.admission.predictor
+
+    @predictor.setter
+    def predictor(self, predictor: OutputPredictor | None) -> None:
+        self.admission.predictor = predictor
+
     def observed_types(self) -> frozenset[str]:
         """What `observe` folds: a follower of the log need read no other event type."""
-        return (
-            self.quota.folded_types() | self.paths.folded_types()
-            | self.others_flex.folded_types()
-        )
+        return self.views.folded_types()
 
     def observe(self, records: Sequence[Recorded]) -> None:
         """Fold events read back from the log (other edges' admissions, refunds, ends, bills)
@@ -148,9 +168,7 @@ class Edge:
         views have already counted them and skip them. A PreemptionRequested of a flex request
         this edge serves preempts it here and now, as a preemption of its own router does."""
         for record in records:
-            self.quota.apply(record)
-            self.paths.apply(record)
-            self.others_flex.apply(record)
+            self.views.apply(record)
             if type(record.event) is PreemptionRequested:
                 self._preemption_requested(record)
 
@@ -160,18 +178,10 @@ class Edge:
     # --- the models on sale --------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        """Model versions on sale: served by the fleet and priced now. An unpriced model could
-        never be billed, so it is not offered (and the billing fold never meets one)."""
-        now = self.clock()
-        return [m for m in self.fleet.models() if self.control.has_price(m, now)]
+        return self.admission.models()
 
     def resolve_model(self, requested: str) -> str | None:
-        """A pinned version is served as is (if on sale); a base name goes to its newest
-        version on sale."""
-        if requested in self.fleet.serves:  # a version: no need to list every model on sale
-            return requested if self.control.has_price(requested, self.clock()) else None
-        versions = [m for m in self.models() if base_model(m) == requested]
-        return max(versions) if versions else None
+        return self.admission.resolve_model(requested)
 
     # --- completions ---------------------------------------------------------------------------
 
@@ -216,220 +226,19 @@ class Edge:
         is_retry = retry_count > 0 or self.idempotency.seen_recently(
             caller.tenant_id, idempotency_key
         )
-        flight, admit = self._admit(
+        answer = self.admission.admit(
             caller, req, model, request_id, idempotency_key, is_retry, headers, run_id
         )
-        await self._record_admission(flight, caller, req, admit)
+        if isinstance(answer, Refused):
+            raise answer.error
+        flight = answer.flight
+        await self._record_admission(flight, caller, req, answer.commands)
         body = dict(req.upstream)
         body["priority"] = engine_priority(caller.tier, req.service_tier)
         body["max_tokens"] = flight.state.output_cap_tokens
         if req.stream:
             return await self._open_stream(flight, caller, req, body, headers)
         return await self._complete(flight, caller, body, headers)
-
-    def _admit(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str,
-        idempotency_key: str | None, is_retry: bool, headers: dict[str, str],
-        run_id: str | None = None,
-    ) -> tuple[Flight, tuple[lifecycle.Command, ...]]:
-        """Quota, then capacity: an admitted request's flight and the commands that record its
-        admission, or the refusal raised as the client will see it (and recorded).
-
-        When no replica of the model can take the request and the tenant consented to another
-        model (`tollgate fallbacks allow`), that one is tried, under its own quota; without
-        consent no other model is ever served."""
-        bucket = _system_prompt_bucket(caller, req)
-        run = self._run(caller, run_id)
-        decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
-        headers.update(http.rate_limit_headers(decision.rate_limits))
-        if isinstance(decision, admission.Rejected):
-            self._reject(
-                request_id, caller, model, decision.reason, decision.retry_after_s,
-                decision.detail, is_retry,
-            )
-            if decision.reason == "run_budget" and run is not None:
-                self._run_exhausted(run, decision.dimension or "", request_id)
-            raise http.refusal(decision, headers)
-        flex = req.service_tier == "flex"
-        choice = self._route(model, caller.tier, decision.estimate, req.service_tier, request_id)
-        served, downgraded_from, reason = model, None, ""
-        if flex and not isinstance(choice, Choice):
-            # Flex takes idle capacity or nothing: no other model, and the refusal is OpenAI's
-            # flex 429 (not billed), recorded as a capacity refusal like any other.
-            self._void(request_id)
-            reason = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
-            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-            self.metrics.flex_of(model, caller.tier, "refused").inc()
-            self._reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-            raise http.flex_unavailable(model, reason, retry_after, headers)
-        if not isinstance(choice, Choice):
-            reason = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
-            self._void(request_id)
-            for alternative in self._fallbacks(caller.tenant_id, model):
-                self.quota.withdraw(request_id)
-                self.paths.withdraw(request_id)
-                other, other_shape = self._reserve(
-                    caller, req, alternative, request_id, is_retry, bucket, run
-                )
-                if isinstance(other, admission.Rejected):
-                    continue  # its own quota is spent: the next consented model, or a 503
-                choice = self._route(
-                    alternative, caller.tier, other.estimate, "default", request_id
-                )
-                if isinstance(choice, Choice):
-                    served, downgraded_from, decision = alternative, model, other
-                    shape = other_shape
-                    headers.update(http.rate_limit_headers(other.rate_limits))
-                    headers["X-Tollgate-Downgraded-From"] = model
-                    self.metrics.downgraded.labels(model, served).inc()
-                    break
-                self._void(request_id)
-        if not isinstance(choice, Choice):
-            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-            self._reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-            raise http.no_capacity(model, caller.tier, reason, retry_after, headers)
-        flight = Flight(
-            request_id, caller.tenant_id, served, caller.tier, Progress(), choice,
-            idempotency_key=idempotency_key, shape=shape, service_tier=req.service_tier,
-        )
-        if flex:
-            self.metrics.flex_of(served, caller.tier, "admitted").inc()
-        if choice.preempt:
-            # Their KV is this request's: abort them now, without waiting for the aborts (the
-            # engine serves this one first meanwhile: it has the lower `priority`).
-            self.preempt(choice.preempt, request_id)
-            if choice.preempt_remote:
-                self._ask_to_preempt(choice.preempt_remote, request_id, choice.replica_id)
-            self.metrics.preemptions_of(served, caller.tier).inc()
-        if decision.starts_run and run is not None and run.implicit:
-            self._start_run(run)
-        return flight, (
-            lifecycle.AdmitRequest(
-                request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
-                model=served, tier=caller.tier, edge_id=self.edge_id,  # type: ignore[arg-type]
-                estimate=decision.estimate, idempotency_key=idempotency_key,
-                is_retry=is_retry, stream=req.stream, downgraded_from=downgraded_from,
-                downgrade_reason=reason if downgraded_from else "",
-                message_count=len(req.messages),
-                system_prompt_bucket=bucket,
-                service_tier=req.service_tier,  # type: ignore[arg-type]
-                reserved=decision.reserved,
-                batch_item=req.batch_item,
-            ),
-            lifecycle.RouteRequest(
-                request_id=request_id, replica_id=choice.replica_id,
-                occupancy_ppm=choice.occupancy_ppm,
-            ),
-        )
-
-    def _reserve(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
-        system_prompt_bucket: int, run: Run | None = None,
-    ) -> tuple[admission.Admitted | admission.Rejected, RequestShape | None]:
-        """The quota decision for serving `req` with `model` (charged to the view if admitted),
-        and what the output predictor was asked about it."""
-        measured = self.fleet.tpot_p95(model)
-        limits = self.control.limits(caller.tenant_id, model)
-        prompt_tokens = self.tokens(model).prompt_tokens(req.messages, req.upstream.get("tools"))
-        now = self.clock()
-        shape = predicted = None
-        if self.predictor is not None:
-            shape = RequestShape(
-                caller.tenant_id, caller.key_id, model, prompt_tokens,
-                admission.output_cap(req.max_tokens, limits), len(req.messages),
-                system_prompt_bucket, now,
-            )
-            answer = self.predictor.predict(shape)
-            if isinstance(answer, Prediction):
-                predicted = answer
-            self.metrics.count_prediction(caller.tenant_id, None if predicted else str(answer))
-        cmd = admission.ReserveQuota(
-                request_id=request_id,
-                tenant_id=caller.tenant_id,
-                key_id=caller.key_id,
-                model=model,
-                tier=caller.tier,
-                edge_id=self.edge_id,
-                prompt_tokens=prompt_tokens,
-                max_tokens=req.max_tokens,
-                min_tokens=req.upstream.get("min_tokens"),
-                kv_bytes_per_token=self.control.model_profile(model).kv_bytes_per_token,
-                tpot_us=tpot_estimate_us(
-                    measured.p95_us if measured else None,
-                    measured.age_s if measured else None,
-                    self.tpot_target_us,
-                ),
-                now=now,
-                jitter=self.rng.random(),
-                is_retry=is_retry,
-                predicted_output_tokens=predicted.output_tokens if predicted else None,
-                predictor_version=predicted.model_version if predicted else "",
-                context_tokens=self.fleet.context_tokens(model),
-        )
-        # A tenant with nothing set below its plan, and a call outside a run, is decided by
-        # the organization's limits alone (and pays nothing for the hierarchy).
-        path = self.control.hierarchy.policy(caller.tenant_id, caller.key_id, model, now, run)
-        if path is None:
-            return admission.decide(self.quota, cmd, limits, policy=self.policy), shape
-        decision = admission.decide_on_path(
-            self.quota, self.paths, cmd, limits, path, self.control.price(model, now),
-            policy=self.policy,
-        )
-        return decision, shape
-
-    # --- runs ----------------------------------------------------------------------------------
-
-    def _run(self, caller: Caller, run_id: str | None) -> Run | None:
-        """The run a call names: as recorded (POST /v1/runs), as this edge started it, or new,
-        started by this call under its project's run policy. Runs are looked up in the
-        caller's own tenant only."""
-        if run_id is None:
-            return None
-        tree = self.control.hierarchy
-        tenant = caller.tenant_id
-        run = tree.run(tenant, run_id)  # (in force: `Hierarchy.run` applies the policy)
-        if run is not None:
-            return run
-        run = self.paths.started_run(tenant, run_id)
-        if run is not None:
-            return tree.in_force(run)
-        project = tree.project_of_key(tenant, caller.key_id)
-        return Run(tenant, run_id, project, tree.run_policy(tenant, project), self.clock(),
-                   implicit=True)  # fmt: skip
-
-    def _start_run(self, run: Run) -> None:
-        """Record the RunStarted of a run its first call started (at version 0: if another
-        edge started it first, that one stands and this append is refused, which is counted)."""
-        (event,) = hierarchy.decide(
-            self.control.hierarchy,
-            hierarchy.StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
-        )
-        self.recorder.fact(hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id,
-                           event, 0, run.started_at)  # fmt: skip
-
-    def _run_exhausted(self, run: Run, dimension: str, request_id: str) -> None:
-        if self.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
-            event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
-            self.recorder.fact(
-                hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
-            )
-
-    def _void(self, request_id: str) -> None:
-        self.quota.void(request_id)
-        self.paths.void(request_id)
-
-    def _route(
-        self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str
-    ) -> Choice[Replica] | Refusal | UnknownModel:
-        tokens = estimate.prompt_tokens + estimate.reserved_output_tokens
-        return self.fleet.choose(
-            model, tier, tokens, self.rng, service_tier=service_tier, request_id=request_id
-        )
-
-    def _fallbacks(self, tenant_id: str, model: str) -> list[str]:
-        """The model versions on sale the tenant consented to instead of `model`, in order."""
-        found = (self.resolve_model(m) for m in self.control.fallbacks(tenant_id, model))
-        return [m for m in found if m is not None and m != model]
 
     async def _record_admission(
         self, flight: Flight, caller: Caller, req: ChatRequest,
@@ -461,8 +270,7 @@ class Edge:
                 self._track(flight)
                 self._end(flight, _cancelled(flight.progress))
             else:
-                self._void(flight.request_id)
-                self.fleet.release(flight.choice)
+                self.admission.void(flight)
             if began:  # the key is ours: free it (never another request's in-flight key)
                 await self.idempotency.abandon(caller.tenant_id, key or "")
             raise
@@ -582,22 +390,6 @@ class Edge:
             self.metrics.flex_of(flight.model, flight.tier, "preempted").inc()
             if exchange is not None:  # else `_open` aborts it as soon as it is opened
                 self._background(self._preempt(flight, exchange))
-
-    def _ask_to_preempt(
-        self, request_ids: tuple[str, ...], for_request_id: str, replica_id: str
-    ) -> None:
-        """Flex requests another edge serves: ask for their preemption on their streams (in the
-        background: this request goes to the engine now, ahead of them by priority). Their edge
-        follows the log and preempts them within one poll of the append."""
-        for request_id in request_ids:
-            tenant_id = self.others_flex.tenant_of(request_id)
-            if tenant_id is None or not self.others_flex.ask(request_id):
-                continue
-            command = lifecycle.AskToPreempt(
-                requested_by=self.edge_id, preempted_for=for_request_id, replica_id=replica_id,
-                request_id=request_id,
-            )
-            self.recorder.ask(request_id, tenant_id, command)
 
     def _preemption_requested(self, record: Recorded) -> None:
         event = record.event
@@ -852,24 +644,7 @@ class Edge:
         try:
             flight.ended = self.recorder.record(flight, command)
         finally:
-            if (
-                flight.shape is not None
-                and self.predictor is not None
-                and isinstance(command, lifecycle.CompleteRequest)
-            ):
-                # Only a completed request's count is its natural length: a cancelled or failed
-                # one stopped short, and would teach the history and the coverage to expect less.
-                state = flight.state
-                reserved = state.reserved_output_tokens if state.predictor_version else None
-                self.predictor.observe(flight.shape, reserved, p.completion_tokens)
-            # Preempted: our decision, so the tenant's quota gets all of the reservation back.
-            preempted = isinstance(command, lifecycle.PreemptRequest)
-            used = 0 if preempted else p.prompt_tokens + p.completion_tokens
-            now = self.clock()
-            self.quota.refund(flight.request_id, used, now)
-            if self.paths.knows(flight.request_id):
-                self._true_up(flight, used, now, preempted)
-            self.fleet.release(flight.choice)
+            self.admission.settle(flight, command)
             if self.in_flight.pop(flight.request_id, None) is not None:
                 self.metrics.in_flight.dec()
             status = _TERMINAL_LABEL[type(command)]
@@ -879,19 +654,6 @@ class Edge:
                 flight.tenant_id, flight.tier, flight.model, status, admitted_at, command
             )
         return flight.ended
-
-    def _true_up(self, flight: Flight, used: int, now: datetime, preempted: bool) -> None:
-        """Every level's reservation becomes what the bill will say: the same engine counts at
-        the price in force at admission for its service tier (`domain.lifecycle`'s bill; a
-        preempted request bills nothing), so the bill changes nothing."""
-        p = flight.progress
-        state = flight.state
-        admitted_at = state.admitted_at or now
-        price = self.control.price(flight.model, admitted_at, state.service_tier)
-        amount = 0 if preempted else amount_micros(
-            price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
-        )  # fmt: skip
-        self.paths.finish(flight.request_id, used, amount, p.tool_calls, now)
 
     def _count_outcome(
         self, tenant_id: str, tier: str, model: str, status: str, admitted_at: datetime,
@@ -964,24 +726,9 @@ class Edge:
         )
         if keepalive:
             self._keepalive_at = now
-            self.quota.prune(now)
-            self.paths.prune(now)
+            self.views.prune(now)
             self.record_counted_refusals()
         self.recorder.renew(self.edge_id, list(self.in_flight.values()), everyone=keepalive)
-
-
-def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
-    """The system prompt as a number the predictor may learn from: a hash keyed by the tenant,
-    modulo 64, so it says nothing of the text and one tenant's bucket 7 is unrelated to
-    another's. -1 when the chat has no system (or developer) message first."""
-    first = req.messages[0] if req.messages else None
-    if not isinstance(first, dict) or first.get("role") not in ("system", "developer"):
-        return -1
-    digest = hashlib.blake2b(
-        orjson.dumps(first.get("content")), digest_size=8,
-        key=caller.tenant_id.encode()[:64],
-    ).digest()
-    return int.from_bytes(digest) % SYSTEM_PROMPT_BUCKETS
 
 
 _Terminal = (
