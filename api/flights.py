@@ -124,7 +124,7 @@ class Flights:
     # --- the end of a request ---------------------------------------------------------------
 
     def track(self, flight: Flight) -> None:
-        """An admitted request is in flight on this edge until `_end`."""
+        """An admitted request is in flight on this edge until `end`."""
         self.in_flight[flight.request_id] = flight
         self.metrics.in_flight.inc()
         self.metrics.admitted_of(flight.tier, flight.model).inc()
@@ -366,7 +366,7 @@ async def committed(admission: asyncio.Future[AppendResult] | None) -> bool:
 
 async def durable(ended: asyncio.Future[bool] | None) -> bool:
     """Whether a terminal event committed (None: the request was not ended by this edge's
-    `_end`, so there is nothing of ours to wait for). Shielded: a client leaving meanwhile must
+    `end`, so there is nothing of ours to wait for). Shielded: a client leaving meanwhile must
     not cancel the recording."""
     if ended is None:
         return True
