@@ -1,11 +1,12 @@
-"""The customer path, as an application service over ports: parse, resolve the model, admit
-(quota, then capacity), record the admission, relay the generation, and end every admitted
-request with exactly one terminal event and its refund.
+"""The customer path, as an application service over ports: parse, resolve the model, ask
+`Admission` (quota, budgets, runs, capacity, fallbacks, flex preemption: api/admission.py),
+record the admission, relay the generation (`api/relay.py` for a stream), and end every
+admitted request with exactly one terminal event and its refund (`api/flights.py`).
 
 The rules it applies are `domain`'s (admission, capacity, lifecycle, backoff); the facts go
 through the `Recorder`; the engine, the fleet, the token count, the clock and the ids are ports
 (`api/ports.py`), so the whole path runs in a unit test with fakes. Nothing here waits on
-anything remote before the admission decision: the quota view is local and the fleet view is the
+anything remote before the admission decision: the views are local and the fleet view is the
 last scrape.
 """
 
@@ -13,51 +14,52 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import random
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import orjson
 
-from api import http
+from api.admission import Admission, Refused
 from api.auth import Authenticator, Caller
 from api.chat_request import ChatRequest, parse_chat_request
-from api.errors import ApiError, error_frame
+from api.errors import ApiError
+from api.flights import (
+    NOT_RECORDED,
+    Flights,
+    cancel_command,
+    committed,
+    complete_command,
+    durable,
+    engine_error_text,
+    fail_command,
+)
 from api.idempotency_service import replay_frames
 from api.metrics import Metrics
+from api.outcomes import Outcomes
 from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
 from api.recorder import Flight, Recorder
-from domain import admission, goodput, hierarchy, lifecycle
+from api.relay import StreamOutcome, StreamRelay
+from domain import lifecycle
 from domain.admission import DEFAULT_POLICY, AdmissionPolicy
 from domain.backoff import engine_priority
 from domain.budgets import PathView
 from domain.control import ControlView
-from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.events import PreemptionRequested, Recorded, RefusalsCounted, RunBudgetExhausted
-from domain.hierarchy import Run
+from domain.events import PreemptionRequested, Recorded
 from domain.leases import LEASE_KEEPALIVE_S
-from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.quota import QuotaView
 from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
-from domain.types import CancelReason
+from domain.views import AdmissionViews
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
-from engine_adapter.fleet import Choice, Refusal, UnknownModel
-from engine_adapter.usage import DONE, Collector, Progress, relay_stream
-from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken, ReplicaUnavailable
+from engine_adapter.usage import Collector
 from ledger.commands import CommandHandler
 from ledger.ids import Clock, IdSource, new_event_id, utcnow
 from ledger.store import AppendResult
 
 __all__ = ["Caller", "Edge", "JsonOutcome", "StreamOutcome"]
-
-log = logging.getLogger("tollgate.edge")
-
-_REPLICA_ERRORS = (ReplicaHTTPError, ReplicaUnavailable, ReplicaStreamBroken)
 
 
 @dataclass(slots=True)
@@ -65,16 +67,6 @@ class JsonOutcome:
     status: int
     body: bytes
     headers: dict[str, str]
-
-
-@dataclass(slots=True)
-class StreamOutcome:
-    headers: dict[str, str]
-    frames: AsyncIterator[bytes]
-    first: bytes = b""  # sent before `frames`
-    # Whether the edge dropped the client (a slow reader that did not read its error either):
-    # the task writing to it is cancelled then, and that is not an error.
-    dropped: Callable[[], bool] = lambda: False
 
 
 class Edge:
@@ -101,46 +93,97 @@ class Edge:
         paths: PathView | None = None,
         refusals: RefusalSampler | None = None,
     ) -> None:
+        """The ports arrive from the composition root (api/runtime.py; fakes in the unit
+        tests); the services of the path are put together here, each given what it uses."""
         self.control = control
-        self.quota = quota
         self.fleet = fleet
-        self.idempotency = idempotency
+        self._idempotency = idempotency
         self.metrics = metrics
-        self.tokens = tokens
         self.edge_id = edge_id
-        self.tpot_target_us = tpot_target_us
-        self.rng = rng or random.Random()
+        self.rng = rng = rng or random.Random()
         self.clock = clock
         self.policy = policy
-        self.predictor = predictor
-        self.slow_reader_s = slow_reader_s  # 0: slow readers are never cancelled
-        self.stream_buffer_chunks = stream_buffer_chunks
-        # Every level below the organization, and the runs (domain.budgets).
-        # Its buckets of levels it has not decided on yet are sized from the hierarchy when
+        # The quota, every level below the organization and the runs (domain.budgets), and the
+        # flex work other edges serve: one facade, kept in step by `domain.views`. The path
+        # view's buckets of levels it has not decided on yet are sized from the hierarchy when
         # another edge's admission there is folded (`observe`).
-        self.paths = paths or PathView(
-            backoff=policy.backoff,
-            rates_for=lambda *level: self.control.hierarchy.level_rates(*level),
-        )
-        # Flex work other edges serve (from the log): what this edge may ask them to preempt.
-        self.others_flex = RemoteFlex(edge_id)
-        # Which refusals are recorded one by one; the rest are counted per key and window.
-        self.refusals = refusals or RefusalSampler()
+        self.views = AdmissionViews(
+            quota,
+            paths or PathView(
+                backoff=policy.backoff,
+                rates_for=lambda *level: self.control.hierarchy.level_rates(*level),
+            ),
+            RemoteFlex(edge_id),
+        )  # fmt: skip
         self.auth = Authenticator(control)
         self.recorder = Recorder(events, metrics, clock=clock, new_id=new_id, commands=commands)
-        self.in_flight: dict[str, Flight] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
-        # Slow readers cancelled at the engine, whose client is dropped if it still reads
-        # nothing by the deadline (monotonic).
-        self._stalled: dict[str, tuple[Flight, float]] = {}
+        self.outcomes = Outcomes(
+            control=control, metrics=metrics, recorder=self.recorder,
+            refusals=refusals or RefusalSampler(), clock=clock,
+        )
+        self.admission = Admission(
+            control=control, views=self.views, fleet=fleet, metrics=metrics, tokens=tokens,
+            recorder=self.recorder, reject=self.outcomes.reject, preempt=self.preempt,
+            edge_id=edge_id, rng=rng, clock=clock, policy=policy, predictor=predictor,
+            tpot_target_us=tpot_target_us,
+        )
+        self.flights = Flights(
+            admission=self.admission, recorder=self.recorder, outcomes=self.outcomes,
+            metrics=metrics, idempotency=idempotency, clock=clock, edge_id=edge_id,
+            slow_reader_s=slow_reader_s,
+            retry_after_s=lambda: policy.backoff.retry_after_s(rng.random()),
+        )
+        self.relay = StreamRelay(
+            self.flights, idempotency, stream_buffer_chunks=stream_buffer_chunks
+        )
+        self.in_flight: dict[str, Flight] = self.flights.in_flight
         self._keepalive_at: datetime | None = None  # the last renewal of every lease
+
+    # --- what the runtime and the tests read of its parts --------------------------------------
+
+    @property
+    def idempotency(self) -> Idempotency:
+        return self._idempotency
+
+    @idempotency.setter
+    def idempotency(self, idempotency: Idempotency) -> None:
+        self._idempotency = self.flights.idempotency = self.relay.idempotency = idempotency
+
+    @property
+    def quota(self) -> QuotaView:
+        return self.views.quota
+
+    @property
+    def paths(self) -> PathView:
+        return self.views.paths
+
+    @property
+    def others_flex(self) -> RemoteFlex:
+        return self.views.others_flex
+
+    @property
+    def predictor(self) -> OutputPredictor | None:
+        return self.admission.predictor
+
+    @predictor.setter
+    def predictor(self, predictor: OutputPredictor | None) -> None:
+        self.admission.predictor = predictor
+
+    def preempt(self, request_ids: tuple[str, ...], for_request_id: str) -> None:
+        """Abort these flex requests at their engine, for `for_request_id` (`Flights.preempt`)."""
+        self.flights.preempt(request_ids, for_request_id)
+
+    def check_slow_readers(self, now: float) -> None:
+        self.flights.check_slow_readers(now)
+
+    def record_counted_refusals(self, *, everything: bool = False) -> int:
+        return self.outcomes.record_counted_refusals(everything=everything)
+
+    # --- the log, the caller, the models on sale -----------------------------------------------
 
     def observed_types(self) -> frozenset[str]:
         """What `observe` folds: a follower of the log need read no other event type."""
-        return (
-            self.quota.folded_types() | self.paths.folded_types()
-            | self.others_flex.folded_types()
-        )
+        return self.views.folded_types()
 
     def observe(self, records: Sequence[Recorded]) -> None:
         """Fold events read back from the log (other edges' admissions, refunds, ends, bills)
@@ -148,30 +191,18 @@ class Edge:
         views have already counted them and skip them. A PreemptionRequested of a flex request
         this edge serves preempts it here and now, as a preemption of its own router does."""
         for record in records:
-            self.quota.apply(record)
-            self.paths.apply(record)
-            self.others_flex.apply(record)
+            self.views.apply(record)
             if type(record.event) is PreemptionRequested:
-                self._preemption_requested(record)
+                self.flights.preemption_requested(record)
 
     def authenticate(self, authorization: str | None, scopes: frozenset[str]) -> Caller:
         return self.auth.authenticate(authorization, scopes)
 
-    # --- the models on sale --------------------------------------------------------------------
-
     def models(self) -> list[str]:
-        """Model versions on sale: served by the fleet and priced now. An unpriced model could
-        never be billed, so it is not offered (and the billing fold never meets one)."""
-        now = self.clock()
-        return [m for m in self.fleet.models() if self.control.has_price(m, now)]
+        return self.admission.models()
 
     def resolve_model(self, requested: str) -> str | None:
-        """A pinned version is served as is (if on sale); a base name goes to its newest
-        version on sale."""
-        if requested in self.fleet.serves:  # a version: no need to list every model on sale
-            return requested if self.control.has_price(requested, self.clock()) else None
-        versions = [m for m in self.models() if base_model(m) == requested]
-        return max(versions) if versions else None
+        return self.admission.resolve_model(requested)
 
     # --- completions ---------------------------------------------------------------------------
 
@@ -192,13 +223,15 @@ class Edge:
         try:
             req = parse_chat_request(raw)
         except ApiError as exc:
-            self._reject(request_id, caller, "", "invalid", 0, exc.message, retry_count > 0)
+            self.outcomes.reject(request_id, caller, "", "invalid", 0, exc.message, retry_count > 0)
             raise
         if batch_item:
             req.service_tier, req.batch_item = "flex", batch_item
         model = self.resolve_model(req.model)
         if model is None:
-            self._reject(request_id, caller, req.model, "invalid", 0, "unknown model", False)
+            self.outcomes.reject(
+                request_id, caller, req.model, "invalid", 0, "unknown model", False
+            )
             raise ApiError(
                 404, f"The model `{req.model}` does not exist or you do not have access to it.",
                 param="model", code="model_not_found",
@@ -216,220 +249,19 @@ class Edge:
         is_retry = retry_count > 0 or self.idempotency.seen_recently(
             caller.tenant_id, idempotency_key
         )
-        flight, admit = self._admit(
+        answer = self.admission.admit(
             caller, req, model, request_id, idempotency_key, is_retry, headers, run_id
         )
-        await self._record_admission(flight, caller, req, admit)
+        if isinstance(answer, Refused):
+            raise answer.error
+        flight = answer.flight
+        await self._record_admission(flight, caller, req, answer.commands)
         body = dict(req.upstream)
         body["priority"] = engine_priority(caller.tier, req.service_tier)
         body["max_tokens"] = flight.state.output_cap_tokens
         if req.stream:
-            return await self._open_stream(flight, caller, req, body, headers)
+            return await self.relay.open(flight, caller, req, body, headers)
         return await self._complete(flight, caller, body, headers)
-
-    def _admit(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str,
-        idempotency_key: str | None, is_retry: bool, headers: dict[str, str],
-        run_id: str | None = None,
-    ) -> tuple[Flight, tuple[lifecycle.Command, ...]]:
-        """Quota, then capacity: an admitted request's flight and the commands that record its
-        admission, or the refusal raised as the client will see it (and recorded).
-
-        When no replica of the model can take the request and the tenant consented to another
-        model (`tollgate fallbacks allow`), that one is tried, under its own quota; without
-        consent no other model is ever served."""
-        bucket = _system_prompt_bucket(caller, req)
-        run = self._run(caller, run_id)
-        decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
-        headers.update(http.rate_limit_headers(decision.rate_limits))
-        if isinstance(decision, admission.Rejected):
-            self._reject(
-                request_id, caller, model, decision.reason, decision.retry_after_s,
-                decision.detail, is_retry,
-            )
-            if decision.reason == "run_budget" and run is not None:
-                self._run_exhausted(run, decision.dimension or "", request_id)
-            raise http.refusal(decision, headers)
-        flex = req.service_tier == "flex"
-        choice = self._route(model, caller.tier, decision.estimate, req.service_tier, request_id)
-        served, downgraded_from, reason = model, None, ""
-        if flex and not isinstance(choice, Choice):
-            # Flex takes idle capacity or nothing: no other model, and the refusal is OpenAI's
-            # flex 429 (not billed), recorded as a capacity refusal like any other.
-            self._void(request_id)
-            reason = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
-            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-            self.metrics.flex_of(model, caller.tier, "refused").inc()
-            self._reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-            raise http.flex_unavailable(model, reason, retry_after, headers)
-        if not isinstance(choice, Choice):
-            reason = "no replica serves it" if isinstance(choice, UnknownModel) else choice.detail
-            self._void(request_id)
-            for alternative in self._fallbacks(caller.tenant_id, model):
-                self.quota.withdraw(request_id)
-                self.paths.withdraw(request_id)
-                other, other_shape = self._reserve(
-                    caller, req, alternative, request_id, is_retry, bucket, run
-                )
-                if isinstance(other, admission.Rejected):
-                    continue  # its own quota is spent: the next consented model, or a 503
-                choice = self._route(
-                    alternative, caller.tier, other.estimate, "default", request_id
-                )
-                if isinstance(choice, Choice):
-                    served, downgraded_from, decision = alternative, model, other
-                    shape = other_shape
-                    headers.update(http.rate_limit_headers(other.rate_limits))
-                    headers["X-Tollgate-Downgraded-From"] = model
-                    self.metrics.downgraded.labels(model, served).inc()
-                    break
-                self._void(request_id)
-        if not isinstance(choice, Choice):
-            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-            self._reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-            raise http.no_capacity(model, caller.tier, reason, retry_after, headers)
-        flight = Flight(
-            request_id, caller.tenant_id, served, caller.tier, Progress(), choice,
-            idempotency_key=idempotency_key, shape=shape, service_tier=req.service_tier,
-        )
-        if flex:
-            self.metrics.flex_of(served, caller.tier, "admitted").inc()
-        if choice.preempt:
-            # Their KV is this request's: abort them now, without waiting for the aborts (the
-            # engine serves this one first meanwhile: it has the lower `priority`).
-            self.preempt(choice.preempt, request_id)
-            if choice.preempt_remote:
-                self._ask_to_preempt(choice.preempt_remote, request_id, choice.replica_id)
-            self.metrics.preemptions_of(served, caller.tier).inc()
-        if decision.starts_run and run is not None and run.implicit:
-            self._start_run(run)
-        return flight, (
-            lifecycle.AdmitRequest(
-                request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
-                model=served, tier=caller.tier, edge_id=self.edge_id,  # type: ignore[arg-type]
-                estimate=decision.estimate, idempotency_key=idempotency_key,
-                is_retry=is_retry, stream=req.stream, downgraded_from=downgraded_from,
-                downgrade_reason=reason if downgraded_from else "",
-                message_count=len(req.messages),
-                system_prompt_bucket=bucket,
-                service_tier=req.service_tier,  # type: ignore[arg-type]
-                reserved=decision.reserved,
-                batch_item=req.batch_item,
-            ),
-            lifecycle.RouteRequest(
-                request_id=request_id, replica_id=choice.replica_id,
-                occupancy_ppm=choice.occupancy_ppm,
-            ),
-        )
-
-    def _reserve(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
-        system_prompt_bucket: int, run: Run | None = None,
-    ) -> tuple[admission.Admitted | admission.Rejected, RequestShape | None]:
-        """The quota decision for serving `req` with `model` (charged to the view if admitted),
-        and what the output predictor was asked about it."""
-        measured = self.fleet.tpot_p95(model)
-        limits = self.control.limits(caller.tenant_id, model)
-        prompt_tokens = self.tokens(model).prompt_tokens(req.messages, req.upstream.get("tools"))
-        now = self.clock()
-        shape = predicted = None
-        if self.predictor is not None:
-            shape = RequestShape(
-                caller.tenant_id, caller.key_id, model, prompt_tokens,
-                admission.output_cap(req.max_tokens, limits), len(req.messages),
-                system_prompt_bucket, now,
-            )
-            answer = self.predictor.predict(shape)
-            if isinstance(answer, Prediction):
-                predicted = answer
-            self.metrics.count_prediction(caller.tenant_id, None if predicted else str(answer))
-        cmd = admission.ReserveQuota(
-                request_id=request_id,
-                tenant_id=caller.tenant_id,
-                key_id=caller.key_id,
-                model=model,
-                tier=caller.tier,
-                edge_id=self.edge_id,
-                prompt_tokens=prompt_tokens,
-                max_tokens=req.max_tokens,
-                min_tokens=req.upstream.get("min_tokens"),
-                kv_bytes_per_token=self.control.model_profile(model).kv_bytes_per_token,
-                tpot_us=tpot_estimate_us(
-                    measured.p95_us if measured else None,
-                    measured.age_s if measured else None,
-                    self.tpot_target_us,
-                ),
-                now=now,
-                jitter=self.rng.random(),
-                is_retry=is_retry,
-                predicted_output_tokens=predicted.output_tokens if predicted else None,
-                predictor_version=predicted.model_version if predicted else "",
-                context_tokens=self.fleet.context_tokens(model),
-        )
-        # A tenant with nothing set below its plan, and a call outside a run, is decided by
-        # the organization's limits alone (and pays nothing for the hierarchy).
-        path = self.control.hierarchy.policy(caller.tenant_id, caller.key_id, model, now, run)
-        if path is None:
-            return admission.decide(self.quota, cmd, limits, policy=self.policy), shape
-        decision = admission.decide_on_path(
-            self.quota, self.paths, cmd, limits, path, self.control.price(model, now),
-            policy=self.policy,
-        )
-        return decision, shape
-
-    # --- runs ----------------------------------------------------------------------------------
-
-    def _run(self, caller: Caller, run_id: str | None) -> Run | None:
-        """The run a call names: as recorded (POST /v1/runs), as this edge started it, or new,
-        started by this call under its project's run policy. Runs are looked up in the
-        caller's own tenant only."""
-        if run_id is None:
-            return None
-        tree = self.control.hierarchy
-        tenant = caller.tenant_id
-        run = tree.run(tenant, run_id)  # (in force: `Hierarchy.run` applies the policy)
-        if run is not None:
-            return run
-        run = self.paths.started_run(tenant, run_id)
-        if run is not None:
-            return tree.in_force(run)
-        project = tree.project_of_key(tenant, caller.key_id)
-        return Run(tenant, run_id, project, tree.run_policy(tenant, project), self.clock(),
-                   implicit=True)  # fmt: skip
-
-    def _start_run(self, run: Run) -> None:
-        """Record the RunStarted of a run its first call started (at version 0: if another
-        edge started it first, that one stands and this append is refused, which is counted)."""
-        (event,) = hierarchy.decide(
-            self.control.hierarchy,
-            hierarchy.StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
-        )
-        self.recorder.fact(hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id,
-                           event, 0, run.started_at)  # fmt: skip
-
-    def _run_exhausted(self, run: Run, dimension: str, request_id: str) -> None:
-        if self.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
-            event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
-            self.recorder.fact(
-                hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
-            )
-
-    def _void(self, request_id: str) -> None:
-        self.quota.void(request_id)
-        self.paths.void(request_id)
-
-    def _route(
-        self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str
-    ) -> Choice | Refusal | UnknownModel:
-        tokens = estimate.prompt_tokens + estimate.reserved_output_tokens
-        return self.fleet.choose(
-            model, tier, tokens, self.rng, service_tier=service_tier, request_id=request_id
-        )
-
-    def _fallbacks(self, tenant_id: str, model: str) -> list[str]:
-        """The model versions on sale the tenant consented to instead of `model`, in order."""
-        found = (self.resolve_model(m) for m in self.control.fallbacks(tenant_id, model))
-        return [m for m in found if m is not None and m != model]
 
     async def _record_admission(
         self, flight: Flight, caller: Caller, req: ChatRequest,
@@ -454,19 +286,18 @@ class Edge:
                     type="server_error", code="store_unavailable",
                 )
         except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError) and await _committed(committing):
+            if isinstance(exc, asyncio.CancelledError) and await committed(committing):
                 # The client left while its admission was being committed, and it committed:
                 # the request is admitted, so it ends here, cancelled (not by lease expiry 15 s
                 # later, with its quota held meanwhile).
-                self._track(flight)
-                self._end(flight, _cancelled(flight.progress))
+                self.flights.track(flight)
+                self.flights.end(flight, cancel_command(flight.progress))
             else:
-                self._void(flight.request_id)
-                self.fleet.release(flight.choice)
+                self.admission.void(flight)
             if began:  # the key is ours: free it (never another request's in-flight key)
                 await self.idempotency.abandon(caller.tenant_id, key or "")
             raise
-        self._track(flight)
+        self.flights.track(flight)
 
     async def _complete(
         self, flight: Flight, caller: Caller, body: dict[str, Any], headers: dict[str, str]
@@ -474,27 +305,26 @@ class Edge:
         key = flight.idempotency_key
         exchange: ChatExchange | None = None
         try:
-            exchange = await self._open(flight, caller, body)
-            collector = Collector(flight.progress, lambda: self._first_token(flight))
+            exchange = await self.flights.open(flight, caller, body)
+            collector = Collector(flight.progress, lambda: self.flights.first_token(flight))
             await exchange.run(collector.feed)
             completion = collector.completion()
         except BaseException as exc:
-            await self._fail(flight, caller, exchange, exc)
-            if flight.preempted_for is not None and isinstance(exc, _PREEMPTED_ERRORS):
-                raise self._preempted_error(headers) from None
-            if isinstance(exc, _REPLICA_ERRORS):
-                raise self._replica_error(exc, headers) from None
+            await self.flights.fail(flight, caller, exchange, exc)
+            refusal = self.flights.engine_failure(flight, exc, headers)
+            if refusal is not None:
+                raise refusal from None
             raise
         error = flight.progress.error
         if error is not None:
-            self._end(flight, _failed(flight.progress, _engine_error(error)))
+            self.flights.end(flight, fail_command(flight.progress, engine_error_text(error)))
             if key is not None:
                 await self.idempotency.abandon(caller.tenant_id, key)
             raise ApiError(
                 502, "the model replica failed while generating", type="server_error",
                 code="replica_failed", headers=headers,
             )
-        ended = self._end(flight, _completed(flight.progress))
+        ended = self.flights.end(flight, complete_command(flight.progress))
         completion["service_tier"] = flight.service_tier
         answer = self._answer(flight, caller, ended, completion, headers)
         if flight.idempotency_key is None:
@@ -512,11 +342,11 @@ class Edge:
         an answer the ledger does not know (if it cannot commit, the lease expiry bills what was
         renewed, and the client gets a 503 instead)."""
         key = flight.idempotency_key
-        if not await _durable(ended):
+        if not await durable(ended):
             if key is not None:
                 await self.idempotency.abandon(caller.tenant_id, key)
             raise ApiError(
-                503, _NOT_RECORDED, type="server_error", code="not_recorded", headers=headers
+                503, NOT_RECORDED, type="server_error", code="not_recorded", headers=headers
             )
         payload = orjson.dumps(completion)
         if key is not None:
@@ -524,432 +354,6 @@ class Edge:
                 caller.tenant_id, key, 200, payload, "application/json", headers
             )
         return JsonOutcome(200, payload, headers)
-
-    async def _open_stream(
-        self, flight: Flight, caller: Caller, req: ChatRequest, body: dict[str, Any],
-        headers: dict[str, str],
-    ) -> StreamOutcome:
-        exchange: ChatExchange | None = None
-        try:
-            exchange = await self._open(flight, caller, body)
-            # Wait for the first chunk (it comes with the first token) so that anything that
-            # fails before it still gets a real HTTP status.
-            await exchange.prime()
-        except BaseException as exc:
-            await self._fail(flight, caller, exchange, exc)
-            if flight.preempted_for is not None and isinstance(exc, _PREEMPTED_ERRORS):
-                raise self._preempted_error(headers) from None
-            if isinstance(exc, _REPLICA_ERRORS):
-                raise self._replica_error(exc, headers) from None
-            raise
-        exchange.max_buffered = self.stream_buffer_chunks
-        flight.owner = asyncio.current_task()
-        frames = self._stream(flight, req, exchange, caller)
-        # Its first frame is taken here: from then on, closing the generator (a client that
-        # leaves before reading anything) runs its cancellation path.
-        return StreamOutcome(headers, frames, await anext(frames), lambda: flight.dropped)
-
-    async def _open(self, flight: Flight, caller: Caller, body: dict[str, Any]) -> ChatExchange:
-        """Open the engine request, where a preemption can reach it. A flex request preempted
-        while it was being opened is aborted at once (it raises `Preempted`)."""
-        exchange = await flight.choice.replica.open_chat(
-            body, request_id=flight.request_id, cache_salt=caller.cache_salt
-        )
-        flight.exchange = exchange
-        if flight.preempted_for is not None:
-            await _abort(exchange, flight.progress)
-            raise Preempted(flight.preempted_for)
-        return exchange
-
-    def _preempted_error(self, headers: dict[str, str]) -> ApiError:
-        return http.preempted(self.policy.backoff.retry_after_s(self.rng.random()), headers)
-
-    def preempt(self, request_ids: tuple[str, ...], for_request_id: str) -> None:
-        """Abort these flex requests at their engine, for `for_request_id`: each ends with
-        RequestPreempted and the engine's counts (refunded in full, billed nothing); its client
-        gets `resource_unavailable`/`preempted` (in the stream, or as a 429 before it). A request
-        that already ended, or is not flex, is left alone."""
-        for request_id in request_ids:
-            flight = self.in_flight.get(request_id)
-            if flight is None or flight.finished or flight.service_tier != "flex":
-                continue
-            if flight.preempted_for is not None:
-                continue
-            exchange = flight.exchange
-            if exchange is not None and exchange.ended:
-                continue  # it finished: its own path completes it
-            flight.preempted_for = for_request_id
-            self.metrics.flex_of(flight.model, flight.tier, "preempted").inc()
-            if exchange is not None:  # else `_open` aborts it as soon as it is opened
-                self._background(self._preempt(flight, exchange))
-
-    def _ask_to_preempt(
-        self, request_ids: tuple[str, ...], for_request_id: str, replica_id: str
-    ) -> None:
-        """Flex requests another edge serves: ask for their preemption on their streams (in the
-        background: this request goes to the engine now, ahead of them by priority). Their edge
-        follows the log and preempts them within one poll of the append."""
-        for request_id in request_ids:
-            tenant_id = self.others_flex.tenant_of(request_id)
-            if tenant_id is None or not self.others_flex.ask(request_id):
-                continue
-            command = lifecycle.AskToPreempt(
-                requested_by=self.edge_id, preempted_for=for_request_id, replica_id=replica_id,
-                request_id=request_id,
-            )
-            self.recorder.ask(request_id, tenant_id, command)
-
-    def _preemption_requested(self, record: Recorded) -> None:
-        event = record.event
-        assert isinstance(event, PreemptionRequested)
-        flight = self.in_flight.get(event.request_id)
-        if flight is None or event.requested_by == self.edge_id:
-            return  # not served here (or over): its own edge, or nobody, answers it
-        self.recorder.observed(flight, record)
-        self.preempt((event.request_id,), event.preempted_for)
-
-    async def _preempt(self, flight: Flight, exchange: ChatExchange) -> None:
-        await _abort(exchange, flight.progress)  # the engine's count of what it had done
-        self._end(flight, _preempted(flight))
-
-    async def _fail(
-        self, flight: Flight, caller: Caller, exchange: ChatExchange | None, exc: BaseException
-    ) -> None:
-        """End a request whose generation broke before it could answer: abort first (it reads
-        what the engine already sent, which is billed), then the terminal event, then free its
-        Idempotency-Key (nothing to replay: the client's retry must be able to run)."""
-        await _abort(exchange, flight.progress)
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        if cancelled:
-            self._end(flight, _cancelled(flight.progress))
-        elif isinstance(exc, _REPLICA_ERRORS):
-            self._end(flight, _failed(flight.progress, _failure(exc)))
-        elif isinstance(exc, Preempted):
-            self._end(flight, _preempted(flight))
-        else:
-            self._end(flight, _failed(flight.progress, f"edge error: {type(exc).__name__}"))
-        key = flight.idempotency_key
-        if key is not None:
-            abandon = self.idempotency.abandon(caller.tenant_id, key)
-            if cancelled:  # this task is being cancelled: an await here could be cut short
-                self._background(abandon)
-            else:
-                await abandon
-
-    async def _stream(
-        self, flight: Flight, req: ChatRequest, exchange: ChatExchange, caller: Caller
-    ) -> AsyncIterator[bytes]:
-        transcript: list[bytes] | None = [] if flight.idempotency_key else None
-        held: list[bytes] = []  # the answer's end, sent once its terminal event committed
-        # The engine is read in the exchange's own callbacks, not in this generator's task: a
-        # client disconnect that cancels this task can never drop what the engine already sent.
-        client_gone = False
-        try:
-            async for frame in relay_stream(
-                exchange, flight.progress, include_usage=req.include_usage,
-                continuous_usage=req.continuous_usage,
-                on_first_token=lambda: self._first_token(flight, stream=True),
-                service_tier=flight.service_tier,
-            ):
-                if transcript is not None:
-                    transcript.append(frame)
-                first, flight.first_durable = flight.first_durable, None
-                if first is not None:
-                    # The engine's prompt count is durable before the client sees a token:
-                    # one group commit on the time to first token. (Not recorded: the
-                    # terminal event carries the counts anyway.)
-                    await _durable(first)
-                if held or flight.progress.finish_reason is not None:
-                    # The answer's last chunk and what follows (the final usage) wait for the
-                    # terminal event's commit: a client never holds a complete answer the
-                    # ledger does not know.
-                    held.append(frame)
-                    continue
-                yield frame
-                if flight.cancel_reason is not None:
-                    self._reading(flight)
-            error = flight.progress.error
-            if error is not None:
-                ended = self._end(flight, _failed(flight.progress, _engine_error(error)))
-            else:
-                ended = self._end(flight, _completed(flight.progress))
-            if not await _durable(ended):
-                if flight.idempotency_key:
-                    await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
-                yield error_frame(_NOT_RECORDED, code="not_recorded")
-                yield DONE
-                return
-            for frame in held:
-                yield frame
-            if error is None and transcript is not None:
-                transcript.append(DONE)
-                await self.idempotency.complete(
-                    caller.tenant_id, flight.idempotency_key or "", 200,
-                    b"".join(transcript), "text/event-stream",
-                    {"X-Request-Id": flight.request_id},
-                )
-            yield DONE
-        except _PREEMPTED_ERRORS as exc:
-            if flight.preempted_for is None and not isinstance(exc, _REPLICA_ERRORS):
-                client_gone = True  # an in-process engine's task cancelled: as below
-                self._background(self._cancel_stream(flight, exchange, caller))
-                raise
-            # After the first token the status is sent: the failure is an error object in the
-            # stream, then [DONE], never a silently truncated answer.
-            await _abort(exchange, flight.progress)  # counts what the engine reported
-            # Each error object, then [DONE], once the terminal event is durable (or known not
-            # to be: then the lease expiry bills what was renewed).
-            if flight.preempted_for is not None:
-                await _durable(self._end(flight, _preempted(flight)))
-                yield error_frame(
-                    http.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
-                )
-            elif flight.cancel_reason == "slow_reader":  # the edge stopped it: say so
-                await _durable(self._end(flight, _cancelled(flight.progress, "slow_reader")))
-                yield error_frame(
-                    f"the stream was cancelled: the client read nothing for "
-                    f"{self.slow_reader_s:g} s while its buffer was full; billed the "
-                    f"{flight.progress.completion_tokens} completion tokens the engine produced",
-                    code="slow_reader",
-                )
-                self._reading(flight)
-            else:
-                await _durable(self._end(flight, _failed(flight.progress, _failure(exc))))
-                yield error_frame("the model replica failed mid-stream", code="replica_failed")
-            yield DONE
-        except BaseException:
-            # Client gone (CancelledError from Starlette, or GeneratorExit): cancel at once. The
-            # abort, the count and the terminal event run in their own task: awaits here would
-            # be cancelled again before they ran.
-            client_gone = True
-            self._background(self._cancel_stream(flight, exchange, caller))
-            raise
-        finally:
-            self._stalled.pop(flight.request_id, None)
-            if not client_gone:
-                await _abort(exchange, flight.progress)
-                if flight.idempotency_key and flight.state.status != "completed":
-                    await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
-
-    async def _cancel_stream(
-        self, flight: Flight, exchange: ChatExchange, caller: Caller
-    ) -> None:
-        """Abort the engine request and bill what it sent: everything received before the
-        upstream connection is closed (vLLM's abort signal) and what the abort drains."""
-        await _abort(exchange, flight.progress)  # never raises
-        self._end(flight, _cancelled(flight.progress, flight.cancel_reason))
-        if flight.idempotency_key:
-            await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
-
-    # --- slow readers --------------------------------------------------------------------------
-
-    def check_slow_readers(self, now: float) -> None:
-        """Cancel at the engine every stream whose client has read nothing for `slow_reader_s`
-        with its buffer full (Seed 004: slow clients must not pin resources): the engine stops,
-        its KV is freed, and the request is billed what the engine produced. The client gets an
-        error object and [DONE] when it reads again; if it still reads nothing `slow_reader_s`
-        later, its connection is dropped. `now` from time.monotonic(); called every 0.5 s
-        (api/runtime.py), so a slow reader is cancelled within `slow_reader_s` + 0.5 s of its
-        buffer filling."""
-        limit = self.slow_reader_s
-        if limit <= 0:
-            return
-        for flight in list(self.in_flight.values()):
-            exchange = flight.exchange
-            if (
-                exchange is None
-                or flight.cancel_reason is not None
-                or flight.preempted_for is not None
-                or exchange.stalled_s(now) < limit
-            ):
-                continue
-            flight.cancel_reason = "slow_reader"
-            self.metrics.slow_readers.inc()
-            self._stalled[flight.request_id] = (flight, now + limit)
-            self._background(self._cancel_slow_reader(flight, exchange))
-        for request_id, (flight, deadline) in list(self._stalled.items()):
-            if now < deadline:
-                continue
-            del self._stalled[request_id]
-            owner = flight.owner
-            if owner is not None and not owner.done():
-                flight.dropped = True
-                self.metrics.slow_readers_dropped.inc()
-                owner.cancel()
-
-    def _reading(self, flight: Flight) -> None:
-        """A cancelled slow reader took a frame: it is not dropped before another timeout."""
-        if flight.request_id in self._stalled:
-            self._stalled[flight.request_id] = (flight, time.monotonic() + self.slow_reader_s)
-
-    async def _cancel_slow_reader(self, flight: Flight, exchange: ChatExchange) -> None:
-        await _abort(exchange, flight.progress)  # never raises; drains the engine's count
-        self._end(flight, _cancelled(flight.progress, "slow_reader"))
-
-    def _background(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _replica_error(self, exc: BaseException, headers: dict[str, str]) -> ApiError:
-        if isinstance(exc, ReplicaHTTPError) and 400 <= exc.status < 500 and exc.status != 429:
-            err = exc.body.get("error", {}) if isinstance(exc.body, dict) else {}
-            err = err if isinstance(err, dict) else {}
-            return ApiError(
-                exc.status, str(err.get("message") or exc), param=err.get("param"),
-                code="engine_rejected", headers=headers,
-            )
-        retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-        return http.replica_unavailable(retry_after, headers)
-
-    # --- lifecycle bookkeeping -----------------------------------------------------------------
-
-    def _first_token(self, flight: Flight, stream: bool = False) -> None:
-        """The first chunk arrived: record its instant and the engine's prompt counts (its
-        continuous usage stats), which a lease expiry bills at least from then on.
-
-        A stream's goes to the next group commit (within 5 ms, with other requests' ends and
-        first tokens; committing it and the end in this loop iteration's group instead cost more
-        CPU per request in the gateway bench), and its first frame waits for it (`_stream`): a
-        client that saw a token is billed at least its prompt whatever happens to this edge
-        next. A non-streamed request's is staged: it goes with the next lease renewal (0.1 s)
-        or its terminal event, saving a commit per request."""
-        p = flight.progress
-        exchange = flight.exchange
-        if exchange is not None and exchange.last_usage is not None:
-            p.absorb_usage(exchange.last_usage)
-        ttft_ms = p.ttft_ms
-        self.metrics.ttft_of(flight.model).observe(ttft_ms / 1000)
-        command = lifecycle.RecordFirstToken(
-            ttft_ms=ttft_ms, prompt_tokens=p.prompt_tokens,
-            cached_tokens=min(p.cached_tokens, p.prompt_tokens),
-        )  # fmt: skip
-        if stream:
-            flight.first_durable = self.recorder.record(flight, command)
-        else:
-            self.recorder.stage(flight, command)
-
-    def _track(self, flight: Flight) -> None:
-        """An admitted request is in flight on this edge until `_end`."""
-        self.in_flight[flight.request_id] = flight
-        self.metrics.in_flight.inc()
-        self.metrics.admitted_of(flight.tier, flight.model).inc()
-
-    def _end(self, flight: Flight, command: _Terminal) -> asyncio.Future[bool] | None:
-        """The one place a request ends on this edge: terminal event, refund, release. Returns
-        whether the terminal event became durable, as a future (`_durable`), for what must not
-        reach the client before it: the final usage, [DONE], a JSON body."""
-        if flight.finished:
-            return flight.ended
-        if flight.preempted_for is not None and not isinstance(command, lifecycle.PreemptRequest):
-            # Whatever path noticed the abort first (the stream breaking, the preemption's own
-            # task), a preempted request ends preempted, with the engine's counts.
-            command = _preempted(flight)
-        flight.finished = True
-        p = flight.progress
-        if isinstance(command, lifecycle.CompleteRequest) and p.tpot_us:
-            self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
-        try:
-            flight.ended = self.recorder.record(flight, command)
-        finally:
-            if (
-                flight.shape is not None
-                and self.predictor is not None
-                and isinstance(command, lifecycle.CompleteRequest)
-            ):
-                # Only a completed request's count is its natural length: a cancelled or failed
-                # one stopped short, and would teach the history and the coverage to expect less.
-                state = flight.state
-                reserved = state.reserved_output_tokens if state.predictor_version else None
-                self.predictor.observe(flight.shape, reserved, p.completion_tokens)
-            # Preempted: our decision, so the tenant's quota gets all of the reservation back.
-            preempted = isinstance(command, lifecycle.PreemptRequest)
-            used = 0 if preempted else p.prompt_tokens + p.completion_tokens
-            now = self.clock()
-            self.quota.refund(flight.request_id, used, now)
-            if self.paths.knows(flight.request_id):
-                self._true_up(flight, used, now, preempted)
-            self.fleet.release(flight.choice)
-            if self.in_flight.pop(flight.request_id, None) is not None:
-                self.metrics.in_flight.dec()
-            status = _TERMINAL_LABEL[type(command)]
-            self.metrics.finished_of(status).inc()
-            admitted_at = flight.state.admitted_at or self.clock()
-            self._count_outcome(
-                flight.tenant_id, flight.tier, flight.model, status, admitted_at, command
-            )
-        return flight.ended
-
-    def _true_up(self, flight: Flight, used: int, now: datetime, preempted: bool) -> None:
-        """Every level's reservation becomes what the bill will say: the same engine counts at
-        the price in force at admission for its service tier (`domain.lifecycle`'s bill; a
-        preempted request bills nothing), so the bill changes nothing."""
-        p = flight.progress
-        state = flight.state
-        admitted_at = state.admitted_at or now
-        price = self.control.price(flight.model, admitted_at, state.service_tier)
-        amount = 0 if preempted else amount_micros(
-            price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
-        )  # fmt: skip
-        self.paths.finish(flight.request_id, used, amount, p.tool_calls, now)
-
-    def _count_outcome(
-        self, tenant_id: str, tier: str, model: str, status: str, admitted_at: datetime,
-        command: _Terminal | None = None, reject_reason: str | None = None,
-    ) -> None:
-        """The live goodput counters: the same classification as `tollgate ledger goodput`,
-        against the objective in force at the request's admission."""
-        done = command if isinstance(command, lifecycle.CompleteRequest) else None
-        found = goodput.outcome(
-            status,
-            self.control.slo(tier, admitted_at),
-            ttft_ms=done.ttft_ms if done else None,
-            tpot_us=done.tpot_us if done else None,
-            reject_reason=reject_reason,
-        )
-        if found is not None:
-            self.metrics.count_outcome(tenant_id, tier, model, found)
-
-    def _reject(
-        self, request_id: str, caller: Caller, model: str, reason: str, retry_after_s: int,
-        detail: str, is_retry: bool,
-    ) -> None:
-        self.metrics.rejected.labels(reason, caller.tier).inc()
-        now = self.clock()
-        self._count_outcome(
-            caller.tenant_id, caller.tier, model, "rejected", now, reject_reason=reason
-        )
-        # An invalid request's model may be any name the client made up: counted as "".
-        counted_model = "" if reason == "invalid" else model
-        # As many in full per minute as the plan admits requests (domain.refusals).
-        rpm = self.control.limits(caller.tenant_id, "*").rpm
-        if not self.refusals.record_in_full(
-            caller.key_id, caller.tenant_id, counted_model, caller.tier, reason, now, rpm
-        ):
-            return  # counted, recorded with the others of its window once that has closed
-        self.recorder.reject(
-            lifecycle.RejectRequest(
-                request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
-                model=model, tier=caller.tier, reason=reason,  # type: ignore[arg-type]
-                retry_after_s=retry_after_s, detail=detail[:300], is_retry=is_retry,
-            ),
-            caller.tenant_id,
-            now,
-        )
-
-    def record_counted_refusals(self, *, everything: bool = False) -> int:
-        """One `RefusalsCounted` per key, window, model, tier and reason whose window has closed
-        (`everything`: the open ones too, at shutdown); returns how many were recorded."""
-        now = self.clock()
-        counted = self.refusals.drain() if everything else self.refusals.closed(now)
-        for c in counted:
-            event = RefusalsCounted(
-                c.tenant_id, c.key_id, c.model, c.tier, c.reason, c.window_start, c.window_s,
-                c.count,
-            )
-            stream_id = "rfs_" + self.recorder.new_id().replace("-", "")
-            self.recorder.fact(stream_id, c.tenant_id, event, 0, now)
-        return len(counted)
 
     # --- leases --------------------------------------------------------------------------------
 
@@ -964,135 +368,6 @@ class Edge:
         )
         if keepalive:
             self._keepalive_at = now
-            self.quota.prune(now)
-            self.paths.prune(now)
-            self.record_counted_refusals()
-        self.recorder.renew(self.edge_id, list(self.in_flight.values()), everyone=keepalive)
-
-
-def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
-    """The system prompt as a number the predictor may learn from: a hash keyed by the tenant,
-    modulo 64, so it says nothing of the text and one tenant's bucket 7 is unrelated to
-    another's. -1 when the chat has no system (or developer) message first."""
-    first = req.messages[0] if req.messages else None
-    if not isinstance(first, dict) or first.get("role") not in ("system", "developer"):
-        return -1
-    digest = hashlib.blake2b(
-        orjson.dumps(first.get("content")), digest_size=8,
-        key=caller.tenant_id.encode()[:64],
-    ).digest()
-    return int.from_bytes(digest) % SYSTEM_PROMPT_BUCKETS
-
-
-_Terminal = (
-    lifecycle.CompleteRequest
-    | lifecycle.CancelRequest
-    | lifecycle.FailRequest
-    | lifecycle.PreemptRequest
-)
-_TERMINAL_LABEL: dict[type, str] = {
-    lifecycle.CompleteRequest: "completed",
-    lifecycle.CancelRequest: "cancelled",
-    lifecycle.FailRequest: "failed",
-    lifecycle.PreemptRequest: "preempted",
-}
-
-
-# What a client gets instead of an answer whose terminal event could not be recorded (the event
-# store stayed away, or the request had been ended meanwhile, by its lease expiry): the ledger's
-# bill is then what the edge had renewed, never what this answer would have said.
-_NOT_RECORDED = "the answer could not be recorded, so it is not sent; retry later"
-
-
-class Preempted(Exception):
-    """A flex request was preempted before its engine request was opened."""
-
-
-# What a flex request's path sees when its preemption aborts the engine request (an in-process
-# engine's exchange ends with ConnectionAbortedError).
-_PREEMPTED_ERRORS = (*_REPLICA_ERRORS, Preempted, ConnectionAbortedError)
-
-
-def _preempted(flight: Flight) -> lifecycle.PreemptRequest:
-    p = flight.progress
-    return lifecycle.PreemptRequest(
-        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
-        cached_tokens=p.cached_tokens, replica_id=flight.choice.replica_id,
-        preempted_for=flight.preempted_for or "",
-    )
-
-
-def _completed(p: Progress) -> lifecycle.CompleteRequest:
-    return lifecycle.CompleteRequest(
-        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
-        cached_tokens=p.cached_tokens, finish_reason=p.finish_reason or "stop",
-        ttft_ms=p.ttft_ms, tpot_us=p.tpot_us, tool_calls=p.tool_calls,
-    )
-
-
-def _cancelled(p: Progress, reason: CancelReason | None = None) -> lifecycle.CancelRequest:
-    return lifecycle.CancelRequest(
-        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
-        cached_tokens=p.cached_tokens, reason=reason or "client_disconnected",
-        engine_reported=p.engine_reported, tool_calls=p.tool_calls,
-    )
-
-
-def _failure(exc: BaseException) -> str:
-    """What a failed request's event says of a replica failure: its kind, status and codes,
-    never the engine's message (an engine's validation error may quote the prompt, and prompts
-    are never stored)."""
-    if isinstance(exc, ReplicaHTTPError):
-        err = exc.body.get("error") if isinstance(exc.body, dict) else None
-        return f"replica answered {exc.status}" + (
-            f" ({_engine_error(err)})" if isinstance(err, dict) else ""
-        )
-    if isinstance(exc, ReplicaStreamBroken):
-        return f"stream broken before [DONE]: {exc.reason}"  # our own words
-    return str(exc) if isinstance(exc, ReplicaUnavailable) else type(exc).__name__
-
-
-def _engine_error(error: dict[str, Any]) -> str:
-    fields = (f"{k}={error.get(k)}" for k in ("type", "code", "param") if error.get(k))
-    return "engine error " + (" ".join(fields) or "(no code)")
-
-
-def _failed(p: Progress, error: str) -> lifecycle.FailRequest:
-    return lifecycle.FailRequest(
-        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
-        cached_tokens=p.cached_tokens, error=error[:500], tool_calls=p.tool_calls,
-    )
-
-
-async def _committed(admission: asyncio.Future[AppendResult] | None) -> bool:
-    """Whether an admission whose waiter was cancelled committed after all (its commit goes on:
-    it may already be in the store). Cancelled again meanwhile: unknown, and lease expiry ends
-    the request if it did commit."""
-    if admission is None:
-        return False
-    try:
-        return (await admission).ok
-    except BaseException:  # noqa: BLE001 - a failed or interrupted commit: not known committed
-        return False
-
-
-async def _durable(ended: asyncio.Future[bool] | None) -> bool:
-    """Whether a terminal event committed (None: the request was not ended by this edge's
-    `_end`, so there is nothing of ours to wait for). Shielded: a client leaving meanwhile must
-    not cancel the recording."""
-    if ended is None:
-        return True
-    return ended.result() if ended.done() else await asyncio.shield(ended)
-
-
-async def _abort(exchange: ChatExchange | None, progress: Progress) -> None:
-    """Stop the engine's generation (no-op once it ended) and count what it sent: the abort is
-    how vLLM is told to stop, and it must never mask the error that brought us here."""
-    if exchange is None:
-        return
-    try:
-        await exchange.abort()
-    except BaseException as exc:  # noqa: BLE001
-        log.debug("aborting the engine request raised %r", exc)
-    if exchange.last_usage is not None:
-        progress.absorb_usage(exchange.last_usage)
+            self.views.prune(now)
+            self.outcomes.record_counted_refusals()
+        self.recorder.renew(self.edge_id, list(self.flights.in_flight.values()), everyone=keepalive)

@@ -1,9 +1,13 @@
 """What the edge needs of the world, as `typing.Protocol`s: the implementations live in
-`engine_adapter/` (fleet, replicas, token estimators) and `ledger/` (the event sink, idempotency
-records), and are wired together in `api/runtime.py`. Unit tests replace them with fakes
-(`tests/fakes.py`).
+`engine_adapter/` (fleet, replicas, token estimators), `predictor/` (the output predictor) and
+`ledger/` (the event sink, idempotency records), and are built and injected in one place,
+`api/runtime.py`. Unit tests replace them with fakes (`tests/fakes.py`), which
+`tests/unit/port_checks.py` holds to these contracts under mypy.
 
-A clock and an id source are plain callables (`ledger.ids.Clock`, `ledger.ids.IdSource`).
+The router's answers (`Choice`, `Refusal`, `UnknownModel`, `TpotEstimate`) are pure values in
+`domain.capacity`, over any replica with an id; here a `Choice` carries a `Replica`. The clock
+and the id source are the `Clock` and `IdSource` protocols of `ledger.ids` (the ledger's own
+writers take them too, and the ledger cannot import this module).
 """
 
 from __future__ import annotations
@@ -13,11 +17,17 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from domain.capacity import Choice, Refusal, TpotEstimate, UnknownModel
 from domain.prediction import Prediction, RequestShape, Skip
 from engine_adapter.exchange import ChatExchange
-from engine_adapter.fleet import Choice, Refusal, TpotEstimate, UnknownModel
 from ledger.idempotency import StoredResponse
+from ledger.ids import Clock, IdSource
 from ledger.store import AppendBatch, AppendResult
+
+__all__ = [
+    "Clock", "EventSink", "Fleet", "IdSource", "Idempotency", "OutputPredictor", "Replica",
+    "TokenEstimator",
+]
 
 
 class TokenEstimator(Protocol):
@@ -55,11 +65,14 @@ class OutputPredictor(Protocol):
 
 
 class Replica(Protocol):
-    """One engine replica. `open_chat` starts a generation that the exchange then streams; the
-    request is always sent with cumulative usage on every chunk (so every way a request ends has
-    an engine-reported count) and with the tenant's `cache_salt`."""
+    """One engine replica (`engine_adapter.vllm_http.VLLMReplica`, in front of vLLM or the
+    simulator). `open_chat` starts a generation that the exchange then streams; the request is
+    always sent with cumulative usage on every chunk (so every way a request ends has an
+    engine-reported count) and with the tenant's `cache_salt`. The contract over HTTP is
+    `tests/contracts/test_replica.py`."""
 
-    replica_id: str
+    @property
+    def replica_id(self) -> str: ...
 
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str
@@ -67,7 +80,8 @@ class Replica(Protocol):
 
 
 class Fleet(Protocol):
-    """The replicas the edge routes to and the router's view of them (the last scrapes)."""
+    """The replicas the edge routes to and the router's view of them (the last scrapes):
+    `engine_adapter.fleet.Fleet`, given its replicas by the composition root."""
 
     @property
     def serves(self) -> Mapping[str, object]:
@@ -79,14 +93,14 @@ class Fleet(Protocol):
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
-    ) -> Choice | Refusal | UnknownModel:
+    ) -> Choice[Replica] | Refusal | UnknownModel:
         """A replica for the request (its estimate is counted against it until `release`), or
         why none may take it. A flex request is placed only into idle capacity; an interactive
         one may be placed by preempting flex requests, named in `Choice.preempt`, which the
         caller must then abort."""
         ...
 
-    def release(self, choice: Choice) -> None: ...
+    def release(self, choice: Choice[Replica]) -> None: ...
 
     def tpot_p95(self, model: str) -> TpotEstimate | None: ...
 

@@ -20,14 +20,14 @@ from datetime import datetime
 from typing import Any
 
 from api.metrics import Metrics
-from api.ports import EventSink
+from api.ports import EventSink, Replica
 from domain import leases, lifecycle
+from domain.capacity import Choice
 from domain.errors import DomainError
 from domain.events import Event, LeaseProgress, Recorded
 from domain.prediction import RequestShape
 from domain.types import CancelReason
 from engine_adapter.exchange import ChatExchange
-from engine_adapter.fleet import Choice
 from engine_adapter.usage import Progress
 from ledger.commands import CommandHandler, request_stream
 from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
@@ -54,7 +54,7 @@ class Flight:
     model: str
     tier: str
     progress: Progress
-    choice: Choice
+    choice: Choice[Replica]
     idempotency_key: str | None = None
     # What the output predictor was asked about (None: no predictor), told the outcome at the end.
     shape: RequestShape | None = None

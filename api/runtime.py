@@ -39,6 +39,7 @@ from domain.quota import QuotaView
 from engine_adapter.discovery import ServedModel, discover
 from engine_adapter.estimators import WordTokenEstimator
 from engine_adapter.fleet import Fleet
+from engine_adapter.vllm_http import VLLMReplica
 from ledger.batches import BatchStore
 from ledger.budgets import catch_up
 from ledger.commands import CommandHandler
@@ -163,10 +164,11 @@ class Runtime:
             scrape_interval_s=self.settings.scrape_interval_s,
             flex=FlexPolicy(ceiling_ppm=self.settings.flex_ceiling_ppm),
         )
-        for replica_id, model, url in replicas:
-            self.fleet.add(replica_id, url, model)
+        engines = [VLLMReplica(replica_id, url, model) for replica_id, model, url in replicas]
+        for engine in engines:
+            self.fleet.add(engine)
         self.served = await discover(
-            self.session, [state.replica for state in self.fleet.replicas()],
+            self.session, engines,
             simulated=simulated, tokenizers=tokenizers,
             default_max_model_len={m: p.max_model_len for m, p in profiles.items()},
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Capacity policy: which replica a request may enter, by tier and KV occupancy.
+"""Capacity policy: which replica a request may enter, by tier and KV occupancy, and the router's
+answers (`Choice`, `Refusal`, `UnknownModel`) over any replica that has an id.
 
 Pure: occupancy arrives as integer parts per million, randomness arrives as a `sample` function.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 PPM: Final = 1_000_000
 
@@ -52,6 +53,66 @@ DEFAULT_FLEX: Final = FlexPolicy()
 
 T = TypeVar("T")
 Sample = Callable[[Sequence[T], int], Sequence[T]]
+
+
+class Placed(Protocol):
+    """What the router's answers need of a replica: its id. The edge's `Replica` port
+    (`api/ports.py`) adds how a generation is opened on it."""
+
+    @property
+    def replica_id(self) -> str: ...
+
+
+R_co = TypeVar("R_co", bound=Placed, covariant=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice(Generic[R_co]):
+    """A replica the router dispatched to. Hand it back to `Fleet.release` when the request ends."""
+
+    replica: R_co
+    occupancy_ppm: int  # effective occupancy at choice, for RequestRouted
+    est_kv_tokens: int
+    dispatch_id: int
+    # Flex requests on this replica to abort before this one runs (request ids): the router gave
+    # their KV to it. The caller preempts them (`Edge.preempt`); the router already counts their
+    # KV as free.
+    preempt: tuple[str, ...] = ()
+    # Those of them that another edge serves (from `Fleet.others_flex`): the caller asks for
+    # their preemption through the log, and tells `others_flex.ask`, which then counts their
+    # KV as being freed.
+    preempt_remote: tuple[str, ...] = ()
+
+    @property
+    def replica_id(self) -> str:
+        return self.replica.replica_id
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """No replica may take the request: a 503 capacity answer, never a 429."""
+
+    model: str
+    detail: str  # no_replica | over_ceiling | reserved_only
+    ceiling_ppm: int
+    best_occupancy_ppm: int | None = None
+    reason: str = "capacity"
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownModel:
+    """No replica serves this model version at all: the gateway answers 404."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class TpotEstimate:
+    """Fleet-wide p95 time per output token over the last 30 s, for one model."""
+
+    p95_us: int
+    samples: int  # finished requests in the window
+    age_s: float  # since the window last held any request
 
 
 @dataclass(frozen=True, slots=True)

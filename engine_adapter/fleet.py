@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -24,79 +24,57 @@ from domain.capacity import (
     DEFAULT_FLEX,
     PPM,
     CapacityRefusal,
+    Choice,
     FlexPolicy,
+    Placed,
     Placement,
     Preemption,
+    Refusal,
     ReplicaLoad,
+    TpotEstimate,
+    UnknownModel,
     effective_occupancy_ppm,
     place,
     place_flex,
     preemption_plan,
 )
+from engine_adapter.exchange import ChatExchange
 from engine_adapter.vllm_http import (
     ReplicaMetrics,
     ReplicaSlow,
     ReplicaUnavailable,
-    VLLMReplica,
     check_health,
     fetch_metrics,
 )
 
+__all__ = [
+    "Choice", "Fleet", "OthersFlex", "Refusal", "ReplicaState", "ScrapedReplica", "TpotEstimate",
+    "UnknownModel", "histogram_quantile",
+]
+
 TPOT_WINDOW_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """A replica the router dispatched to. Hand it back to `Fleet.release` when the request ends."""
+class ScrapedReplica(Protocol):
+    """A replica as the fleet keeps it: the edge's `Replica` port (an id, `open_chat`) and what
+    the scraper and the registry read (`engine_adapter.vllm_http.VLLMReplica`; the composition
+    root builds them and hands them to `Fleet.add`)."""
 
-    replica: VLLMReplica
-    occupancy_ppm: int  # effective occupancy at choice, for RequestRouted
-    est_kv_tokens: int
-    dispatch_id: int
-    # Flex requests on this replica to abort before this one runs (request ids): the router gave
-    # their KV to it. The caller preempts them (`Edge.preempt`); the router already counts their
-    # KV as free.
-    preempt: tuple[str, ...] = ()
-    # Those of them that another edge serves (from `Fleet.others_flex`): the caller asks for
-    # their preemption through the log, and tells `others_flex.ask`, which then counts their
-    # KV as being freed.
-    preempt_remote: tuple[str, ...] = ()
-
-    @property
-    def replica_id(self) -> str:
-        return self.replica.replica_id
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """No replica may take the request: a 503 capacity answer, never a 429."""
-
+    replica_id: str
+    url: str
     model: str
-    detail: str  # no_replica | over_ceiling | reserved_only
-    ceiling_ppm: int
-    best_occupancy_ppm: int | None = None
-    reason: str = "capacity"
+    max_model_len: int | None
 
+    def close(self) -> None: ...
 
-@dataclass(frozen=True, slots=True)
-class UnknownModel:
-    """No replica serves this model version at all: the gateway answers 404."""
-
-    model: str
-
-
-@dataclass(frozen=True, slots=True)
-class TpotEstimate:
-    """Fleet-wide p95 time per output token over the last 30 s, for one model."""
-
-    p95_us: int
-    samples: int  # finished requests in the window
-    age_s: float  # since the window last held any request
+    async def open_chat(
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str
+    ) -> ChatExchange: ...
 
 
 @dataclass
 class ReplicaState:
-    replica: VLLMReplica
+    replica: ScrapedReplica
     reserved_only: bool = False
     healthy: bool = False
     last_error: str | None = None
@@ -196,16 +174,13 @@ class Fleet:
 
     # -- registry
 
-    def add(
-        self, replica_id: str, url: str, model: str, reserved_only: bool = False
-    ) -> VLLMReplica:
-        if replica_id in self._by_id:
-            raise ValueError(f"replica {replica_id!r} already registered")
-        replica = VLLMReplica(replica_id, url, model)
+    def add(self, replica: ScrapedReplica, reserved_only: bool = False) -> None:
+        """Route to `replica` (built by the caller: the composition root, or a test)."""
+        if replica.replica_id in self._by_id:
+            raise ValueError(f"replica {replica.replica_id!r} already registered")
         state = ReplicaState(replica, reserved_only=reserved_only)
-        self._by_id[replica_id] = state
-        self._by_model.setdefault(model, []).append(state)
-        return replica
+        self._by_id[replica.replica_id] = state
+        self._by_model.setdefault(replica.model, []).append(state)
 
     def remove(self, replica_id: str) -> None:
         state = self._by_id.pop(replica_id)
@@ -363,7 +338,7 @@ class Fleet:
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
-    ) -> Choice | Refusal | UnknownModel:
+    ) -> Choice[ScrapedReplica] | Refusal | UnknownModel:
         """Pick a replica of `model` for a request of `tier` by p2c, under the tier's ceiling
         (a flex request: under the flex ceiling).
 
@@ -456,7 +431,7 @@ class Fleet:
                 s.freed.append((now, tokens))
                 s.freed_tokens += tokens
 
-    def release(self, choice: Choice) -> None:
+    def release(self, choice: Choice[Placed]) -> None:
         """The request ended. If no scrape has absorbed it yet, stop counting its KV."""
         s = self._by_id.get(choice.replica_id)
         if s is None:

@@ -15,12 +15,21 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TypeAlias
+from typing import Protocol
 
-IdSource: TypeAlias = Callable[[], str]
-Clock: TypeAlias = Callable[[], datetime]
+
+class IdSource(Protocol):
+    """Ports: a new id per call, unique (`new_event_id`; tests count or script them)."""
+
+    def __call__(self) -> str: ...
+
+
+class Clock(Protocol):
+    """Ports: the current instant, timezone-aware UTC (`utcnow`; tests hold or advance it)."""
+
+    def __call__(self) -> datetime: ...
+
 
 _ids = random.Random(int.from_bytes(os.urandom(16), "big"))
 _V7_VERSION = 0x7 << 76

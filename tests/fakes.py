@@ -16,11 +16,18 @@ from typing import Any
 
 import orjson
 
-from api.ports import OutputPredictor
+from api.ports import (
+    EventSink,
+    Fleet,
+    Idempotency,
+    OutputPredictor,
+    Replica,
+    TokenEstimator,
+)
+from domain.capacity import Choice, Refusal, TpotEstimate, UnknownModel
 from domain.events import Recorded, from_payload
 from domain.prediction import Prediction, RequestShape, Skip
 from engine_adapter.exchange import ChatExchange, IteratorExchange
-from engine_adapter.fleet import Choice, Refusal, TpotEstimate, UnknownModel
 from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
 from ledger.errors import StoreUnavailable
 from ledger.idempotency import IdempotencyConflict, StoredResponse
@@ -149,6 +156,9 @@ class Script:
 
 
 class FakeReplica:
+    """A `Replica` (structurally: the port's `replica_id` is a read-only property, which a
+    subclass could not assign; `tests/unit/port_checks.py` holds it to the port)."""
+
     def __init__(self, replica_id: str, model: str, script: Script | None = None) -> None:
         self.replica_id = replica_id
         self.model = model
@@ -196,7 +206,7 @@ class FakeReplica:
         }
 
 
-class FakeFleet:
+class FakeFleet(Fleet):
     def __init__(self, *replicas: FakeReplica, occupancy_ppm: int = 100_000) -> None:
         self.replicas = {r.model: r for r in replicas}
         self.occupancy_ppm = occupancy_ppm
@@ -205,7 +215,7 @@ class FakeFleet:
         self.flex_full = False  # no idle capacity for flex work
         self.preempt_next: tuple[str, ...] = ()  # the next Choice preempts these requests
         self.preempt_remote_next: tuple[str, ...] = ()  # ... of which another edge serves these
-        self.released: list[Choice] = []
+        self.released: list[Choice[Replica]] = []
         self.contexts: dict[str, int] = {}  # a model's max_model_len, where a test sets one
         self._ids = itertools.count(1)
 
@@ -219,7 +229,7 @@ class FakeFleet:
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
-    ) -> Choice | Refusal | UnknownModel:
+    ) -> Choice[Replica] | Refusal | UnknownModel:
         replica = self.replicas.get(model)
         if replica is None:
             return UnknownModel(model)
@@ -229,9 +239,9 @@ class FakeFleet:
             return Refusal(model, "over_ceiling", 500_000, 600_000)
         preempt, self.preempt_next = self.preempt_next, ()
         remote, self.preempt_remote_next = self.preempt_remote_next, ()
-        return Choice(replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt, remote)  # type: ignore[arg-type]
+        return Choice(replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt, remote)
 
-    def release(self, choice: Choice) -> None:
+    def release(self, choice: Choice[Replica]) -> None:
         self.released.append(choice)
 
     def tpot_p95(self, model: str) -> TpotEstimate | None:
@@ -241,7 +251,7 @@ class FakeFleet:
         return self.contexts.get(model)
 
 
-class FakeSink:
+class FakeSink(EventSink):
     """Commits each batch at once to an in-memory store (the real contract: expected versions,
     idempotent event ids), answering through a future as the loop's group commit does."""
 
@@ -273,7 +283,7 @@ class FakeSink:
 
 
 @dataclass
-class FakeIdempotency:
+class FakeIdempotency(Idempotency):
     records: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
     def seen_recently(self, tenant_id: str, key: str | None) -> bool:
@@ -310,7 +320,7 @@ class FakeIdempotency:
             del self.records[(tenant_id, key)]
 
 
-class FixedTokens:
+class FixedTokens(TokenEstimator):
     """A token estimator that counts one token per word of every message's text."""
 
     def prompt_tokens(

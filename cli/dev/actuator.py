@@ -11,6 +11,7 @@ from typing import Any
 from api.config import Settings
 from api.serve import start_simulated_replica_of
 from engine_adapter.fleet import Fleet
+from engine_adapter.vllm_http import VLLMReplica
 
 log = logging.getLogger("tollgate.serve")
 
@@ -47,7 +48,7 @@ class SimulatedActuator:
             handle = await start_simulated_replica_of(self.settings, model, index)
             replica_id = f"sim-{model}-{index}"
             self.handles[replica_id] = handle
-            self.fleet().add(replica_id, handle.url, model)
+            self.fleet().add(VLLMReplica(replica_id, handle.url, model))
             await self.fleet().refresh(check_health_too=True)
             log.info("replica %s of %s serving after its cold start", replica_id, model)
         finally:

@@ -6,7 +6,7 @@ and must find what that loses: answers a client holds complete, billed other tha
 
 from __future__ import annotations
 
-from api import edge, recorder
+from api import edge, recorder, relay
 from cli import main
 
 
@@ -16,5 +16,6 @@ async def _not_waiting(ended: object) -> bool:
 
 if __name__ == "__main__":
     recorder.APPEND_RETRY_FOR_S = 0.0
-    edge._durable = _not_waiting  # type: ignore[assignment]
+    # Where the edge (a JSON answer) and the relay (a stream) wait for the terminal event.
+    edge.durable = relay.durable = _not_waiting  # type: ignore[assignment]
     main()

@@ -10,10 +10,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine_adapter.fleet import Choice, Fleet, Refusal, UnknownModel, histogram_quantile
+from domain.capacity import Choice, Refusal, UnknownModel
+from engine_adapter.fleet import Fleet, histogram_quantile
 from engine_adapter.simulator.engine import SimConfig
 from engine_adapter.simulator.server import SimulatedReplicaHandle, start_simulated_replica
-from engine_adapter.vllm_http import fetch_metrics, make_session
+from engine_adapter.vllm_http import VLLMReplica, fetch_metrics, make_session
 
 MODEL = "llama-2026-05"
 FAST = {"step_base_ms": 1.0, "per_seq_ms": 0.05, "prefill_ms_per_1k_tokens": 1.0}
@@ -38,7 +39,7 @@ def run(
         async with make_session() as session:
             fleet = Fleet(session, scrape_interval_s=0.05)
             for i, h in enumerate(handles):
-                fleet.add(f"r{i}", h.url, MODEL, reserved_only=i in reserved)
+                fleet.add(VLLMReplica(f"r{i}", h.url, MODEL), reserved_only=i in reserved)
             try:
                 await fn(handles, fleet)
             finally:
@@ -99,7 +100,7 @@ def test_a_replica_that_stalls_keeps_its_traffic_for_the_grace_then_loses_it() -
         )
         async with make_session() as session:
             fleet = Fleet(session, stale_after_s=0.2, slow_grace_s=1.0, scrape_timeout_s=0.1)
-            fleet.add("r0", f"http://127.0.0.1:{port}", MODEL)
+            fleet.add(VLLMReplica("r0", f"http://127.0.0.1:{port}", MODEL))
             state = fleet.state("r0")
             rng = random.Random(5)
             # One good scrape (taken from a simulator), then the replica stops answering.

@@ -13,6 +13,7 @@ import orjson
 
 from api.edge import JsonOutcome, StreamOutcome
 from domain import lifecycle as lc
+from domain.capacity import Choice, Refusal
 from domain.events import (
     TERMINAL_TYPES,
     PreemptionRequested,
@@ -22,8 +23,8 @@ from domain.events import (
     RequestPreempted,
 )
 from domain.remote_flex import RemoteFlex, routes, routes_to_read
-from engine_adapter.fleet import Choice, Fleet, Refusal
-from engine_adapter.vllm_http import ReplicaMetrics
+from engine_adapter.fleet import Fleet
+from engine_adapter.vllm_http import ReplicaMetrics, VLLMReplica
 from ledger.commands import CommandHandler, request_stream
 from ledger.store import NewEvent
 from tests import builders as b
@@ -171,7 +172,7 @@ def test_a_follower_tails_no_route_and_reads_only_other_edges_flex_routes() -> N
 
 def _full_fleet(occupancy: float = 0.9) -> Fleet:
     fleet = Fleet(None)  # type: ignore[arg-type]  # never scrapes here: scrapes are fed
-    fleet.add("replica-1", "http://127.0.0.1:9", MODEL)
+    fleet.add(VLLMReplica("replica-1", "http://127.0.0.1:9", MODEL))
     state = fleet.state("replica-1")
     metrics = ReplicaMetrics(kv_cache_usage=occupancy, num_gpu_blocks=64, block_size=16)
     now = time.monotonic()

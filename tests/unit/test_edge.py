@@ -404,8 +404,8 @@ def test_a_skipped_prediction_reserves_the_cap_and_is_counted_by_reason() -> Non
 
 
 def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
+    from api.admission import _system_prompt_bucket
     from api.chat_request import parse_chat_request
-    from api.edge import _system_prompt_bucket
 
     prompts = [f"You are assistant number {i}." for i in range(40)]
     raws = [
