@@ -46,6 +46,8 @@ log = logging.getLogger("tollgate.faust_worker")
 
 # `_resume`'s mark for a partition being placed: no offset matches it.
 _PLACING = -1
+# A partition that waited this long for the offset it was sought to is sought there again.
+RESEEK_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,9 @@ class FaustEventConsumer(SavedOffsets):
         # a rebalance's seek that ran while the agent sought a partition to a new epoch's start
         # left the partition at one offset and the agent waiting for another, for good.
         self._placing = asyncio.Lock()
+        # Per partition with a seek pending (`_resume`), when it was sought (monotonic s).
+        self._sought_at: dict[int, float] = {}
+        self.seeks_again = 0
         self._thread = threading.Thread(target=self._run_app, name=f"faust-{name}", daemon=True)
         self._thread.start()
         # The app's start returns once the group assigned it partitions; a refusal ends the wait.
@@ -131,9 +136,12 @@ class FaustEventConsumer(SavedOffsets):
             loop.close()
             return
         self._started.set()
+        watch = loop.create_task(self._watch_seeks())
         try:
             loop.run_forever()
         finally:
+            watch.cancel()
+            loop.run_until_complete(asyncio.gather(watch, return_exceptions=True))
             loop.close()
 
     async def _agent(self, stream: Any) -> None:
@@ -171,10 +179,12 @@ class FaustEventConsumer(SavedOffsets):
                     await self._read_from_start(p)
                     continue
                 self._resume.pop(p, None)
+                self._sought_at.pop(p, None)
             elif resume is not None:
                 if offset != resume:
                     continue  # queued before the seek, or the sought one is still to come
                 del self._resume[p]
+                self._sought_at.pop(p, None)
             elif offset < self._expected.get(p, 0):
                 continue  # taken already (read again after a rebalance)
             elif offset > self._expected.get(p, offset):
@@ -194,6 +204,29 @@ class FaustEventConsumer(SavedOffsets):
             taken.append(_Message(p, offset, epoch, message.key, message.value))
         return taken
 
+    async def _watch_seeks(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self.seek_again(time.monotonic())
+
+    async def seek_again(self, now: float) -> None:
+        """Every partition that has waited `RESEEK_S` for the offset it was sought to is sought
+        there again. faust drops every message below a partition's read offset, which its
+        fetch loop sets after each message it hands on: one handed on while a seek ran put the
+        read offset back past the offset sought, and the partition's messages from there on
+        were dropped before the agent saw them (measured: a partition's every message, at
+        start-up, for good). A seek again is harmless where the offset is merely not there
+        yet."""
+        for p, at in list(self._sought_at.items()):
+            resume = self._resume.get(p)
+            if resume is None or p not in self.assigned:
+                self._sought_at.pop(p, None)
+            elif resume != _PLACING and now - at >= RESEEK_S:
+                # Debug only: a partition idle at its end waits the same way, every RESEEK_S.
+                log.debug("%s: partition %d waits for offset %d: seek again", self.name, p, resume)
+                self.seeks_again += 1
+                await self._read_from(p, resume)
+
     async def _read_from_start(self, p: int) -> None:
         await self._read_from(p, 0, new_epoch=True)
 
@@ -207,6 +240,7 @@ class FaustEventConsumer(SavedOffsets):
                 return
             await self._app.consumer.seek(_tp(self.topic, p), offset)
             self._resume[p] = offset
+            self._sought_at[p] = time.monotonic()
             if new_epoch:
                 self._epochs[p] = None
 
@@ -242,6 +276,7 @@ class FaustEventConsumer(SavedOffsets):
         if placed:
             await consumer.seek_wait(placed)
         self._resume = {tp.partition: offset for tp, offset in placed.items()}
+        self._sought_at = dict.fromkeys(self._resume, time.monotonic())
         self.assigned = set(self._resume)
         log.info("%s assigned %s", self.name, sorted(self.assigned))
         return placed
