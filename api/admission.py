@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -43,6 +44,9 @@ from domain.hierarchy import Run
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.views import AdmissionViews
 from engine_adapter.usage import Progress
+
+if TYPE_CHECKING:
+    from api.tracing import RequestTrace
 
 __all__ = ["Admission", "Admitted", "Refused"]
 
@@ -127,7 +131,7 @@ class Admission:
     def admit(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str,
         idempotency_key: str | None, is_retry: bool, headers: dict[str, str],
-        run_id: str | None = None,
+        run_id: str | None = None, trace: RequestTrace | None = None,
     ) -> Admitted | Refused:  # fmt: skip
         """Quota, then capacity: an admitted request's flight and the commands that record its
         admission, or the refusal as the client will see it (and recorded). `headers` (the
@@ -142,6 +146,8 @@ class Admission:
             tree, self.views.paths, caller.tenant_id, caller.key_id, run_id, self.clock()
         )  # fmt: skip
         decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
+        if trace is not None:
+            trace.quota_decided(decision)
         headers.update(http.rate_limit_headers(decision.rate_limits))
         if isinstance(decision, admission.Rejected):
             self.reject(
@@ -151,7 +157,9 @@ class Admission:
             if decision.reason == "run_budget" and run is not None:
                 self._run_exhausted(run, decision.dimension or "", request_id)
             return Refused(http.refusal(decision, headers))
-        choice = self._route(model, caller.tier, decision.estimate, req.service_tier, request_id)
+        choice = self._route(
+            model, caller.tier, decision.estimate, req.service_tier, request_id, trace
+        )
         if isinstance(choice, Choice):
             return self._admitted(
                 caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
@@ -161,7 +169,9 @@ class Admission:
             return self._flex_refused(caller, model, request_id, is_retry, headers, choice)
         reason = capacity_detail(choice)
         self.views.void(request_id)
-        fallback = self._fall_back(caller, req, model, request_id, is_retry, headers, bucket, run)
+        fallback = self._fall_back(
+            caller, req, model, request_id, is_retry, headers, bucket, run, trace
+        )
         if fallback is None:
             retry_after = self.policy.backoff.retry_after_s(self.rng.random())
             self.reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
@@ -187,7 +197,7 @@ class Admission:
 
     def _fall_back(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
-        headers: dict[str, str], bucket: int, run: Run | None,
+        headers: dict[str, str], bucket: int, run: Run | None, trace: RequestTrace | None,
     ) -> tuple[str, admission.Admitted, RequestShape | None, Choice[Replica]] | None:
         """The first consented model whose own quota admits the request and that a replica
         takes: (that model, its quota decision, the predictor's question, the replica)."""
@@ -199,7 +209,9 @@ class Admission:
             )
             if isinstance(other, admission.Rejected):
                 continue  # its own quota is spent: the next consented model, or a 503
-            choice = self._route(alternative, caller.tier, other.estimate, "default", request_id)
+            choice = self._route(
+                alternative, caller.tier, other.estimate, "default", request_id, trace
+            )
             if isinstance(choice, Choice):
                 headers.update(http.rate_limit_headers(other.rate_limits))
                 headers["X-Tollgate-Downgraded-From"] = model
@@ -322,12 +334,17 @@ class Admission:
     # --- capacity ------------------------------------------------------------------------------
 
     def _route(
-        self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str
-    ) -> _Routed:
-        return self.fleet.choose(
+        self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str,
+        trace: RequestTrace | None = None,
+    ) -> _Routed:  # fmt: skip
+        started = 0 if trace is None else trace.now()
+        choice = self.fleet.choose(
             model, tier, kv_tokens(estimate), self.rng, service_tier=service_tier,
             request_id=request_id,
         )
+        if trace is not None:
+            trace.routed(started, model, choice)
+        return choice
 
     def _ask_to_preempt(
         self, request_ids: tuple[str, ...], for_request_id: str, replica_id: str

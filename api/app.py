@@ -477,6 +477,7 @@ class TollgateApp:
         self.runtime = runtime
         self.api = api
         self.limits = limits
+        self.tracing = runtime.tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -503,6 +504,10 @@ class TollgateApp:
         dropped: Any = None
         caller: Caller | None = None
         limits = self.limits
+        # Tracing on: this request's spans (api/tracing.py); off, None and nothing else.
+        trace = None if self.tracing is None else self.tracing.request(headers, request_id)
+        started = 0 if trace is None else trace.now()
+        status = 200
         try:
             if scope["method"] != "POST":
                 raise ApiError(
@@ -522,6 +527,8 @@ class TollgateApp:
                     runtime, limits, source,
                     lambda: runtime.edge.authenticate(authorization, CUSTOMER),
                 )  # fmt: skip
+            if trace is not None:
+                trace.authenticated(started, caller.tenant_id)
             idempotency_key = idempotency_key_of(_header(headers, b"idempotency-key"))
             raw = await read_body(
                 receive, headers.get(b"content-length"), runtime.settings.max_body_bytes
@@ -544,8 +551,10 @@ class TollgateApp:
                 retry_count=_int_header(_header(headers, b"x-stainless-retry-count")),
                 run_id=run_id_of(_header(headers, b"x-tollgate-run-id")),
                 batch_item=batch_item[:200],
+                trace=trace,
             )
             if isinstance(outcome, JsonOutcome):
+                status = outcome.status
                 response = Response(
                     outcome.body, outcome.status, outcome.headers, media_type="application/json"
                 )
@@ -556,6 +565,8 @@ class TollgateApp:
             headers = [
                 (k.lower().encode(), v.encode()) for k, v in outcome.headers.items()
             ] + _SSE_HEADERS
+            if trace is not None:
+                trace.stream_started()
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             if outcome.first:
                 await send({"type": "http.response.body", "body": outcome.first, "more_body": True})
@@ -563,6 +574,8 @@ class TollgateApp:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
             frames = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if trace is not None:
+                trace.stream_ended()
         except asyncio.CancelledError:
             if dropped is not None and dropped():
                 # A slow reader the edge cancelled, which then read nothing more: its connection
@@ -574,6 +587,9 @@ class TollgateApp:
             else:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the client left
         except ApiError as exc:
+            status = exc.status
+            if trace is not None and not trace.authenticated_at:
+                trace.authenticated(started, None, str(exc.code or exc.type))
             if caller is not None and exc.status in REFUSED_STATUSES:
                 limits.refused(caller.key_id, caller.tenant_id)
             headers = {"X-Request-Id": request_id, **exc.headers}
@@ -581,6 +597,7 @@ class TollgateApp:
         except Exception as exc:
             ids = {"request_id": request_id, "tenant_id": caller and caller.tenant_id}
             answer = store_unavailable(exc)
+            status = 500 if answer is None else answer.status
             if answer is not None:
                 runtime.log.warning("store unavailable on /v1/chat/completions: %s", exc, extra=ids)
                 headers = {"X-Request-Id": request_id, **answer.headers}
@@ -597,6 +614,8 @@ class TollgateApp:
             if frames is not None:  # left mid-stream: the edge cancels and bills what was sent
                 with contextlib.suppress(BaseException):
                     await frames.aclose()
+            if trace is not None:
+                trace.end(status)
 
 
 def _abort_connection(send: Send) -> None:

@@ -248,6 +248,11 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "key_id": state.key_id or None,
         "model": state.model or None,
         "tier": state.tier or None,
+        # The edge's trace of it (OpenTelemetry, when tracing was on), from its admission.
+        "trace_id": next(
+            (s.payload.get("trace_id") or None for s in t.steps if s.type == "RequestAdmitted"),
+            None,
+        ),
         "downgraded_from": state.downgraded_from,
         # Its place in the tenant's hierarchy and its agent run (None: the organization's key,
         # no run); a refusal by a level names it, and its state then, in `rejection`.

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -58,6 +58,9 @@ from engine_adapter.usage import Collector
 from ledger.commands import CommandHandler
 from ledger.ids import Clock, IdSource, new_event_id, utcnow
 from ledger.store import AppendResult
+
+if TYPE_CHECKING:
+    from api.tracing import RequestTrace
 
 __all__ = ["Caller", "Edge", "JsonOutcome", "StreamOutcome"]
 
@@ -216,9 +219,11 @@ class Edge:
         retry_count: int,
         run_id: str | None = None,
         batch_item: str = "",
+        trace: RequestTrace | None = None,
     ) -> JsonOutcome | StreamOutcome:
         """One chat completion. `batch_item` ("<batch id>/<custom_id>"): the batch runner sends
-        it, and it runs in the flex class whatever the body asks."""
+        it, and it runs in the flex class whatever the body asks. `trace`: its spans, when
+        tracing is on (api/tracing.py)."""
         headers = {"X-Request-Id": request_id}
         try:
             req = parse_chat_request(raw)
@@ -249,13 +254,26 @@ class Edge:
         is_retry = retry_count > 0 or self.idempotency.seen_recently(
             caller.tenant_id, idempotency_key
         )
+        if trace is not None:
+            trace.admitting()
         answer = self.admission.admit(
-            caller, req, model, request_id, idempotency_key, is_retry, headers, run_id
+            caller, req, model, request_id, idempotency_key, is_retry, headers, run_id, trace
         )
+        if trace is not None:
+            trace.admitted(answer)
         if isinstance(answer, Refused):
             raise answer.error
         flight = answer.flight
-        await self._record_admission(flight, caller, req, answer.commands)
+        if trace is None:
+            await self._record_admission(flight, caller, req, answer.commands)
+        else:
+            flight.trace = trace
+            started = trace.now()
+            commands = trace.on_admission(answer.commands)
+            try:
+                await self._record_admission(flight, caller, req, commands)
+            finally:
+                trace.recorded_admission(started, flight.request_id in self.flights.in_flight)
         body = dict(req.upstream)
         body["priority"] = engine_priority(caller.tier, req.service_tier)
         body["max_tokens"] = flight.state.output_cap_tokens

@@ -66,9 +66,11 @@ class Flights:
     async def open(self, flight: Flight, caller: Caller, body: dict[str, Any]) -> ChatExchange:
         """Open the engine request, where a preemption can reach it. A flex request preempted
         while it was being opened is aborted at once (it raises `Preempted`)."""
+        trace = flight.trace
         exchange = await flight.choice.replica.open_chat(
-            body, request_id=flight.request_id, cache_salt=caller.cache_salt
-        )
+            body, request_id=flight.request_id, cache_salt=caller.cache_salt,
+            traceparent=None if trace is None else trace.engine_opened(flight.choice.replica_id),
+        )  # fmt: skip
         flight.exchange = exchange
         if flight.preempted_for is not None:
             await abort_engine(exchange, flight.progress)
@@ -146,6 +148,8 @@ class Flights:
         try:
             flight.ended = self.recorder.record(flight, command)
         finally:
+            if flight.trace is not None:
+                flight.trace.ended(flight.progress, TERMINAL_LABEL[type(command)], flight.ended)
             self.admission.settle(flight, command)
             if self.in_flight.pop(flight.request_id, None) is not None:
                 self.metrics.in_flight.dec()

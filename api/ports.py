@@ -75,8 +75,9 @@ class Replica(Protocol):
     def replica_id(self) -> str: ...
 
     async def open_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str
-    ) -> ChatExchange: ...
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str,
+        traceparent: str | None = None,
+    ) -> ChatExchange: ...  # fmt: skip
 
 
 class Fleet(Protocol):

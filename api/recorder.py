@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.metrics import Metrics
 from api.ports import EventSink, Replica
@@ -34,6 +34,9 @@ from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
 from ledger.ids import Clock, IdSource
 from ledger.store import AppendBatch, AppendResult, NewEvent
 from ledger.writer import WriterOverloaded
+
+if TYPE_CHECKING:
+    from api.tracing import RequestTrace
 
 log = logging.getLogger("tollgate.edge")
 
@@ -81,6 +84,7 @@ class Flight:
     # event's, once ended: the final usage and [DONE] (a JSON body) wait for that one.
     first_durable: asyncio.Future[bool] | None = None
     ended: asyncio.Future[bool] | None = None
+    trace: RequestTrace | None = None  # its spans, when tracing is on (api/tracing.py)
 
 
 class Recorder:

@@ -31,6 +31,7 @@ from api.metrics import Metrics
 from api.runs_service import RunService
 from api.scaling import Actuator, ScalingLoop
 from api.sessions import Sessions, load_secret
+from api.tracing import from_env as tracing_from_env
 from domain import remote_flex
 from domain.autoscale import ScalePolicy
 from domain.capacity import FlexPolicy
@@ -86,6 +87,9 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.metrics.max_tenant_labels = self.settings.metrics_max_tenants
+        # OpenTelemetry spans of each chat request, when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is
+        # set (None otherwise); first, so that a missing package stops the start at once.
+        self.tracing = tracing_from_env()
         upgrade(self.settings.database_url)
         # The fold worker checkpoints SQLite's WAL (it commits every pass); the edge does so
         # itself only if the WAL passes ~40 MB (no worker running), never at the default ~4 MB.
@@ -255,6 +259,8 @@ class Runtime:
         if self.fold_worker is not None:
             await asyncio.to_thread(self.fold_worker.stop)
         self.engine.dispose()
+        if self.tracing is not None:  # the spans still batched are exported
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _every(self, seconds: float, fn: Any) -> None:
         while True:

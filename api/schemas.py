@@ -312,6 +312,7 @@ class RequestTimeline(BaseModel):
     key_id: str | None = None
     model: str | None = None
     tier: str | None = None
+    trace_id: str | None = None
     downgraded_from: str | None = None
     plan_at_admission: str | None = None
     limits_at_admission: Object | None = None

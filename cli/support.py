@@ -34,6 +34,8 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
         f"{timeline['request_id']}  {timeline['status']}  tenant={timeline['tenant']} "
         f"model={timeline['model']} tier={timeline['tier']}"
     )
+    if timeline.get("trace_id"):
+        click.echo(f"trace {timeline['trace_id']}")
     click.echo(
         f"plan at admission: {timeline['plan_at_admission']}  limits: "
         f"{timeline['limits_at_admission']}"

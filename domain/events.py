@@ -46,6 +46,9 @@ class RequestAdmitted(Event):
     service_tier: str = "default"
     # The batch item it runs, "<batch id>/<custom_id>" (empty for a direct API request).
     batch_item: str = ""
+    # The W3C trace id of its spans, 32 hex digits, when the edge traced it (empty otherwise, and
+    # in events recorded before tracing: an optional field, so the version stays 1).
+    trace_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,6 +197,7 @@ class AdmitRequest:
     reserved: BudgetReserved | None = None
     service_tier: ServiceTier = "default"
     batch_item: str = ""
+    trace_id: str = ""  # the edge's trace of it (api/tracing.py), for support's replay
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,6 +546,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.stream,
         command.service_tier,
         command.batch_item,
+        command.trace_id,
     )
     if est.output_cap_tokens and est.output_cap_tokens < est.reserved_output_tokens:
         raise DomainError(

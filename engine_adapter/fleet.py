@@ -68,8 +68,9 @@ class ScrapedReplica(Protocol):
     def close(self) -> None: ...
 
     async def open_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str
-    ) -> ChatExchange: ...
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str,
+        traceparent: str | None = None,
+    ) -> ChatExchange: ...  # fmt: skip
 
 
 @dataclass

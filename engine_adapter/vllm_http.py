@@ -329,8 +329,9 @@ class VLLMReplica:
 
     @faults.seam("engine.send", lambda: ReplicaUnavailable("connection reset (fault)"))
     async def open_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str
-    ) -> ChatExchange:
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str,
+        traceparent: str | None = None,
+    ) -> ChatExchange:  # fmt: skip
         """POST the chat request, streamed, and return its exchange (chunks up to `[DONE]`).
 
         Always streams with continuous usage, whatever the client asked, so that a cancelled
@@ -339,7 +340,9 @@ class VLLMReplica:
         disconnect and stops), reads for a moment what the engine had already sent — so a
         cancelled request is billed every token the engine produced, not only those read — and
         drops the connection. Raises ReplicaUnavailable when the replica can not be reached;
-        a status other than 200 ends the exchange with ReplicaHTTPError.
+        a status other than 200 ends the exchange with ReplicaHTTPError. A W3C `traceparent`
+        (the gateway's engine span) is sent as the header of that name: vLLM started with
+        `--otlp-traces-endpoint` continues the trace.
         """
         payload = dict(body)
         payload["model"] = self.served_model
@@ -348,6 +351,8 @@ class VLLMReplica:
         payload["stream_options"] = _STREAM_OPTIONS
         payload["cache_salt"] = cache_salt
         headers = _CHAT_HEADERS + b"X-Request-Id: " + _header_value(request_id) + b"\r\n"
+        if traceparent is not None:
+            headers += b"traceparent: " + _header_value(traceparent) + b"\r\n"
         request = self._pool.request(b"POST", _CHAT_PATH, headers, orjson.dumps(payload))
         try:
             conn = await self._pool.acquire()

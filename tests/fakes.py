@@ -164,11 +164,14 @@ class FakeReplica:
         self.model = model
         self.script = script or Script()
         self.requests: list[tuple[dict[str, Any], str, str]] = []  # (body, request_id, salt)
+        self.traceparents: list[str | None] = []  # the W3C traceparent each was sent with
 
     async def open_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str
-    ) -> ChatExchange:
+        self, body: dict[str, Any], *, request_id: str, cache_salt: str,
+        traceparent: str | None = None,
+    ) -> ChatExchange:  # fmt: skip
         self.requests.append((body, request_id, cache_salt))
+        self.traceparents.append(traceparent)
         return IteratorExchange(self._chunks(request_id))
 
     async def _chunks(self, request_id: str) -> AsyncIterator[dict[str, Any]]:

@@ -103,6 +103,7 @@ class SimRecord:
     first_token_s: float | None = None
     finished_s: float | None = None
     priority: int = 0  # the scheduling priority it ran at (0 under fcfs, which ignores it)
+    traceparent: str = ""  # the W3C traceparent it was sent with (vLLM continues that trace)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

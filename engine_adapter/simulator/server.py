@@ -329,6 +329,7 @@ class SimulatedReplica:
                 drop_after=p.drop_after,
                 asked_length=p.asked_length,
             )
+            r.record.traceparent = request.headers.get("traceparent", "")
         except QueueFull:
             e = _HTTPError(
                 503,
