@@ -1,6 +1,6 @@
 """OpenTelemetry spans for each chat request, exported over OTLP/HTTP when the standard
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` is set. Unset, `from_env`
-answers None, nothing of OpenTelemetry is imported, and every hook on the request path is one
+answers None, neither the SDK nor the exporter is imported, and every hook on the request path is one
 `is not None` test.
 
 One request is one `RequestTrace`: the route's server span (continuing the client's W3C
