@@ -487,6 +487,28 @@ def render_fleet_ops(d: dict[str, Any]) -> list[str]:
     return rows
 
 
+def render_tracing(d: dict[str, Any]) -> list[str]:
+    off, on, out = d["off_us_median"], d["on_us_median"], d["sampled_out_us_median"]
+    return [
+        f"The edge's path (`Edge.chat` over the unit tests' fakes, a 16-token stream read to its "
+        f"end), {d['rounds']} interleaved rounds × {d['requests_per_round']} requests each way; "
+        "CPU of the process, the span export thread and the OTLP protobuf encoding included "
+        f"(not the POST); {d['spans_per_request']} spans per traced request.",
+        "",
+        "| tracing | CPU µs/request (median) | per round |",
+        "| --- | --- | --- |",
+        f"| off (no endpoint) | {off:.0f} | "
+        f"{', '.join(f'{x:.0f}' for x in d['off_us_per_request'])} |",
+        f"| on, sampled | {on:.0f} (+{on - off:.0f}, ×{d['on_over_off_median']}) | "
+        f"{', '.join(f'{x:.0f}' for x in d['on_us_per_request'])} |",
+        f"| on, sampled out | {out:.0f} (+{out - off:.0f}) | "
+        f"{', '.join(f'{x:.0f}' for x in d['sampled_out_us_per_request'])} |",
+        "",
+        "(comparison) No target: the cost is the SDK's, per span; a sampler "
+        "(`OTEL_TRACES_SAMPLER=parentbased_traceidratio`) bounds it.",
+    ]
+
+
 def render_generic(d: Any) -> list[str]:
     flat: list[tuple[str, Any]] = []
 

@@ -69,6 +69,7 @@ def test_a_traced_request_has_its_spans_its_traceparent_and_its_trace_id() -> No
 
     async def t() -> None:
         trace = tracer.request({b"traceparent": f"00-{TRACE_ID}-{PARENT}-01".encode()}, "req_1")
+        assert trace is not None
         trace.authenticated(trace.now(), CALLER.tenant_id)
         raw = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         out = await h.edge.chat(
@@ -118,3 +119,12 @@ def test_an_untraced_request_sends_no_traceparent_and_records_no_trace_id() -> N
     (admitted,) = [r.event for r in h.sink.store.read_stream(f"req_{1:032x}")
                    if isinstance(r.event, RequestAdmitted)]  # fmt: skip
     assert admitted.trace_id == ""
+
+
+def test_a_request_the_sampler_drops_is_served_untraced() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # parent-based: the client's unsampled trace stays unsampled
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    unsampled = {b"traceparent": f"00-{TRACE_ID}-{PARENT}-00".encode()}
+    assert Tracing(provider).request(unsampled, "req_1") is None
+    assert exporter.get_finished_spans() == ()
