@@ -588,7 +588,7 @@ class TollgateApp:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the client left
         except ApiError as exc:
             status = exc.status
-            if trace is not None and not trace.authenticated_at:
+            if trace is not None and not trace.authenticated_at and exc.status in (401, 403, 429):
                 trace.authenticated(started, None, str(exc.code or exc.type))
             if caller is not None and exc.status in REFUSED_STATUSES:
                 limits.refused(caller.key_id, caller.tenant_id)

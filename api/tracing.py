@@ -230,7 +230,7 @@ class RequestTrace:
             return
         flight = getattr(answer, "flight", None)
         if flight is None:
-            error = answer.error  # type: ignore[union-attr]
+            error = answer.error
             span.set_attribute("tollgate.admission.decision", "refused")
             span.set_attribute("tollgate.admission.code", str(error.code or error.type))
             span.set_attribute("http.response.status_code", error.status)
