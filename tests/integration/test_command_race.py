@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from domain.events import TenantRegistered
+from domain.control_plane.events import TenantRegistered
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore

@@ -1,5 +1,5 @@
-"""The control plane: tenants, plans and their limits, API keys, prices and replicas, folded from
-control events (`ControlView`), and the commands that change them (`decide_control`).
+"""The control plane folded: tenants, plans and their limits, API keys, prices and replicas
+(`ControlView`, whose `apply` is the evolve of every control stream).
 
 History is kept, so every question can be asked as of a past instant: "what was this tenant's
 limit when that request was rejected?", "what did this model cost when that request ran?".
@@ -13,13 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar
 
-from domain import hierarchy
-from domain.cost import PROFILES, ModelProfile, Price, base_model, check_profile
-from domain.errors import DomainError, check_quantity
-from domain.events import (
+from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
-    Event,
     FallbackAllowed,
     FallbackRevoked,
     FlexDiscountSet,
@@ -27,44 +23,19 @@ from domain.events import (
     ModelProfileRegistered,
     PlanChanged,
     PriceSet,
-    Recorded,
     ReplicaRegistered,
     SloSet,
     TenantRegistered,
 )
+from domain.cost import PROFILES, ModelProfile, Price, base_model
+from domain.envelope import Event, Recorded
+from domain.errors import DomainError
 from domain.goodput import DEFAULT_SLOS, Slo
-from domain.hierarchy import HIERARCHY_EVENTS, Hierarchy, HierarchyCommand
-from domain.lifecycle import TIERS
-from domain.text import check_text
-
-__all__ = [
-    "Limits",
-    "PLAN_LIMITS",
-    "LIMIT_FIELDS",
-    "Tenant",
-    "ApiKey",
-    "ControlView",
-    "RegisterTenant",
-    "ChangePlan",
-    "SetLimits",
-    "IssueApiKey",
-    "RevokeApiKey",
-    "SetPrice",
-    "SetFlexDiscount",
-    "DEFAULT_FLEX_DISCOUNT_PPM",
-    "RegisterReplica",
-    "RegisterModelProfile",
-    "ControlCommand",
-    "decide_control",
-    "tenant_stream",
-    "price_stream",
-    "model_stream",
-    "slo_stream",
-    "SetSlo",
-    "AllowFallback",
-    "RevokeFallback",
-    "FLEET_STREAM",
-]
+from domain.governance.state import (
+    HIERARCHY_EVENTS,
+    Hierarchy,
+)
+from domain.types import TIERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +60,7 @@ LIMIT_FIELDS: Final = (
     "reserved_kv_gib_seconds",
 )
 
+
 # Plan defaults. Reference costs (domain.cost, llama-3.1-70b at 320 KiB/token): a typical chat
 # (800 prompt, 300 out) at the 50 ms TPOT target is ~4.4 GiB·s, ~8.7 GiB·s at the stale 2×.
 # - free: enough for a person trying the API (20 rpm, 40k tpm), contexts and outputs short
@@ -106,15 +78,28 @@ PLAN_LIMITS: Final[dict[str, Limits]] = {
     "standard": Limits(600, 400_000, 32_768, 4_096, 4_096, 0),
     "enterprise": Limits(3_000, 2_000_000, 131_072, 8_192, 32_768, 8_192),
 }
+
+
 assert tuple(PLAN_LIMITS) == TIERS
 
+
 SCOPES: Final = ("customer", "finance", "support", "admin")
+
+
 # Matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
 TENANT_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
 KEY_HASH: Final = re.compile(r"^[0-9a-f]{64}$")
+
+
 FLEET_STREAM: Final = "fleet"
+
+
 # 200 (the events' stream_id column) - len("prices-").
 MAX_MODEL_CHARS: Final = 193
+
+
 # Every control-plane stream starts with one of these (tenants with their keys and limits, prices,
 # the fleet, model profiles, SLOs): what a control-plane follower reads.
 CONTROL_PREFIXES: Final = ("tenant-", "prices-", "slo-", FLEET_STREAM, "models-", "run-")
@@ -490,354 +475,3 @@ def flex_price(price: Price, discount_ppm: int) -> Price:
 def _insort(history: list[tuple[datetime, int, _T]], entry: tuple[datetime, int, _T]) -> None:
     # Ordered by (instant, seq), which is unique, so the payload is never compared.
     bisect.insort(history, entry, key=lambda e: (e[0], e[1]))
-
-
-# --- commands -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterTenant:
-    name: str  # becomes the tenant id
-    plan: str
-    cache_salt: str  # generated outside the domain (random), sent to the engine per request
-
-
-@dataclass(frozen=True, slots=True)
-class ChangePlan:
-    tenant_id: str
-    plan: str
-
-
-@dataclass(frozen=True, slots=True)
-class SetLimits:
-    tenant_id: str
-    model: str  # "*", a base name or a pinned version
-    rpm: int | None = None
-    tpm: int | None = None
-    max_context: int | None = None
-    max_output: int | None = None
-    kv_gib_seconds: int | None = None
-    reserved_kv_gib_seconds: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class IssueApiKey:
-    tenant_id: str
-    key_id: str
-    key_hash: str  # sha256 hex of the secret, computed outside the domain
-    scope: str = "customer"
-    project_id: str | None = None  # None: the key belongs to the organization directly
-
-
-@dataclass(frozen=True, slots=True)
-class RevokeApiKey:
-    tenant_id: str
-    key_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class SetPrice:
-    model: str
-    prompt_micros_per_mtok: int
-    completion_micros_per_mtok: int
-    cached_micros_per_mtok: int
-    effective_at: datetime
-    now: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class SetFlexDiscount:
-    """The flex class's discount on a model's price, in ppm of it (500,000 = half price)."""
-
-    model: str
-    discount_ppm: int
-    effective_at: datetime
-    now: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterReplica:
-    replica_id: str
-    model: str
-    url: str
-    reserved_only: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterModelProfile:
-    """The KV shape of a model name or version, in force from `effective_at`."""
-
-    model: str
-    layers: int
-    dtype_bytes: int
-    kv_heads: int = 0
-    head_dim: int = 0
-    attention: str = "gqa"
-    kv_lora_rank: int = 0
-    rope_dim: int = 0
-    max_model_len: int | None = None
-    effective_at: datetime | None = None  # None: now
-    now: datetime | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SetSlo:
-    tier: str
-    ttft_ms: int
-    tpot_us: int
-    effective_at: datetime
-    now: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class AllowFallback:
-    tenant_id: str
-    from_model: str
-    to_model: str
-
-
-@dataclass(frozen=True, slots=True)
-class RevokeFallback:
-    tenant_id: str
-    from_model: str
-    to_model: str
-
-
-ControlCommand = (
-    RegisterTenant
-    | ChangePlan
-    | SetLimits
-    | IssueApiKey
-    | RevokeApiKey
-    | SetPrice
-    | SetFlexDiscount
-    | RegisterReplica
-    | RegisterModelProfile
-    | SetSlo
-    | AllowFallback
-    | RevokeFallback
-    | HierarchyCommand
-)
-
-
-def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, ...]:
-    """The control events a command produces against the current view, or a DomainError.
-    A repeat that changes nothing (same plan, key already revoked) answers ()."""
-    match command:
-        case RegisterTenant():
-            if not TENANT_NAME.fullmatch(command.name):
-                raise DomainError(
-                    "bad_name",
-                    f"tenant name {command.name!r} must match {TENANT_NAME.pattern}",
-                    field="name",
-                )
-            _check_plan(command.plan)
-            if view.tenant(command.name) is not None:
-                raise DomainError(
-                    "duplicate_tenant", f"tenant {command.name!r} exists", field="name"
-                )
-            if not command.cache_salt:
-                raise DomainError("bad_cache_salt", "cache_salt is empty", field="cache_salt")
-            return (TenantRegistered(command.name, command.name, command.plan, command.cache_salt),)
-        case ChangePlan():
-            _check_plan(command.plan)
-            tenant = view._tenant_or_error(command.tenant_id)
-            if tenant.plan == command.plan:
-                return ()
-            return (PlanChanged(command.tenant_id, command.plan),)
-        case SetLimits():
-            view._tenant_or_error(command.tenant_id)
-            _check_model(command.model)
-            if command.model.strip() != command.model:
-                raise DomainError("bad_model", f"model {command.model!r}", field="model")
-            values = {name: getattr(command, name) for name in LIMIT_FIELDS}
-            for name, value in values.items():
-                check_quantity(name, value)
-            if all(value is None for value in values.values()):
-                raise DomainError("empty_limits", "SetLimits sets no limit")
-            return (LimitsSet(command.tenant_id, command.model, **values),)
-        case IssueApiKey():
-            view._tenant_or_error(command.tenant_id)
-            if not KEY_HASH.fullmatch(command.key_hash):
-                raise DomainError(
-                    "bad_key_hash", "key_hash must be 64 lowercase hex", field="key_hash"
-                )
-            if command.scope not in SCOPES:
-                raise DomainError("bad_scope", f"scope not in {SCOPES}", field="scope")
-            existing = view.key(command.key_id)
-            if existing is not None:
-                same = (existing.tenant_id, existing.key_hash, existing.scope) == (
-                    command.tenant_id,
-                    command.key_hash,
-                    command.scope,
-                )
-                if same:
-                    return ()
-                raise DomainError("duplicate_key", f"key {command.key_id} exists", field="key_id")
-            if command.key_hash in view._key_ids_by_hash:
-                raise DomainError("duplicate_key_hash", "this key hash is in use", field="key_hash")
-            issued = ApiKeyIssued(
-                command.tenant_id, command.key_id, command.key_hash, command.scope
-            )
-            if command.project_id is None:
-                return (issued,)
-            if command.scope != "customer":
-                raise DomainError(
-                    "bad_scope", "only a customer key belongs to a project", field="project"
-                )
-            assigned = hierarchy.decide(
-                view.hierarchy,
-                hierarchy.AssignKey(command.tenant_id, command.key_id, command.project_id),
-                key_tenant=command.tenant_id,
-            )
-            return (issued, *assigned)
-        case RevokeApiKey():
-            key = view.key(command.key_id)
-            if key is None or key.tenant_id != command.tenant_id:
-                raise DomainError("unknown_key", f"no key {command.key_id}", field="key_id")
-            if key.revoked:
-                return ()
-            return (ApiKeyRevoked(command.tenant_id, command.key_id),)
-        case SetPrice():
-            _check_model(command.model)
-            for name in (
-                "prompt_micros_per_mtok",
-                "completion_micros_per_mtok",
-                "cached_micros_per_mtok",
-            ):
-                check_quantity(name, getattr(command, name), negative="negative_price")
-            if command.effective_at < command.now:
-                raise DomainError(
-                    "price_backdated",
-                    "a price cannot take effect before it is set",
-                    field="effective_at",
-                )
-            return (
-                PriceSet(
-                    command.model,
-                    command.prompt_micros_per_mtok,
-                    command.completion_micros_per_mtok,
-                    command.cached_micros_per_mtok,
-                    command.effective_at,
-                ),
-            )
-        case SetFlexDiscount():
-            _check_model(command.model)
-            if not 0 <= command.discount_ppm <= 1_000_000:
-                raise DomainError(
-                    "bad_discount", "the flex discount is within [0, 100] %", field="discount_ppm"
-                )
-            if command.effective_at < command.now:
-                raise DomainError(
-                    "price_backdated",
-                    "a price cannot take effect before it is set",
-                    field="effective_at",
-                )
-            return (FlexDiscountSet(command.model, command.discount_ppm, command.effective_at),)
-        case RegisterReplica():
-            if not command.replica_id or not command.model or not command.url:
-                raise DomainError("bad_replica", "replica_id, model and url are required")
-            # replica_id: request_log's replica column is 100 wide.
-            check_text(command.replica_id, "replica_id", max_chars=100)
-            _check_model(command.model)
-            check_text(command.url, "url", max_chars=2_048)
-            view.model_profile(command.model)  # a replica nobody could admit traffic for
-            known = view._replicas.get(command.replica_id)
-            if known is not None:
-                if (known.model, known.url, known.reserved_only) == (
-                    command.model,
-                    command.url,
-                    command.reserved_only,
-                ):
-                    return ()
-                raise DomainError("duplicate_replica", f"replica {command.replica_id} exists")
-            return (
-                ReplicaRegistered(
-                    command.replica_id, command.model, command.url, command.reserved_only
-                ),
-            )
-        case RegisterModelProfile():
-            return (_decide_model_profile(command),)
-        case SetSlo():
-            if command.tier not in TIERS:
-                raise DomainError("bad_tier", f"tier {command.tier!r} is not one of {TIERS}",
-                                  field="tier")
-            if command.ttft_ms <= 0 or command.tpot_us <= 0:
-                raise DomainError("bad_slo", "SLO targets must be positive", field="ttft_ms")
-            if command.effective_at < command.now:
-                raise DomainError(
-                    "slo_backdated", "an SLO cannot take effect before it is set",
-                    field="effective_at",
-                )
-            return (SloSet(command.tier, command.ttft_ms, command.tpot_us, command.effective_at),)
-        case AllowFallback():
-            view._tenant_or_error(command.tenant_id)
-            if not command.from_model or not command.to_model:
-                raise DomainError("bad_model", "both models are required", field="from_model")
-            _check_model(command.from_model, "from_model")
-            _check_model(command.to_model, "to_model")
-            if base_model(command.from_model) == base_model(command.to_model):
-                raise DomainError(
-                    "same_model", "a fallback is to another model", field="to_model"
-                )
-            given = view._fallbacks.get((command.tenant_id, command.from_model), [])
-            if command.to_model in given:
-                return ()
-            return (FallbackAllowed(command.tenant_id, command.from_model, command.to_model),)
-        case RevokeFallback():
-            view._tenant_or_error(command.tenant_id)
-            if command.to_model not in view._fallbacks.get(
-                (command.tenant_id, command.from_model), []
-            ):
-                return ()
-            return (FallbackRevoked(command.tenant_id, command.from_model, command.to_model),)
-    if isinstance(command, hierarchy.HIERARCHY_COMMANDS):
-        view._tenant_or_error(command.tenant_id)
-        key_id = getattr(command, "key_id", None) or (
-            getattr(command, "level_id", None) if getattr(command, "level", "") == "key" else None
-        )
-        key = view.key(key_id) if key_id else None
-        return hierarchy.decide(
-            view.hierarchy, command, key_tenant=key.tenant_id if key is not None else None
-        )
-    raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
-
-
-def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegistered:
-    _check_model(command.model)
-    if not command.model or command.model.strip() != command.model or command.model == "*":
-        raise DomainError("bad_model", f"model {command.model!r}", field="model")
-    if command.now is None:
-        raise DomainError("no_instant", "RegisterModelProfile needs `now`", field="now")
-    effective_at = command.effective_at or command.now
-    if effective_at < command.now:
-        raise DomainError(
-            "profile_backdated",
-            "a model profile cannot take effect before it is registered",
-            field="effective_at",
-        )
-    if command.max_model_len is not None and command.max_model_len <= 0:
-        raise DomainError("bad_profile", "max_model_len must be positive", field="max_model_len")
-    if command.attention not in ("gqa", "mla"):
-        raise DomainError("bad_profile", f"attention {command.attention!r} is not gqa or mla")
-    event = ModelProfileRegistered(
-        command.model, command.attention, command.layers, command.kv_heads, command.head_dim,
-        command.dtype_bytes, command.kv_lora_rank, command.rope_dim, command.max_model_len,
-        effective_at,
-    )  # fmt: skip
-    check_profile(_profile_of(event))
-    return event
-
-
-def _check_model(model: str, field: str = "model") -> None:
-    """A model name an operator gives: storable (domain.text), and short enough for the stream
-    ids it names (`prices-<model>`, `models-<model>`) to fit their 200-character column."""
-    try:
-        check_text(model, field, max_chars=MAX_MODEL_CHARS)
-    except DomainError as exc:
-        raise DomainError("bad_model", exc.message, field=field) from None
-
-
-def _check_plan(plan: str) -> None:
-    if plan not in PLAN_LIMITS:
-        raise DomainError("bad_plan", f"plan {plan!r} is not one of {TIERS}", field="plan")
