@@ -124,6 +124,8 @@ EVENT_CLASSES: dict[str, type[Event]] = {
 
 
 Upcaster: TypeAlias = Callable[[dict[str, Any]], dict[str, Any]]
+# (type, from_version) -> function giving the payload of version from_version + 1. Pure; stored
+# rows are never rewritten, they are read through these.
 
 
 def _estimated_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The lease sweeper: a request whose edge stopped renewing it for `LEASE_TTL_S` is expired and
 billed at its last known progress, so a dead edge holds a tenant's concurrency for seconds, not
-for ever. The leases are `domain.leases.LeaseBook`'s fold; the verdict is `lifecycle.decide`'s,
-recorded through the command handler (an edge that ended the request meanwhile wins).
+for ever. The leases are `domain.leases.LeaseBook`'s fold; the verdict is
+`domain.requests.decide`'s, recorded through the command handler (an edge that ended the
+request meanwhile wins).
 
 `GroupSweeper` runs it in a group of workers (the distributed mode's Kafka workers): one leads
 at a time and hands over to another when it dies."""

@@ -14,13 +14,8 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
-from domain.batches.files import (
-    MAX_LINES,
-)
-from domain.batches.state import (
-    ENDPOINTS,
-    BatchState,
-)
+from domain.batches.files import MAX_LINES
+from domain.batches.state import ENDPOINTS, BatchState
 from domain.envelope import Event
 from domain.errors import DomainError
 

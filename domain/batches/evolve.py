@@ -16,9 +16,7 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
-from domain.batches.state import (
-    BatchState,
-)
+from domain.batches.state import BatchState
 from domain.envelope import Recorded
 from domain.errors import DomainError
 

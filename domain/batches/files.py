@@ -11,44 +11,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from domain.batches.state import (
-    ENDPOINTS,
-)
+from domain.batches.state import ENDPOINTS
 from domain.errors import DomainError
 from domain.text import check_header_value, check_text, has_surrogate, is_header_value
 from domain.text import check_metadata as _check_metadata
 
 # Bounds on what is stored: a file of prompts is kept in the database until its batch ends.
 MAX_FILE_BYTES: Final = 10 * 1024 * 1024
-
-
 MAX_LINES: Final = 5_000
-
-
 MAX_CUSTOM_ID_CHARS: Final = 64
-
-
 MAX_NESTING: Final = 66  # the chat body's 64 levels, below the line object and its body
-
-
 # The chat route's bound on `model` (api/chat_request.py): the read models' columns are 200 wide.
 MAX_MODEL_CHARS: Final = 200
-
-
 # What the runner can send (streams/batch_runner.py): the body goes out through orjson, which
 # writes integers from -2**63 to 2**64 - 1 and nothing wider, and no non-finite float (it writes
 # NaN and Infinity as null, a silent change of the request).
 INT_MIN: Final = -(2**63)
-
-
 INT_MAX: Final = 2**64 - 1
-
-
 # How long files are kept: an input file for this long after its batch ended (or after upload,
 # when no batch uses it); output and error files for this long after they were written.
 INPUT_RETENTION_S: Final = 24 * 3600
-
-
 OUTPUT_RETENTION_S: Final = 7 * 24 * 3600
 
 
@@ -228,6 +210,9 @@ def check_metadata(metadata: Any) -> dict[str, str]:
     """OpenAI's metadata (`domain.text.check_metadata`): at most 16 string pairs, keys ≤ 64 and
     values ≤ 512 characters, each storable; the DomainError names `metadata` or `metadata.<key>`."""
     return _check_metadata(metadata)
+
+
+# --- the output and error files -------------------------------------------------------------------
 
 
 def output_line(custom_id: str, request_id: str, status_code: int, body: Any) -> dict[str, Any]:

@@ -14,19 +14,11 @@ from datetime import datetime
 from typing import Any, Final
 
 BATCH_PREFIX: Final = "batch-"
-
-
 ENDPOINT: Final = "/v1/chat/completions"
-
-
 ENDPOINTS: Final = frozenset({ENDPOINT})
-
-
 # OpenAI's only window. Shorter ones ("30s", "5m") exist only when the server is started with
 # them (tests, demos): `window_seconds(text, extra)`.
 WINDOWS_S: Final = {"24h": 86_400}
-
-
 WINDOW_PATTERN: Final = re.compile(r"([1-9][0-9]{0,4})([smh])")
 
 
@@ -34,8 +26,6 @@ STATUSES: Final = (
     "validating", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled",
     "failed",
 )
-
-
 ENDED: Final = frozenset({"completed", "expired", "cancelled", "failed"})
 
 

@@ -31,10 +31,7 @@ from domain.cost import PROFILES, ModelProfile, Price, base_model
 from domain.envelope import Event, Recorded
 from domain.errors import DomainError
 from domain.goodput import DEFAULT_SLOS, Slo
-from domain.governance.state import (
-    HIERARCHY_EVENTS,
-    Hierarchy,
-)
+from domain.governance.state import HIERARCHY_EVENTS, Hierarchy
 from domain.types import TIERS
 
 
@@ -60,7 +57,6 @@ LIMIT_FIELDS: Final = (
     "reserved_kv_gib_seconds",
 )
 
-
 # Plan defaults. Reference costs (domain.cost, llama-3.1-70b at 320 KiB/token): a typical chat
 # (800 prompt, 300 out) at the 50 ms TPOT target is ~4.4 GiB·s, ~8.7 GiB·s at the stale 2×.
 # - free: enough for a person trying the API (20 rpm, 40k tpm), contexts and outputs short
@@ -78,28 +74,15 @@ PLAN_LIMITS: Final[dict[str, Limits]] = {
     "standard": Limits(600, 400_000, 32_768, 4_096, 4_096, 0),
     "enterprise": Limits(3_000, 2_000_000, 131_072, 8_192, 32_768, 8_192),
 }
-
-
 assert tuple(PLAN_LIMITS) == TIERS
 
-
 SCOPES: Final = ("customer", "finance", "support", "admin")
-
-
 # Matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
 TENANT_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-
-
 KEY_HASH: Final = re.compile(r"^[0-9a-f]{64}$")
-
-
 FLEET_STREAM: Final = "fleet"
-
-
 # 200 (the events' stream_id column) - len("prices-").
 MAX_MODEL_CHARS: Final = 193
-
-
 # Every control-plane stream starts with one of these (tenants with their keys and limits, prices,
 # the fleet, model profiles, SLOs): what a control-plane follower reads.
 CONTROL_PREFIXES: Final = ("tenant-", "prices-", "slo-", FLEET_STREAM, "models-", "run-")

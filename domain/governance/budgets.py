@@ -26,17 +26,10 @@ from datetime import datetime, timedelta
 from typing import Final, Literal, NamedTuple
 
 from domain.backoff import BackoffPolicy
-from domain.control_plane.state import (
-    Limits,
-)
+from domain.control_plane.state import Limits
 from domain.cost import GIB, TOKENS_PER_MTOK, Price
 from domain.envelope import Event, Recorded
-from domain.governance.state import (
-    LevelRule,
-    PathPlan,
-    PathPolicy,
-    time_zone,
-)
+from domain.governance.state import LevelRule, PathPlan, PathPolicy, time_zone
 from domain.quota import TOMBSTONE_TTL_S, Bucket
 from domain.requests.events import (
     BudgetReserved,
@@ -53,14 +46,8 @@ from domain.requests.events import (
 from domain.runs.state import Run
 
 PathReason = Literal["requests", "tokens", "concurrency", "budget", "run_budget", "invalid"]
-
-
 _MINUTE_S: Final = 60.0
-
-
 _MICROS_PER_UNIT: Final = 1_000_000
-
-
 _PERIODLY: Final = {"day": "daily", "month": "monthly"}
 
 
@@ -92,8 +79,6 @@ def narrow(limits: Limits, path: PathPolicy) -> Limits:
 # The tightest level's X-RateLimit-* figures after a decision: (limit, remaining, reset ms) for
 # requests and for tokens; None where no level below the organization limits that dimension.
 Rate = tuple[int, int, int]
-
-
 # (tenant, level kind, level id, model) -> that level's (requests/min, tokens/min); None: unlimited.
 RatesFor = Callable[[str, str, str, str], tuple[int | None, int | None]]
 

@@ -117,8 +117,6 @@ HierarchyCommand = (
     CreateWorkspace | CreateProject | MoveProject | AssignKey | SetLevelLimits | SetBudget
     | SetTimeZone | SetRunPolicy | StartRun | EndRun
 )  # fmt: skip
-
-
 HIERARCHY_COMMANDS: Final = (
     CreateWorkspace, CreateProject, MoveProject, AssignKey, SetLevelLimits, SetBudget,
     SetTimeZone, SetRunPolicy, StartRun, EndRun,

@@ -33,14 +33,8 @@ from domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
 from domain.runs.state import RUN_LIMIT_FIELDS, Run, RunLimits
 
 LevelKind = Literal["org", "workspace", "project", "key"]
-
-
 LEVELS: Final[tuple[LevelKind, ...]] = ("org", "workspace", "project", "key")
-
-
 BUDGET_PERIODS: Final = ("day", "month")
-
-
 LEVEL_LIMIT_FIELDS: Final = ("rpm", "tpm", "max_context", "max_output", "kv_gib_seconds")
 
 

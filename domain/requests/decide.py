@@ -30,9 +30,7 @@ from domain.requests.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.requests.state import (
-    RequestState,
-)
+from domain.requests.state import RequestState
 from domain.types import (
     CANCEL_REASONS,
     REJECT_REASONS,
@@ -84,6 +82,11 @@ class RejectRequest:
     detail: str = ""
     is_retry: bool = False
     at: datetime | None = None
+
+
+# The commands below act on an existing request: `request_id` may be left empty (it is the
+# stream's), and when given it must match. `at` is the instant the caller will record the facts
+# at; when given, decide refuses one before the admission.
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +211,9 @@ Command = (
     | AskToPreempt
     | BillUsage
 )
+
+
+# --- decide ---------------------------------------------------------------------------------------
 
 
 def decide(state: RequestState, command: Command) -> tuple[Event, ...]:

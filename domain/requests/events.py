@@ -245,14 +245,8 @@ TERMINAL_STATUS_OF: Mapping[type[Event], TerminalStatus] = MappingProxyType({
     LeaseExpired: "lease_expired",
     RequestPreempted: "preempted",
 })  # fmt: skip
-
-
 TERMINAL_EVENTS: tuple[type[Event], ...] = tuple(TERMINAL_STATUS_OF)
-
-
 TERMINAL_TYPES: frozenset[str] = frozenset(cls.EVENT_TYPE for cls in TERMINAL_EVENTS)
-
-
 # The same five as a type, for signatures (a unit test holds it to TERMINAL_EVENTS).
 TerminalEvent: TypeAlias = (
     RequestCompleted | RequestCancelled | RequestFailed | LeaseExpired | RequestPreempted
@@ -273,6 +267,9 @@ class RequestDowngraded(Event):
     requested_model: str
     served_model: str
     reason: str  # why the requested model could not take it (the router's refusal)
+
+
+# --- a request's place in the hierarchy (with its admission) --------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

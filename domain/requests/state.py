@@ -7,12 +7,8 @@ from datetime import datetime
 from typing import Any, Final
 
 from domain.errors import DomainError
-from domain.requests.events import (
-    LeaseProgress,
-)
-from domain.types import (
-    Status,
-)
+from domain.requests.events import LeaseProgress
+from domain.types import Status
 
 # Non-terminal statuses only move forward; a late or reordered fact never moves them back.
 _RANK: Final = {"new": 0, "admitted": 1, "routed": 2, "streaming": 3}
@@ -83,14 +79,8 @@ class RequestState:
 
 
 _new_object = object.__new__
-
-
 _set_attribute = object.__setattr__
-
-
 _STATE_FIELDS: Final = frozenset(RequestState.__dataclass_fields__)
-
-
 _FIELD_COUNT: Final = len(_STATE_FIELDS)
 
 
