@@ -38,7 +38,8 @@ from domain.admission_steps import (
 from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control_plane.state import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.governance.decide import StartRun, decide
+from domain.governance.decide import StartRun
+from domain.governance.decide import decide as hierarchy_decide
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.requests.decide import (
     AdmitRequest,
@@ -314,7 +315,7 @@ class Admission:
     def _start_run(self, run: Run) -> None:
         """Record the RunStarted of a run its first call started (at version 0: if another
         edge started it first, that one stands and this append is refused, which is counted)."""
-        (event,) = decide(
+        (event,) = hierarchy_decide(
             self.control.hierarchy,
             StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
         )
