@@ -27,7 +27,7 @@ from api.errors import ApiError
 from api.metrics import Metrics
 from api.ports import Clock, Fleet, OutputPredictor, Replica, TokenEstimator
 from api.recorder import Flight, Recorder
-from domain import admission, hierarchy, lifecycle
+from domain import admission
 from domain.admission import AdmissionPolicy
 from domain.admission_steps import (
     capacity_detail,
@@ -37,11 +37,21 @@ from domain.admission_steps import (
     resolve_run,
 )
 from domain.capacity import Choice, Refusal, UnknownModel
-from domain.control import ControlView
+from domain.control_plane.state import ControlView
 from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
-from domain.events import RunBudgetExhausted
-from domain.hierarchy import Run
+from domain.governance.decide import StartRun
+from domain.governance.decide import decide as hierarchy_decide
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
+from domain.requests.decide import (
+    AdmitRequest,
+    AskToPreempt,
+    Command,
+    CompleteRequest,
+    PreemptRequest,
+    RouteRequest,
+)
+from domain.runs.events import RunBudgetExhausted
+from domain.runs.state import Run, run_stream
 from domain.views import AdmissionViews
 from engine_adapter.usage import Progress
 
@@ -66,7 +76,7 @@ class Admitted:
     that make the admission durable (`Recorder.commit`)."""
 
     flight: Flight
-    commands: tuple[lifecycle.Command, ...]
+    commands: tuple[Command, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +254,7 @@ class Admission:
         if decision.starts_run and run is not None and run.implicit:
             self._start_run(run)
         return Admitted(flight, (
-            lifecycle.AdmitRequest(
+            AdmitRequest(
                 request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
                 model=served, tier=caller.tier, edge_id=self.edge_id,  # type: ignore[arg-type]
                 estimate=decision.estimate, idempotency_key=idempotency_key,
@@ -256,7 +266,7 @@ class Admission:
                 reserved=decision.reserved,
                 batch_item=req.batch_item,
             ),
-            lifecycle.RouteRequest(
+            RouteRequest(
                 request_id=request_id, replica_id=choice.replica_id,
                 occupancy_ppm=choice.occupancy_ppm,
             ),
@@ -317,18 +327,18 @@ class Admission:
     def _start_run(self, run: Run) -> None:
         """Record the RunStarted of a run its first call started (at version 0: if another
         edge started it first, that one stands and this append is refused, which is counted)."""
-        (event,) = hierarchy.decide(
+        (event,) = hierarchy_decide(
             self.control.hierarchy,
-            hierarchy.StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
+            StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
         )
-        self.recorder.fact(hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id,
+        self.recorder.fact(run_stream(run.tenant_id, run.run_id), run.tenant_id,
                            event, 0, run.started_at)  # fmt: skip
 
     def _run_exhausted(self, run: Run, dimension: str, request_id: str) -> None:
         if self.views.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
             event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
             self.recorder.fact(
-                hierarchy.run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
+                run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
             )
 
     # --- capacity ------------------------------------------------------------------------------
@@ -357,7 +367,7 @@ class Admission:
             tenant_id = others.tenant_of(request_id)
             if tenant_id is None or not others.ask(request_id):
                 continue
-            command = lifecycle.AskToPreempt(
+            command = AskToPreempt(
                 requested_by=self.edge_id, preempted_for=for_request_id, replica_id=replica_id,
                 request_id=request_id,
             )
@@ -371,14 +381,14 @@ class Admission:
         self.views.void(flight.request_id)
         self.fleet.release(flight.choice)
 
-    def settle(self, flight: Flight, command: lifecycle.Command) -> None:
+    def settle(self, flight: Flight, command: Command) -> None:
         """The request ended (`command`, its terminal): the predictor learns a completed
         request's length, the views get what it did not use back and the router its KV."""
         p = flight.progress
         if (
             flight.shape is not None
             and self.predictor is not None
-            and isinstance(command, lifecycle.CompleteRequest)
+            and isinstance(command, CompleteRequest)
         ):
             # Only a completed request's count is its natural length: a cancelled or failed
             # one stopped short, and would teach the history and the coverage to expect less.
@@ -386,7 +396,7 @@ class Admission:
             reserved = state.reserved_output_tokens if state.predictor_version else None
             self.predictor.observe(flight.shape, reserved, p.completion_tokens)
         # Preempted: our decision, so the tenant's quota gets all of the reservation back.
-        preempted = isinstance(command, lifecycle.PreemptRequest)
+        preempted = isinstance(command, PreemptRequest)
         used = 0 if preempted else p.prompt_tokens + p.completion_tokens
         now = self.clock()
         self.views.refund(flight.request_id, used, now, lambda: self._bill(flight, now, preempted))
@@ -395,7 +405,7 @@ class Admission:
     def _bill(self, flight: Flight, now: datetime, preempted: bool) -> tuple[int, int]:
         """What the bill will say (amount, tool calls), for every level's true-up: the same
         engine counts at the price in force at admission for its service tier
-        (`domain.lifecycle`'s bill; a preempted request bills nothing), so the bill changes
+        (`domain.requests`'s bill; a preempted request bills nothing), so the bill changes
         nothing."""
         p = flight.progress
         state = flight.state

@@ -61,7 +61,7 @@ from api.schemas import (
     error_answers,
     request_body,
 )
-from domain.hierarchy import RUN_ID
+from domain.runs.state import RUN_ID
 from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
 from ledger.ids import new_request_id, utcnow
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from api.errors import ApiError
-from domain.control import ApiKey, ControlView
+from domain.control_plane.state import ApiKey, ControlView
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from api.errors import ApiError
-from domain.control import ControlView
-from domain.events import Recorded
-from domain.hierarchy import month_start
+from domain.control_plane.state import ControlView
+from domain.envelope import Recorded
+from domain.governance.state import month_start
 from domain.leases import edge_stream
 from domain.replay import Timeline, replay
 from domain.text import unstorable

@@ -25,7 +25,7 @@ from api.schemas import (
     answers,
     request_body,
 )
-from domain.batch import MAX_FILE_BYTES
+from domain.batches.files import MAX_FILE_BYTES
 
 FileId = Annotated[str, Path(description="a file id")]
 BatchId = Annotated[str, Path(description="a batch id")]

@@ -1,6 +1,6 @@
 """The Files and Batch API as an application service: what the routes ask, in OpenAI's shapes.
 
-The rules (the file format, the batch's states) are `domain.batch`'s; a batch's facts go through
+The rules (the file format, the batch's states) are `domain.batches`'s; a batch's facts go through
 the command handler into its stream; the stored content (`ledger/batches.py`) is read only for
 its own tenant. The batch runner (streams/batch_runner.py) does the rest.
 """
@@ -20,7 +20,10 @@ import orjson
 
 from api.auth import Caller
 from api.errors import ApiError, bad_request
-from domain import batch as b
+from domain.batches.decide import BatchCommand, CancelBatch, CreateBatch, decide
+from domain.batches.evolve import fold
+from domain.batches.files import INPUT_RETENTION_S, check_metadata, parse_input
+from domain.batches.state import ENDPOINTS, WINDOWS_S, BatchState, batch_stream, window_seconds
 from domain.errors import DomainError
 from domain.text import check_text, unstorable
 from ledger.batches import BatchStore, StoredFile
@@ -79,7 +82,7 @@ class BatchService:
         except DomainError as exc:
             raise bad_request(exc.message, exc.field, "invalid_value") from None
         try:
-            b.parse_input(content)
+            parse_input(content)
         except DomainError as exc:
             # `line N: <field>` when a line is at fault, else the file.
             raise bad_request(exc.message, exc.field or "file", exc.rule) from None
@@ -88,7 +91,7 @@ class BatchService:
             file_id="file-" + uuid.uuid4().hex[:24], tenant_id=caller.tenant_id,
             purpose=purpose, filename=filename, bytes=len(content), created_at=now,
             # Until a batch uses it; then until that batch ends plus the retention.
-            expires_at=now + timedelta(seconds=b.INPUT_RETENTION_S),
+            expires_at=now + timedelta(seconds=INPUT_RETENTION_S),
         )
         self.files.put_file(stored, content)
         return file_object(stored)
@@ -129,20 +132,20 @@ class BatchService:
             )  # fmt: skip
         body = _json_object(raw)
         endpoint = body.get("endpoint")
-        if not isinstance(endpoint, str) or endpoint not in b.ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
             raise bad_request(
-                f"'endpoint' must be one of {', '.join(sorted(b.ENDPOINTS))}", "endpoint"
+                f"'endpoint' must be one of {', '.join(sorted(ENDPOINTS))}", "endpoint"
             )
         window = body.get("completion_window")
-        window_s = b.window_seconds(window, self.windows)
+        window_s = window_seconds(window, self.windows)
         if window_s is None:
-            offered = ", ".join(sorted({*b.WINDOWS_S, *self.windows}))
+            offered = ", ".join(sorted({*WINDOWS_S, *self.windows}))
             raise bad_request(f"'completion_window' must be one of {offered}", "completion_window")
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             raise bad_request("'input_file_id' is required", "input_file_id", "missing_required")
         try:
-            metadata = b.check_metadata(body.get("metadata"))
+            metadata = check_metadata(body.get("metadata"))
         except DomainError as exc:
             raise bad_request(exc.message, exc.field or "metadata") from None
         stored = self._file(caller, file_id, "input_file_id")
@@ -152,7 +155,7 @@ class BatchService:
         if content is None:
             raise _no_file(file_id, "input_file_id")
         try:
-            lines = b.parse_input(bytes(content))
+            lines = parse_input(bytes(content))
         except DomainError as exc:
             raise bad_request(exc.message, "input_file_id", exc.rule) from None
         for line in lines:
@@ -165,10 +168,10 @@ class BatchService:
         now = self.clock()
         # The input file lives at least as long as the batch may run.
         self.files.set_expiry(
-            file_id, max(stored.expires_at, now + timedelta(seconds=window_s + b.INPUT_RETENTION_S))
+            file_id, max(stored.expires_at, now + timedelta(seconds=window_s + INPUT_RETENTION_S))
         )
         self.files.register(batch_id, caller.tenant_id, now)
-        command = b.CreateBatch(
+        command = CreateBatch(
             batch_id=batch_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
             input_file_id=file_id, endpoint=endpoint, completion_window=str(window),
             window_s=window_s, total=len(lines), now=now,
@@ -181,7 +184,7 @@ class BatchService:
         _queryable(batch_id, "batch_id")
         # Only the caller's tenant's events, in the one query: another tenant's batch costs
         # what an unknown one does (nothing decoded or folded).
-        state = b.fold(self.events.read_stream(b.batch_stream(batch_id), caller.tenant_id))
+        state = fold(self.events.read_stream(batch_stream(batch_id), caller.tenant_id))
         if state.status == "new" or state.tenant_id != caller.tenant_id:
             raise ApiError(404, f"No batch found with id '{batch_id}'.", param="batch_id",
                            code="not_found")
@@ -193,8 +196,8 @@ class BatchService:
         if after is not None:
             _queryable(after, "after")
         ids = self.files.batch_ids(caller.tenant_id, after, limit + 1)
-        streams = self.events.read_streams([b.batch_stream(i) for i in ids[:limit]])
-        data = [batch_object(b.fold(streams.get(b.batch_stream(i), []))) for i in ids[:limit]]
+        streams = self.events.read_streams([batch_stream(i) for i in ids[:limit]])
+        data = [batch_object(fold(streams.get(batch_stream(i), []))) for i in ids[:limit]]
         return {
             "object": "list", "data": data,
             "first_id": data[0]["id"] if data else None,
@@ -205,7 +208,7 @@ class BatchService:
     def cancel(self, caller: Caller, batch_id: str) -> dict[str, Any]:
         self.get(caller, batch_id)  # 404 unless it is this tenant's
         try:
-            self._handle(batch_id, caller.tenant_id, b.CancelBatch(), self.clock())
+            self._handle(batch_id, caller.tenant_id, CancelBatch(), self.clock())
         except DomainError as exc:
             raise ApiError(409, exc.message, param="batch_id", code="batch_not_cancellable") \
                 from None
@@ -216,11 +219,11 @@ class BatchService:
         (the autoscaling signal's deferred demand)."""
         now = self.clock()
         ids = self.files.open_batches()
-        streams = self.events.read_streams([b.batch_stream(i) for i in ids])
+        streams = self.events.read_streams([batch_stream(i) for i in ids])
         pending, oldest = 0, 0.0
         by_model: dict[str, int] = {}
         for batch_id in ids:
-            state = b.fold(streams.get(b.batch_stream(batch_id), []))
+            state = fold(streams.get(batch_stream(batch_id), []))
             left = state.total - state.completed - state.failed
             if left > 0 and not state.ended and state.created_at is not None:
                 pending += left
@@ -232,12 +235,12 @@ class BatchService:
             del self._models[gone]
         return BatchQueue(len(ids), pending, oldest, by_model)
 
-    def _item_models(self, state: b.BatchState, now: datetime) -> dict[str, str]:
+    def _item_models(self, state: BatchState, now: datetime) -> dict[str, str]:
         models = self._models.get(state.batch_id)
         if models is None:
             content = self.files.content(state.tenant_id, state.input_file_id, now)
             try:
-                lines = b.parse_input(content) if content is not None else []
+                lines = parse_input(content) if content is not None else []
             except DomainError:
                 lines = []  # validated at upload; a file that no longer parses defers nothing
             models = {
@@ -249,10 +252,10 @@ class BatchService:
         return models
 
     def _handle(
-        self, batch_id: str, tenant_id: str, command: b.BatchCommand, now: datetime
+        self, batch_id: str, tenant_id: str, command: BatchCommand, now: datetime
     ) -> None:
         self.commands.handle(
-            b.batch_stream(batch_id), lambda state: b.decide(state, command),
+            batch_stream(batch_id), lambda state: decide(state, command),
             batch_stream_loader(self.events, batch_id), tenant_id=tenant_id, at=now,
         )
 
@@ -268,7 +271,7 @@ def file_object(f: StoredFile) -> dict[str, Any]:
     }
 
 
-def batch_object(s: b.BatchState) -> dict[str, Any]:
+def batch_object(s: BatchState) -> dict[str, Any]:
     errors = None
     if s.error_code:
         errors = {"object": "list",

@@ -23,7 +23,7 @@ from api.chat_request import too_large
 from api.errors import ApiError
 from api.runs_service import MAX_BODY_BYTES as MAX_RUN_BODY_BYTES
 from api.web import MAX_LOGIN_BODY
-from domain.batch import MAX_FILE_BYTES
+from domain.batches.files import MAX_FILE_BYTES
 from ledger.ids import new_request_id
 
 Scope = dict[str, Any]

@@ -23,7 +23,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from domain.batch import window_seconds
+from domain.batches.state import window_seconds
 from domain.capacity import FLEX_CEILING_PPM
 from domain.leases import LEASE_RENEW_S, LEASE_TTL_S
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS

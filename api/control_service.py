@@ -15,12 +15,43 @@ from typing import Any
 
 import orjson
 
-from domain import control as c
-from domain import hierarchy as h
+from domain.control_plane.decide import (
+    AllowFallback,
+    ChangePlan,
+    ControlCommand,
+    IssueApiKey,
+    RegisterModelProfile,
+    RegisterTenant,
+    RevokeApiKey,
+    RevokeFallback,
+    SetFlexDiscount,
+    SetLimits,
+    SetPrice,
+    SetSlo,
+    decide_control,
+)
+from domain.control_plane.state import (
+    Tenant,
+    model_stream,
+    price_stream,
+    slo_stream,
+    tenant_stream,
+)
 from domain.cost import ModelProfile, profile_from_hf_config
+from domain.envelope import Event
 from domain.errors import DomainError
-from domain.events import Event
+from domain.governance.decide import (
+    AssignKey,
+    CreateProject,
+    CreateWorkspace,
+    MoveProject,
+    SetBudget,
+    SetLevelLimits,
+    SetRunPolicy,
+    SetTimeZone,
+)
 from domain.projections import PROJECTIONS_BY_NAME
+from domain.runs.state import RunLimits
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
 from ledger.engine import create_engine_from_url
@@ -102,14 +133,14 @@ class ControlService:
             engine.dispose()
 
     def execute(
-        self, stream_id: str, command: c.ControlCommand, now: datetime | None = None
+        self, stream_id: str, command: ControlCommand, now: datetime | None = None
     ) -> list[Event]:
         """One command, one append: all of its events or none, decided on the control plane as
         folded and appended at the version folded (a concurrent change makes it decide again)."""
         tenant_id = getattr(command, "tenant_id", None) or getattr(command, "name", "") or ""
         handled = self.commands.handle(
             stream_id,
-            lambda view: c.decide_control(view, command),
+            lambda view: decide_control(view, command),
             self.log.loader(stream_id),
             tenant_id=tenant_id,
             at=now,
@@ -119,13 +150,13 @@ class ControlService:
         return list(handled.events)
 
     def create_tenant(self, name: str, plan: str) -> None:
-        command = c.RegisterTenant(name=name, plan=plan, cache_salt=secrets.token_hex(16))
-        self.execute(c.tenant_stream(name), command)
+        command = RegisterTenant(name=name, plan=plan, cache_salt=secrets.token_hex(16))
+        self.execute(tenant_stream(name), command)
 
     def change_plan(self, tenant: str, plan: str) -> None:
-        self.execute(c.tenant_stream(tenant), c.ChangePlan(tenant_id=tenant, plan=plan))
+        self.execute(tenant_stream(tenant), ChangePlan(tenant_id=tenant, plan=plan))
 
-    def list_tenants(self) -> list[c.Tenant]:
+    def list_tenants(self) -> list[Tenant]:
         return self.view.tenants()
 
     def issue_key(
@@ -133,18 +164,18 @@ class ControlService:
     ) -> tuple[str, str]:
         secret = new_secret()
         key_id = "key_" + secrets.token_hex(8)
-        command = c.IssueApiKey(
+        command = IssueApiKey(
             tenant_id=tenant, key_id=key_id, key_hash=hash_secret(secret), scope=scope,
             project_id=project,
         )
-        self.execute(c.tenant_stream(tenant), command)
+        self.execute(tenant_stream(tenant), command)
         return key_id, secret
 
     def revoke_key(self, tenant: str, key_id: str) -> None:
-        self.execute(c.tenant_stream(tenant), c.RevokeApiKey(tenant_id=tenant, key_id=key_id))
+        self.execute(tenant_stream(tenant), RevokeApiKey(tenant_id=tenant, key_id=key_id))
 
     def set_limits(self, tenant: str, model: str, **limits: int | None) -> None:
-        self.execute(c.tenant_stream(tenant), c.SetLimits(tenant_id=tenant, model=model, **limits))
+        self.execute(tenant_stream(tenant), SetLimits(tenant_id=tenant, model=model, **limits))
 
     def limits_in_force(self, tenant: str, model: str, at: datetime | None) -> dict[str, Any]:
         limits = self.view.limits(tenant, model, at)
@@ -159,11 +190,11 @@ class ControlService:
     ) -> datetime:
         now = datetime.now(UTC)
         effective_at = effective_at or now
-        command = c.SetPrice(
+        command = SetPrice(
             model=model, prompt_micros_per_mtok=prompt, completion_micros_per_mtok=completion,
             cached_micros_per_mtok=cached, effective_at=effective_at, now=now,
         )
-        self.execute(c.price_stream(model), command, now)
+        self.execute(price_stream(model), command, now)
         return effective_at
 
     def set_flex_discount(
@@ -172,10 +203,10 @@ class ControlService:
         """The flex class's discount on `model`'s price, from `effective_at` (default now)."""
         now = datetime.now(UTC)
         effective_at = effective_at or now
-        command = c.SetFlexDiscount(
+        command = SetFlexDiscount(
             model=model, discount_ppm=discount_ppm, effective_at=effective_at, now=now
         )
-        self.execute(c.price_stream(model), command, now)
+        self.execute(price_stream(model), command, now)
         return effective_at
 
     def register_model(
@@ -184,8 +215,8 @@ class ControlService:
         """Record a model profile (`shape`: the RegisterModelProfile fields, from
         `profile_shape`); returns the profile now in force for it and when it takes effect."""
         now = datetime.now(UTC)
-        command = c.RegisterModelProfile(model=model, effective_at=effective_at, now=now, **shape)
-        self.execute(c.model_stream(model), command, now)
+        command = RegisterModelProfile(model=model, effective_at=effective_at, now=now, **shape)
+        self.execute(model_stream(model), command, now)
         return self.view.model_profile(model, effective_at or now), effective_at or now
 
 
@@ -197,50 +228,50 @@ class ControlService:
         the edges' live counters judge each request by the same objective as the replay."""
         now = datetime.now(UTC)
         effective_at = effective_at or now + SLO_LEAD
-        command = c.SetSlo(tier, ttft_ms, tpot_us, effective_at, now)
-        self.execute(c.slo_stream(tier), command, now)
+        command = SetSlo(tier, ttft_ms, tpot_us, effective_at, now)
+        self.execute(slo_stream(tier), command, now)
         return effective_at
 
     # --- the hierarchy, budgets and runs ------------------------------------------------------
 
     def create_workspace(self, tenant: str, name: str) -> None:
-        self.execute(c.tenant_stream(tenant), h.CreateWorkspace(tenant, name))
+        self.execute(tenant_stream(tenant), CreateWorkspace(tenant, name))
 
     def create_project(self, tenant: str, name: str, workspace: str) -> None:
-        self.execute(c.tenant_stream(tenant), h.CreateProject(tenant, name, workspace))
+        self.execute(tenant_stream(tenant), CreateProject(tenant, name, workspace))
 
     def move_project(self, tenant: str, project: str, workspace: str) -> bool:
-        command = h.MoveProject(tenant, project, workspace)
-        return bool(self.execute(c.tenant_stream(tenant), command))
+        command = MoveProject(tenant, project, workspace)
+        return bool(self.execute(tenant_stream(tenant), command))
 
     def assign_key(self, tenant: str, key_id: str, project: str) -> bool:
-        return bool(self.execute(c.tenant_stream(tenant), h.AssignKey(tenant, key_id, project)))
+        return bool(self.execute(tenant_stream(tenant), AssignKey(tenant, key_id, project)))
 
     def set_level_limits(
         self, tenant: str, level: str, level_id: str, model: str, **limits: int | None
     ) -> None:
-        command = h.SetLevelLimits(tenant, level, level_id, model, **limits)
-        self.execute(c.tenant_stream(tenant), command)
+        command = SetLevelLimits(tenant, level, level_id, model, **limits)
+        self.execute(tenant_stream(tenant), command)
 
     def set_budget(
         self, tenant: str, level: str, level_id: str, period: str, amount_micros: int | None
     ) -> bool:
-        command = h.SetBudget(tenant, level, level_id, period, amount_micros)
-        return bool(self.execute(c.tenant_stream(tenant), command))
+        command = SetBudget(tenant, level, level_id, period, amount_micros)
+        return bool(self.execute(tenant_stream(tenant), command))
 
     def set_time_zone(self, tenant: str, zone: str) -> bool:
-        return bool(self.execute(c.tenant_stream(tenant), h.SetTimeZone(tenant, zone)))
+        return bool(self.execute(tenant_stream(tenant), SetTimeZone(tenant, zone)))
 
-    def set_run_policy(self, tenant: str, project: str, limits: h.RunLimits) -> None:
-        self.execute(c.tenant_stream(tenant), h.SetRunPolicy(tenant, project, limits))
+    def set_run_policy(self, tenant: str, project: str, limits: RunLimits) -> None:
+        self.execute(tenant_stream(tenant), SetRunPolicy(tenant, project, limits))
 
     def allow_fallback(self, tenant: str, from_model: str, to_model: str) -> bool:
-        command = c.AllowFallback(tenant, from_model, to_model)
-        return bool(self.execute(c.tenant_stream(tenant), command))
+        command = AllowFallback(tenant, from_model, to_model)
+        return bool(self.execute(tenant_stream(tenant), command))
 
     def revoke_fallback(self, tenant: str, from_model: str, to_model: str) -> bool:
-        command = c.RevokeFallback(tenant, from_model, to_model)
-        return bool(self.execute(c.tenant_stream(tenant), command))
+        command = RevokeFallback(tenant, from_model, to_model)
+        return bool(self.execute(tenant_stream(tenant), command))
 
 
 def profile_shape(

@@ -42,16 +42,17 @@ from api.outcomes import Outcomes
 from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
 from api.recorder import Flight, Recorder
 from api.relay import StreamOutcome, StreamRelay
-from domain import lifecycle
 from domain.admission import DEFAULT_POLICY, AdmissionPolicy
 from domain.backoff import engine_priority
-from domain.budgets import PathView
-from domain.control import ControlView
-from domain.events import PreemptionRequested, Recorded
+from domain.control_plane.state import ControlView
+from domain.envelope import Recorded
+from domain.governance.budgets import PathView
 from domain.leases import LEASE_KEEPALIVE_S
 from domain.quota import QuotaView
 from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
+from domain.requests.decide import Command
+from domain.requests.events import PreemptionRequested
 from domain.views import AdmissionViews
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
 from engine_adapter.usage import Collector
@@ -106,8 +107,9 @@ class Edge:
         self.rng = rng = rng or random.Random()
         self.clock = clock
         self.policy = policy
-        # The quota, every level below the organization and the runs (domain.budgets), and the
-        # flex work other edges serve: one facade, kept in step by `domain.views`. The path
+        # The quota, every level below the organization and the runs
+        # (domain.governance.budgets), and the flex work other edges serve: one facade, kept in
+        # step by `domain.views`. The path
         # view's buckets of levels it has not decided on yet are sized from the hierarchy when
         # another edge's admission there is folded (`observe`).
         self.views = AdmissionViews(
@@ -283,7 +285,7 @@ class Edge:
 
     async def _record_admission(
         self, flight: Flight, caller: Caller, req: ChatRequest,
-        commands: tuple[lifecycle.Command, ...],
+        commands: tuple[Command, ...],
     ) -> None:
         """Make the admission durable before the engine sees the request: a generation without
         a recorded admission could never be billed. If it is not recorded, nothing was admitted:

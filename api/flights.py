@@ -21,8 +21,15 @@ from api.metrics import Metrics
 from api.outcomes import Outcomes, Terminal
 from api.ports import Clock, Idempotency
 from api.recorder import Flight, Recorder
-from domain import lifecycle
-from domain.events import PreemptionRequested, Recorded
+from domain.envelope import Recorded
+from domain.requests.decide import (
+    CancelRequest,
+    CompleteRequest,
+    FailRequest,
+    PreemptRequest,
+    RecordFirstToken,
+)
+from domain.requests.events import PreemptionRequested
 from domain.types import CancelReason
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.usage import Progress
@@ -114,7 +121,7 @@ class Flights:
             p.absorb_usage(exchange.last_usage)
         ttft_ms = p.ttft_ms
         self.metrics.ttft_of(flight.model).observe(ttft_ms / 1000)
-        command = lifecycle.RecordFirstToken(
+        command = RecordFirstToken(
             ttft_ms=ttft_ms, prompt_tokens=p.prompt_tokens,
             cached_tokens=min(p.cached_tokens, p.prompt_tokens),
         )  # fmt: skip
@@ -137,13 +144,13 @@ class Flights:
         reach the client before it: the final usage, [DONE], a JSON body."""
         if flight.finished:
             return flight.ended
-        if flight.preempted_for is not None and not isinstance(command, lifecycle.PreemptRequest):
+        if flight.preempted_for is not None and not isinstance(command, PreemptRequest):
             # Whatever path noticed the abort first (the stream breaking, the preemption's own
             # task), a preempted request ends preempted, with the engine's counts.
             command = preempt_command(flight)
         flight.finished = True
         p = flight.progress
-        if isinstance(command, lifecycle.CompleteRequest) and p.tpot_us:
+        if isinstance(command, CompleteRequest) and p.tpot_us:
             self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
         try:
             flight.ended = self.recorder.record(flight, command)
@@ -281,10 +288,10 @@ class Flights:
 NOT_RECORDED = "the answer could not be recorded, so it is not sent; retry later"
 
 TERMINAL_LABEL: dict[type, str] = {
-    lifecycle.CompleteRequest: "completed",
-    lifecycle.CancelRequest: "cancelled",
-    lifecycle.FailRequest: "failed",
-    lifecycle.PreemptRequest: "preempted",
+    CompleteRequest: "completed",
+    CancelRequest: "cancelled",
+    FailRequest: "failed",
+    PreemptRequest: "preempted",
 }
 
 
@@ -298,9 +305,9 @@ class Preempted(Exception):
 PREEMPTED_ERRORS = (*REPLICA_ERRORS, Preempted, ConnectionAbortedError)
 
 
-def preempt_command(flight: Flight) -> lifecycle.PreemptRequest:
+def preempt_command(flight: Flight) -> PreemptRequest:
     p = flight.progress
-    return lifecycle.PreemptRequest(
+    return PreemptRequest(
         prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
         cached_tokens=p.cached_tokens, replica_id=flight.choice.replica_id,
         preempted_for=flight.preempted_for or "",
@@ -308,8 +315,8 @@ def preempt_command(flight: Flight) -> lifecycle.PreemptRequest:
 
 
 
-def complete_command(p: Progress) -> lifecycle.CompleteRequest:
-    return lifecycle.CompleteRequest(
+def complete_command(p: Progress) -> CompleteRequest:
+    return CompleteRequest(
         prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
         cached_tokens=p.cached_tokens, finish_reason=p.finish_reason or "stop",
         ttft_ms=p.ttft_ms, tpot_us=p.tpot_us, tool_calls=p.tool_calls,
@@ -317,8 +324,8 @@ def complete_command(p: Progress) -> lifecycle.CompleteRequest:
 
 
 
-def cancel_command(p: Progress, reason: CancelReason | None = None) -> lifecycle.CancelRequest:
-    return lifecycle.CancelRequest(
+def cancel_command(p: Progress, reason: CancelReason | None = None) -> CancelRequest:
+    return CancelRequest(
         prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
         cached_tokens=p.cached_tokens, reason=reason or "client_disconnected",
         engine_reported=p.engine_reported, tool_calls=p.tool_calls,
@@ -347,8 +354,8 @@ def engine_error_text(error: dict[str, Any]) -> str:
 
 
 
-def fail_command(p: Progress, error: str) -> lifecycle.FailRequest:
-    return lifecycle.FailRequest(
+def fail_command(p: Progress, error: str) -> FailRequest:
+    return FailRequest(
         prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens,
         cached_tokens=p.cached_tokens, error=error[:500], tool_calls=p.tool_calls,
     )

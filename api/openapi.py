@@ -28,7 +28,7 @@ from api.schemas import (
     error_answers,
     request_body,
 )
-from domain.hierarchy import RUN_ID
+from domain.runs.state import RUN_ID
 
 JSON = "application/json"
 REF = "#/components/schemas/{model}"

@@ -9,19 +9,26 @@ from datetime import datetime
 from api.auth import Caller
 from api.metrics import Metrics
 from api.recorder import Recorder
-from domain import goodput, lifecycle
-from domain.control import ControlView
-from domain.events import RefusalsCounted
+from domain import goodput
+from domain.control_plane.state import ControlView
 from domain.refusals import RefusalSampler
+from domain.requests.decide import (
+    CancelRequest,
+    CompleteRequest,
+    FailRequest,
+    PreemptRequest,
+    RejectRequest,
+)
+from domain.requests.events import RefusalsCounted
 from ledger.ids import Clock
 
 __all__ = ["Outcomes", "Terminal"]
 
 Terminal = (
-    lifecycle.CompleteRequest
-    | lifecycle.CancelRequest
-    | lifecycle.FailRequest
-    | lifecycle.PreemptRequest
+    CompleteRequest
+    | CancelRequest
+    | FailRequest
+    | PreemptRequest
 )
 
 
@@ -43,7 +50,7 @@ class Outcomes:
     ) -> None:
         """The live goodput counters: the same classification as `tollgate ledger goodput`,
         against the objective in force at the request's admission."""
-        done = command if isinstance(command, lifecycle.CompleteRequest) else None
+        done = command if isinstance(command, CompleteRequest) else None
         found = goodput.outcome(
             status,
             self.control.slo(tier, admitted_at),
@@ -72,7 +79,7 @@ class Outcomes:
         ):
             return  # counted, recorded with the others of its window once that has closed
         self.recorder.reject(
-            lifecycle.RejectRequest(
+            RejectRequest(
                 request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
                 model=model, tier=caller.tier, reason=reason,  # type: ignore[arg-type]
                 retry_after_s=retry_after_s, detail=detail[:300], is_retry=is_retry,

@@ -1,5 +1,5 @@
 """The edge's side of the event log: each admitted request's stream, held in memory while it is
-in flight, its commands decided by `domain.lifecycle` and appended at the version they were
+in flight, its commands decided by `domain.requests` and appended at the version they were
 decided on; refusals and lease renewals recorded the same way.
 
 The edge is the main writer of a request's stream while it serves it, so it decides on its own
@@ -21,11 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from api.metrics import Metrics
 from api.ports import EventSink, Replica
-from domain import leases, lifecycle
+from domain import leases
 from domain.capacity import Choice
+from domain.envelope import Event, Recorded
 from domain.errors import DomainError
-from domain.events import Event, LeaseProgress, Recorded
 from domain.prediction import RequestShape
+from domain.requests.decide import AskToPreempt, Command, RejectRequest
+from domain.requests.decide import decide as request_decide
+from domain.requests.events import LeaseProgress
+from domain.requests.evolve import evolve, evolve_event
+from domain.requests.state import INITIAL, RequestState
 from domain.types import CancelReason
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.usage import Progress
@@ -61,12 +66,12 @@ class Flight:
     idempotency_key: str | None = None
     # What the output predictor was asked about (None: no predictor), told the outcome at the end.
     shape: RequestShape | None = None
-    state: lifecycle.RequestState = lifecycle.INITIAL
+    state: RequestState = INITIAL
     finished: bool = False
     # Decided but not yet submitted (the first-token event rides with the next append), with
     # the commands that produced them, in case the append loses a race and must be decided again.
     pending: list[NewEvent] = field(default_factory=list)
-    pending_commands: list[lifecycle.Command] = field(default_factory=list)
+    pending_commands: list[Command] = field(default_factory=list)
     pending_from: int = 0  # the stream version the pending events follow
     service_tier: str = "default"
     # The engine exchange serving it (set once opened), so that another request can preempt it,
@@ -108,26 +113,26 @@ class Recorder:
 
     # --- request streams ---------------------------------------------------------------------
 
-    def stage(self, flight: Flight, *commands: lifecycle.Command) -> None:
+    def stage(self, flight: Flight, *commands: Command) -> None:
         """Decide `commands` on the flight's state and keep their events for its next append."""
         if not flight.pending:
             flight.pending_from = flight.state.version
         at = self.clock()
         for command in commands:
-            for event in lifecycle.decide(flight.state, command):
+            for event in request_decide(flight.state, command):
                 flight.pending.append(
                     NewEvent(self.new_id(), flight.request_id, flight.tenant_id, at, event)
                 )
-                flight.state = lifecycle.evolve_event(flight.state, event, at)
+                flight.state = evolve_event(flight.state, event, at)
             flight.pending_commands.append(command)
 
-    def commit(self, flight: Flight, *commands: lifecycle.Command) -> asyncio.Future[AppendResult]:
+    def commit(self, flight: Flight, *commands: Command) -> asyncio.Future[AppendResult]:
         """Decide and commit with this loop iteration's group; the future is its commit."""
         self.stage(flight, *commands)
         return self.sink.commit(self._take(flight))
 
     def record(
-        self, flight: Flight, *commands: lifecycle.Command, now: bool = False
+        self, flight: Flight, *commands: Command, now: bool = False
     ) -> asyncio.Future[bool]:
         """Decide and record; the future says whether it became durable (True once committed,
         after the retries of a store that was away or a decision taken again on the stored
@@ -147,7 +152,7 @@ class Recorder:
         return durable
 
     def _submit(
-        self, flight: Flight, batch: AppendBatch, commands: Sequence[lifecycle.Command],
+        self, flight: Flight, batch: AppendBatch, commands: Sequence[Command],
         waited_s: float, durable: asyncio.Future[bool], now: bool = False,
     ) -> None:  # fmt: skip
         future = self.sink.commit(batch) if now else self.sink.later(batch)
@@ -167,9 +172,9 @@ class Recorder:
         next append is at the right version. Otherwise that append loses the version race and
         is decided again on the stored stream, as after the sweeper."""
         if not flight.pending and record.stream_version == flight.state.version + 1:
-            flight.state = lifecycle.evolve(flight.state, record)
+            flight.state = evolve(flight.state, record)
 
-    def ask(self, request_id: str, tenant_id: str, command: lifecycle.AskToPreempt) -> None:
+    def ask(self, request_id: str, tenant_id: str, command: AskToPreempt) -> None:
         """Ask for the preemption of a flex request another edge serves: decided on its stored
         stream (this edge does not hold it), appended at the version folded, in the background.
         An ask that finds it ended, or already asked for, records nothing."""
@@ -183,14 +188,14 @@ class Recorder:
         self._background(self._ask(request_id, tenant_id, command))
 
     async def _ask(
-        self, request_id: str, tenant_id: str, command: lifecycle.AskToPreempt
+        self, request_id: str, tenant_id: str, command: AskToPreempt
     ) -> None:
         assert self.commands is not None
         try:
             handled = await asyncio.to_thread(
                 self.commands.handle,
                 request_id,
-                lambda state: lifecycle.decide(state, command),
+                lambda state: request_decide(state, command),
                 request_stream(self.commands.store, request_id),
                 tenant_id=tenant_id,
                 at=self.clock(),
@@ -214,10 +219,10 @@ class Recorder:
     # --- refusals and leases ----------------------------------------------------------------
 
     def reject(
-        self, command: lifecycle.RejectRequest, tenant_id: str, at: datetime | None = None
+        self, command: RejectRequest, tenant_id: str, at: datetime | None = None
     ) -> None:
         """A refusal is a fact too: decided, recorded (at `at`, default now), never silent."""
-        events = lifecycle.decide(lifecycle.INITIAL, command)
+        events = request_decide(INITIAL, command)
         at = at or self.clock()
         new = tuple(NewEvent(self.new_id(), command.request_id, tenant_id, at, e) for e in events)
         self.sink.later(AppendBatch(command.request_id, 0, new)).add_done_callback(
@@ -299,7 +304,7 @@ class Recorder:
         future: asyncio.Future[AppendResult],
         flight: Flight,
         batch: AppendBatch,
-        commands: Sequence[lifecycle.Command],
+        commands: Sequence[Command],
         waited_s: float,
         durable: asyncio.Future[bool],
     ) -> None:
@@ -330,7 +335,7 @@ class Recorder:
     async def _decide_again(
         self,
         flight: Flight,
-        commands: Sequence[lifecycle.Command],
+        commands: Sequence[Command],
         conflict: WrongExpectedVersion,
         durable: asyncio.Future[bool],
     ) -> None:
@@ -344,7 +349,7 @@ class Recorder:
     async def _handle_again(
         self,
         flight: Flight,
-        commands: Sequence[lifecycle.Command],
+        commands: Sequence[Command],
         conflict: WrongExpectedVersion,
         at: datetime,
     ) -> bool:
@@ -400,14 +405,14 @@ def _settle(durable: asyncio.Future[bool], committed: bool) -> None:
 
 
 def _deciding(
-    commands: Sequence[lifecycle.Command], at: datetime
-) -> Callable[[lifecycle.RequestState], list[Event]]:
-    def decide(state: lifecycle.RequestState) -> list[Event]:
+    commands: Sequence[Command], at: datetime
+) -> Callable[[RequestState], list[Event]]:
+    def decide(state: RequestState) -> list[Event]:
         events: list[Event] = []
         for command in commands:
-            for event in lifecycle.decide(state, command):
+            for event in request_decide(state, command):
                 events.append(event)
-                state = lifecycle.evolve_event(state, event, at)
+                state = evolve_event(state, event, at)
         return events
 
     return decide

@@ -1,5 +1,5 @@
 """Agent runs over HTTP (`POST /v1/runs`, `GET /v1/runs/{id}`, `POST /v1/runs/{id}/end`): parse,
-decide through `domain.hierarchy` and the command handler, and render a run with its
+decide through `domain.governance` and the command handler, and render a run with its
 consumption as the edge's path view folded it. Runs are the caller's tenant's only: another
 tenant's run id is answered 404, exactly like one that does not exist."""
 
@@ -14,10 +14,12 @@ import orjson
 
 from api.auth import Caller
 from api.errors import ApiError
-from domain import control as c
-from domain import hierarchy as h
-from domain.budgets import PathView
+from domain.control_plane.decide import decide_control
 from domain.errors import DomainError
+from domain.governance.budgets import PathView
+from domain.governance.decide import EndRun, StartRun
+from domain.governance.state import Hierarchy
+from domain.runs.state import RUN_ID, Run, RunLimits, run_stream
 from domain.text import unstorable
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
@@ -38,7 +40,7 @@ class RunService:
         self.paths = paths
 
     @property
-    def _tree(self) -> h.Hierarchy:
+    def _tree(self) -> Hierarchy:
         return self.control_log.view.hierarchy
 
     def start(self, caller: Caller, raw: bytes) -> dict[str, Any]:
@@ -50,8 +52,8 @@ class RunService:
         run_id = body.get("id")
         if run_id is None:
             run_id = "run_" + secrets.token_hex(12)
-        if not isinstance(run_id, str) or not h.RUN_ID.fullmatch(run_id):
-            raise ApiError(400, f"'id' must match {h.RUN_ID.pattern}", param="id",
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+            raise ApiError(400, f"'id' must match {RUN_ID.pattern}", param="id",
                            code="invalid_value")  # fmt: skip
         project = body.get("project")
         if project is None:
@@ -66,16 +68,16 @@ class RunService:
         most = {name: _MAX_LIMIT for name in _INT_FIELDS} | {"max_wall_seconds": _MAX_LIMIT // 1000}
         ints = {name: _limit(body, name, most[name]) for name in _INT_FIELDS}
         wall_s = ints["max_wall_seconds"]
-        limits = h.RunLimits(
+        limits = RunLimits(
             ints["max_calls"], ints["max_tool_calls"], None if wall_s is None else wall_s * 1000,
             _usd_micros(body.get("max_cost_usd")), ints["max_in_flight"],
         )  # fmt: skip
-        self._execute(caller, h.StartRun(caller.tenant_id, run_id, project, limits))
+        self._execute(caller, StartRun(caller.tenant_id, run_id, project, limits))
         return self.show(caller, run_id)
 
     def end(self, caller: Caller, run_id: str) -> dict[str, Any]:
         self._known(caller, run_id)
-        self._execute(caller, h.EndRun(caller.tenant_id, run_id))
+        self._execute(caller, EndRun(caller.tenant_id, run_id))
         return self.show(caller, run_id)
 
     def show(self, caller: Caller, run_id: str) -> dict[str, Any]:
@@ -109,7 +111,7 @@ class RunService:
             "exhausted": usage.exhausted,
         }  # fmt: skip
 
-    def _known(self, caller: Caller, run_id: str) -> h.Run:
+    def _known(self, caller: Caller, run_id: str) -> Run:
         run = self._tree.run(caller.tenant_id, run_id)
         if run is not None:
             return run
@@ -118,12 +120,12 @@ class RunService:
             raise ApiError(404, f"no run {run_id!r}", param="run_id", code="not_found")
         return self._tree.in_force(started)
 
-    def _execute(self, caller: Caller, command: h.StartRun | h.EndRun) -> None:
-        stream = h.run_stream(caller.tenant_id, command.run_id)
+    def _execute(self, caller: Caller, command: StartRun | EndRun) -> None:
+        stream = run_stream(caller.tenant_id, command.run_id)
         view = self.control_log.view
         try:
             handled = self.commands.handle(
-                stream, lambda v: c.decide_control(v, command), self.control_log.loader(stream),
+                stream, lambda v: decide_control(v, command), self.control_log.loader(stream),
                 tenant_id=caller.tenant_id,
             )  # fmt: skip
         except DomainError as exc:

@@ -35,7 +35,7 @@ from api.tracing import from_env as tracing_from_env
 from domain import remote_flex
 from domain.autoscale import ScalePolicy
 from domain.capacity import FlexPolicy
-from domain.events import Recorded
+from domain.envelope import Recorded
 from domain.quota import QuotaView
 from engine_adapter.discovery import ServedModel, discover
 from engine_adapter.estimators import WordTokenEstimator

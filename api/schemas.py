@@ -18,7 +18,7 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from domain.hierarchy import RUN_ID
+from domain.runs.state import RUN_ID
 
 INTEGER = re.compile(r"-?[0-9]{1,18}")
 

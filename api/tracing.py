@@ -245,7 +245,7 @@ class RequestTrace:
     def on_admission(self, commands: tuple[Any, ...]) -> tuple[Any, ...]:
         """The admission's commands with this trace's id on its AdmitRequest: support's replay
         of the request names the trace (RequestAdmitted.trace_id)."""
-        from domain.lifecycle import AdmitRequest
+        from domain.requests.decide import AdmitRequest
 
         return tuple(
             dataclasses.replace(c, trace_id=self.trace_id) if isinstance(c, AdmitRequest) else c

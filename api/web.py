@@ -40,7 +40,7 @@ from api.charts import STACKS, goodput_chart, money, time_chart, totals_chart
 from api.errors import ApiError
 from api.runtime import Runtime
 from api.sessions import SESSION_TTL_S
-from domain.events import LeaseExpired, QuotaRefunded, UsageBilled
+from domain.requests.events import LeaseExpired, QuotaRefunded, UsageBilled
 from ledger.ids import new_request_id, utcnow
 
 COOKIE = "tollgate_session"

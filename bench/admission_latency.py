@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain.admission import Admitted, ReserveQuota, decide  # noqa: E402
-from domain.control import PLAN_LIMITS  # noqa: E402
+from domain.control_plane.state import PLAN_LIMITS  # noqa: E402
 from domain.cost import profile_for  # noqa: E402
 from domain.quota import QuotaView  # noqa: E402
 

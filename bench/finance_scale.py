@@ -43,7 +43,8 @@ from sqlalchemy.engine import make_url  # noqa: E402
 
 from api.backoffice import Backoffice  # noqa: E402
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain.control import (  # noqa: E402
+from domain.control_plane.events import ApiKeyIssued, PriceSet, TenantRegistered
+from domain.control_plane.state import (
     CONTROL_PREFIXES,
     PLAN_LIMITS,
     ControlView,
@@ -51,24 +52,21 @@ from domain.control import (  # noqa: E402
     tenant_stream,
 )
 from domain.cost import Price, amount_micros, est_kv_byte_seconds, profile_for  # noqa: E402
-from domain.events import (  # noqa: E402
-    ApiKeyIssued,
+from domain.envelope import Recorded
+from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
+from domain.requests.events import (
     FirstTokenStreamed,
     LeaseProgress,
     LeasesRenewed,
-    PriceSet,
     QuotaRefunded,
-    Recorded,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
     RequestEstimated,
     RequestFailed,
     RequestRouted,
-    TenantRegistered,
     UsageBilled,
 )
-from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
 from ledger import schema  # noqa: E402
 from ledger.engine import create_engine_from_url  # noqa: E402
 from ledger.projections import ProjectionRunner  # noqa: E402

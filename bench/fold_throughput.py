@@ -16,15 +16,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain import lifecycle as lc  # noqa: E402
-from domain.control import PLAN_LIMITS  # noqa: E402
-from domain.events import (  # noqa: E402
-    Event,
+from domain.control_plane.state import PLAN_LIMITS  # noqa: E402
+from domain.envelope import Event, Recorded
+from domain.quota import QuotaView  # noqa: E402
+from domain.requests.events import (
     FirstTokenStreamed,
     LeaseProgress,
     LeasesRenewed,
     QuotaRefunded,
-    Recorded,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
@@ -33,7 +32,7 @@ from domain.events import (  # noqa: E402
     RequestRouted,
     UsageBilled,
 )
-from domain.quota import QuotaView  # noqa: E402
+from domain.requests.evolve import fold as request_fold  # noqa: E402
 
 STREAMS = 20_000
 RUNS = 7
@@ -109,7 +108,7 @@ def build() -> list[list[Recorded]]:
 
 
 def bench_lifecycle(streams: list[list[Recorded]]) -> float:
-    fold = lc.fold
+    fold = request_fold
     events = sum(len(s) for s in streams)
     started = time.perf_counter()
     for records in streams:

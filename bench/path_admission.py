@@ -19,19 +19,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain import hierarchy as h  # noqa: E402
 from domain.admission import Admitted, ReserveQuota, decide, decide_on_path  # noqa: E402
-from domain.budgets import PathView  # noqa: E402
-from domain.control import (  # noqa: E402  # noqa: E402
-    PLAN_LIMITS,
-    ControlView,
-    IssueApiKey,
-    RegisterTenant,
-    decide_control,
-    tenant_stream,
-)
+from domain.control_plane.decide import IssueApiKey, RegisterTenant, decide_control
+from domain.control_plane.state import PLAN_LIMITS, ControlView, tenant_stream
 from domain.cost import Price, amount_micros, profile_for  # noqa: E402
-from domain.events import Recorded  # noqa: E402
+from domain.envelope import Recorded  # noqa: E402
+from domain.governance.budgets import PathView  # noqa: E402
+from domain.governance.decide import (
+    CreateProject,
+    CreateWorkspace,
+    SetBudget,
+    SetLevelLimits,
+    StartRun,
+)
+from domain.runs.state import RunLimits, run_stream  # noqa: E402
 
 DECISIONS = 100_000
 RUNS = 5
@@ -57,15 +58,15 @@ def control_view() -> ControlView:
         tenant = f"tenant-{t}"
         stream = tenant_stream(tenant)
         do(stream, RegisterTenant(tenant, "standard", "salt"))
-        do(stream, h.CreateWorkspace(tenant, "ws"))
-        do(stream, h.CreateProject(tenant, "proj", "ws"))
+        do(stream, CreateWorkspace(tenant, "ws"))
+        do(stream, CreateProject(tenant, "proj", "ws"))
         do(stream, IssueApiKey(tenant, f"key-{t}", f"{t:064x}", project_id="proj"))
-        do(stream, h.SetLevelLimits(tenant, "project", "proj", "*", rpm=10_000, tpm=50_000_000))
+        do(stream, SetLevelLimits(tenant, "project", "proj", "*", rpm=10_000, tpm=50_000_000))
         for level, level_id, period in (("org", tenant, "month"), ("workspace", "ws", "day"),
                                         ("project", "proj", "month"), ("key", f"key-{t}", "day")):
-            do(stream, h.SetBudget(tenant, level, level_id, period, 10**12))
-        do(h.run_stream(tenant, "run-1"), h.StartRun(tenant, "run-1", "proj",
-                                                     h.RunLimits(max_calls=10**9)))
+            do(stream, SetBudget(tenant, level, level_id, period, 10**12))
+        do(run_stream(tenant, "run-1"), StartRun(tenant, "run-1", "proj",
+                                                     RunLimits(max_calls=10**9)))
     return view
 
 

@@ -38,9 +38,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.common import ROOT, fresh_schema, machine, uptime, write_result
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import PriceSet
+from domain.requests.decide import AdmitRequest, Command, CompleteRequest, RouteRequest, decide
+from domain.requests.evolve import evolve_event
+from domain.requests.state import RequestState
 from ledger.engine import create_engine_from_url
 from ledger.ids import new_event_id, new_request_id
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
@@ -55,12 +57,12 @@ TARGET = 10_000
 TARGET_LAG_P99_S = 2.0
 
 
-def _decided(*commands: lc.Command, at: datetime) -> list:
-    state, events = lc.RequestState(), []
+def _decided(*commands: Command, at: datetime) -> list:
+    state, events = RequestState(), []
     for command in commands:
-        for event in lc.decide(state, command):
+        for event in decide(state, command):
             events.append(event)
-            state = lc.evolve_event(state, event, at)
+            state = evolve_event(state, event, at)
     return events
 
 
@@ -77,11 +79,11 @@ def _decided_request(i: int) -> tuple[str, str, list[Any]]:
     # The edges' own ids (UUIDv7: later ids sort later, so the indexes grow at their right edge).
     rid, tenant = new_request_id(), f"tenant-{i % 50}"
     events = _decided(
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, tenant, "key-1", MODEL, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
-        lc.CompleteRequest(100, 40, 10, "stop", 30, 20_000, request_id=rid),
+        RouteRequest("replica-1", 0, request_id=rid),
+        CompleteRequest(100, 40, 10, "stop", 30, 20_000, request_id=rid),
         at=datetime.now(UTC),
     )
     return rid, tenant, events

@@ -25,14 +25,14 @@ import orjson
 import psycopg
 from sqlalchemy.engine import make_url
 
-from domain.events import (
+from domain.registry import to_payload
+from domain.requests.events import (
     FirstTokenStreamed,
     QuotaRefunded,
     RequestAdmitted,
     RequestCompleted,
     RequestEstimated,
     RequestRouted,
-    to_payload,
 )
 from ledger import schema
 from ledger.engine import create_engine_from_url

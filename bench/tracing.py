@@ -30,7 +30,7 @@ from api.edge import Edge, StreamOutcome
 from api.metrics import Metrics
 from api.tracing import Tracing
 from bench.common import RESULTS_DIR, machine, write_result
-from domain.control import ControlView
+from domain.control_plane.state import ControlView
 from domain.quota import QuotaView
 from tests import builders as b
 from tests.fakes import FakeClock, FakeFleet, FakeIdempotency, FakeReplica, FakeSink, FixedTokens

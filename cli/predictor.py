@@ -154,7 +154,7 @@ def evaluate(
     tpm: int | None, tpm_per_offered: float | None, kv_gib_seconds: int | None, as_json: bool,
 ) -> None:
     """Replay a held-out slice through admission with max_tokens, the model, and an oracle."""
-    from domain.events import parse_instant
+    from domain.registry import parse_instant
     from predictor.dataset import read_requests
     from predictor.evaluate import Replay, held_out
     from predictor.evaluate import evaluate as run_evaluation

@@ -346,7 +346,7 @@ def run_limits(
     max_calls: int | None, max_tool_calls: int | None, max_wall_s: int | None,
     max_usd: str | None, max_in_flight: int | None,
 ) -> Any:  # fmt: skip
-    from domain.hierarchy import RunLimits
+    from domain.runs.state import RunLimits
 
     return RunLimits(
         max_calls, max_tool_calls, None if max_wall_s is None else max_wall_s * 1000,

@@ -36,14 +36,14 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import NamedTuple
 
-from domain import budgets
 from domain.backoff import BackoffPolicy
-from domain.control import Limits
+from domain.control_plane.state import Limits
 from domain.cost import GIB, Estimate, Price, est_kv_byte_seconds
 from domain.errors import DomainError
-from domain.events import BudgetReserved
-from domain.hierarchy import PathPolicy
+from domain.governance.budgets import PathRefused, PathView, Rate, max_cost_micros, narrow, reserve
+from domain.governance.state import PathPolicy
 from domain.quota import Bucket, QuotaView
+from domain.requests.events import BudgetReserved
 from domain.types import RESERVED_TIER, RejectReason
 
 __all__ = [
@@ -275,7 +275,7 @@ def output_cap(max_tokens: int | None, limits: Limits) -> int:
 
 def decide_on_path(
     view: QuotaView,
-    paths: budgets.PathView,
+    paths: PathView,
     cmd: ReserveQuota,
     limits: Limits,
     path: PathPolicy,
@@ -291,7 +291,7 @@ def decide_on_path(
     charge back. X-RateLimit-* figures are the tightest level's. Money is reserved on the
     output cap (the engine's max_tokens), never on a predicted output: a prediction narrows
     the tokens/min and KV·s charges, but a budget must hold whatever the engine produces."""
-    narrowed = budgets.narrow(limits, path)
+    narrowed = narrow(limits, path)
     now_s = cmd.now.timestamp()
     granted = _admit(view, cmd, narrowed, stale, policy, now_s)
     if isinstance(granted, Rejected):
@@ -304,13 +304,13 @@ def decide_on_path(
     requests_left = int(level) if level > 0 else 0  # max(0, int(level)), without two calls
     level = tpm.level
     tokens_left = int(level) if level > 0 else 0
-    outcome = budgets.reserve(
+    outcome = reserve(
         paths, path, cmd.request_id, cmd.model, est.reserved_tokens, est.kv_byte_seconds,
-        budgets.max_cost_micros(price, est.prompt_tokens, est.max_output_tokens), cmd.now,
+        max_cost_micros(price, est.prompt_tokens, est.max_output_tokens), cmd.now,
         cmd.jitter, now_s=now_s, requests_left=requests_left, tokens_left=tokens_left,
     )  # fmt: skip
     rate_limits = _tightest(rpm, tpm, requests_left, tokens_left, outcome.requests, outcome.tokens)
-    if isinstance(outcome, budgets.PathRefused):
+    if isinstance(outcome, PathRefused):
         view.void(cmd.request_id)
         return Rejected(
             outcome.reason, outcome.retry_after_s, outcome.detail, rate_limits, outcome.param,
@@ -321,8 +321,8 @@ def decide_on_path(
 
 
 def _tightest(
-    rpm: Bucket, tpm: Bucket, org_requests: int, org_tokens: int, requests: budgets.Rate | None,
-    tokens: budgets.Rate | None,
+    rpm: Bucket, tpm: Bucket, org_requests: int, org_tokens: int, requests: Rate | None,
+    tokens: Rate | None,
 ) -> RateLimitInfo:  # fmt: skip
     """Requests and tokens each from the level with the least remaining (the organization's,
     from its buckets as `_info` reads them, unless a level below it has less). Built once,

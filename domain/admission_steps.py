@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from domain.budgets import PathView
 from domain.capacity import Refusal, UnknownModel
 from domain.cost import Estimate
-from domain.hierarchy import Hierarchy, Run
+from domain.governance.budgets import PathView
+from domain.governance.state import Hierarchy
+from domain.runs.state import Run
 
 __all__ = ["capacity_detail", "fallback_models", "kv_tokens", "may_fall_back", "resolve_run"]
 

@@ -17,8 +17,9 @@ from typing import Final
 
 from domain.cost import Price
 from domain.errors import DomainError
-from domain.events import UsageBilled
-from domain.lifecycle import BillUsage, RequestState, decide
+from domain.requests.decide import BillUsage, decide
+from domain.requests.events import UsageBilled
+from domain.requests.state import RequestState
 
 __all__ = ["Bill", "bill_event_id", "bill_terminal"]
 

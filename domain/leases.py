@@ -15,15 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
+from domain.envelope import Event, Recorded
 from domain.errors import DomainError
-from domain.events import (
-    TERMINAL_EVENTS,
-    Event,
-    LeaseProgress,
-    LeasesRenewed,
-    Recorded,
-    RequestAdmitted,
-)
+from domain.requests.events import TERMINAL_EVENTS, LeaseProgress, LeasesRenewed, RequestAdmitted
 
 # The renewal interval and the time without one after which a lease expires. What a crashed
 # edge leaves unbilled of what its clients saw is what the engine reported after its last

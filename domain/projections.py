@@ -11,11 +11,11 @@ from datetime import UTC, timedelta
 from types import MappingProxyType
 from typing import Any, Final, TypeAlias
 
-from domain.events import (
+from domain.envelope import Recorded
+from domain.requests.events import (
     TERMINAL_STATUS_OF,
     FirstTokenStreamed,
     LeaseExpired,
-    Recorded,
     RefusalsCounted,
     RequestAdmitted,
     RequestCancelled,

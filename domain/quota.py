@@ -16,12 +16,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Final, TypeAlias
 
-from domain.control import Limits
-from domain.events import (
-    Event,
+from domain.control_plane.state import Limits
+from domain.envelope import Event, Recorded
+from domain.requests.events import (
     LeaseExpired,
     QuotaRefunded,
-    Recorded,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,

@@ -13,18 +13,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from domain.events import (
+from domain.envelope import Recorded
+from domain.requests.decide import billed_counts, refund_due
+from domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     QuotaRefunded,
-    Recorded,
     RequestAdmitted,
     RequestEstimated,
     RequestPreempted,
     TerminalEvent,
     UsageBilled,
 )
-from domain.lifecycle import billed_counts, refund_due
 
 __all__ = ["Finding", "RequestAccount", "account"]
 

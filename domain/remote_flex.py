@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from domain.events import (
+from domain.envelope import Event, Recorded
+from domain.requests.events import (
     TERMINAL_EVENTS,
-    Event,
     PreemptionRequested,
-    Recorded,
     RequestAdmitted,
     RequestEstimated,
     RequestRouted,

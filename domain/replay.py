@@ -7,16 +7,18 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from domain import lifecycle
-from domain.control import LIMIT_FIELDS, ControlView
+from domain.control_plane.state import LIMIT_FIELDS, ControlView
+from domain.envelope import Recorded
 from domain.errors import DomainError
-from domain.events import (
+from domain.leases import LEASE_TTL_S
+from domain.reconcile import account
+from domain.registry import to_payload
+from domain.requests.events import (
     FirstTokenStreamed,
     LeaseExpired,
     LeasesRenewed,
     PreemptionRequested,
     QuotaRefunded,
-    Recorded,
     RefusalsCounted,
     RequestAdmitted,
     RequestCancelled,
@@ -26,10 +28,9 @@ from domain.events import (
     RequestRejected,
     RequestRouted,
     UsageBilled,
-    to_payload,
 )
-from domain.leases import LEASE_TTL_S
-from domain.reconcile import account
+from domain.requests.evolve import evolve
+from domain.requests.state import INITIAL, RequestState
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class Timeline:
     request_id: str
     steps: list[Step] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
-    state: lifecycle.RequestState = lifecycle.INITIAL
+    state: RequestState = INITIAL
     limits_at_admission: dict[str, int] | None = None
     plan_at_admission: str | None = None
     replica_id: str | None = None
@@ -83,7 +84,7 @@ def replay(
     limits in force at admission."""
     t = Timeline(request_id)
     seen_ids: set[str] = set()
-    state = lifecycle.INITIAL
+    state = INITIAL
     for record in records:
         if record.event_id in seen_ids:
             t.anomalies.append(Anomaly("duplicate_ignored", f"event {record.event_id} seen twice"))
@@ -105,7 +106,7 @@ def replay(
             ))  # fmt: skip
             continue
         try:
-            state = lifecycle.evolve(state, record)
+            state = evolve(state, record)
         except DomainError as exc:
             t.anomalies.append(Anomaly("corrupt_stream", f"{record.type}: {exc.rule}: {exc}"))
             note = f"not applied: {exc.rule}"

@@ -1,6 +1,7 @@
 """What an edge knows of what is admitted, as one facade over its three folded views: the
 organization's quota (`domain.quota.QuotaView`), every level below it and the runs
-(`domain.budgets.PathView`), and other edges' flex work (`domain.remote_flex.RemoteFlex`).
+(`domain.governance.budgets.PathView`), and other edges' flex work
+(`domain.remote_flex.RemoteFlex`).
 
 Each change of an admission goes to all of them at once, here, in the one order that was
 measured and tested: a caller never keeps them in step by hand (the edge used to, in five
@@ -13,11 +14,11 @@ from collections.abc import Callable
 from datetime import datetime
 
 from domain import admission
-from domain.budgets import PathView
-from domain.control import Limits
+from domain.control_plane.state import Limits
 from domain.cost import Price
-from domain.events import Recorded
-from domain.hierarchy import PathPolicy
+from domain.envelope import Recorded
+from domain.governance.budgets import PathView
+from domain.governance.state import PathPolicy
 from domain.quota import QuotaView
 from domain.remote_flex import RemoteFlex
 

@@ -1,13 +1,14 @@
-"""The edge's path view (`domain.budgets.PathView`) caught up from the log when it starts: the
-requests reserved against a budget or a run in the current calendar month (in any time zone)
+"""The edge's path view (`domain.governance.budgets.PathView`) caught up from the log when it
+starts: the requests reserved against a budget or a run in the current calendar month (in any
+time zone)
 are folded with their terminal events, refunds and bills, so a restart forgets no spend."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from domain.budgets import PathView
-from domain.events import BudgetReserved
+from domain.governance.budgets import PathView
+from domain.requests.events import BudgetReserved
 from ledger.store import EventStore
 
 __all__ = ["catch_up"]

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, TypeVar
 
-from domain import batch, lifecycle
+from domain.batches.evolve import fold as batch_fold
+from domain.batches.state import BatchState, batch_stream
+from domain.envelope import Event, Recorded
 from domain.errors import DomainError
-from domain.events import Event, Recorded
+from domain.requests.evolve import fold as request_fold
+from domain.requests.state import RequestState
 from ledger.errors import WrongExpectedVersion
 from ledger.ids import Clock, IdSource, new_event_id, utcnow
 from ledger.store import AppendBatch, EventStore, NewEvent
@@ -125,21 +128,21 @@ class CommandHandler:
         return handled
 
 
-def request_stream(store: EventStore, request_id: str) -> StreamLoader[lifecycle.RequestState]:
+def request_stream(store: EventStore, request_id: str) -> StreamLoader[RequestState]:
     """A request's state and stream version, folded from the store."""
 
-    def load() -> tuple[lifecycle.RequestState, int]:
-        state = lifecycle.fold(store.read_stream(request_id))
+    def load() -> tuple[RequestState, int]:
+        state = request_fold(store.read_stream(request_id))
         return state, state.version
 
     return load
 
 
-def batch_stream_loader(store: EventStore, batch_id: str) -> StreamLoader[batch.BatchState]:
+def batch_stream_loader(store: EventStore, batch_id: str) -> StreamLoader[BatchState]:
     """A batch's state and stream version, folded from the store."""
 
-    def load() -> tuple[batch.BatchState, int]:
-        state = batch.fold(store.read_stream(batch.batch_stream(batch_id)))
+    def load() -> tuple[BatchState, int]:
+        state = batch_fold(store.read_stream(batch_stream(batch_id)))
         return state, state.version
 
     return load

@@ -3,7 +3,7 @@ kept current: what the edges, the fold worker, the CLI and the back office all r
 
 from __future__ import annotations
 
-from domain.control import CONTROL_PREFIXES, ControlView
+from domain.control_plane.state import CONTROL_PREFIXES, ControlView
 from ledger.commands import StreamLoader
 from ledger.store import EventStore
 

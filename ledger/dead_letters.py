@@ -25,8 +25,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from domain.envelope import Recorded
 from domain.errors import DomainError
-from domain.events import Recorded
 from domain.projections import PROJECTIONS
 from ledger import faults
 from ledger.errors import StoreBusy, StoreUnavailable

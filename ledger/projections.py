@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import orjson
 import sqlalchemy as sa
 
-from domain.events import Recorded
+from domain.envelope import Recorded
 from ledger import faults
 from ledger.checkpoints import read_position, save_position
 from ledger.engine import WRITE

@@ -277,7 +277,7 @@ idempotency_records = sa.Table(
 
 # The Batch API's stored content (migration 0013b; ledger/batches.py). Not event projections:
 # the one place prompts (input files) and completions (results, output files) are kept, each
-# with an expiry after which it is deleted (domain/batch.py states the retention).
+# with an expiry after which it is deleted (domain/batches/ states the retention).
 batch_files = sa.Table(
     "batch_files",
     metadata,

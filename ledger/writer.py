@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from domain.events import Recorded
+from domain.envelope import Recorded
 from ledger.errors import StoreBusy, StoreError
 from ledger.store import AppendBatch, AppendResult, EventStore, check_batch
 

@@ -15,18 +15,18 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
-from domain.events import (
+from domain.prediction import History, RequestShape
+from domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     RequestAdmitted,
     RequestEstimated,
 )
-from domain.prediction import History, RequestShape
 from ledger.store import EventStore
 
 REQUEST_STREAMS = ("req_",)
 PAGE = 5_000
-# Every end of a request (domain.events' one list): a request whose end the reader did not know
+# Every end of a request (domain.registry' one list): a request whose end the reader did not know
 # stayed open forever, out of the data (preempted flex requests were).
 _TERMINALS = TERMINAL_EVENTS
 

@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from domain import admission
-from domain.control import ControlView, Limits
+from domain.control_plane.state import ControlView, Limits
 from domain.prediction import CoverageTracker, Forecaster, History, Prediction
 from domain.quota import Bucket, QuotaView
 from predictor.dataset import LoggedRequest, timeline

@@ -6,12 +6,12 @@ speaks to the edge over HTTP like any client, so its items are routed, preempted
 the same code as every flex request. It holds nothing that a restart would lose:
 
 - an item is recorded once: its response is kept first (`batch_results`, first writer wins),
-  then `BatchItemFinished` is appended, which `domain.batch.decide` refuses to repeat; a result
-  kept but not yet recorded is recorded on the next pass;
+  then `BatchItemFinished` is appended, which `domain.batches.decide.decide` refuses to repeat;
+  a result kept but not yet recorded is recorded on the next pass;
 - an item is generated to completion once: every attempt carries the item's own
   Idempotency-Key, so an attempt that completed before a crash is replayed by the edge (no
   second generation, no second bill), and an attempt cut short (preempted, cancelled, the runner
-  killed) is billed nothing (`domain.lifecycle.billed_counts`) and simply tried again;
+  killed) is billed nothing (`domain.requests.decide.billed_counts`) and simply tried again;
 - the output and error files have ids derived from the batch id, so writing them twice writes
   them once.
 
@@ -38,7 +38,25 @@ import httpx
 import orjson
 from sqlalchemy.engine import Engine
 
-from domain import batch as b
+from domain.batches.decide import (
+    BatchCommand,
+    EndBatch,
+    FailBatch,
+    FinalizeBatch,
+    RecordItem,
+    StartBatch,
+    decide,
+)
+from domain.batches.evolve import fold
+from domain.batches.files import (
+    INPUT_RETENTION_S,
+    OUTPUT_RETENTION_S,
+    InputLine,
+    output_line,
+    parse_input,
+    unrun_line,
+)
+from domain.batches.state import BatchState, batch_stream
 from domain.errors import DomainError
 from ledger.batches import BatchStore, ItemResult, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader
@@ -75,11 +93,11 @@ class _Backoff:
 class _Ready:
     """An open batch's items that may be sent this pass."""
 
-    state: b.BatchState
-    lines: list[b.InputLine]
+    state: BatchState
+    lines: list[InputLine]
     kept: dict[str, ItemResult]
     tasks: dict[str, asyncio.Task[None]]
-    pending: Iterator[b.InputLine] = field(init=False)
+    pending: Iterator[InputLine] = field(init=False)
 
     def __post_init__(self) -> None:
         finished, kept, tasks = self.state.finished, self.kept, self.tasks
@@ -136,11 +154,11 @@ class BatchRunner:
         self.poll_s = poll_s
         self.idle_poll_s = idle_poll_s
         self._inflight: dict[str, dict[str, asyncio.Task[None]]] = {}
-        self._inputs: dict[str, list[b.InputLine]] = {}
+        self._inputs: dict[str, list[InputLine]] = {}
         # Each open batch as last folded: a pass reads only its stream's version when nothing
         # changed, and what this runner appends is folded on, not read back (a batch of n items
         # would otherwise be read n times over).
-        self._states: dict[str, b.BatchState] = {}
+        self._states: dict[str, BatchState] = {}
         self._wake: asyncio.Event | None = None  # set when an item ends: feed the next at once
         self._loop: asyncio.AbstractEventLoop | None = None
         # Per tenant: one tenant's refused or failing items never pause another's.
@@ -237,7 +255,7 @@ class BatchRunner:
             await asyncio.to_thread(self._close, state, now)
             return None
         if state.status == "validating":
-            state = await self._decide(state, b.StartBatch(), now)
+            state = await self._decide(state, StartBatch(), now)
         lines = await self._lines(state, now)
         if lines is None:
             return None
@@ -259,19 +277,19 @@ class BatchRunner:
                 return None  # the next pass ends it, once they have stopped
             state = await self._harvest(state, lines, kept, now)
             if state.status == "in_progress":
-                state = await self._decide(state, b.FinalizeBatch("expired"), now)
+                state = await self._decide(state, FinalizeBatch("expired"), now)
             await asyncio.to_thread(self._end, state, lines, now)
             return None
         if state.all_finished:
-            state = await self._decide(state, b.FinalizeBatch("completed"), now)
+            state = await self._decide(state, FinalizeBatch("completed"), now)
             await asyncio.to_thread(self._end, state, lines, now)
             return None
         return _Ready(state, lines, kept, tasks)
 
     async def _harvest(
-        self, state: b.BatchState, lines: list[b.InputLine], kept: dict[str, ItemResult],
+        self, state: BatchState, lines: list[InputLine], kept: dict[str, ItemResult],
         now: datetime,
-    ) -> b.BatchState:
+    ) -> BatchState:
         """Items whose attempt the edge finished although this runner stopped waiting for it (a
         cancel or an expiry cut its task as the answer came): the edge's replay record of the
         answer, which was billed, is the item's result, never an error line saying it did not
@@ -331,7 +349,7 @@ class BatchRunner:
             total += 1
 
     async def _run_item(
-        self, state: b.BatchState, line: b.InputLine, client: httpx.AsyncClient
+        self, state: BatchState, line: InputLine, client: httpx.AsyncClient
     ) -> None:
         """One attempt. Whatever goes wrong stays with this item: a body or a header that cannot
         be sent ends the item as failed (it never could be), a refusal or a lost connection
@@ -365,7 +383,7 @@ class BatchRunner:
             self._backoffs.pop(tenant, None)
 
     async def _keep_or_back_off(
-        self, state: b.BatchState, line: b.InputLine, request_id: str, status: int, body: bytes
+        self, state: BatchState, line: InputLine, request_id: str, status: int, body: bytes
     ) -> bool:
         """Keep and record the item's outcome; a store that fails backs the tenant off (a
         result kept but not recorded is recorded by a later pass)."""
@@ -381,7 +399,7 @@ class BatchRunner:
         return True
 
     def _request(
-        self, state: b.BatchState, line: b.InputLine, client: httpx.AsyncClient
+        self, state: BatchState, line: InputLine, client: httpx.AsyncClient
     ) -> httpx.Request:
         """The attempt as sent. The custom_id is percent-encoded in the header (a client's
         newline or non-ASCII id cannot break the request line); a body orjson cannot encode
@@ -399,7 +417,7 @@ class BatchRunner:
         )
 
     async def _keep(
-        self, state: b.BatchState, line: b.InputLine, request_id: str, status: int, body: bytes
+        self, state: BatchState, line: InputLine, request_id: str, status: int, body: bytes
     ) -> None:
         now = self.clock()
         result = ItemResult(line.custom_id, request_id, status, body)
@@ -417,13 +435,13 @@ class BatchRunner:
 
     # --- its facts ------------------------------------------------------------------------------
 
-    async def _state(self, batch_id: str) -> b.BatchState:
+    async def _state(self, batch_id: str) -> BatchState:
         state, _ = await asyncio.to_thread(self._load, batch_id)
         return state
 
-    def _load(self, batch_id: str) -> tuple[b.BatchState, int]:
+    def _load(self, batch_id: str) -> tuple[BatchState, int]:
         cached = self._states.get(batch_id)
-        stream = b.batch_stream(batch_id)
+        stream = batch_stream(batch_id)
         if cached is not None and self.events.stream_version(stream) == cached.version:
             return cached, cached.version
         state, version = batch_stream_loader(self.events, batch_id)()
@@ -431,37 +449,37 @@ class BatchRunner:
         return state, version
 
     async def _decide(
-        self, state: b.BatchState, command: b.BatchCommand, now: datetime
-    ) -> b.BatchState:
+        self, state: BatchState, command: BatchCommand, now: datetime
+    ) -> BatchState:
         return await asyncio.to_thread(self._decide_sync, state, command, now)
 
     def _decide_sync(
-        self, state: b.BatchState, command: b.BatchCommand, now: datetime
-    ) -> b.BatchState:
+        self, state: BatchState, command: BatchCommand, now: datetime
+    ) -> BatchState:
         batch_id = state.batch_id
-        loaded: list[b.BatchState] = []
+        loaded: list[BatchState] = []
 
-        def load() -> tuple[b.BatchState, int]:
+        def load() -> tuple[BatchState, int]:
             found = self._load(batch_id)
             loaded.append(found[0])
             return found
 
         handled = self.commands.handle(
-            b.batch_stream(batch_id), lambda s: b.decide(s, command), load,
+            batch_stream(batch_id), lambda s: decide(s, command), load,
             tenant_id=state.tenant_id, at=now,
         )
-        after = b.fold(handled.records, loaded[-1])  # what it decided on, plus what it appended
+        after = fold(handled.records, loaded[-1])  # what it decided on, plus what it appended
         self._states[batch_id] = after
         return after
 
     async def _record(
-        self, state: b.BatchState, result: ItemResult, now: datetime
-    ) -> b.BatchState:
+        self, state: BatchState, result: ItemResult, now: datetime
+    ) -> BatchState:
         outcome = "completed" if result.status_code == 200 else "failed"
-        command = b.RecordItem(result.custom_id, result.request_id, outcome, result.status_code)
+        command = RecordItem(result.custom_id, result.request_id, outcome, result.status_code)
         return await self._decide(state, command, now)
 
-    async def _lines(self, state: b.BatchState, now: datetime) -> list[b.InputLine] | None:
+    async def _lines(self, state: BatchState, now: datetime) -> list[InputLine] | None:
         lines = self._inputs.get(state.batch_id)
         if lines is not None:
             return lines
@@ -471,14 +489,14 @@ class BatchRunner:
         try:
             if content is None:
                 raise DomainError("input_file_deleted", "the input file was deleted")
-            lines = b.parse_input(bytes(content))
+            lines = parse_input(bytes(content))
         except DomainError as exc:
-            await self._decide(state, b.FailBatch(exc.rule, exc.message), now)
+            await self._decide(state, FailBatch(exc.rule, exc.message), now)
             return None
         self._inputs[state.batch_id] = lines
         return lines
 
-    def _end(self, state: b.BatchState, lines: list[b.InputLine], now: datetime) -> None:
+    def _end(self, state: BatchState, lines: list[InputLine], now: datetime) -> None:
         """Write the output and error files (ids derived from the batch: a repeat writes
         nothing new), end the batch, then let go of what it kept."""
         outcome = "cancelled" if state.status == "cancelling" else state.finalizing_as
@@ -488,17 +506,17 @@ class BatchRunner:
         for line in lines:
             r = results.get(line.custom_id)
             if r is not None:
-                entry = b.output_line(r.custom_id, r.request_id, r.status_code, _json(r.body))
+                entry = output_line(r.custom_id, r.request_id, r.status_code, _json(r.body))
                 (out if r.status_code == 200 else err).append(orjson.dumps(entry))
             elif outcome in ("expired", "cancelled"):
-                err.append(orjson.dumps(b.unrun_line(line.custom_id, outcome)))
+                err.append(orjson.dumps(unrun_line(line.custom_id, outcome)))
         output_id = self._write(state, "output", out, now)
         error_id = self._write(state, "error", err, now)
-        self._decide_sync(state, b.EndBatch(output_id, error_id), now)
+        self._decide_sync(state, EndBatch(output_id, error_id), now)
         self._close(state, now)
 
     def _write(
-        self, state: b.BatchState, kind: str, lines: list[bytes], now: datetime
+        self, state: BatchState, kind: str, lines: list[bytes], now: datetime
     ) -> str | None:
         if not lines:
             return None
@@ -507,15 +525,15 @@ class BatchRunner:
         self.files.put_file(
             StoredFile(
                 file_id, state.tenant_id, "batch_output", f"{state.batch_id}_{kind}.jsonl",
-                len(content), now, now + timedelta(seconds=b.OUTPUT_RETENTION_S),
+                len(content), now, now + timedelta(seconds=OUTPUT_RETENTION_S),
             ),
             content,
         )
         return file_id
 
-    def _close(self, state: b.BatchState, now: datetime) -> None:
+    def _close(self, state: BatchState, now: datetime) -> None:
         """An ended batch: its input file kept for the retention, then nothing of it runs."""
-        self.files.set_expiry(state.input_file_id, now + timedelta(seconds=b.INPUT_RETENTION_S))
+        self.files.set_expiry(state.input_file_id, now + timedelta(seconds=INPUT_RETENTION_S))
         self.files.delete_results(state.batch_id)
         self.idempotency.delete_prefixed(state.tenant_id, batch_keys(state.batch_id))
         self.files.mark_ended(state.batch_id, now)

@@ -19,11 +19,13 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from domain import lifecycle
 from domain.billing import Bill, bill_terminal
-from domain.control import ControlView
+from domain.control_plane.state import ControlView
+from domain.envelope import Event, Recorded
 from domain.errors import DomainError
-from domain.events import TERMINAL_TYPES, Event, Recorded, RequestAdmitted, UsageBilled
+from domain.requests.events import TERMINAL_TYPES, RequestAdmitted, UsageBilled
+from domain.requests.evolve import evolve, fold
+from domain.requests.state import INITIAL, RequestState
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.commands import CommandHandler, Decision, Handled, request_stream
@@ -53,7 +55,7 @@ class BillingFold:
         self.commands = commands or CommandHandler(store)
         self.position = checkpoints.get(self.name)
         # Requests seen admitted and not yet billed, folded from the records handed in.
-        self.states: dict[str, lifecycle.RequestState] = {}
+        self.states: dict[str, RequestState] = {}
         # Requests the fold could not bill, with the rule that refused (e.g. no price in force).
         # They are not retried silently: /readyz and /metrics show them, and the reconciliation
         # report lists each as a terminal event without a bill. With an `engine` each is also
@@ -110,7 +112,7 @@ class BillingFold:
             self._track(record)
             if record.type in TERMINAL_TYPES:
                 ended[record.stream_id] = record
-        decisions: list[Decision[lifecycle.RequestState]] = []
+        decisions: list[Decision[RequestState]] = []
         for rid, terminal in ended.items():
             decision = self._decide(rid, self.states.pop(rid, None), terminal)
             if decision is not None:
@@ -160,7 +162,7 @@ class BillingFold:
         the fix: a price set, a bug fixed); nothing if it has not ended or is billed already.
         Raises what still refuses it. The bill's id and expected version are the ones the fold
         would have used, so a replay and a late pass never bill twice."""
-        state = lifecycle.fold(self.store.read_stream(record.stream_id))
+        state = fold(self.store.read_stream(record.stream_id))
         if state.finished_at is None or state.billed:
             return
         price = self.control.price(
@@ -180,20 +182,20 @@ class BillingFold:
         rid = record.stream_id
         try:
             if isinstance(record.event, RequestAdmitted):
-                self.states[rid] = lifecycle.evolve(lifecycle.INITIAL, record)
+                self.states[rid] = evolve(INITIAL, record)
             elif rid in self.states:
-                self.states[rid] = lifecycle.evolve(self.states[rid], record)
+                self.states[rid] = evolve(self.states[rid], record)
         except DomainError as exc:
             # Billing then refolds the stored stream, where the same rule fails loudly.
             log.error("request %s: %s", rid, exc.message)
             self.states.pop(rid, None)
 
     def _decide(
-        self, rid: str, state: lifecycle.RequestState | None, terminal: Recorded | None = None
-    ) -> Decision[lifecycle.RequestState] | None:
+        self, rid: str, state: RequestState | None, terminal: Recorded | None = None
+    ) -> Decision[RequestState] | None:
         if state is None or state.version == 0:
             # Admitted before this fold's checkpoint (a restart): read the whole stream.
-            state = lifecycle.fold(self.store.read_stream(rid))
+            state = fold(self.store.read_stream(rid))
         bill = self._bill(state, terminal)
         if bill is None:
             return None
@@ -203,7 +205,7 @@ class BillingFold:
         )
 
     def _bill(
-        self, state: lifecycle.RequestState, terminal: Recorded | None = None
+        self, state: RequestState, terminal: Recorded | None = None
     ) -> Bill | None:
         try:
             price = self.control.price(
@@ -221,7 +223,7 @@ class BillingFold:
     def _bill_stored(self, first: Bill) -> Handled:
         """Bill again on the stored stream (the first decision lost a race)."""
 
-        def decide(state: lifecycle.RequestState) -> tuple[Event, ...]:
+        def decide(state: RequestState) -> tuple[Event, ...]:
             bill = self._bill(state)
             return () if bill is None else (bill.event,)
 

@@ -14,8 +14,9 @@ from typing import Any, Final
 
 import orjson
 
+from domain.envelope import Recorded
 from domain.errors import DomainError
-from domain.events import Recorded, from_payload, parse_instant
+from domain.registry import from_payload, parse_instant
 from ledger.outbox import OutboxRow
 
 EPOCH_HEADER = "tollgate-epoch"

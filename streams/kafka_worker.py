@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from domain.control import ControlView
-from domain.events import TERMINAL_TYPES, Recorded, UsageBilled
+from domain.control_plane.state import ControlView
+from domain.envelope import Recorded
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY
+from domain.requests.events import TERMINAL_TYPES, UsageBilled
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog

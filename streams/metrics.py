@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from domain.events import Recorded, UsageBilled
+from domain.envelope import Recorded
 from domain.gaps import GapReport, age_s
+from domain.requests.events import UsageBilled
 from ledger.dead_letters import FOLDS, counts_by_fold
 from streams.status import Watermarks, partition_lags
 

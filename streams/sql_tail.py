@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from domain.events import Recorded
+from domain.envelope import Recorded
 from ledger.checkpoints import Checkpoints, read_position, save_position
 from ledger.schema import projection_checkpoints
 from ledger.store import EventStore

@@ -1,7 +1,8 @@
 """The lease sweeper: a request whose edge stopped renewing it for `LEASE_TTL_S` is expired and
 billed at its last known progress, so a dead edge holds a tenant's concurrency for seconds, not
-for ever. The leases are `domain.leases.LeaseBook`'s fold; the verdict is `lifecycle.decide`'s,
-recorded through the command handler (an edge that ended the request meanwhile wins).
+for ever. The leases are `domain.leases.LeaseBook`'s fold; the verdict is
+`domain.requests.decide`'s, recorded through the command handler (an edge that ended the
+request meanwhile wins).
 
 `GroupSweeper` runs it in a group of workers (the distributed mode's Kafka workers): one leads
 at a time and hands over to another when it dies."""
@@ -14,10 +15,13 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from domain import lifecycle
-from domain.events import TERMINAL_TYPES, Event, Recorded, RequestAdmitted
+from domain.envelope import Event, Recorded
 from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S, Lease, LeaseBook
 from domain.projections import REQUEST_LOG
+from domain.requests.decide import ExpireLease
+from domain.requests.decide import decide as request_decide
+from domain.requests.events import TERMINAL_TYPES, RequestAdmitted
+from domain.requests.state import RequestState
 from ledger import faults
 from ledger.checkpoints import Checkpoints, read_position
 from ledger.commands import CommandHandler, request_stream
@@ -71,7 +75,7 @@ class LeaseSweeper:
 
     def _expire(self, lease: Lease, now: datetime) -> bool:
         progress = lease.progress
-        command = lifecycle.ExpireLease(
+        command = ExpireLease(
             request_id=lease.request_id,
             last_renewed_at=lease.renewed_at,
             prompt_tokens=progress.prompt_tokens if progress else 0,
@@ -79,9 +83,9 @@ class LeaseSweeper:
             cached_tokens=progress.cached_tokens if progress else 0,
         )
 
-        def decide(state: lifecycle.RequestState) -> tuple[Event, ...]:
+        def decide(state: RequestState) -> tuple[Event, ...]:
             # Ended meanwhile (the edge's terminal event is late in the log): nothing to expire.
-            return () if state.is_terminal else lifecycle.decide(state, command)
+            return () if state.is_terminal else request_decide(state, command)
 
         handled = self.commands.handle(
             lease.request_id,

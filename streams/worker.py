@@ -32,10 +32,12 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from domain.control import ControlView
-from domain.events import TERMINAL_TYPES, BatchCreated, Recorded
+from domain.batches.events import BatchCreated
+from domain.control_plane.state import ControlView
+from domain.envelope import Recorded
 from domain.leases import LEASE_TTL_S
 from domain.projections import LEDGER_ENTRIES, PROJECTIONS
+from domain.requests.events import TERMINAL_TYPES
 from ledger import dead_letters, faults
 from ledger.checkpoints import Checkpoints
 from ledger.control import ControlLog

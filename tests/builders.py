@@ -8,23 +8,37 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from domain import lifecycle as lc
-from domain.control import Limits
-from domain.cost import Estimate, Price
-from domain.events import (
+from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
-    Event,
-    FirstTokenStreamed,
-    LeaseExpired,
-    LeaseProgress,
-    LeasesRenewed,
     LimitsSet,
     ModelProfileRegistered,
     PlanChanged,
     PriceSet,
+    TenantRegistered,
+)
+from domain.control_plane.state import Limits
+from domain.cost import Estimate, Price
+from domain.envelope import Event, Recorded
+from domain.requests.decide import (
+    AdmitRequest,
+    BillUsage,
+    CancelRequest,
+    Command,
+    CompleteRequest,
+    ExpireLease,
+    FailRequest,
+    RecordFirstToken,
+    RejectRequest,
+    RouteRequest,
+    decide,
+)
+from domain.requests.events import (
+    FirstTokenStreamed,
+    LeaseExpired,
+    LeaseProgress,
+    LeasesRenewed,
     QuotaRefunded,
-    Recorded,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
@@ -32,9 +46,10 @@ from domain.events import (
     RequestFailed,
     RequestRejected,
     RequestRouted,
-    TenantRegistered,
     UsageBilled,
 )
+from domain.requests.evolve import evolve_event, fold
+from domain.requests.state import RequestState
 
 T0 = datetime(2026, 5, 4, 12, 0, 0, tzinfo=UTC)
 RID = "req-1"
@@ -211,63 +226,63 @@ def estimate(**kw: Any) -> Estimate:
     return replace(Estimate(800, 1000, 10 * 2**30, 50_000), **kw)
 
 
-def admit(**kw: Any) -> lc.AdmitRequest:
-    base = lc.AdmitRequest(RID, TENANT, KEY, MODEL, "standard", "edge-1", estimate())
+def admit(**kw: Any) -> AdmitRequest:
+    base = AdmitRequest(RID, TENANT, KEY, MODEL, "standard", "edge-1", estimate())
     return replace(base, **kw)
 
 
-def reject(**kw: Any) -> lc.RejectRequest:
-    return replace(lc.RejectRequest(RID, TENANT, KEY, MODEL, "free", "tokens", 7, "over"), **kw)
+def reject(**kw: Any) -> RejectRequest:
+    return replace(RejectRequest(RID, TENANT, KEY, MODEL, "free", "tokens", 7, "over"), **kw)
 
 
-def route(**kw: Any) -> lc.RouteRequest:
-    return replace(lc.RouteRequest("replica-1", 400_000), **kw)
+def route(**kw: Any) -> RouteRequest:
+    return replace(RouteRequest("replica-1", 400_000), **kw)
 
 
-def record_first_token(**kw: Any) -> lc.RecordFirstToken:
-    return replace(lc.RecordFirstToken(180), **kw)
+def record_first_token(**kw: Any) -> RecordFirstToken:
+    return replace(RecordFirstToken(180), **kw)
 
 
-def complete(**kw: Any) -> lc.CompleteRequest:
-    return replace(lc.CompleteRequest(812, 300, 512, "stop", 180, 42_000), **kw)
+def complete(**kw: Any) -> CompleteRequest:
+    return replace(CompleteRequest(812, 300, 512, "stop", 180, 42_000), **kw)
 
 
-def cancel(**kw: Any) -> lc.CancelRequest:
-    return replace(lc.CancelRequest(812, 50, 0), **kw)
+def cancel(**kw: Any) -> CancelRequest:
+    return replace(CancelRequest(812, 50, 0), **kw)
 
 
-def fail(**kw: Any) -> lc.FailRequest:
-    return replace(lc.FailRequest(812, 20, 0, "replica died"), **kw)
+def fail(**kw: Any) -> FailRequest:
+    return replace(FailRequest(812, 20, 0, "replica died"), **kw)
 
 
-def expire(**kw: Any) -> lc.ExpireLease:
-    return replace(lc.ExpireLease(at(5)), **kw)
+def expire(**kw: Any) -> ExpireLease:
+    return replace(ExpireLease(at(5)), **kw)
 
 
 def price(**kw: Any) -> Price:
     return replace(Price("llama-3.1-8b", 200_000, 600_000, 50_000), **kw)
 
 
-def bill(**kw: Any) -> lc.BillUsage:
-    return replace(lc.BillUsage(price()), **kw)
+def bill(**kw: Any) -> BillUsage:
+    return replace(BillUsage(price()), **kw)
 
 
 def limits(**kw: Any) -> Limits:
     return replace(Limits(600, 400_000, 32_768, 4_096, 4_096, 0), **kw)
 
 
-def folded(events: Iterable[Event]) -> lc.RequestState:
-    return lc.fold(stream(*events))
+def folded(events: Iterable[Event]) -> RequestState:
+    return fold(stream(*events))
 
 
-def decided(*commands: lc.Command, at: datetime) -> list[Event]:
+def decided(*commands: Command, at: datetime) -> list[Event]:
     """The events `commands` decide one after the other from a new request, each decided on the
     state the previous ones left (what an edge records for a request)."""
-    state, events = lc.RequestState(), []
+    state, events = RequestState(), []
     for command in commands:
-        for event in lc.decide(state, command):
+        for event in decide(state, command):
             events.append(event)
-            state = lc.evolve_event(state, event, at)
+            state = evolve_event(state, event, at)
     return events
 
 
@@ -279,29 +294,29 @@ class Scenario:
 
     def __init__(self, events: Iterable[Event]) -> None:
         self.state = folded(events)
-        self.command: lc.Command | None = None
+        self.command: Command | None = None
 
-    def when(self, command: lc.Command) -> Scenario:
+    def when(self, command: Command) -> Scenario:
         self.command = command
         return self
 
-    def then(self, *expected: Event) -> lc.RequestState:
+    def then(self, *expected: Event) -> RequestState:
         assert self.command is not None
-        produced = lc.decide(self.state, self.command)
+        produced = decide(self.state, self.command)
         assert produced == expected, f"\n got {produced}\nwant {expected}"
         # what was decided must fold cleanly onto the state it was decided from
         records = [
             record(e, version=self.state.version + 1 + i, seconds=100 + i)
             for i, e in enumerate(produced)
         ]
-        return lc.fold(records, self.state)
+        return fold(records, self.state)
 
     def then_refused(self, rule: str) -> None:
         from domain.errors import DomainError
 
         assert self.command is not None
         try:
-            produced = lc.decide(self.state, self.command)
+            produced = decide(self.state, self.command)
         except DomainError as exc:
             assert exc.rule == rule, f"refused for {exc.rule!r} ({exc.message}), want {rule!r}"
             return
@@ -342,14 +357,14 @@ def append_request(
 
     rid = "req_" + uuid.uuid4().hex
     when = datetime.now(UTC) - timedelta(seconds=age_s)
-    commands: list[lc.Command] = [
-        lc.AdmitRequest(
+    commands: list[Command] = [
+        AdmitRequest(
             rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
+        RouteRequest("replica-1", 0, request_id=rid),
     ]
     if end:
-        commands.append(lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid))
+        commands.append(CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid))
     events = decided(*commands, at=when)
     store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", when, e) for e in events])
     return rid

@@ -25,8 +25,9 @@ from api.ports import (
     TokenEstimator,
 )
 from domain.capacity import Choice, Refusal, TpotEstimate, UnknownModel
-from domain.events import Recorded, from_payload
+from domain.envelope import Recorded
 from domain.prediction import Prediction, RequestShape, Skip
+from domain.registry import from_payload
 from engine_adapter.exchange import ChatExchange, IteratorExchange
 from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
 from ledger.errors import StoreUnavailable

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from domain.events import Recorded
+from domain.envelope import Recorded
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.codec import EPOCH_HEADER, decode
 from streams.topics import confluent

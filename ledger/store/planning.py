@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import orjson
 
-from domain.events import Event, Recorded, from_payload, to_payload
+from domain.envelope import Event, Recorded
+from domain.registry import from_payload, to_payload
 from ledger.errors import EventIdConflict, StoreError, WrongExpectedVersion
 from ledger.store.port import AppendBatch, AppendResult, NewEvent
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-from domain.events import Event, Recorded
+from domain.envelope import Event, Recorded
 from ledger.errors import StoreError
 
 

@@ -15,7 +15,8 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from domain.events import Recorded, from_payload
+from domain.envelope import Recorded
+from domain.registry import from_payload
 from ledger import faults
 from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
 from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable

@@ -17,7 +17,8 @@ from typing import Any
 
 import orjson
 
-from domain.events import Recorded, from_payload
+from domain.envelope import Recorded
+from domain.registry import from_payload
 from ledger.errors import StoreBusy
 from ledger.store.planning import (
     COLUMNS,

@@ -2,7 +2,7 @@
 registry, and finished items' responses until their batch's files are written.
 
 These hold prompts and completions, the one deliberate exception to storing no content: each
-row has an expiry (domain/batch.py: input files 24 h after their batch ends, output and error
+row has an expiry (domain/batches/: input files 24 h after their batch ends, output and error
 files 7 days) after which the batch runner deletes it; DELETE /v1/files/{id} deletes at once.
 
 Revision ID: 0013b

@@ -9,8 +9,9 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
+from domain.control_plane.events import TenantRegistered
 from domain.errors import DomainError
-from domain.events import FirstTokenStreamed, RequestRejected, RequestRouted, TenantRegistered
+from domain.requests.events import FirstTokenStreamed, RequestRejected, RequestRouted
 from ledger import schema
 from ledger.engine import create_engine_from_url
 from ledger.store import (

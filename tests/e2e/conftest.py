@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from domain.events import TERMINAL_TYPES
+from domain.requests.events import TERMINAL_TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

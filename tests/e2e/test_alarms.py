@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from domain import lifecycle as lc
 from domain.cost import Estimate
+from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
 from ledger.engine import create_engine_from_url
 from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
@@ -26,12 +26,12 @@ def _unbillable_request(db_url: str) -> str:
     rid = "req_" + uuid.uuid4().hex
     at = datetime.now(UTC)
     events = b.decided(
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, "demo-standard", "key-1", "never-priced-2026-01", "standard", "edge-x",
             Estimate(100, 50, 1_000, 40_000),
         ),
-        lc.RouteRequest("replica-0", 0, request_id=rid),
-        lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid),
+        RouteRequest("replica-0", 0, request_id=rid),
+        CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid),
         at=at,
     )  # fmt: skip
     engine = create_engine_from_url(db_url)

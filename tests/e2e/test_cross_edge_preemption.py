@@ -23,7 +23,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from domain.events import TERMINAL_TYPES
+from domain.requests.events import TERMINAL_TYPES
 from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     MODEL,

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from domain.events import TERMINAL_TYPES
+from domain.requests.events import TERMINAL_TYPES
 from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, auth, free_port, spawn, wait_http
 from tests.faults.clients import Operation, chat
 from tests.faults.proxy import FaultyProxy

@@ -219,7 +219,7 @@ def _chat(server: UiServer, key: str, model: str, tokens: int, stream: bool) -> 
 def _inject_stalled_request(server: UiServer) -> str:
     """A request admitted by an edge that then died (no renewals, no terminal event): the lease
     sweeper expires it and bills its last known progress, and the support page must flag it."""
-    from domain.events import RequestAdmitted, RequestEstimated
+    from domain.requests.events import RequestAdmitted, RequestEstimated
     from ledger.engine import create_engine_from_url
     from ledger.store import NewEvent, SqlEventStore
 

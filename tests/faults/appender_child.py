@@ -9,8 +9,8 @@ import time
 import uuid
 from datetime import UTC, datetime
 
-from domain import lifecycle as lc
 from domain.cost import Estimate
+from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
 from ledger.engine import create_engine_from_url
 from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
@@ -24,11 +24,11 @@ def main() -> None:
         rid = "req_" + uuid.uuid4().hex
         at = datetime.now(UTC)
         events = b.decided(
-            lc.AdmitRequest(
+            AdmitRequest(
                 rid, "acme", "key-1", MODEL, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
             ),
-            lc.RouteRequest("replica-1", 0, request_id=rid),
-            lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid),
+            RouteRequest("replica-1", 0, request_id=rid),
+            CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid),
             at=at,
         )
         try:

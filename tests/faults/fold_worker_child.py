@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 
-from domain.events import Recorded
+from domain.envelope import Recorded
 from ledger import faults
 from ledger.engine import create_engine_from_url
 from streams.worker import FoldWorker

@@ -42,8 +42,8 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from domain.events import TERMINAL_TYPES
 from domain.projections import PROJECTIONS
+from domain.requests.events import TERMINAL_TYPES
 from ledger.engine import create_engine_from_url
 from ledger.projections import ProjectionRunner
 from ledger.store import SqlEventStore

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
 from domain.cost import Estimate
+from domain.requests.decide import AdmitRequest
 from ledger import faults, schema
 from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
@@ -64,7 +64,7 @@ def _request(store: SqlEventStore) -> str:
     rid = "req_" + uuid.uuid4().hex
     at = datetime.now(UTC)
     events = b.decided(
-        lc.AdmitRequest(rid, "acme", "key-1", "m", "standard", "edge-1", Estimate(1, 1, 1, 1)),
+        AdmitRequest(rid, "acme", "key-1", "m", "standard", "edge-1", Estimate(1, 1, 1, 1)),
         at=at,
     )
     store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", at, e) for e in events])

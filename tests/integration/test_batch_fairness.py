@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from api.auth import Caller
 from api.batch_service import BatchService
-from domain import batch as b
+from domain.batches.files import parse_input
 from ledger.batches import BatchStore, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader
 from ledger.engine import create_engine_from_url
@@ -120,7 +120,7 @@ def test_a_tenant_whose_items_keep_failing_neither_takes_nor_pauses_anothers_slo
 
 
 def test_an_item_that_cannot_be_sent_ends_alone(engine: sa.Engine) -> None:
-    """Uploads refuse such a line now (domain/batch.py); a batch stored before that rule, or any
+    """Uploads refuse such a line now (domain/batches/); a batch stored before that rule, or any
     body the encoder refuses, still ends its one item rather than stalling the batch."""
     store = SqlEventStore(engine)
     files = BatchStore(engine)
@@ -129,7 +129,7 @@ def test_an_item_that_cannot_be_sent_ends_alone(engine: sa.Engine) -> None:
     edge = Edge(refused_key="nobody")
     runner = BatchRunner(engine, store, edge_url="http://edge", token="t", concurrency=8)
     # As an older version parsed it: an integer beyond 64 bits, which JSON allows.
-    lines = b.parse_input(files.content("tenant-c", _input_file(store, batch_id), utcnow()) or b"")
+    lines = parse_input(files.content("tenant-c", _input_file(store, batch_id), utcnow()) or b"")
     runner._inputs[batch_id] = [
         replace(x, body={**x.body, "seed": 2**70}) if x.custom_id == "big" else x for x in lines
     ]

@@ -8,11 +8,22 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from domain import lifecycle as lc
 from domain.billing import BILLING_NAMESPACE_BYTES, bill_event_id
-from domain.control import ControlView
+from domain.control_plane.events import PriceSet
+from domain.control_plane.state import ControlView
 from domain.cost import Estimate
-from domain.events import PriceSet, Recorded
+from domain.envelope import Recorded
+from domain.requests.decide import (
+    AdmitRequest,
+    BillUsage,
+    CancelRequest,
+    CompleteRequest,
+    RouteRequest,
+    decide,
+)
+from domain.requests.evolve import evolve_event
+from domain.requests.evolve import fold as request_fold
+from domain.requests.state import RequestState
 from ledger.checkpoints import Checkpoints
 from ledger.store import NewEvent, SqlEventStore
 from streams.billing import BillingFold
@@ -40,11 +51,11 @@ def _control(store: SqlEventStore) -> ControlView:
 def _ended(store: SqlEventStore, model: str = PRICED, at: datetime = T0) -> str:
     rid = "req_" + uuid.uuid4().hex
     events = b.decided(
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, "acme", "key-1", model, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
-        lc.CompleteRequest(100, 42, 16, "stop", 30, 20_000, request_id=rid),
+        RouteRequest("replica-1", 0, request_id=rid),
+        CompleteRequest(100, 42, 16, "stop", 30, 20_000, request_id=rid),
         at=at,
     )
     store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, "acme", at, e) for e in events])
@@ -99,16 +110,16 @@ def test_a_request_admitted_before_the_checkpoint_is_billed_from_its_stream(
 ) -> None:
     control = _control(store)
     rid = "req_" + uuid.uuid4().hex
-    state, first = lc.RequestState(), []
+    state, first = RequestState(), []
     for command in (
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, "acme", "key-1", PRICED, "standard", "edge-1", Estimate(10, 5, 100, 40_000)
         ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
+        RouteRequest("replica-1", 0, request_id=rid),
     ):
-        for event in lc.decide(state, command):  # type: ignore[arg-type]
+        for event in decide(state, command):  # type: ignore[arg-type]
             first.append(NewEvent(str(uuid.uuid4()), rid, "acme", T0, event))
-            state = lc.evolve_event(state, event, T0)
+            state = evolve_event(state, event, T0)
     store.append(rid, 0, first)
     fold = BillingFold(store, Checkpoints(store.engine), control)
     fold.process(store.read_all(0, 100))  # sees the admission; then the process "restarts"
@@ -116,7 +127,7 @@ def test_a_request_admitted_before_the_checkpoint_is_billed_from_its_stream(
     assert restarted.states == {}
     end = [
         NewEvent(str(uuid.uuid4()), rid, "acme", T0, e)
-        for e in lc.decide(state, lc.CancelRequest(10, 3, 0, request_id=rid))
+        for e in decide(state, CancelRequest(10, 3, 0, request_id=rid))
     ]
     store.append(rid, state.version, end)
     restarted.process(store.read_all(restarted.position, 100))
@@ -157,10 +168,10 @@ def test_a_bill_under_the_former_uuid5_id_is_not_billed_again(store: SqlEventSto
     and the stored bill, not a second bill."""
     control = _control(store)
     rid = _ended(store)
-    state = lc.fold(store.read_stream(rid))
+    state = request_fold(store.read_stream(rid))
     price = control.price(state.model, state.admitted_at)  # type: ignore[arg-type]
     old_id = str(uuid.uuid5(uuid.UUID(bytes=BILLING_NAMESPACE_BYTES), f"{rid}/UsageBilled"))
-    bill = lc.decide(state, lc.BillUsage(request_id=rid, price=price))
+    bill = decide(state, BillUsage(request_id=rid, price=price))
     store.append(rid, state.version, [NewEvent(old_id, rid, "acme", T0, e) for e in bill])
     fold = BillingFold(store, Checkpoints(store.engine), control)
     fold.position = 0

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from domain.events import TenantRegistered
+from domain.control_plane.events import TenantRegistered
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore
@@ -22,9 +22,9 @@ from ledger.store import SqlEventStore
 PROCESSES = 8
 GATED = """
 import os, sys, time
-from domain import control
+import api.control_service as service
 gate = sys.argv[1]
-decide, first = control.decide_control, [True]
+decide, first = service.decide_control, [True]
 
 def gated(view, command):
     if first.pop() if first else False:
@@ -33,7 +33,7 @@ def gated(view, command):
             time.sleep(0.001)
     return decide(view, command)
 
-control.decide_control = gated
+service.decide_control = gated
 from cli import main
 main(["tenants", "create", "acme", "--plan", "free", "--database-url", sys.argv[2]])
 """

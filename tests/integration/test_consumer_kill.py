@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import PriceSet
+from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
 from ledger.engine import create_engine_from_url
 from ledger.schema import ledger_entries, projection_checkpoints, request_log, upgrade, usage_hourly
 from ledger.store import NewEvent, SqlEventStore
@@ -49,11 +49,11 @@ def _request(store: SqlEventStore) -> str:
     rid = "req_" + uuid.uuid4().hex
     at = datetime.now(UTC)
     events = b.decided(
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, "acme", "key-1", MODEL, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
-        lc.CompleteRequest(100, COMPLETION_TOKENS, 0, "stop", 30, 20_000, request_id=rid),
+        RouteRequest("replica-1", 0, request_id=rid),
+        CompleteRequest(100, COMPLETION_TOKENS, 0, "stop", 30, 20_000, request_id=rid),
         at=at,
     )
     assert len(events) == EVENTS_PER_REQUEST

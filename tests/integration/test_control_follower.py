@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from domain.events import PriceSet
+from domain.control_plane.events import PriceSet
 from ledger.control import ControlLog
 from ledger.store import NewEvent, SqlEventStore
 from tests.integration.test_fold_worker import _request

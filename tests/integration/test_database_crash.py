@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.events import PriceSet
+from domain.control_plane.events import PriceSet
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore

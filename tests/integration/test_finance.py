@@ -9,11 +9,20 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
-from domain.control import ControlView
+from domain.control_plane.events import PriceSet, TenantRegistered
+from domain.control_plane.state import ControlView
 from domain.cost import Estimate, amount_micros
-from domain.events import PriceSet, TenantRegistered
 from domain.projections import PROJECTIONS
+from domain.requests.decide import (
+    AdmitRequest,
+    BillUsage,
+    CancelRequest,
+    CompleteRequest,
+    RouteRequest,
+    decide,
+)
+from domain.requests.evolve import evolve_event
+from domain.requests.state import RequestState
 from ledger.finance import FinanceQueries, month_bounds
 from ledger.projections import ProjectionRunner
 from ledger.store import NewEvent, SqlEventStore
@@ -78,29 +87,29 @@ def _request(
     terminal: str = "complete",
 ) -> str:
     rid = "req_" + uuid.uuid4().hex
-    state = lc.RequestState()
+    state = RequestState()
     batch: list[NewEvent] = []
 
     def run(command: object, when: datetime) -> None:
         nonlocal state
-        for event in lc.decide(state, command):  # type: ignore[arg-type]
+        for event in decide(state, command):  # type: ignore[arg-type]
             batch.append(_new(rid, tenant, when, event))
-            state = lc.evolve_event(state, event, when)
+            state = evolve_event(state, event, when)
 
     run(
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, tenant, key, MODEL, "standard", "edge-1", Estimate(prompt, 500, 1_000_000, 40_000)
         ),
         at,
     )
-    run(lc.RouteRequest("replica-1", 100_000, request_id=rid), at)
+    run(RouteRequest("replica-1", 100_000, request_id=rid), at)
     end = at + timedelta(seconds=2)
     if terminal == "complete":
-        run(lc.CompleteRequest(prompt, completion, cached, "stop", 50, 20_000, request_id=rid), end)
+        run(CompleteRequest(prompt, completion, cached, "stop", 50, 20_000, request_id=rid), end)
     elif terminal == "cancel":
-        run(lc.CancelRequest(prompt, completion, cached, request_id=rid), end)
+        run(CancelRequest(prompt, completion, cached, request_id=rid), end)
     if terminal != "none":
-        run(lc.BillUsage(view.price(MODEL, at), request_id=rid), end)
+        run(BillUsage(view.price(MODEL, at), request_id=rid), end)
     store.append(rid, 0, batch)
     return rid
 

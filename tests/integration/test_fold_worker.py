@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.events import BatchCreated
+from domain.batches.events import BatchCreated
 from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
 from ledger.idempotency import IdempotencyConflict, IdempotencyStore

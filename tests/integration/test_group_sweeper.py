@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from domain.events import Event
+from domain.envelope import Event
 from ledger.engine import create_engine_from_url
 from ledger.leadership import Leadership
 from ledger.store import NewEvent, SqlEventStore

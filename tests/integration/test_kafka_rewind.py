@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import PriceSet
+from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
 from ledger.schema import ledger_entries
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
 from streams.relay import OutboxRelay
@@ -56,12 +56,12 @@ def append_requests(store: SqlEventStore, count: int, rng: random.Random) -> set
         prompt, completion = rng.randrange(10, 2000), rng.randrange(1, 500)
         now = datetime.now(UTC)
         decided = b.decided(
-            lc.AdmitRequest(
+            AdmitRequest(
                 rid, tenant, "key-1", MODEL, "standard", "edge-1",
                 Estimate(prompt, 500, 1_000, 40_000),
             ),
-            lc.RouteRequest("replica-1", 0, request_id=rid),
-            lc.CompleteRequest(prompt, completion, 0, "stop", 30, 20_000, request_id=rid),
+            RouteRequest("replica-1", 0, request_id=rid),
+            CompleteRequest(prompt, completion, 0, "stop", 30, 20_000, request_id=rid),
             at=now,
         )  # fmt: skip
         batches.append(

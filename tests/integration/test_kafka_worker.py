@@ -20,10 +20,17 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import PriceSet
 from domain.projections import PROJECTIONS, USAGE_HOURLY
+from domain.requests.decide import (
+    AdmitRequest,
+    CancelRequest,
+    Command,
+    CompleteRequest,
+    FailRequest,
+    RouteRequest,
+)
 from ledger.projections import ProjectionRunner
 from ledger.schema import consumer_offsets, events, ledger_entries, request_log
 from ledger.store import AppendBatch, NewEvent, SqlEventStore
@@ -61,16 +68,16 @@ def _requests(
         rid, tenant = "req_" + uuid.uuid4().hex, f"tenant-{rng.randrange(6)}"
         prompt, completion = rng.randrange(10, 2000), rng.randrange(0, 500)
         cached = rng.randrange(0, prompt)
-        end: lc.Command = rng.choice(
+        end: Command = rng.choice(
             [
-                lc.CompleteRequest(prompt, completion, cached, "stop", 30, 20_000, request_id=rid),
-                lc.CancelRequest(prompt, completion, cached, request_id=rid),
-                lc.FailRequest(prompt, completion, cached, "replica answered 500", request_id=rid),
+                CompleteRequest(prompt, completion, cached, "stop", 30, 20_000, request_id=rid),
+                CancelRequest(prompt, completion, cached, request_id=rid),
+                FailRequest(prompt, completion, cached, "replica answered 500", request_id=rid),
             ]
         )
         at = datetime.now(UTC)
         decided = b.decided(
-            lc.AdmitRequest(
+            AdmitRequest(
                 rid,
                 tenant,
                 "key-1",
@@ -79,7 +86,7 @@ def _requests(
                 "edge-1",
                 Estimate(prompt, 500, 1_000, 40_000),
             ),
-            lc.RouteRequest("replica-1", 0, request_id=rid),
+            RouteRequest("replica-1", 0, request_id=rid),
             end,
             at=at,
         )

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from domain.events import FirstTokenStreamed
+from domain.requests.events import FirstTokenStreamed
 from ledger import schema
 from ledger.commits import LoopCommits
 from ledger.engine import create_engine_from_url

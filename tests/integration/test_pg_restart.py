@@ -18,9 +18,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import TERMINAL_TYPES, PriceSet
+from domain.requests.decide import (
+    AdmitRequest,
+    CancelRequest,
+    Command,
+    CompleteRequest,
+    RouteRequest,
+)
+from domain.requests.events import TERMINAL_TYPES
 from ledger.engine import create_engine_from_url
 from ledger.errors import StoreUnavailable
 from ledger.schema import events, ledger_entries, upgrade
@@ -61,19 +68,19 @@ class Appender:
         rng = self.rng
         rid, tenant = "req_" + uuid.uuid4().hex, f"tenant-{rng.randrange(6)}"
         prompt, completion = rng.randrange(10, 2000), rng.randrange(1, 500)
-        end: lc.Command = rng.choice(
+        end: Command = rng.choice(
             [
-                lc.CompleteRequest(prompt, completion, 0, "stop", 30, 20_000, request_id=rid),
-                lc.CancelRequest(prompt, completion, 0, request_id=rid),
+                CompleteRequest(prompt, completion, 0, "stop", 30, 20_000, request_id=rid),
+                CancelRequest(prompt, completion, 0, request_id=rid),
             ]
         )
         now = datetime.now(UTC)
         decided = b.decided(
-            lc.AdmitRequest(
+            AdmitRequest(
                 rid, tenant, "key-1", MODEL, "standard", "edge-1",
                 Estimate(prompt, 500, 1_000, 40_000),
             ),
-            lc.RouteRequest("replica-1", 0, request_id=rid),
+            RouteRequest("replica-1", 0, request_id=rid),
             end,
             at=now,
         )  # fmt: skip

@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import PriceSet, Recorded, RequestRejected
+from domain.envelope import Recorded
 from domain.projections import REQUEST_LOG
+from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
+from domain.requests.events import RequestRejected
 from ledger import dead_letters, faults
 from ledger.engine import create_engine_from_url
 from ledger.schema import dead_letters as dead_table
@@ -57,11 +59,11 @@ def _request(store: SqlEventStore, tenant: str = "acme") -> str:
     rid = "req_" + uuid.uuid4().hex
     at = datetime.now(UTC)
     events = b.decided(
-        lc.AdmitRequest(
+        AdmitRequest(
             rid, tenant, "key-1", PRICED, "standard", "edge-1", Estimate(100, 50, 1_000, 40_000)
         ),
-        lc.RouteRequest("replica-1", 0, request_id=rid),
-        lc.CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid),
+        RouteRequest("replica-1", 0, request_id=rid),
+        CompleteRequest(100, 42, 0, "stop", 30, 20_000, request_id=rid),
         at=at,
     )
     store.append(rid, 0, [NewEvent(str(uuid.uuid4()), rid, tenant, at, e) for e in events])

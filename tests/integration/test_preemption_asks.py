@@ -10,8 +10,9 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
-from domain.events import TERMINAL_TYPES, PreemptionRequested
+from domain.requests.decide import AskToPreempt, decide
+from domain.requests.events import TERMINAL_TYPES, PreemptionRequested
+from domain.requests.evolve import fold
 from ledger.commands import CommandHandler, request_stream
 from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
@@ -39,9 +40,9 @@ def _flex(store: SqlEventStore) -> str:
 
 
 def _ask(store: SqlEventStore, rid: str, edge: str) -> None:
-    command = lc.AskToPreempt(edge, f"req-for-{edge}", "replica-1")
+    command = AskToPreempt(edge, f"req-for-{edge}", "replica-1")
     CommandHandler(store, attempts=EDGES + 2).handle(
-        rid, lambda state: lc.decide(state, command), request_stream(store, rid),
+        rid, lambda state: decide(state, command), request_stream(store, rid),
         tenant_id=b.TENANT,
     )  # fmt: skip
 
@@ -70,7 +71,7 @@ def test_many_edges_asking_at_once_record_one_ask(store: SqlEventStore) -> None:
     _all_at_once(*(lambda e=f"edge-{i}": _ask(store, rid, e) for i in range(EDGES)))
     asks = [r.event for r in store.read_stream(rid) if isinstance(r.event, PreemptionRequested)]
     assert len(asks) == 1
-    state = lc.fold(store.read_stream(rid))
+    state = fold(store.read_stream(rid))
     assert state.preemption_requested_by == asks[0].requested_by and not state.is_terminal
 
 
@@ -79,7 +80,7 @@ def test_asks_racing_the_serving_edges_end_leave_one_terminal(store: SqlEventSto
 
     def complete() -> None:  # the serving edge, deciding again on a conflict as its recorder does
         CommandHandler(store, attempts=EDGES + 2).handle(
-            rid, lambda state: lc.decide(state, b.complete()), request_stream(store, rid),
+            rid, lambda state: decide(state, b.complete()), request_stream(store, rid),
             tenant_id=b.TENANT,
         )  # fmt: skip
 

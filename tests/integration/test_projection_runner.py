@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain.events import FirstTokenStreamed, Recorded, RequestRouted
+from domain.envelope import Recorded
+from domain.requests.events import FirstTokenStreamed, RequestRouted
 from ledger import schema
 from ledger.engine import create_engine_from_url
 from ledger.errors import ProjectionError

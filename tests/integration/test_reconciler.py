@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 
-from domain.events import PriceSet
+from domain.control_plane.events import PriceSet
 from ledger.checkpoints import Checkpoints
 from ledger.schema import ledger_entries
 from ledger.store import NewEvent, SqlEventStore

@@ -16,10 +16,19 @@ from datetime import UTC, datetime, timedelta
 import orjson
 import sqlalchemy as sa
 
-from domain import lifecycle as lc
+from domain.control_plane.events import PriceSet
 from domain.cost import Estimate
-from domain.events import PriceSet, Recorded, to_payload
+from domain.envelope import Recorded
 from domain.projections import USAGE_HOURLY
+from domain.registry import to_payload
+from domain.requests.decide import (
+    AdmitRequest,
+    CancelRequest,
+    Command,
+    CompleteRequest,
+    FailRequest,
+    RouteRequest,
+)
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
 from ledger.store import NewEvent, SqlEventStore
@@ -43,15 +52,15 @@ def _history(store: SqlEventStore, rng: random.Random) -> None:
         when = T0 + timedelta(seconds=70 * i)
         prompt, out = rng.randint(1, 900), rng.randint(0, 700)
         cached = rng.randint(0, prompt)
-        end: lc.Command = rng.choice(
+        end: Command = rng.choice(
             [
-                lc.CompleteRequest(prompt, out, cached, "stop", 30, 20_000, request_id=rid),
-                lc.CancelRequest(prompt, out // 2, cached, request_id=rid),
-                lc.FailRequest(prompt, out // 3, cached, "replica died", request_id=rid),
+                CompleteRequest(prompt, out, cached, "stop", 30, 20_000, request_id=rid),
+                CancelRequest(prompt, out // 2, cached, request_id=rid),
+                FailRequest(prompt, out // 3, cached, "replica died", request_id=rid),
             ]
         )
         events = b.decided(
-            lc.AdmitRequest(
+            AdmitRequest(
                 rid,
                 tenant,
                 f"key-{tenant}",
@@ -60,7 +69,7 @@ def _history(store: SqlEventStore, rng: random.Random) -> None:
                 "edge-1",
                 Estimate(prompt, 1_000, 1_000, 40_000),
             ),
-            lc.RouteRequest("replica-1", 0, request_id=rid),
+            RouteRequest("replica-1", 0, request_id=rid),
             end,
             at=when,
         )

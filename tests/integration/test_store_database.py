@@ -10,7 +10,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from domain.events import FirstTokenStreamed
+from domain.requests.events import FirstTokenStreamed
 from ledger import schema
 from ledger.engine import create_engine_from_url
 from ledger.errors import BadDatabaseUrl, StoreUnavailable

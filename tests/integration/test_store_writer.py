@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from domain.events import FirstTokenStreamed, Recorded
+from domain.envelope import Recorded
+from domain.requests.events import FirstTokenStreamed
 from ledger import schema
 from ledger.engine import create_engine_from_url
 from ledger.errors import StoreUnavailable

@@ -11,11 +11,11 @@ import pytest
 
 from domain import admission
 from domain.admission import AdmissionPolicy, Admitted, Rejected, ReserveQuota
-from domain.control import Limits
+from domain.control_plane.state import Limits
 from domain.cost import GIB, est_kv_byte_seconds
 from domain.errors import DomainError
-from domain.events import RequestPreempted
 from domain.quota import QuotaView
+from domain.requests.events import RequestPreempted
 from tests import builders as b
 
 LIMITS = Limits(rpm=60, tpm=10_000, max_context=4_000, max_output=1_000, kv_gib_seconds=16)

@@ -11,11 +11,12 @@ from domain.admission_steps import (
     may_fall_back,
     resolve_run,
 )
-from domain.budgets import PathView
 from domain.capacity import Refusal, UnknownModel
-from domain.hierarchy import Hierarchy, Run, RunLimits
+from domain.governance.budgets import PathView
+from domain.governance.state import Hierarchy
 from domain.quota import QuotaView
 from domain.remote_flex import RemoteFlex
+from domain.runs.state import Run, RunLimits
 from domain.views import AdmissionViews
 from tests import builders as b
 

@@ -1,4 +1,4 @@
-"""The batch stream and the batch file format (domain/batch.py): what a file may hold, the
+"""The batch stream and the batch file format (domain/batches/): what a file may hold, the
 states a batch moves through, each item recorded once, and what a batch item's attempt bills."""
 
 from __future__ import annotations
@@ -9,11 +9,24 @@ from typing import Any
 
 import pytest
 
-from domain import batch as b
-from domain import lifecycle as lc
+from domain.batches.decide import (
+    BatchCommand,
+    CancelBatch,
+    CreateBatch,
+    EndBatch,
+    FinalizeBatch,
+    RecordItem,
+    StartBatch,
+    decide,
+)
+from domain.batches.events import BatchCreated, BatchItemFinished
+from domain.batches.evolve import evolve
+from domain.batches.files import MAX_FILE_BYTES, MAX_LINES, output_line, parse_input, unrun_line
+from domain.batches.state import ENDPOINT, BatchState, window_seconds
 from domain.billing import bill_terminal
+from domain.envelope import Event
 from domain.errors import DomainError
-from domain.events import Event
+from domain.requests.decide import billed_counts
 from tests import builders as tb
 
 NOW = tb.at(0)
@@ -32,7 +45,7 @@ def content(*lines: Any) -> bytes:
 
 def refused(raw: bytes) -> DomainError:
     with pytest.raises(DomainError) as err:
-        b.parse_input(raw)
+        parse_input(raw)
     assert "secret prompt" not in err.value.message
     return err.value
 
@@ -41,7 +54,7 @@ def refused(raw: bytes) -> DomainError:
 
 
 def test_a_file_is_its_lines_in_order_blank_lines_aside() -> None:
-    parsed = b.parse_input(content(line("a"), b"", line("b")))
+    parsed = parse_input(content(line("a"), b"", line("b")))
     assert [(p.line, p.custom_id) for p in parsed] == [(1, "a"), (3, "b")]
 
 
@@ -73,39 +86,39 @@ def test_a_bad_line_is_refused_naming_it_never_quoting_it(
 
 
 def test_a_file_is_bounded_in_bytes_and_lines() -> None:
-    assert refused(b"x" * (b.MAX_FILE_BYTES + 1)).rule == "file_too_large"
-    many = content(*(line(f"i{i}") for i in range(b.MAX_LINES + 1)))
-    if len(many) <= b.MAX_FILE_BYTES:
+    assert refused(b"x" * (MAX_FILE_BYTES + 1)).rule == "file_too_large"
+    many = content(*(line(f"i{i}") for i in range(MAX_LINES + 1)))
+    if len(many) <= MAX_FILE_BYTES:
         assert refused(many).rule == "too_many_lines"
 
 
 def test_windows_are_24h_and_only_the_extra_ones_a_server_offers() -> None:
-    assert b.window_seconds("24h") == 86_400
-    assert b.window_seconds("30s") is None
-    assert b.window_seconds("30s", ("30s",)) == 30
-    assert b.window_seconds("5m", ("5m",)) == 300
-    assert b.window_seconds("7d", ("7d",)) is None
-    assert b.window_seconds(24) is None
+    assert window_seconds("24h") == 86_400
+    assert window_seconds("30s") is None
+    assert window_seconds("30s", ("30s",)) == 30
+    assert window_seconds("5m", ("5m",)) == 300
+    assert window_seconds("7d", ("7d",)) is None
+    assert window_seconds(24) is None
 
 
 # --- the stream ---------------------------------------------------------------------------------
 
 
-def create(total: int = 2) -> b.CreateBatch:
-    return b.CreateBatch("batch_1", "acme", "key-1", "file-1", b.ENDPOINT, "24h", 86_400, total,
+def create(total: int = 2) -> CreateBatch:
+    return CreateBatch("batch_1", "acme", "key-1", "file-1", ENDPOINT, "24h", 86_400, total,
                          NOW)
 
 
 class Stream:
     def __init__(self) -> None:
-        self.state = b.BatchState()
+        self.state = BatchState()
         self.events: list[Event] = []
 
-    def do(self, command: b.BatchCommand, seconds: float = 1) -> tuple[Event, ...]:
-        events = b.decide(self.state, command)
+    def do(self, command: BatchCommand, seconds: float = 1) -> tuple[Event, ...]:
+        events = decide(self.state, command)
         for event in events:
             self.events.append(event)
-            self.state = b.evolve(self.state, tb.record(
+            self.state = evolve(self.state, tb.record(
                 event, version=self.state.version + 1, seconds=seconds, stream_id="batch-batch_1"))
         return events
 
@@ -113,20 +126,20 @@ class Stream:
 def test_a_batch_moves_validating_in_progress_finalizing_completed() -> None:
     s = Stream()
     (created,) = s.do(create())
-    assert isinstance(created, b.BatchCreated)
+    assert isinstance(created, BatchCreated)
     assert created.expires_at == NOW + timedelta(hours=24)
     assert s.state.status == "validating"
-    s.do(b.StartBatch())
+    s.do(StartBatch())
     assert s.state.status == "in_progress" and s.state.in_progress_at is not None
-    s.do(b.RecordItem("a", "req_1", "completed", 200))
+    s.do(RecordItem("a", "req_1", "completed", 200))
     with pytest.raises(DomainError) as err:
-        s.do(b.FinalizeBatch("completed"))
+        s.do(FinalizeBatch("completed"))
     assert err.value.rule == "items_left"
-    s.do(b.RecordItem("b", "req_2", "failed", 400))
+    s.do(RecordItem("b", "req_2", "failed", 400))
     assert (s.state.completed, s.state.failed) == (1, 1) and s.state.all_finished
-    s.do(b.FinalizeBatch("completed"))
+    s.do(FinalizeBatch("completed"))
     assert s.state.status == "finalizing"
-    s.do(b.EndBatch("file-out", "file-err"))
+    s.do(EndBatch("file-out", "file-err"))
     assert s.state.status == "completed" and s.state.completed_at is not None
     assert (s.state.output_file_id, s.state.error_file_id) == ("file-out", "file-err")
 
@@ -134,56 +147,56 @@ def test_a_batch_moves_validating_in_progress_finalizing_completed() -> None:
 def test_an_item_is_recorded_once_whatever_is_retried() -> None:
     s = Stream()
     s.do(create())
-    s.do(b.StartBatch())
-    assert s.do(b.RecordItem("a", "req_1", "completed", 200))
-    assert s.do(b.RecordItem("a", "req_9", "completed", 200)) == ()
+    s.do(StartBatch())
+    assert s.do(RecordItem("a", "req_1", "completed", 200))
+    assert s.do(RecordItem("a", "req_9", "completed", 200)) == ()
     assert s.state.completed == 1
     # A stream that somehow holds two outcomes for one item is loud.
-    twice = b.BatchItemFinished("batch_1", "a", "req_9", "completed", 200)
+    twice = BatchItemFinished("batch_1", "a", "req_9", "completed", 200)
     with pytest.raises(DomainError) as err:
-        b.evolve(s.state, tb.record(twice, version=s.state.version + 1))
+        evolve(s.state, tb.record(twice, version=s.state.version + 1))
     assert err.value.rule == "item_twice"
 
 
 def test_cancel_stops_an_open_batch_and_ends_it_cancelled() -> None:
     s = Stream()
     s.do(create())
-    s.do(b.StartBatch())
-    s.do(b.CancelBatch())
+    s.do(StartBatch())
+    s.do(CancelBatch())
     assert s.state.status == "cancelling" and s.state.cancelling_at is not None
-    assert s.do(b.CancelBatch()) == ()
-    s.do(b.RecordItem("a", "req_1", "completed", 200))  # it finished as the cancel arrived
-    s.do(b.EndBatch("file-out", None))
+    assert s.do(CancelBatch()) == ()
+    s.do(RecordItem("a", "req_1", "completed", 200))  # it finished as the cancel arrived
+    s.do(EndBatch("file-out", None))
     assert s.state.status == "cancelled" and s.state.completed == 1
-    assert s.do(b.CancelBatch()) == ()
+    assert s.do(CancelBatch()) == ()
 
 
 def test_a_finished_batch_cannot_be_cancelled() -> None:
     s = Stream()
     s.do(create(1))
-    s.do(b.StartBatch())
-    s.do(b.RecordItem("a", "req_1", "completed", 200))
-    s.do(b.FinalizeBatch("completed"))
-    s.do(b.EndBatch("file-out", None))
+    s.do(StartBatch())
+    s.do(RecordItem("a", "req_1", "completed", 200))
+    s.do(FinalizeBatch("completed"))
+    s.do(EndBatch("file-out", None))
     with pytest.raises(DomainError) as err:
-        s.do(b.CancelBatch())
+        s.do(CancelBatch())
     assert err.value.rule == "not_cancellable"
 
 
 def test_expiry_finalizes_with_what_completed() -> None:
     s = Stream()
     s.do(create(3))
-    s.do(b.StartBatch())
-    s.do(b.RecordItem("a", "req_1", "completed", 200))
-    s.do(b.FinalizeBatch("expired"))
-    s.do(b.EndBatch("file-out", "file-err"))
+    s.do(StartBatch())
+    s.do(RecordItem("a", "req_1", "completed", 200))
+    s.do(FinalizeBatch("expired"))
+    s.do(EndBatch("file-out", "file-err"))
     assert s.state.status == "expired" and s.state.expired_at is not None
-    assert s.do(b.RecordItem("b", "req_2", "completed", 200)) == ()  # too late: ended
+    assert s.do(RecordItem("b", "req_2", "completed", 200)) == ()  # too late: ended
 
 
 def test_commands_on_an_unknown_batch_are_refused() -> None:
     with pytest.raises(DomainError) as err:
-        b.decide(b.BatchState(), b.StartBatch())
+        decide(BatchState(), StartBatch())
     assert err.value.rule == "unknown_batch"
 
 
@@ -194,9 +207,9 @@ def test_creating_the_same_batch_again_records_nothing() -> None:
 
 
 def test_the_error_file_names_unrun_items_by_why() -> None:
-    assert b.unrun_line("a", "expired")["error"]["code"] == "batch_expired"
-    assert b.unrun_line("a", "cancelled")["error"]["code"] == "batch_cancelled"
-    out = b.output_line("a", "req_0123", 200, {"x": 1})
+    assert unrun_line("a", "expired")["error"]["code"] == "batch_expired"
+    assert unrun_line("a", "cancelled")["error"]["code"] == "batch_cancelled"
+    out = output_line("a", "req_0123", 200, {"x": 1})
     assert out["id"] == "batch_req_0123" and out["response"]["request_id"] == "req_0123"
 
 
@@ -225,8 +238,8 @@ def test_a_completed_batch_item_bills_the_engine_counts() -> None:
 
 def test_billed_counts_is_the_one_rule() -> None:
     counts = (10, 5, 2)
-    assert lc.billed_counts("completed", "", counts) == counts
-    assert lc.billed_counts("cancelled", "", counts) == counts
-    assert lc.billed_counts("preempted", "", counts) == (0, 0, 0)
-    assert lc.billed_counts("cancelled", "batch_1/a", counts) == (0, 0, 0)
-    assert lc.billed_counts("completed", "batch_1/a", counts) == counts
+    assert billed_counts("completed", "", counts) == counts
+    assert billed_counts("cancelled", "", counts) == counts
+    assert billed_counts("preempted", "", counts) == (0, 0, 0)
+    assert billed_counts("cancelled", "batch_1/a", counts) == (0, 0, 0)
+    assert billed_counts("completed", "batch_1/a", counts) == counts

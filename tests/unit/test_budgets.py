@@ -13,15 +13,32 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain import admission, budgets
-from domain import control as c
-from domain import hierarchy as h
-from domain import lifecycle as lc
+from domain import admission
 from domain.admission import Admitted, Rejected, ReserveQuota
+from domain.control_plane.decide import ControlCommand, IssueApiKey, decide_control
+from domain.control_plane.state import ControlView, tenant_stream
 from domain.cost import Price, amount_micros
+from domain.envelope import Event
 from domain.errors import MAX_AMOUNT_MICROS, DomainError
-from domain.events import BudgetReserved, Event, ToolCallsReturned
+from domain.governance.budgets import PathView
+from domain.governance.decide import (
+    AssignKey,
+    CreateProject,
+    CreateWorkspace,
+    EndRun,
+    MoveProject,
+    SetBudget,
+    SetLevelLimits,
+    SetRunPolicy,
+    SetTimeZone,
+    StartRun,
+)
+from domain.governance.state import Budget
 from domain.quota import QuotaView
+from domain.requests.decide import decide
+from domain.requests.events import BudgetReserved, ToolCallsReturned
+from domain.requests.state import RequestState
+from domain.runs.state import Run, RunLimits, run_stream
 from tests import builders as b
 
 MODEL = b.MODEL
@@ -34,35 +51,35 @@ class Org:
     """A tenant's control view, quota and path views, and a decision helper: what one edge holds."""
 
     def __init__(self, *events: Event, plan: str = "enterprise") -> None:
-        self.view = c.ControlView()
+        self.view = ControlView()
         self._n = 0
         self.apply(b.tenant_registered(plan=plan), b.key_issued())
         self.apply(*events)
         self.quota = QuotaView(lambda tenant, model: LIMITS)
-        self.paths = budgets.PathView()
+        self.paths = PathView()
         self._rid = 0
 
     def apply(self, *events: Event, seconds: float = 0) -> None:
         for event in events:
             self._n += 1
             stream = (
-                h.run_stream(b.TENANT, event.run_id)  # type: ignore[attr-defined]
+                run_stream(b.TENANT, event.run_id)  # type: ignore[attr-defined]
                 if type(event).__name__.startswith("Run") and hasattr(event, "run_id")
-                else c.tenant_stream(b.TENANT)
+                else tenant_stream(b.TENANT)
             )
             self.view.apply(
                 b.record(event, version=self._n, seconds=seconds, stream_id=stream,
                          position=self._n)
             )  # fmt: skip
 
-    def do(self, command: c.ControlCommand, seconds: float = 0) -> tuple[Event, ...]:
-        events = c.decide_control(self.view, command)
+    def do(self, command: ControlCommand, seconds: float = 0) -> tuple[Event, ...]:
+        events = decide_control(self.view, command)
         self.apply(*events, seconds=seconds)
         return events
 
     def ask(
         self, *, key: str = b.KEY, seconds: float = 0, now: datetime | None = None,
-        run: h.Run | None = None, **kw: Any,
+        run: Run | None = None, **kw: Any,
     ) -> Admitted | Rejected:  # fmt: skip
         self._rid += 1
         when = now or b.at(seconds)
@@ -98,9 +115,9 @@ MAX_COST = 300
 def tree(**kw: Any) -> Org:
     """acme → workspace "research" → project "search-bot" → key-1."""
     org = Org(**kw)
-    org.do(h.CreateWorkspace(b.TENANT, "research"))
-    org.do(h.CreateProject(b.TENANT, "search-bot", "research"))
-    org.do(h.AssignKey(b.TENANT, b.KEY, "search-bot"))
+    org.do(CreateWorkspace(b.TENANT, "research"))
+    org.do(CreateProject(b.TENANT, "search-bot", "research"))
+    org.do(AssignKey(b.TENANT, b.KEY, "search-bot"))
     return org
 
 
@@ -140,47 +157,47 @@ def test_a_tenant_with_nothing_set_is_not_decided_over_a_path() -> None:
 
 def test_issuing_a_key_into_a_project_records_its_place() -> None:
     org = tree()
-    events = org.do(c.IssueApiKey(b.TENANT, "key-3", "c" * 64, project_id="search-bot"))
+    events = org.do(IssueApiKey(b.TENANT, "key-3", "c" * 64, project_id="search-bot"))
     assert [type(e).__name__ for e in events] == ["ApiKeyIssued", "KeyAssigned"]
     assert org.view.hierarchy.project_of_key(b.TENANT, "key-3") == "search-bot"
 
 
 def test_moving_a_project_changes_the_path_of_its_keys() -> None:
     org = tree()
-    org.do(h.CreateWorkspace(b.TENANT, "ops"))
-    org.do(h.MoveProject(b.TENANT, "search-bot", "ops"))
+    org.do(CreateWorkspace(b.TENANT, "ops"))
+    org.do(MoveProject(b.TENANT, "search-bot", "ops"))
     assert org.view.hierarchy.path(b.TENANT, b.KEY)[1].level_id == "ops"
 
 
 @pytest.mark.parametrize(
     ("command", "rule"),
     [
-        (h.CreateProject(b.TENANT, "p", "nowhere"), "unknown_workspace"),
-        (h.CreateWorkspace(b.TENANT, "Bad Name"), "bad_name"),
-        (h.SetBudget(b.TENANT, "project", "nope", "month", 1), "unknown_project"),
-        (h.SetBudget(b.TENANT, "org", b.TENANT, "week", 1), "bad_period"),
-        (h.SetBudget(b.TENANT, "org", b.TENANT, "month", -1), "negative_budget"),
-        (h.SetBudget(b.TENANT, "org", b.TENANT, "month", MAX_AMOUNT_MICROS + 1), "too_large"),
-        (h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", tpm=10**13), "too_large"),
-        (h.StartRun(b.TENANT, "r", None, h.RunLimits(max_calls=10**13)), "too_large"),
-        (h.SetTimeZone(b.TENANT, "Mars/Olympus"), "bad_time_zone"),
-        (h.SetLevelLimits(b.TENANT, "key", "key-9", "*", rpm=1), "unknown_key"),
-        (h.SetLevelLimits(b.TENANT, "workspace", "research", "*"), "empty_limits"),
-        (h.StartRun(b.TENANT, "bad id!", None, h.RunLimits()), "bad_run_id"),
-        (h.EndRun(b.TENANT, "never"), "unknown_run"),
+        (CreateProject(b.TENANT, "p", "nowhere"), "unknown_workspace"),
+        (CreateWorkspace(b.TENANT, "Bad Name"), "bad_name"),
+        (SetBudget(b.TENANT, "project", "nope", "month", 1), "unknown_project"),
+        (SetBudget(b.TENANT, "org", b.TENANT, "week", 1), "bad_period"),
+        (SetBudget(b.TENANT, "org", b.TENANT, "month", -1), "negative_budget"),
+        (SetBudget(b.TENANT, "org", b.TENANT, "month", MAX_AMOUNT_MICROS + 1), "too_large"),
+        (SetLevelLimits(b.TENANT, "project", "search-bot", "*", tpm=10**13), "too_large"),
+        (StartRun(b.TENANT, "r", None, RunLimits(max_calls=10**13)), "too_large"),
+        (SetTimeZone(b.TENANT, "Mars/Olympus"), "bad_time_zone"),
+        (SetLevelLimits(b.TENANT, "key", "key-9", "*", rpm=1), "unknown_key"),
+        (SetLevelLimits(b.TENANT, "workspace", "research", "*"), "empty_limits"),
+        (StartRun(b.TENANT, "bad id!", None, RunLimits()), "bad_run_id"),
+        (EndRun(b.TENANT, "never"), "unknown_run"),
     ],
 )
-def test_malformed_hierarchy_commands_name_their_rule(command: c.ControlCommand, rule: str) -> None:
+def test_malformed_hierarchy_commands_name_their_rule(command: ControlCommand, rule: str) -> None:
     org = tree()
     with pytest.raises(DomainError) as err:
-        c.decide_control(org.view, command)
+        decide_control(org.view, command)
     assert err.value.rule == rule
 
 
 def test_a_second_workspace_of_the_same_name_is_refused() -> None:
     org = tree()
     with pytest.raises(DomainError) as err:
-        org.do(h.CreateWorkspace(b.TENANT, "research"))
+        org.do(CreateWorkspace(b.TENANT, "research"))
     assert err.value.rule == "duplicate_workspace"
 
 
@@ -189,7 +206,7 @@ def test_a_second_workspace_of_the_same_name_is_refused() -> None:
 
 def test_a_project_budget_admits_until_its_next_request_could_pass_it() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "month", 10 * MAX_COST))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "month", 10 * MAX_COST))
     for _ in range(10):
         admitted(org.ask())
     no = refused(org.ask(), "budget")
@@ -200,7 +217,7 @@ def test_a_project_budget_admits_until_its_next_request_could_pass_it() -> None:
 
 def test_a_refusal_below_the_organization_gives_the_organizations_charge_back() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
     admitted(org.ask())
     refused(org.ask(), "budget")
     assert len(org.quota.in_flight(b.TENANT)) == 1  # the refused one holds nothing
@@ -208,7 +225,7 @@ def test_a_refusal_below_the_organization_gives_the_organizations_charge_back() 
 
 def test_the_bill_trues_the_reservation_up_at_every_level() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "workspace", "research", "day", 750))
+    org.do(SetBudget(b.TENANT, "workspace", "research", "day", 750))
     first = admitted(org.ask())
     admitted(org.ask())
     refused(org.ask(), "budget")  # 300 + 300 reserved + 300 > 750
@@ -223,22 +240,22 @@ def test_the_bill_trues_the_reservation_up_at_every_level() -> None:
 
 def test_an_ancestor_is_named_before_a_descendant() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "org", b.TENANT, "month", MAX_COST))
-    org.do(h.SetBudget(b.TENANT, "key", b.KEY, "month", MAX_COST))
+    org.do(SetBudget(b.TENANT, "org", b.TENANT, "month", MAX_COST))
+    org.do(SetBudget(b.TENANT, "key", b.KEY, "month", MAX_COST))
     admitted(org.ask())
     assert refused(org.ask(), "budget").level == "organization"
 
 
 def test_a_request_that_costs_more_than_the_whole_budget_is_invalid() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "day", MAX_COST - 1))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "day", MAX_COST - 1))
     no = refused(org.ask(), "invalid")
     assert no.param == "max_tokens" and no.retry_after_s == 0
 
 
 def test_a_spent_budget_says_when_the_next_period_begins() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "day", MAX_COST))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "day", MAX_COST))
     org.finish(admitted(org.ask()), completion=100)  # 300 posted: nothing will come back today
     no = refused(org.ask(), "budget")
     # T0 is 12:00 UTC: the next day begins in 12 h (plus the jitter's 0 s).
@@ -247,7 +264,7 @@ def test_a_spent_budget_says_when_the_next_period_begins() -> None:
 
 def test_a_new_month_starts_from_zero_at_exactly_its_first_instant() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
     end = datetime(2026, 5, 31, 23, 59, 59, 999_999, tzinfo=UTC)
     last = admitted(org.ask(now=end))
     refused(org.ask(now=end), "budget")
@@ -259,8 +276,8 @@ def test_a_new_month_starts_from_zero_at_exactly_its_first_instant() -> None:
 
 def test_periods_are_the_organizations_local_days() -> None:
     org = tree()
-    org.do(h.SetTimeZone(b.TENANT, "America/New_York"))
-    org.do(h.SetBudget(b.TENANT, "org", b.TENANT, "day", MAX_COST))
+    org.do(SetTimeZone(b.TENANT, "America/New_York"))
+    org.do(SetBudget(b.TENANT, "org", b.TENANT, "day", MAX_COST))
     # 03:00 UTC on 1 June is 23:00 on 31 May in New York (EDT, UTC-4): still 31 May there.
     may = admitted(org.ask(now=datetime(2026, 6, 1, 3, 0, tzinfo=UTC)))
     refused(org.ask(now=datetime(2026, 6, 1, 3, 59, tzinfo=UTC)), "budget")
@@ -271,11 +288,11 @@ def test_periods_are_the_organizations_local_days() -> None:
 
 def test_lowering_a_budget_takes_effect_on_the_next_decision() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "workspace", "research", "month", 100 * MAX_COST))
+    org.do(SetBudget(b.TENANT, "workspace", "research", "month", 100 * MAX_COST))
     admitted(org.ask())
-    org.do(h.SetBudget(b.TENANT, "workspace", "research", "month", MAX_COST))
+    org.do(SetBudget(b.TENANT, "workspace", "research", "month", MAX_COST))
     assert refused(org.ask(), "budget").level == 'workspace "research"'
-    org.do(h.SetBudget(b.TENANT, "workspace", "research", "month", None))
+    org.do(SetBudget(b.TENANT, "workspace", "research", "month", None))
     admitted(org.ask())
 
 
@@ -284,8 +301,8 @@ def test_lowering_a_budget_takes_effect_on_the_next_decision() -> None:
 
 def test_a_project_rpm_bounds_every_key_of_the_project_together() -> None:
     org = tree()
-    org.do(c.IssueApiKey(b.TENANT, "key-2", "d" * 64, project_id="search-bot"))
-    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=3))
+    org.do(IssueApiKey(b.TENANT, "key-2", "d" * 64, project_id="search-bot"))
+    org.do(SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=3))
     admitted(org.ask(key=b.KEY))
     admitted(org.ask(key="key-2"))
     ok = admitted(org.ask(key=b.KEY))
@@ -299,7 +316,7 @@ def test_a_level_limit_set_between_decisions_bounds_the_next_ones() -> None:
     # since must still be checked and charged from the next decision on.
     org = tree()
     admitted(org.ask())
-    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=2))
+    org.do(SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=2))
     admitted(org.ask())
     admitted(org.ask())
     assert refused(org.ask(), "requests").level == 'project "search-bot"'
@@ -313,15 +330,15 @@ def test_a_keys_policy_is_built_once_a_day_and_again_after_a_change() -> None:
     assert tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(60)) is first
     next_day = tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(24 * 3600))
     assert next_day is not first and next_day is not None and next_day.day != first.day
-    org.do(h.SetBudget(b.TENANT, "key", b.KEY, "day", MAX_COST))
+    org.do(SetBudget(b.TENANT, "key", b.KEY, "day", MAX_COST))
     changed = tree_view.policy(b.TENANT, b.KEY, MODEL, b.at(24 * 3600))
     assert changed is not next_day and changed is not None
-    assert changed.levels[-1].budgets == (h.Budget("day", MAX_COST),)
+    assert changed.levels[-1].budgets == (Budget("day", MAX_COST),)
 
 
 def test_a_level_max_output_clamps_the_reservation() -> None:
     org = tree()
-    org.do(h.SetLevelLimits(b.TENANT, "key", b.KEY, MODEL, max_output=10))
+    org.do(SetLevelLimits(b.TENANT, "key", b.KEY, MODEL, max_output=10))
     ok = admitted(org.ask(max_tokens=100))
     assert ok.estimate.reserved_output_tokens == 10 and ok.clamped_output
 
@@ -329,7 +346,7 @@ def test_a_level_max_output_clamps_the_reservation() -> None:
 def test_a_level_limiting_tokens_per_minute_alone_binds() -> None:
     # No requests/min limit anywhere: the tokens/min bucket must still be charged.
     org = tree()
-    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", tpm=450))
+    org.do(SetLevelLimits(b.TENANT, "project", "search-bot", "*", tpm=450))
     first = admitted(org.ask())
     reserved = first.estimate.reserved_tokens
     assert 450 // reserved >= 1
@@ -341,15 +358,15 @@ def test_a_level_limiting_tokens_per_minute_alone_binds() -> None:
 
 def test_a_level_tpm_too_small_for_the_request_is_invalid() -> None:
     org = tree()
-    org.do(h.SetLevelLimits(b.TENANT, "workspace", "research", "*", tpm=150))
+    org.do(SetLevelLimits(b.TENANT, "workspace", "research", "*", tpm=150))
     assert refused(org.ask(), "invalid").param == "max_tokens"
 
 
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def run_of(org: Org, run_id: str = "run-1", **limits: int) -> h.Run:
-    org.do(h.StartRun(b.TENANT, run_id, "search-bot", h.RunLimits(**limits)))
+def run_of(org: Org, run_id: str = "run-1", **limits: int) -> Run:
+    org.do(StartRun(b.TENANT, run_id, "search-bot", RunLimits(**limits)))
     run = org.view.hierarchy.run(b.TENANT, run_id)
     assert run is not None
     return run
@@ -403,23 +420,24 @@ def test_a_run_stops_after_its_wall_clock() -> None:
 def test_an_ended_run_takes_no_more_calls() -> None:
     org = tree()
     run_of(org)
-    org.do(h.EndRun(b.TENANT, "run-1"))
+    org.do(EndRun(b.TENANT, "run-1"))
     ended = org.view.hierarchy.run(b.TENANT, "run-1")
     assert refused(org.ask(run=ended), "run_budget").dimension == "ended"
 
 
 def test_a_run_takes_its_projects_policy_where_it_gives_no_limit() -> None:
     org = tree()
-    org.do(h.SetRunPolicy(b.TENANT, "search-bot", h.RunLimits(max_calls=5, max_cost_micros=9)))
+    org.do(SetRunPolicy(b.TENANT, "search-bot", RunLimits(max_calls=5, max_cost_micros=9)))
     run = run_of(org, max_calls=2)
-    assert run.limits == h.RunLimits(max_calls=2, max_cost_micros=9)
+    assert run.limits == RunLimits(max_calls=2, max_cost_micros=9)
 
 
 def test_a_run_its_first_call_started_takes_the_policy_in_force_at_its_start() -> None:
     """The edge that started the run had not heard of the policy set a moment before (its
     RunStarted carries no limit): the run is bound by it all the same once the view learns it.
     A policy set after the run started does not reach back."""
-    from domain.events import RunPolicySet, RunStarted
+    from domain.governance.events import RunPolicySet
+    from domain.runs.events import RunStarted
 
     org = tree()
     org.apply(RunPolicySet(b.TENANT, "search-bot", max_calls=1), seconds=10)
@@ -428,15 +446,15 @@ def test_a_run_its_first_call_started_takes_the_policy_in_force_at_its_start() -
     org.apply(RunPolicySet(b.TENANT, "search-bot", max_calls=7), seconds=12)
     tree_view = org.view.hierarchy
     run = tree_view.run(b.TENANT, "agent-1")
-    assert run is not None and run.limits == h.RunLimits(max_calls=1)
+    assert run is not None and run.limits == RunLimits(max_calls=1)
     early = tree_view.run(b.TENANT, "agent-0")  # started before any policy: none binds it
-    assert early is not None and early.limits == h.RunLimits()
+    assert early is not None and early.limits == RunLimits()
     admitted(org.ask(run=run, seconds=13))
     assert refused(org.ask(run=run, seconds=13), "run_budget").dimension == "calls"
     # An explicit run keeps what it was created with.
     org.apply(RunStarted(b.TENANT, "posted", "search-bot", max_calls=3), seconds=11)
     posted = tree_view.run(b.TENANT, "posted")
-    assert posted is not None and posted.limits == h.RunLimits(max_calls=3)
+    assert posted is not None and posted.limits == RunLimits(max_calls=3)
 
 
 # --- the request stream and the fold -------------------------------------------------------------
@@ -454,7 +472,7 @@ def test_the_admission_records_the_reservation_and_the_end_the_tool_calls() -> N
     assert (state.project_id, state.workspace_id, state.run_id) == (
         "search-bot", "research", "run-1",
     )  # fmt: skip
-    ended = lc.decide(state, b.complete(tool_calls=3))
+    ended = decide(state, b.complete(tool_calls=3))
     assert ended[-1] == ToolCallsReturned(ok.reserved.request_id, "run-1", 3)
 
 
@@ -463,13 +481,13 @@ def test_a_reservation_for_another_request_is_refused() -> None:
     ok = admitted(org.ask())
     assert ok.reserved is not None
     with pytest.raises(DomainError) as err:
-        lc.decide(lc.RequestState(), b.admit(estimate=ok.estimate, reserved=ok.reserved))
+        decide(RequestState(), b.admit(estimate=ok.estimate, reserved=ok.reserved))
     assert err.value.rule == "reservation_mismatch"
 
 
 def test_a_view_folded_from_the_log_holds_what_the_deciding_edge_holds() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "month", 10 * MAX_COST))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "month", 10 * MAX_COST))
     log: list[Any] = []
     for i in range(4):
         ok = admitted(org.ask())
@@ -481,7 +499,7 @@ def test_a_view_folded_from_the_log_holds_what_the_deciding_edge_holds() -> None
             log.append(b.record(b.completed(request_id=rid), version=5, seconds=1))
             log.append(b.record(b.billed(request_id=rid, amount_micros=amount), version=7,
                                 seconds=1))  # fmt: skip
-    other = budgets.PathView()
+    other = PathView()
     for record in log + log:  # twice: a redelivery changes nothing
         other.apply(record)
     month = b.at().strftime("%Y-%m")
@@ -494,9 +512,9 @@ def test_a_view_folded_from_the_log_holds_what_the_deciding_edge_holds() -> None
 def _edge(*, rates: bool = True, rpm: int = 3, tpm: int = 1_000) -> Org:
     """Another edge of the same organization: the same tree, its own views."""
     org = tree()
-    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=rpm, tpm=tpm))
+    org.do(SetLevelLimits(b.TENANT, "project", "search-bot", "*", rpm=rpm, tpm=tpm))
     if rates:
-        org.paths = budgets.PathView(rates_for=org.view.hierarchy.level_rates)
+        org.paths = PathView(rates_for=org.view.hierarchy.level_rates)
     return org
 
 
@@ -546,7 +564,7 @@ def test_without_the_levels_rates_only_buckets_it_has_are_charged_from_the_log()
 
 def test_a_capacity_refusal_after_the_reservation_voids_it_everywhere() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
+    org.do(SetBudget(b.TENANT, "project", "search-bot", "month", MAX_COST))
     ok = admitted(org.ask())
     assert ok.reserved is not None
     org.paths.void(ok.reserved.request_id)
@@ -564,16 +582,16 @@ def scenarios(draw: st.DrawFn) -> tuple[Org, list[str], list[tuple[str, str, int
     org = Org()
     workspaces = [f"w{i}" for i in range(draw(st.integers(1, 3)))]
     for w in workspaces:
-        org.do(h.CreateWorkspace(b.TENANT, w))
+        org.do(CreateWorkspace(b.TENANT, w))
     projects = []
     for i in range(draw(st.integers(1, 4))):
         projects.append(f"p{i}")
-        org.do(h.CreateProject(b.TENANT, f"p{i}", draw(st.sampled_from(workspaces))))
+        org.do(CreateProject(b.TENANT, f"p{i}", draw(st.sampled_from(workspaces))))
     keys = []
     for i in range(draw(st.integers(1, 5))):
         key_id = f"k{i}"
         project = draw(st.none() | st.sampled_from(projects))
-        org.do(c.IssueApiKey(b.TENANT, key_id, f"{i:064x}", project_id=project))
+        org.do(IssueApiKey(b.TENANT, key_id, f"{i:064x}", project_id=project))
         keys.append(key_id)
     levels = [("org", b.TENANT)] + [("workspace", w) for w in workspaces]
     levels += [("project", p) for p in projects] + [("key", k) for k in keys]
@@ -581,7 +599,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Org, list[str], list[tuple[str, str, int
     for kind, level_id in draw(st.lists(st.sampled_from(levels), min_size=1, max_size=6)):
         period = draw(PERIOD)
         amount = draw(st.integers(MAX_COST, 8 * MAX_COST))
-        org.do(h.SetBudget(b.TENANT, kind, level_id, period, amount))
+        org.do(SetBudget(b.TENANT, kind, level_id, period, amount))
         set_budgets.append((kind, level_id, period))
     steps = draw(
         st.lists(
@@ -631,7 +649,7 @@ def test_random_trees_never_admit_past_any_ancestors_budget(
 
 def test_tightest_rate_limits_come_from_the_level_with_least_left() -> None:
     org = tree()
-    org.do(h.SetLevelLimits(b.TENANT, "workspace", "research", "*", rpm=10, tpm=10_000))
+    org.do(SetLevelLimits(b.TENANT, "workspace", "research", "*", rpm=10, tpm=10_000))
     ok = admitted(org.ask())
     assert (ok.rate_limits.limit_requests, ok.rate_limits.remaining_requests) == (10, 9)
     assert (ok.rate_limits.limit_tokens, ok.rate_limits.remaining_tokens) == (10_000, 9_800)
@@ -639,7 +657,7 @@ def test_tightest_rate_limits_come_from_the_level_with_least_left() -> None:
 
 def test_prune_forgets_only_what_is_finished_and_old() -> None:
     org = tree()
-    org.do(h.SetBudget(b.TENANT, "org", b.TENANT, "month", 100 * MAX_COST))
+    org.do(SetBudget(b.TENANT, "org", b.TENANT, "month", 100 * MAX_COST))
     org.finish(admitted(org.ask()))
     admitted(org.ask())
     assert org.paths.prune(b.at(10_000)) == 1
@@ -649,8 +667,8 @@ def test_prune_forgets_only_what_is_finished_and_old() -> None:
 
 def test_a_project_kv_limit_bounds_its_keys_in_flight_together() -> None:
     org = tree()
-    org.do(c.IssueApiKey(b.TENANT, "key-2", "e" * 64, project_id="search-bot"))
-    org.do(h.SetLevelLimits(b.TENANT, "project", "search-bot", "*", kv_gib_seconds=0))
+    org.do(IssueApiKey(b.TENANT, "key-2", "e" * 64, project_id="search-bot"))
+    org.do(SetLevelLimits(b.TENANT, "project", "search-bot", "*", kv_gib_seconds=0))
     first = admitted(org.ask(key=b.KEY))  # a lone request is never refused for concurrency
     no = refused(org.ask(key="key-2"), "concurrency")
     assert no.level == 'project "search-bot"' and no.dimension == "kv"

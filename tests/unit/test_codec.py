@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from domain.events import to_payload
+from domain.registry import to_payload
 from ledger.outbox import OutboxRow
 from streams.codec import BadRecord, decode, encode
 from tests import builders as b

@@ -5,22 +5,33 @@ from __future__ import annotations
 
 import pytest
 
-from domain import control as c
+from domain.control_plane.decide import (
+    ChangePlan,
+    ControlCommand,
+    IssueApiKey,
+    RegisterTenant,
+    RevokeApiKey,
+    SetLimits,
+    SetPrice,
+    decide_control,
+)
+from domain.control_plane.events import LimitsSet, PlanChanged, TenantRegistered
+from domain.control_plane.state import LIMIT_FIELDS, PLAN_LIMITS, ControlView
+from domain.envelope import Event
 from domain.errors import MAX_QUANTITY, DomainError
-from domain.events import Event, LimitsSet, PlanChanged, TenantRegistered
 from tests import builders as b
 
 
-def view_of(*timed: tuple[float, Event]) -> c.ControlView:
-    view = c.ControlView()
+def view_of(*timed: tuple[float, Event]) -> ControlView:
+    view = ControlView()
     for i, (seconds, event) in enumerate(timed, start=1):
         view.apply(b.record(event, version=i, seconds=seconds, position=i))
     return view
 
 
-def refused(view: c.ControlView, command: c.ControlCommand) -> DomainError:
+def refused(view: ControlView, command: ControlCommand) -> DomainError:
     with pytest.raises(DomainError) as err:
-        c.decide_control(view, command)
+        decide_control(view, command)
     return err.value
 
 
@@ -31,89 +42,89 @@ ACME = (0.0, b.tenant_registered())
 
 
 def test_register_tenant() -> None:
-    events = c.decide_control(c.ControlView(), c.RegisterTenant("acme", "standard", "salt"))
+    events = decide_control(ControlView(), RegisterTenant("acme", "standard", "salt"))
     assert events == (TenantRegistered("acme", "acme", "standard", "salt"),)
 
 
 @pytest.mark.parametrize("name", ["", "Acme", "-acme", "a" * 64, "acme corp", "acme_1"])
 def test_bad_tenant_names_are_refused(name: str) -> None:
-    err = refused(c.ControlView(), c.RegisterTenant(name, "free", "salt"))
+    err = refused(ControlView(), RegisterTenant(name, "free", "salt"))
     assert (err.rule, err.field) == ("bad_name", "name")
 
 
 def test_tenant_name_limits() -> None:
     for name in ("a", "0", "a" * 63, "acme-2"):
-        assert c.decide_control(c.ControlView(), c.RegisterTenant(name, "free", "s"))
+        assert decide_control(ControlView(), RegisterTenant(name, "free", "s"))
 
 
 def test_duplicate_tenant_is_refused() -> None:
-    assert refused(view_of(ACME), c.RegisterTenant("acme", "free", "s")).rule == "duplicate_tenant"
+    assert refused(view_of(ACME), RegisterTenant("acme", "free", "s")).rule == "duplicate_tenant"
 
 
 def test_bad_plan_is_refused() -> None:
-    assert refused(c.ControlView(), c.RegisterTenant("x", "gold", "s")).rule == "bad_plan"
-    assert refused(view_of(ACME), c.ChangePlan("acme", "gold")).rule == "bad_plan"
+    assert refused(ControlView(), RegisterTenant("x", "gold", "s")).rule == "bad_plan"
+    assert refused(view_of(ACME), ChangePlan("acme", "gold")).rule == "bad_plan"
 
 
 def test_unknown_tenant_is_refused() -> None:
     for command in (
-        c.ChangePlan("nope", "free"),
-        c.SetLimits("nope", "*", rpm=1),
-        c.IssueApiKey("nope", "k", b.KEY_HASH),
+        ChangePlan("nope", "free"),
+        SetLimits("nope", "*", rpm=1),
+        IssueApiKey("nope", "k", b.KEY_HASH),
     ):
         assert refused(view_of(ACME), command).rule == "unknown_tenant"
 
 
 def test_change_plan_to_the_same_plan_records_nothing() -> None:
     view = view_of(ACME)
-    assert c.decide_control(view, c.ChangePlan("acme", "standard")) == ()
-    assert c.decide_control(view, c.ChangePlan("acme", "free")) == (PlanChanged("acme", "free"),)
+    assert decide_control(view, ChangePlan("acme", "standard")) == ()
+    assert decide_control(view, ChangePlan("acme", "free")) == (PlanChanged("acme", "free"),)
 
 
 def test_negative_limits_name_the_field() -> None:
-    err = refused(view_of(ACME), c.SetLimits("acme", "*", rpm=10, max_output=-1))
+    err = refused(view_of(ACME), SetLimits("acme", "*", rpm=10, max_output=-1))
     assert (err.rule, err.field) == ("negative_limit", "max_output")
 
 
 def test_limits_and_prices_past_the_quantity_bound_name_the_field() -> None:
-    err = refused(view_of(ACME), c.SetLimits("acme", "*", rpm=MAX_QUANTITY + 1))
+    err = refused(view_of(ACME), SetLimits("acme", "*", rpm=MAX_QUANTITY + 1))
     assert (err.rule, err.field) == ("too_large", "rpm")
-    assert c.decide_control(view_of(ACME), c.SetLimits("acme", "*", rpm=MAX_QUANTITY))
-    price = c.SetPrice("m", 1, MAX_QUANTITY + 1, 0, effective_at=b.at(10), now=b.at(5))
+    assert decide_control(view_of(ACME), SetLimits("acme", "*", rpm=MAX_QUANTITY))
+    price = SetPrice("m", 1, MAX_QUANTITY + 1, 0, effective_at=b.at(10), now=b.at(5))
     err = refused(view_of(ACME), price)
     assert (err.rule, err.field) == ("too_large", "completion_micros_per_mtok")
 
 
 def test_set_limits_records_only_what_it_sets() -> None:
-    events = c.decide_control(view_of(ACME), c.SetLimits("acme", "llama-3.1-8b", tpm=5))
+    events = decide_control(view_of(ACME), SetLimits("acme", "llama-3.1-8b", tpm=5))
     assert events == (LimitsSet("acme", "llama-3.1-8b", tpm=5),)
-    assert refused(view_of(ACME), c.SetLimits("acme", "*")).rule == "empty_limits"
+    assert refused(view_of(ACME), SetLimits("acme", "*")).rule == "empty_limits"
 
 
 def test_issue_key_checks_hash_scope_and_duplicates() -> None:
     view = view_of(ACME, (1.0, b.key_issued()))
-    assert refused(view, c.IssueApiKey("acme", "k2", "XYZ")).rule == "bad_key_hash"
-    assert refused(view, c.IssueApiKey("acme", "k2", "b" * 64, "root")).rule == "bad_scope"
-    assert refused(view, c.IssueApiKey("acme", "k2", b.KEY_HASH)).rule == "duplicate_key_hash"
-    assert refused(view, c.IssueApiKey("acme", b.KEY, "b" * 64)).rule == "duplicate_key"
-    assert c.decide_control(view, c.IssueApiKey("acme", b.KEY, b.KEY_HASH)) == ()  # a repeat
+    assert refused(view, IssueApiKey("acme", "k2", "XYZ")).rule == "bad_key_hash"
+    assert refused(view, IssueApiKey("acme", "k2", "b" * 64, "root")).rule == "bad_scope"
+    assert refused(view, IssueApiKey("acme", "k2", b.KEY_HASH)).rule == "duplicate_key_hash"
+    assert refused(view, IssueApiKey("acme", b.KEY, "b" * 64)).rule == "duplicate_key"
+    assert decide_control(view, IssueApiKey("acme", b.KEY, b.KEY_HASH)) == ()  # a repeat
 
 
 def test_revoke_key() -> None:
     view = view_of(ACME, (1.0, b.key_issued()))
-    assert c.decide_control(view, c.RevokeApiKey("acme", b.KEY)) == (b.key_revoked(),)
-    assert refused(view, c.RevokeApiKey("other", b.KEY)).rule == "unknown_key"
+    assert decide_control(view, RevokeApiKey("acme", b.KEY)) == (b.key_revoked(),)
+    assert refused(view, RevokeApiKey("other", b.KEY)).rule == "unknown_key"
     view.apply(b.record(b.key_revoked(), version=3, seconds=2))
-    assert c.decide_control(view, c.RevokeApiKey("acme", b.KEY)) == ()
+    assert decide_control(view, RevokeApiKey("acme", b.KEY)) == ()
 
 
 def test_set_price_cannot_be_backdated_or_negative() -> None:
-    ok = c.SetPrice("llama-3.1-8b", 1, 2, 0, effective_at=b.at(10), now=b.at(5))
-    assert c.decide_control(c.ControlView(), ok)
-    late = c.SetPrice("llama-3.1-8b", 1, 2, 0, effective_at=b.at(0), now=b.at(5))
-    assert refused(c.ControlView(), late).rule == "price_backdated"
-    neg = c.SetPrice("llama-3.1-8b", 1, -2, 0, effective_at=b.at(10), now=b.at(5))
-    assert refused(c.ControlView(), neg).field == "completion_micros_per_mtok"
+    ok = SetPrice("llama-3.1-8b", 1, 2, 0, effective_at=b.at(10), now=b.at(5))
+    assert decide_control(ControlView(), ok)
+    late = SetPrice("llama-3.1-8b", 1, 2, 0, effective_at=b.at(0), now=b.at(5))
+    assert refused(ControlView(), late).rule == "price_backdated"
+    neg = SetPrice("llama-3.1-8b", 1, -2, 0, effective_at=b.at(10), now=b.at(5))
+    assert refused(ControlView(), neg).field == "completion_micros_per_mtok"
 
 
 # --- the view -----------------------------------------------------------------------------------
@@ -142,7 +153,7 @@ def test_limits_resolve_plan_then_star_then_base_then_version() -> None:
         (2.0, b.limits_set(model="llama-3.1-8b", rpm=50)),
         (3.0, b.limits_set(model="llama-3.1-8b-2026-05", max_output=77)),
     )
-    std = c.PLAN_LIMITS["standard"]
+    std = PLAN_LIMITS["standard"]
     pinned = view.limits("acme", "llama-3.1-8b-2026-05")
     assert (pinned.rpm, pinned.tpm, pinned.max_output) == (50, 1000, 77)
     assert pinned.max_context == std.max_context
@@ -160,7 +171,7 @@ def test_limits_as_of_a_past_instant() -> None:
         (30.0, b.limits_set(rpm=7)),
         (40.0, b.limits_set(tpm=9)),  # leaves rpm=7 in force
     )
-    std, ent = c.PLAN_LIMITS["standard"], c.PLAN_LIMITS["enterprise"]
+    std, ent = PLAN_LIMITS["standard"], PLAN_LIMITS["enterprise"]
     assert view.limits("acme", b.MODEL, b.at(5)) == std
     assert view.limits("acme", b.MODEL, b.at(15)).rpm == 100
     assert view.limits("acme", b.MODEL, b.at(25)).max_context == ent.max_context
@@ -174,7 +185,7 @@ def test_limits_as_of_a_past_instant() -> None:
 
 def test_current_limits_cache_follows_new_events() -> None:
     view = view_of(ACME)
-    assert view.limits("acme", b.MODEL).rpm == c.PLAN_LIMITS["standard"].rpm
+    assert view.limits("acme", b.MODEL).rpm == PLAN_LIMITS["standard"].rpm
     view.apply(b.record(b.limits_set(rpm=3), version=2, seconds=1))
     assert view.limits("acme", b.MODEL).rpm == 3
 
@@ -208,7 +219,7 @@ def test_a_version_price_overrides_its_base() -> None:
 
 
 def test_redelivered_control_event_is_ignored() -> None:
-    view = c.ControlView()
+    view = ControlView()
     first = b.record(b.tenant_registered(), seconds=0)
     view.apply(first)
     view.apply(b.record(b.plan_changed(plan="free"), version=2, seconds=1))
@@ -217,8 +228,8 @@ def test_redelivered_control_event_is_ignored() -> None:
 
 
 def test_plan_defaults_are_ordered() -> None:
-    free, std, ent = (c.PLAN_LIMITS[p] for p in ("free", "standard", "enterprise"))
-    for name in c.LIMIT_FIELDS[:5]:
+    free, std, ent = (PLAN_LIMITS[p] for p in ("free", "standard", "enterprise"))
+    for name in LIMIT_FIELDS[:5]:
         assert getattr(free, name) < getattr(std, name) < getattr(ent, name), name
     assert ent.reserved_kv_gib_seconds > 0 == std.reserved_kv_gib_seconds
 
@@ -230,8 +241,8 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     import inspect
     import textwrap
 
-    from domain.control import CONTROL_EVENTS, ControlView
-    from domain.hierarchy import HIERARCHY_EVENTS
+    from domain.control_plane.state import CONTROL_EVENTS, ControlView
+    from domain.governance.state import HIERARCHY_EVENTS
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(ControlView.apply)))
     cased = {

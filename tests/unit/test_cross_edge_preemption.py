@@ -12,17 +12,17 @@ from dataclasses import replace
 import orjson
 
 from api.edge import JsonOutcome, StreamOutcome
-from domain import lifecycle as lc
 from domain.capacity import Choice, Refusal
-from domain.events import (
+from domain.envelope import Recorded
+from domain.remote_flex import RemoteFlex, routes, routes_to_read
+from domain.requests.decide import AskToPreempt, PreemptRequest, decide
+from domain.requests.events import (
     TERMINAL_TYPES,
     PreemptionRequested,
     QuotaRefunded,
-    Recorded,
     RequestCompleted,
     RequestPreempted,
 )
-from domain.remote_flex import RemoteFlex, routes, routes_to_read
 from engine_adapter.fleet import Fleet
 from engine_adapter.vllm_http import ReplicaMetrics, VLLMReplica
 from ledger.commands import CommandHandler, request_stream
@@ -36,8 +36,8 @@ FLEX_ROUTED = (b.admitted(service_tier="flex", edge_id="edge-b"), b.estimated(),
 ASKED = PreemptionRequested(b.RID, "edge-a", "req-interactive", "replica-1")
 
 
-def ask(**kw: object) -> lc.AskToPreempt:
-    return replace(lc.AskToPreempt("edge-a", "req-interactive", "replica-1"), **kw)  # type: ignore[arg-type]
+def ask(**kw: object) -> AskToPreempt:
+    return replace(AskToPreempt("edge-a", "req-interactive", "replica-1"), **kw)  # type: ignore[arg-type]
 
 
 # --- the rule: AskToPreempt on the request stream -------------------------------------------
@@ -70,7 +70,7 @@ def test_only_flex_work_may_be_asked_for_and_only_where_it_runs() -> None:
 
 def test_an_asked_request_ends_once_preempted_refunded_in_full() -> None:
     state = given(*FLEX_ROUTED, ASKED).when(
-        lc.PreemptRequest(812, 40, 0, "replica-1", "req-interactive")
+        PreemptRequest(812, 40, 0, "replica-1", "req-interactive")
     ).then(
         RequestPreempted(b.RID, 812, 40, 0, "replica-1", "req-interactive"),
         QuotaRefunded(b.RID, refunded_tokens=1800, refunded_kv_byte_seconds=10 * 2**30,
@@ -100,7 +100,7 @@ def _stored(store: InMemoryEventStore, *events: object) -> None:
 
 def _ask_from(store: InMemoryEventStore, edge: str) -> int:
     handled = CommandHandler(store).handle(
-        b.RID, lambda state: lc.decide(state, ask(requested_by=edge)),
+        b.RID, lambda state: decide(state, ask(requested_by=edge)),
         request_stream(store, b.RID), tenant_id=b.TENANT,
     )  # fmt: skip
     return len(handled.events)
@@ -237,7 +237,7 @@ def test_the_edge_serving_an_asked_for_stream_preempts_it_within_the_observe_cal
         flex_id = rid(1)
         store = h.sink.store
         handled = CommandHandler(store).handle(
-            flex_id, lambda s: lc.decide(s, ask(requested_by="edge-2", request_id=flex_id)),
+            flex_id, lambda s: decide(s, ask(requested_by="edge-2", request_id=flex_id)),
             request_stream(store, flex_id), tenant_id="acme",
         )  # fmt: skip
         h.edge.observe(handled.records)

@@ -1,6 +1,7 @@
 """The lists that must be the same everywhere are written once, in domain/: the terminal events
-(`domain.events.TERMINAL_EVENTS` and the names and statuses derived from it) and the read models
-(`domain.projections.PROJECTIONS`). Two hand-kept copies of the terminal set once drifted and
+(`domain.requests.events.TERMINAL_EVENTS` and the names and statuses derived from it) and the
+read models (`domain.projections.PROJECTIONS`). Two hand-kept copies of the terminal set once
+drifted and
 lost preempted requests; these tests fail when a consumer keeps its own copy again, or when a
 dispatch table or a union that names terminal events leaves one out."""
 
@@ -15,19 +16,21 @@ from typing import Any
 
 import pytest
 
-from domain import lifecycle
+from domain.envelope import Event
 from domain.errors import DomainError
-from domain.events import (
+from domain.projections import PROJECTIONS, PROJECTIONS_BY_NAME
+from domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     TERMINAL_TYPES,
-    Event,
     RequestAdmitted,
     RequestRouted,
     TerminalEvent,
     is_terminal,
 )
-from domain.projections import PROJECTIONS, PROJECTIONS_BY_NAME
+from domain.requests.evolve import evolve, fold
+from domain.requests.state import RequestState
+from domain.types import TERMINAL_STATUSES
 from tests import builders as b
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +39,8 @@ SCANNED = (
     "api", "cli", "domain", "engine_adapter", "ledger", "loadgen", "predictor", "streams",
     "bench", "tests",
 )  # fmt: skip
-DEFINITION = Path("domain/events.py")
+# Where the terminal events are named: their stream's events, and the registry of every event.
+DEFINITIONS = (Path("domain/requests/events.py"), Path("domain/registry.py"))
 HERE = Path(__file__).resolve().relative_to(ROOT)  # its samples are copies on purpose
 TERMINAL_NAMES = frozenset(cls.__name__ for cls in TERMINAL_EVENTS)
 
@@ -65,9 +69,9 @@ def _example(cls: type[Event]) -> Event:
     return cls(**values)
 
 
-def _streaming() -> lifecycle.RequestState:
+def _streaming() -> RequestState:
     """A request admitted and routed: every terminal event can end it."""
-    return lifecycle.fold(b.stream(b.admitted(), b.routed()))
+    return fold(b.stream(b.admitted(), b.routed()))
 
 
 def _event_classes() -> list[type[Event]]:
@@ -88,7 +92,7 @@ def test_every_event_that_ends_a_request_stream_is_a_terminal_event_and_nothing_
         if cls in (RequestAdmitted, RequestRouted) or "request_id" not in fields:
             continue
         try:
-            state = lifecycle.evolve(_streaming(), b.record(_example(cls), version=3))
+            state = evolve(_streaming(), b.record(_example(cls), version=3))
         except DomainError:  # an event that cannot follow a routing ends nothing
             continue
         if state.terminal is not None:
@@ -102,7 +106,7 @@ def test_every_event_that_ends_a_request_stream_is_a_terminal_event_and_nothing_
 def test_the_terminal_names_and_statuses_are_derived_from_the_one_list() -> None:
     assert {cls.EVENT_TYPE for cls in TERMINAL_EVENTS} == TERMINAL_TYPES
     assert tuple(TERMINAL_STATUS_OF) == TERMINAL_EVENTS
-    assert set(TERMINAL_STATUS_OF.values()) == lifecycle.TERMINAL_STATUSES
+    assert set(TERMINAL_STATUS_OF.values()) == TERMINAL_STATUSES
     assert set(typing.get_args(TerminalEvent)) == set(TERMINAL_EVENTS)
     assert all(is_terminal(_example(cls)) for cls in TERMINAL_EVENTS)
     assert not is_terminal(b.admitted())
@@ -186,7 +190,7 @@ def test_no_consumer_keeps_its_own_copy_of_the_terminal_events() -> None:
     `TERMINAL_TYPES` or `TERMINAL_STATUS_OF`; a dispatch table or a type union that names them
     one by one, or a `match` on them, names every one (a new terminal event fails here until
     each has it)."""
-    sources = [p for p in _sources() if p.relative_to(ROOT) not in (DEFINITION, HERE)]
+    sources = [p for p in _sources() if p.relative_to(ROOT) not in (*DEFINITIONS, HERE)]
     assert len(sources) > 100  # the scan reached the packages
     findings = [f for p in sources for f in _findings(p.read_text(), str(p.relative_to(ROOT)))]
     assert findings == []

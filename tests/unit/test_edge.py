@@ -16,14 +16,14 @@ from api.auth import Caller
 from api.edge import Edge, JsonOutcome, StreamOutcome
 from api.errors import ApiError
 from api.metrics import Metrics
-from domain import lifecycle
-from domain.control import ControlView
-from domain.events import (
-    FallbackAllowed,
+from domain.control_plane.events import FallbackAllowed, PriceSet
+from domain.control_plane.state import ControlView
+from domain.quota import QuotaView
+from domain.requests.decide import ExpireLease, decide
+from domain.requests.events import (
     FirstTokenStreamed,
     LeaseExpired,
     LeasesRenewed,
-    PriceSet,
     QuotaRefunded,
     RequestAdmitted,
     RequestCancelled,
@@ -34,7 +34,6 @@ from domain.events import (
     RequestRejected,
     RequestRouted,
 )
-from domain.quota import QuotaView
 from ledger.commands import CommandHandler, request_stream
 from tests import builders as b
 from tests.fakes import (
@@ -243,7 +242,7 @@ def test_a_request_the_sweeper_expired_meanwhile_ends_once() -> None:
         # The edge went silent for the lease TTL: the sweeper expired the request.
         CommandHandler(h.sink.store, clock=h.clock).handle(
             rid,
-            lambda state: lifecycle.decide(state, lifecycle.ExpireLease(b.at(0))),
+            lambda state: decide(state, ExpireLease(b.at(0))),
             request_stream(h.sink.store, rid),
             tenant_id=b.TENANT,
         )

@@ -17,11 +17,21 @@ from api.auth import Caller
 from api.edge import Edge, JsonOutcome
 from api.errors import ApiError
 from api.metrics import Metrics
-from domain import control as c
-from domain import hierarchy as h
-from domain.control import ControlView
-from domain.events import BudgetReserved, Event, PriceSet, RunStarted, ToolCallsReturned
+from domain.control_plane.decide import decide_control
+from domain.control_plane.events import PriceSet
+from domain.control_plane.state import ControlView
+from domain.envelope import Event
+from domain.governance.decide import (
+    AssignKey,
+    CreateProject,
+    CreateWorkspace,
+    SetBudget,
+    SetTimeZone,
+)
 from domain.quota import QuotaView
+from domain.requests.events import BudgetReserved, ToolCallsReturned
+from domain.runs.events import RunStarted
+from domain.runs.state import run_stream
 from ledger.commands import CommandHandler
 from tests import builders as b
 from tests.fakes import (
@@ -51,12 +61,12 @@ class Org:
                         effective_at=b.at(-60)),
         )  # fmt: skip
         for command in (
-            h.CreateWorkspace(b.TENANT, "research"),
-            h.CreateProject(b.TENANT, "search-bot", "research"),
-            h.AssignKey(b.TENANT, b.KEY, "search-bot"),
-            h.SetBudget(b.TENANT, "project", "search-bot", "month", budget_micros),
+            CreateWorkspace(b.TENANT, "research"),
+            CreateProject(b.TENANT, "search-bot", "research"),
+            AssignKey(b.TENANT, b.KEY, "search-bot"),
+            SetBudget(b.TENANT, "project", "search-bot", "month", budget_micros),
         ):
-            self.record(*c.decide_control(self.control, command))
+            self.record(*decide_control(self.control, command))
         self.clock = FakeClock(MAY_END)
         self.script = Script(tokens=3, prompt_tokens=2)
         self.fleet = FakeFleet(FakeReplica("replica-1", MODEL, self.script))
@@ -149,7 +159,7 @@ def test_a_capacity_refusal_gives_every_levels_reservation_back() -> None:
 def test_a_call_with_a_new_run_id_starts_the_run_and_counts_its_tool_calls() -> None:
     async def t(org: Org) -> None:
         await org.chat(run_id="task-1")
-        starts = [r.event for r in org.sink.store.read_stream(h.run_stream(b.TENANT, "task-1"))]
+        starts = [r.event for r in org.sink.store.read_stream(run_stream(b.TENANT, "task-1"))]
         assert len(starts) == 1 and isinstance(starts[0], RunStarted) and starts[0].implicit
         usage = org.edge.paths.run_usage(b.TENANT, "task-1")
         assert (usage.calls, usage.in_flight, usage.posted_micros) == (1, 0, COST)
@@ -168,5 +178,5 @@ def test_periods_follow_the_organizations_zone() -> None:
         assert org.spend("2026-06") == (0, COST)
 
     org = Org(100 * COST)
-    org.record(*c.decide_control(org.control, h.SetTimeZone(b.TENANT, "Europe/Paris")))
+    org.record(*decide_control(org.control, SetTimeZone(b.TENANT, "Europe/Paris")))
     asyncio.run(t(org))

@@ -13,7 +13,12 @@ import pytest
 from api.edge import JsonOutcome, StreamOutcome
 from api.errors import ApiError
 from domain.backoff import FLEX_ENGINE_PRIORITY, engine_priority
-from domain.events import QuotaRefunded, RequestAdmitted, RequestPreempted, RequestRejected
+from domain.requests.events import (
+    QuotaRefunded,
+    RequestAdmitted,
+    RequestPreempted,
+    RequestRejected,
+)
 from tests.fakes import FakeIdempotency, Script
 from tests.unit.test_edge import CALLER, OTHER, Harness, run
 

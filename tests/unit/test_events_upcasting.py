@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain import events as ev
+from domain.envelope import Event
 from domain.errors import DomainError
+from domain.registry import EVENT_CLASSES, UPCASTERS, from_payload, to_payload, upcast
+from domain.requests.events import FirstTokenStreamed, RequestEstimated
 from tests import builders as b
 
 ALL_EXAMPLES = [
@@ -25,15 +27,15 @@ ALL_EXAMPLES = [
 
 
 @pytest.mark.parametrize("event", ALL_EXAMPLES, ids=lambda e: e.EVENT_TYPE)
-def test_every_event_round_trips_through_its_payload(event: ev.Event) -> None:
-    payload = ev.to_payload(event)
-    again = ev.from_payload(event.EVENT_TYPE, event.EVENT_VERSION, payload)
+def test_every_event_round_trips_through_its_payload(event: Event) -> None:
+    payload = to_payload(event)
+    again = from_payload(event.EVENT_TYPE, event.EVENT_VERSION, payload)
     assert again == event
-    assert ev.to_payload(again) == payload
+    assert to_payload(again) == payload
 
 
 @dataclass(frozen=True, slots=True)
-class RequestRoutedV2(ev.Event):
+class RequestRoutedV2(Event):
     """A fake v2 of RequestRouted that adds the routing score's pool."""
 
     EVENT_TYPE: ClassVar[str] = "RequestRouted"
@@ -51,14 +53,14 @@ def _routed_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture
 def routed_v2() -> Iterator[None]:
     """Registers the fake v2 and its upcaster for one test, then restores the registry."""
-    old_class = ev.EVENT_CLASSES["RequestRouted"]
-    ev.EVENT_CLASSES["RequestRouted"] = RequestRoutedV2
-    ev.UPCASTERS[("RequestRouted", 1)] = _routed_v1_to_v2
+    old_class = EVENT_CLASSES["RequestRouted"]
+    EVENT_CLASSES["RequestRouted"] = RequestRoutedV2
+    UPCASTERS[("RequestRouted", 1)] = _routed_v1_to_v2
     try:
         yield
     finally:
-        ev.EVENT_CLASSES["RequestRouted"] = old_class
-        del ev.UPCASTERS[("RequestRouted", 1)]
+        EVENT_CLASSES["RequestRouted"] = old_class
+        del UPCASTERS[("RequestRouted", 1)]
 
 
 @settings(max_examples=100, deadline=None)
@@ -68,45 +70,45 @@ def routed_v2() -> Iterator[None]:
     occupancy_ppm=st.integers(0, 1_000_000),
 )
 def test_upcasting_is_stable(request_id: str, replica_id: str, occupancy_ppm: int) -> None:
-    old_class = ev.EVENT_CLASSES["RequestRouted"]
-    ev.EVENT_CLASSES["RequestRouted"] = RequestRoutedV2
-    ev.UPCASTERS[("RequestRouted", 1)] = _routed_v1_to_v2
+    old_class = EVENT_CLASSES["RequestRouted"]
+    EVENT_CLASSES["RequestRouted"] = RequestRoutedV2
+    UPCASTERS[("RequestRouted", 1)] = _routed_v1_to_v2
     try:
         v1_payload = {
             "request_id": request_id,
             "replica_id": replica_id,
             "occupancy_ppm": occupancy_ppm,
         }
-        from_v1 = ev.from_payload("RequestRouted", 1, v1_payload)
-        from_upcast = ev.from_payload("RequestRouted", 2, ev.upcast("RequestRouted", 1, v1_payload))
+        from_v1 = from_payload("RequestRouted", 1, v1_payload)
+        from_upcast = from_payload("RequestRouted", 2, upcast("RequestRouted", 1, v1_payload))
         assert (
             from_v1
             == from_upcast
             == RequestRoutedV2(request_id, replica_id, occupancy_ppm, "shared")
         )
         # v2 written today round-trips, and reading it again changes nothing
-        payload = ev.to_payload(from_v1)
-        assert ev.from_payload("RequestRouted", 2, payload) == from_v1
-        assert ev.upcast("RequestRouted", 2, payload) == payload
+        payload = to_payload(from_v1)
+        assert from_payload("RequestRouted", 2, payload) == from_v1
+        assert upcast("RequestRouted", 2, payload) == payload
     finally:
-        ev.EVENT_CLASSES["RequestRouted"] = old_class
-        del ev.UPCASTERS[("RequestRouted", 1)]
+        EVENT_CLASSES["RequestRouted"] = old_class
+        del UPCASTERS[("RequestRouted", 1)]
 
 
 def test_a_version_newer_than_the_code_is_refused(routed_v2: None) -> None:
     with pytest.raises(DomainError) as err:
-        ev.from_payload("RequestRouted", 3, {})
+        from_payload("RequestRouted", 3, {})
     assert err.value.rule == "event_version_too_new"
 
 
 def test_a_missing_upcaster_is_loud(routed_v2: None) -> None:
-    del ev.UPCASTERS[("RequestRouted", 1)]
+    del UPCASTERS[("RequestRouted", 1)]
     try:
         with pytest.raises(DomainError) as err:
-            ev.from_payload("RequestRouted", 1, {})
+            from_payload("RequestRouted", 1, {})
         assert err.value.rule == "no_upcaster"
     finally:
-        ev.UPCASTERS[("RequestRouted", 1)] = _routed_v1_to_v2
+        UPCASTERS[("RequestRouted", 1)] = _routed_v1_to_v2
 
 
 def test_events_carry_no_floats() -> None:
@@ -118,12 +120,12 @@ def test_events_carry_no_floats() -> None:
 def test_a_v1_estimate_reads_as_having_reserved_its_whole_cap_without_a_predictor() -> None:
     v1 = {"request_id": "r", "prompt_tokens": 800, "reserved_output_tokens": 1000,
           "reserved_tokens": 1800, "kv_byte_seconds": 5, "tpot_us": 50_000}
-    read = ev.from_payload("RequestEstimated", 1, v1)
-    assert read == ev.RequestEstimated("r", 800, 1000, 1800, 5, 50_000, 1000, "", 0, -1)
-    assert ev.RequestEstimated.EVENT_VERSION == 2
+    read = from_payload("RequestEstimated", 1, v1)
+    assert read == RequestEstimated("r", 800, 1000, 1800, 5, 50_000, 1000, "", 0, -1)
+    assert RequestEstimated.EVENT_VERSION == 2
 
 
 def test_a_v1_first_token_reads_as_having_reported_no_engine_counts() -> None:
-    read = ev.from_payload("FirstTokenStreamed", 1, {"request_id": "r", "ttft_ms": 180})
-    assert read == ev.FirstTokenStreamed("r", 180, 0, 0)
-    assert ev.FirstTokenStreamed.EVENT_VERSION == 2
+    read = from_payload("FirstTokenStreamed", 1, {"request_id": "r", "ttft_ms": 180})
+    assert read == FirstTokenStreamed("r", 180, 0, 0)
+    assert FirstTokenStreamed.EVENT_VERSION == 2

@@ -7,7 +7,6 @@ from datetime import timedelta
 
 import pytest
 
-from domain import lifecycle as lc
 from domain.billing import bill_terminal
 from domain.capacity import (
     FLEX_CEILING_PPM,
@@ -20,9 +19,12 @@ from domain.capacity import (
     place_flex,
     preemption_plan,
 )
-from domain.control import DEFAULT_FLEX_DISCOUNT_PPM, ControlView, SetFlexDiscount, decide_control
+from domain.control_plane.decide import SetFlexDiscount, decide_control
+from domain.control_plane.events import FlexDiscountSet
+from domain.control_plane.state import DEFAULT_FLEX_DISCOUNT_PPM, ControlView
 from domain.errors import DomainError
-from domain.events import FlexDiscountSet, QuotaRefunded, RequestPreempted
+from domain.requests.decide import PreemptRequest
+from domain.requests.events import QuotaRefunded, RequestPreempted
 from tests import builders as b
 from tests.builders import given
 
@@ -98,8 +100,8 @@ def test_preemption_never_opens_a_reserved_replica_to_another_tier() -> None:
 # --- the lifecycle ------------------------------------------------------------------------------
 
 
-def preempt() -> lc.PreemptRequest:
-    return lc.PreemptRequest(812, 40, 512, "replica-1", "req-interactive")
+def preempt() -> PreemptRequest:
+    return PreemptRequest(812, 40, 512, "replica-1", "req-interactive")
 
 
 def test_a_preempted_flex_request_ends_with_its_engine_counts_and_a_full_refund() -> None:
@@ -147,7 +149,7 @@ def test_admission_names_a_known_service_tier_and_batch_items_are_flex() -> None
 
 
 def test_an_event_recorded_before_flex_existed_reads_as_interactive() -> None:
-    from domain.events import from_payload, to_payload
+    from domain.registry import from_payload, to_payload
 
     payload = to_payload(b.admitted())
     del payload["service_tier"], payload["batch_item"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from domain import control as c
+from domain.control_plane.decide import AllowFallback, RevokeFallback, SetSlo, decide_control
+from domain.control_plane.events import SloSet
+from domain.control_plane.state import ControlView
 from domain.errors import DomainError
-from domain.events import SloSet
 from domain.goodput import DEFAULT_SLO, OUTCOMES, Slo, attainment, outcome
 from tests import builders as b
 
@@ -47,7 +48,7 @@ def test_attainment_counts_what_was_served_and_goodput_what_was_offered() -> Non
 
 
 def test_slos_are_effective_dated_with_a_default_before_any_is_set() -> None:
-    view = c.ControlView()
+    view = ControlView()
     assert view.slo("free", b.at(0)) == DEFAULT_SLO
     view.apply(b.record(SloSet("free", 500, 30_000, b.at(10)), stream_id="slo-free"))
     assert view.slo("free", b.at(9)) == DEFAULT_SLO
@@ -63,29 +64,29 @@ def test_slos_are_effective_dated_with_a_default_before_any_is_set() -> None:
 @pytest.mark.parametrize(
     ("command", "rule"),
     [
-        (c.SetSlo("platinum", 100, 100, b.at(1), b.at(0)), "bad_tier"),
-        (c.SetSlo("free", 0, 100, b.at(1), b.at(0)), "bad_slo"),
-        (c.SetSlo("free", 100, 100, b.at(0), b.at(1)), "slo_backdated"),
+        (SetSlo("platinum", 100, 100, b.at(1), b.at(0)), "bad_tier"),
+        (SetSlo("free", 0, 100, b.at(1), b.at(0)), "bad_slo"),
+        (SetSlo("free", 100, 100, b.at(0), b.at(1)), "slo_backdated"),
     ],
 )
-def test_an_slo_that_cannot_hold_is_refused(command: c.SetSlo, rule: str) -> None:
+def test_an_slo_that_cannot_hold_is_refused(command: SetSlo, rule: str) -> None:
     with pytest.raises(DomainError) as err:
-        c.decide_control(c.ControlView(), command)
+        decide_control(ControlView(), command)
     assert err.value.rule == rule
 
 
 def test_fallback_consent_is_given_revoked_and_never_to_the_same_model() -> None:
-    view = c.ControlView()
+    view = ControlView()
     view.apply(b.record(b.tenant_registered(), stream_id="tenant-acme"))
-    (allowed,) = c.decide_control(view, c.AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b"))
+    (allowed,) = decide_control(view, AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b"))
     view.apply(b.record(allowed, version=2, stream_id="tenant-acme"))
     assert view.fallbacks(b.TENANT, "llama-3.1-8b-2026-05") == ("llama-3.1-70b",)
     assert view.fallbacks("other", "llama-3.1-8b-2026-05") == ()
-    again = c.AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b")
-    assert c.decide_control(view, again) == ()
-    (revoked,) = c.decide_control(view, c.RevokeFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b"))
+    again = AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b")
+    assert decide_control(view, again) == ()
+    (revoked,) = decide_control(view, RevokeFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b"))
     view.apply(b.record(revoked, version=3, stream_id="tenant-acme"))
     assert view.fallbacks(b.TENANT, "llama-3.1-8b") == ()
     with pytest.raises(DomainError) as err:
-        c.decide_control(view, c.AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-8b-2026-05"))
+        decide_control(view, AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-8b-2026-05"))
     assert err.value.rule == "same_model"

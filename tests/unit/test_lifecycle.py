@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from domain import lifecycle as lc
 from domain.errors import DomainError
-from domain.events import QuotaRefunded, RequestCancelled, RequestFailed, UsageBilled
+from domain.requests.decide import Command, RecordFirstToken, decide
+from domain.requests.events import QuotaRefunded, RequestCancelled, RequestFailed, UsageBilled
+from domain.requests.evolve import _EVOLVERS, evolve, evolve_event, fold
+from domain.requests.state import INITIAL, RequestState, _with
 from tests import builders as b
 from tests.builders import given
 
@@ -86,7 +88,7 @@ def test_complete_answers_terminal_and_refund_of_unused_tokens() -> None:
 
 
 def test_refund_is_never_negative_when_engine_used_more_than_reserved() -> None:
-    produced = lc.decide(b.folded(STREAMING), b.complete(prompt_tokens=900, completion_tokens=1500))
+    produced = decide(b.folded(STREAMING), b.complete(prompt_tokens=900, completion_tokens=1500))
     refund = produced[1]
     assert isinstance(refund, QuotaRefunded)
     assert refund.refunded_tokens == 0 and refund.used_tokens == 2400
@@ -108,8 +110,8 @@ def test_fail_after_first_token() -> None:
 
 def test_expire_bills_the_larger_of_stream_and_sweeper_progress() -> None:
     state = b.folded(STREAMING)
-    state = lc.evolve(state, b.record(b.renewed(b.lease_progress(completion_tokens=70))))
-    produced = lc.decide(state, b.expire(prompt_tokens=812, completion_tokens=40))
+    state = evolve(state, b.record(b.renewed(b.lease_progress(completion_tokens=70))))
+    produced = decide(state, b.expire(prompt_tokens=812, completion_tokens=40))
     assert produced[0] == b.lease_expired(completion_tokens=70)
 
 
@@ -117,7 +119,7 @@ def test_expire_bills_at_least_the_prompt_the_first_token_carried() -> None:
     """An edge that died after the engine's first chunk, before any renewal: the engine had
     processed the prompt, and its count (FirstTokenStreamed v2) is billed (issue 26)."""
     state = b.folded((*ROUTED, b.first_token(prompt_tokens=812, cached_tokens=512)))
-    produced = lc.decide(state, b.expire())
+    produced = decide(state, b.expire())
     assert produced[0] == b.lease_expired(prompt_tokens=812, completion_tokens=0, cached_tokens=512)
 
 
@@ -126,30 +128,30 @@ def test_expire_takes_each_count_at_its_largest() -> None:
     is 812 + 70, not whichever report is larger as a whole."""
     state = b.folded(STREAMING)
     renewal = b.renewed(b.lease_progress(prompt_tokens=0, completion_tokens=70))
-    state = lc.evolve(state, b.record(renewal))
-    produced = lc.decide(state, b.expire(prompt_tokens=812, completion_tokens=40))
+    state = evolve(state, b.record(renewal))
+    produced = decide(state, b.expire(prompt_tokens=812, completion_tokens=40))
     assert produced[0] == b.lease_expired(prompt_tokens=812, completion_tokens=70)
 
 
 def test_a_first_token_with_more_cached_than_prompt_is_refused() -> None:
-    command = lc.RecordFirstToken(ttft_ms=5, prompt_tokens=10, cached_tokens=11)
+    command = RecordFirstToken(ttft_ms=5, prompt_tokens=10, cached_tokens=11)
     given(*ROUTED).when(command).then_refused("cached_exceeds_prompt")
 
 
 def test_expire_without_any_progress_bills_nothing() -> None:
-    produced = lc.decide(b.folded(ROUTED), b.expire())
+    produced = decide(b.folded(ROUTED), b.expire())
     assert produced[0] == b.lease_expired(prompt_tokens=0, completion_tokens=0)
 
 
 @pytest.mark.parametrize(
     "command", [b.complete(), b.cancel(), b.fail(), b.expire()], ids=lambda c: type(c).__name__
 )
-def test_second_terminal_is_refused(command: lc.Command) -> None:
+def test_second_terminal_is_refused(command: Command) -> None:
     given(*COMPLETED).when(command).then_refused("second_terminal")
 
 
 @pytest.mark.parametrize("command", [b.complete(), b.cancel(), b.fail(), b.expire(), b.bill()])
-def test_nothing_happens_to_a_request_never_admitted(command: lc.Command) -> None:
+def test_nothing_happens_to_a_request_never_admitted(command: Command) -> None:
     given().when(command).then_refused("not_admitted")
 
 
@@ -203,7 +205,7 @@ def test_bill_with_another_models_price_is_refused() -> None:
 
 
 def test_bill_a_lease_expiry_uses_its_status_as_terminal() -> None:
-    produced = lc.decide(b.folded((*ROUTED, b.lease_expired(), b.refunded())), b.bill())
+    produced = decide(b.folded((*ROUTED, b.lease_expired(), b.refunded())), b.bill())
     assert isinstance(produced[0], UsageBilled) and produced[0].terminal == "lease_expired"
 
 
@@ -222,9 +224,9 @@ def test_fold_of_the_happy_path() -> None:
 
 def test_redelivered_event_is_a_no_op() -> None:
     records = b.stream(*b.happy_path())
-    state = lc.fold(records)
-    assert lc.fold([*records, records[4], records[2]]) == state
-    assert lc.evolve(state, records[-1]) is state
+    state = fold(records)
+    assert fold([*records, records[4], records[2]]) == state
+    assert evolve(state, records[-1]) is state
 
 
 def test_second_terminal_in_a_stream_is_loud() -> None:
@@ -242,7 +244,7 @@ def test_second_bill_in_a_stream_is_loud() -> None:
 def test_a_gap_in_the_stream_is_loud() -> None:
     records = b.stream(*ROUTED)
     with pytest.raises(DomainError) as err:
-        lc.fold([records[0], records[2]])
+        fold([records[0], records[2]])
     assert err.value.rule == "stream_gap"
 
 
@@ -263,15 +265,15 @@ def test_lease_renewals_keep_the_largest_progress_and_do_not_count_as_versions()
     later = b.record(b.renewed(b.lease_progress(completion_tokens=200)), stream_id="edge-edge-1")
     earlier = b.record(b.renewed(b.lease_progress(completion_tokens=100)), stream_id="edge-edge-1")
     other = b.record(b.renewed(b.lease_progress(request_id="req-9")), stream_id="edge-edge-1")
-    after = lc.fold([later, earlier, later, other], state)
+    after = fold([later, earlier, later, other], state)
     assert after.progress == b.lease_progress(completion_tokens=200)
     assert after.version == state.version
 
 
 def test_evolve_event_applies_a_fact_not_yet_recorded() -> None:
-    state = lc.RequestState()
-    for event in lc.decide(state, b.admit()):
-        state = lc.evolve_event(state, event, b.at(0))
+    state = RequestState()
+    for event in decide(state, b.admit()):
+        state = evolve_event(state, event, b.at(0))
     assert state.status == "admitted" and state.version == 2
 
 
@@ -282,7 +284,9 @@ def test_status_never_moves_backwards_on_a_late_fact() -> None:
 
 
 def test_evolve_knows_every_request_event() -> None:
-    from domain.events import EVENT_CLASSES, BatchItemFinished, LeasesRenewed
+    from domain.batches.events import BatchItemFinished
+    from domain.registry import EVENT_CLASSES
+    from domain.requests.events import LeasesRenewed
 
     # BatchItemFinished names the request that served an item, in the batch's own stream.
     request_events = {
@@ -291,16 +295,16 @@ def test_evolve_knows_every_request_event() -> None:
         if "request_id" in cls.__dataclass_fields__  # type: ignore[attr-defined]
         and cls not in (LeasesRenewed, BatchItemFinished)
     }
-    assert request_events == set(lc._EVOLVERS)
+    assert request_events == set(_EVOLVERS)
 
 
 def test_a_state_copy_with_an_unknown_field_is_refused() -> None:
     # `_with` copies the instance dict without __init__ (it keeps the fold fast); a misspelt
     # field would otherwise be added silently and read nowhere.
     with pytest.raises(DomainError) as err:
-        lc._with(lc.INITIAL, statuss="admitted")
+        _with(INITIAL, statuss="admitted")
     assert err.value.rule == "unknown_field"
-    assert lc._with(lc.INITIAL, status="admitted").status == "admitted"
+    assert _with(INITIAL, status="admitted").status == "admitted"
 
 
 def test_a_cancel_reason_outside_the_vocabulary_is_refused() -> None:

@@ -33,23 +33,34 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from domain import lifecycle as lc
 from domain.billing import bill_terminal
+from domain.envelope import Event, Recorded
 from domain.errors import DomainError
-from domain.events import (
+from domain.projections import PROJECTIONS, ProjectionSpec
+from domain.requests.decide import (
+    BillUsage,
+    CancelRequest,
+    Command,
+    CompleteRequest,
+    ExpireLease,
+    FailRequest,
+    decide,
+    refund_due,
+)
+from domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_TYPES,
-    Event,
     LeaseExpired,
     LeaseProgress,
     LeasesRenewed,
     QuotaRefunded,
-    Recorded,
     RequestEstimated,
     RequestPreempted,
     UsageBilled,
 )
-from domain.projections import PROJECTIONS, ProjectionSpec
+from domain.requests.evolve import evolve
+from domain.requests.evolve import fold as request_fold
+from domain.requests.state import INITIAL, RequestState
 from tests import builders as b
 from tests.faults.tier import pick
 
@@ -71,7 +82,7 @@ class Log:
         self.by_id: dict[str, Recorded] = {}
         # Each request stream folded as it grows, and the streams changed since the invariants
         # last looked (checking every stream after every step made a run quadratic).
-        self.states: dict[str, lc.RequestState] = {}
+        self.states: dict[str, RequestState] = {}
         self.dirty: set[str] = set()
         self.refused: list[str] = []  # appends the lifecycle fold refused (the unsafe twin's)
 
@@ -100,8 +111,8 @@ class Log:
             self.by_id[eid] = recorded
             if stream_id.startswith("req-"):
                 try:
-                    self.states[stream_id] = lc.evolve(
-                        self.states.get(stream_id, lc.INITIAL), recorded
+                    self.states[stream_id] = evolve(
+                        self.states.get(stream_id, INITIAL), recorded
                     )
                 except DomainError as exc:
                     self.refused.append(f"{stream_id}: {exc.rule}")
@@ -172,14 +183,14 @@ class LifecycleModel(RuleBasedStateMachine):
         self.seq += 1
         return f"evt-{self.seq}"
 
-    def _state(self, rid: str) -> lc.RequestState:
-        return self.log.states.get(rid, lc.INITIAL)
+    def _state(self, rid: str) -> RequestState:
+        return self.log.states.get(rid, INITIAL)
 
-    def _decide(self, rid: str, command: lc.Command) -> bool:
+    def _decide(self, rid: str, command: Command) -> bool:
         """Decide on the stream as folded and append at its version (the edge's way)."""
         state = self._state(rid)
         try:
-            events = lc.decide(state, command)
+            events = decide(state, command)
         except DomainError:
             return False
         at = self._tick()
@@ -240,14 +251,14 @@ class LifecycleModel(RuleBasedStateMachine):
     def complete(self, rid: str) -> None:
         n = self.engine.get(rid, 0)
         if self._decide(
-            rid, lc.CompleteRequest(self._prompt(rid), n, 0, "stop", 10, 1_000, request_id=rid)
+            rid, CompleteRequest(self._prompt(rid), n, 0, "stop", 10, 1_000, request_id=rid)
         ):
             self.paths.add("RequestCompleted")
 
     @rule(rid=requests)
     def cancel(self, rid: str) -> None:
         n = self.engine.get(rid, 0)
-        if self._decide(rid, lc.CancelRequest(self._prompt(rid), n, 0, request_id=rid)):
+        if self._decide(rid, CancelRequest(self._prompt(rid), n, 0, request_id=rid)):
             self.paths.add("RequestCancelled")
 
     @rule(rid=requests)
@@ -258,14 +269,14 @@ class LifecycleModel(RuleBasedStateMachine):
     def fail(self, rid: str) -> None:
         n = self.engine.get(rid, 0)
         if self._decide(
-            rid, lc.FailRequest(self._prompt(rid), n, 0, "replica died", request_id=rid)
+            rid, FailRequest(self._prompt(rid), n, 0, "replica died", request_id=rid)
         ):
             self.paths.add("RequestFailed")
 
     @rule(rid=requests)
     def expire(self, rid: str) -> None:
         renewed = self.renewed.get(rid, 0)
-        command = lc.ExpireLease(
+        command = ExpireLease(
             self.clock, self._prompt(rid) if renewed else 0, renewed, 0, request_id=rid
         )
         if self._decide(rid, command):
@@ -326,9 +337,9 @@ class LifecycleModel(RuleBasedStateMachine):
                         rid, bill.expected_version, [(bill.event_id, bill.event)], bill.occurred_at
                     )
             else:  # the safeguard off: a fresh id, no expected version
-                (event,) = lc.decide(
-                    lc.fold([r for r in self.log.streams[rid] if r.type != "UsageBilled"]),
-                    lc.BillUsage(self.price, request_id=rid),
+                (event,) = decide(
+                    request_fold([r for r in self.log.streams[rid] if r.type != "UsageBilled"]),
+                    BillUsage(self.price, request_id=rid),
                 )  # decided as if it were the first bill, whatever is there
                 self.log.append(rid, None, [(self._id(), event)], self._tick())
 
@@ -374,7 +385,7 @@ class LifecycleModel(RuleBasedStateMachine):
                 if (
                     isinstance(r.event, QuotaRefunded)
                     and reserved is not None
-                    and r.event.refunded_tokens != lc.refund_due(reserved, r.event.used_tokens)
+                    and r.event.refunded_tokens != refund_due(reserved, r.event.used_tokens)
                 ):
                     self._violation(f"{rid}: refund {r.event} for {reserved} reserved")
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain import lifecycle as lc
+from domain.envelope import Event, Recorded
 from domain.errors import DomainError
-from domain.events import TERMINAL_EVENTS, Event, QuotaRefunded, Recorded, UsageBilled
+from domain.requests.decide import Command, decide
+from domain.requests.events import TERMINAL_EVENTS, QuotaRefunded, UsageBilled
+from domain.requests.evolve import evolve, fold
+from domain.requests.state import RequestState
 from tests import builders as b
 
 counts = st.tuples(st.integers(0, 3000), st.integers(0, 3000)).flatmap(
@@ -37,24 +40,24 @@ commands = st.one_of(
 )
 
 
-def run(sequence: list[lc.Command]) -> tuple[lc.RequestState, list[Recorded]]:
-    state = lc.RequestState()
+def run(sequence: list[Command]) -> tuple[RequestState, list[Recorded]]:
+    state = RequestState()
     records: list[Recorded] = []
     for i, command in enumerate(sequence):
         try:
-            events = lc.decide(state, command)
+            events = decide(state, command)
         except DomainError:
             continue
         for event in events:
             recorded = b.record(event, version=state.version + 1, seconds=i)
             records.append(recorded)
-            state = lc.evolve(state, recorded)
+            state = evolve(state, recorded)
     return state, records
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(commands, max_size=14))
-def test_any_command_sequence_keeps_the_stream_invariants(sequence: list[lc.Command]) -> None:
+def test_any_command_sequence_keeps_the_stream_invariants(sequence: list[Command]) -> None:
     state, records = run(sequence)
     events: list[Event] = [r.event for r in records]
     terminals = [e for e in events if isinstance(e, TERMINAL_EVENTS)]
@@ -74,14 +77,14 @@ def test_any_command_sequence_keeps_the_stream_invariants(sequence: list[lc.Comm
             state.completion_tokens,
         )
     # rebuild == incremental, and folding is deterministic
-    assert lc.fold(records) == state
-    assert lc.fold(records) == lc.fold(list(records))
+    assert fold(records) == state
+    assert fold(records) == fold(list(records))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(commands, max_size=12), st.data())
 def test_applying_any_event_twice_is_applying_it_once(
-    sequence: list[lc.Command], data: st.DataObject
+    sequence: list[Command], data: st.DataObject
 ) -> None:
     state, records = run(sequence)
     if not records:
@@ -94,4 +97,4 @@ def test_applying_any_event_twice_is_applying_it_once(
             redelivered.append(recorded)
         if data.draw(st.booleans()):
             redelivered.append(records[data.draw(st.integers(0, records.index(recorded)))])
-    assert lc.fold(redelivered) == state
+    assert fold(redelivered) == state

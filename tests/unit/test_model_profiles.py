@@ -8,36 +8,42 @@ from datetime import timedelta
 
 import pytest
 
-from domain import control as c
+from domain.control_plane.decide import (
+    ControlCommand,
+    RegisterModelProfile,
+    RegisterReplica,
+    decide_control,
+)
+from domain.control_plane.state import ControlView
 from domain.cost import ModelProfile, profile_from_hf_config
+from domain.envelope import Event
 from domain.errors import DomainError
-from domain.events import Event
 from tests import builders as b
 
 
-def view_of(*timed: tuple[float, Event]) -> c.ControlView:
-    view = c.ControlView()
+def view_of(*timed: tuple[float, Event]) -> ControlView:
+    view = ControlView()
     for i, (seconds, event) in enumerate(timed, start=1):
         view.apply(b.record(event, version=i, seconds=seconds, position=i))
     return view
 
 
-def register(**kw: object) -> c.RegisterModelProfile:
+def register(**kw: object) -> RegisterModelProfile:
     fields: dict[str, object] = {
         "model": "tiny-llama", "layers": 2, "kv_heads": 2, "head_dim": 32, "dtype_bytes": 2,
         "now": b.at(0),
     }  # fmt: skip
-    return c.RegisterModelProfile(**{**fields, **kw})  # type: ignore[arg-type]
+    return RegisterModelProfile(**{**fields, **kw})  # type: ignore[arg-type]
 
 
-def refused(view: c.ControlView, command: c.ControlCommand) -> DomainError:
+def refused(view: ControlView, command: ControlCommand) -> DomainError:
     with pytest.raises(DomainError) as err:
-        c.decide_control(view, command)
+        decide_control(view, command)
     return err.value
 
 
 def test_register_records_the_shape_effective_now() -> None:
-    (event,) = c.decide_control(c.ControlView(), register(max_model_len=4096))
+    (event,) = decide_control(ControlView(), register(max_model_len=4096))
     assert event == b.model_profile_registered()
 
 
@@ -75,7 +81,7 @@ def test_a_backdated_event_is_not_in_force_before_it_was_recorded() -> None:
 
 
 def test_built_in_profiles_are_defaults_that_a_registration_overrides() -> None:
-    assert c.ControlView().model_profile("llama-3.1-8b-2026-05").kv_bytes_per_token == 131_072
+    assert ControlView().model_profile("llama-3.1-8b-2026-05").kv_bytes_per_token == 131_072
     fp8 = b.model_profile_registered(
         model="llama-3.1-8b", layers=32, kv_heads=8, head_dim=128, dtype_bytes=1
     )
@@ -85,16 +91,16 @@ def test_built_in_profiles_are_defaults_that_a_registration_overrides() -> None:
 
 def test_no_profile_names_what_to_register() -> None:
     with pytest.raises(DomainError) as err:
-        c.ControlView().model_profile("tiny-llama-2026-05")
+        ControlView().model_profile("tiny-llama-2026-05")
     assert err.value.rule == "no_model_profile"
     assert "tollgate models register --model tiny-llama-2026-05" in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_a_replica_of_a_model_without_profile_is_refused() -> None:
-    command = c.RegisterReplica("r1", "tiny-llama-2026-05", "http://127.0.0.1:8000")
-    assert refused(c.ControlView(), command).rule == "no_model_profile"
-    assert c.decide_control(view_of((0, b.model_profile_registered())), command)
+    command = RegisterReplica("r1", "tiny-llama-2026-05", "http://127.0.0.1:8000")
+    assert refused(ControlView(), command).rule == "no_model_profile"
+    assert decide_control(view_of((0, b.model_profile_registered())), command)
 
 
 @pytest.mark.parametrize(
@@ -110,15 +116,15 @@ def test_a_replica_of_a_model_without_profile_is_refused() -> None:
     ],
 )
 def test_bad_profiles_are_refused(change: dict[str, object], rule: str) -> None:
-    assert refused(c.ControlView(), register(**change)).rule == rule
+    assert refused(ControlView(), register(**change)).rule == rule
 
 
 def test_mla_needs_its_latent_rank() -> None:
     mla = register(attention="mla", kv_heads=0, head_dim=0, kv_lora_rank=512, rope_dim=64)
-    (event,) = c.decide_control(c.ControlView(), mla)
+    (event,) = decide_control(ControlView(), mla)
     view = view_of((0, event))
     assert view.model_profile("tiny-llama").kv_bytes_per_token == (512 + 64) * 2 * 2
-    assert refused(c.ControlView(), register(attention="mla", kv_lora_rank=0)).rule == (
+    assert refused(ControlView(), register(attention="mla", kv_lora_rank=0)).rule == (
         "bad_profile"
     )
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from domain.control import ControlView
-from domain.events import (
+from domain.control_plane.state import ControlView
+from domain.prediction import Prediction
+from domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     QuotaRefunded,
@@ -28,7 +29,6 @@ from domain.events import (
     RequestPreempted,
     RequestRouted,
 )
-from domain.prediction import Prediction
 from ledger.store import NewEvent
 from predictor import dataset, model_file
 from predictor.dataset import examples, read_requests
@@ -121,7 +121,7 @@ def test_the_log_is_read_with_the_shape_admission_saw(log: InMemoryEventStore) -
 
 def test_every_terminal_event_ends_a_logged_request() -> None:
     """Issue 28: the predictor's reader listed four of the five terminal events; a preempted
-    flex request never ended in its data. Now it reads domain.events' one list, and a preempted
+    flex request never ended in its data. Now it reads domain.registry' one list, and a preempted
     request ends (and, stopped by us, is no example)."""
     assert dataset.TERMINAL_STATUS_OF is TERMINAL_STATUS_OF
     assert dataset.TERMINAL_EVENTS is TERMINAL_EVENTS

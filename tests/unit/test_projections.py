@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from domain.events import Recorded, RefusalsCounted, RequestDowngraded
+from domain.envelope import Recorded
 from domain.projections import (
     LEDGER_ENTRIES,
     PROJECTIONS,
@@ -13,6 +13,7 @@ from domain.projections import (
     USAGE_HOURLY,
     ProjectionSpec,
 )
+from domain.requests.events import RefusalsCounted, RequestDowngraded
 from tests import builders as b
 
 

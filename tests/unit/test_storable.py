@@ -14,11 +14,13 @@ import pytest
 from api.auth import single_authorization
 from api.chat_request import parse_chat_request
 from api.errors import ApiError
-from domain import batch as b
-from domain import control as c
-from domain import hierarchy as h
 from domain import text
+from domain.batches.files import check_metadata, parse_input
+from domain.control_plane.decide import RegisterTenant, SetFlexDiscount, SetPrice, decide_control
+from domain.control_plane.state import ControlView
 from domain.errors import DomainError
+from domain.governance.decide import CreateProject, CreateWorkspace, StartRun
+from domain.runs.state import RunLimits
 from tests import builders as tb
 from tests.unit.test_budgets import tree
 
@@ -170,7 +172,7 @@ def line(custom_id: Any = "a", **overrides: Any) -> dict[str, Any]:
 
 def batch_refused(raw: bytes) -> DomainError:
     with pytest.raises(DomainError) as err:
-        b.parse_input(raw)
+        parse_input(raw)
     assert "secret prompt" not in err.value.message
     assert NUL not in err.value.message
     return err.value
@@ -250,35 +252,35 @@ def test_a_line_with_64_bit_numbers_and_any_prompt_text_is_accepted() -> None:
         "logit_bias": {"1": -(2**63)},
         "messages": [{"role": "user", "content": "a\x00b \x01 é 😀"}],
     }
-    lines = b.parse_input(json.dumps(line("item-1", body=body)).encode())
+    lines = parse_input(json.dumps(line("item-1", body=body)).encode())
     assert lines[0].body == body
 
 
 def test_batch_metadata_is_checked_like_the_chat_metadata() -> None:
     with pytest.raises(DomainError) as err:
-        b.check_metadata({"k": "a\x00"})
+        check_metadata({"k": "a\x00"})
     assert err.value.field == "metadata.k"
 
 
 # --- identifiers of the control plane (the CLI's inputs) ----------------------------------------
 
 
-def refused_control(view: c.ControlView, command: Any) -> DomainError:
+def refused_control(view: ControlView, command: Any) -> DomainError:
     with pytest.raises(DomainError) as err:
-        c.decide_control(view, command)
+        decide_control(view, command)
     return err.value
 
 
 def test_a_tenant_name_ending_in_a_newline_is_refused() -> None:
-    assert refused_control(c.ControlView(), c.RegisterTenant("acme\n", "free", "s")).field == "name"
+    assert refused_control(ControlView(), RegisterTenant("acme\n", "free", "s")).field == "name"
 
 
 @pytest.mark.parametrize(
     "command",
     [
-        h.StartRun(tb.TENANT, "run-1\n", None, h.RunLimits()),
-        h.CreateWorkspace(tb.TENANT, "ops\n"),
-        h.CreateProject(tb.TENANT, "bot\n", "research"),
+        StartRun(tb.TENANT, "run-1\n", None, RunLimits()),
+        CreateWorkspace(tb.TENANT, "ops\n"),
+        CreateProject(tb.TENANT, "bot\n", "research"),
     ],
 )
 def test_a_run_id_or_level_name_ending_in_a_newline_is_refused(command: Any) -> None:
@@ -289,9 +291,9 @@ def test_a_run_id_or_level_name_ending_in_a_newline_is_refused(command: Any) -> 
 @pytest.mark.parametrize("model", ["a\x00b", "x" * 194, "m" + SURROGATE])
 def test_an_unstorable_model_name_in_a_control_command_is_refused(model: str) -> None:
     now = tb.at(0)
-    assert refused_control(c.ControlView(), c.SetPrice(model, 1, 1, 1, now, now)).field == "model"
-    discount = c.SetFlexDiscount(model, 1, now + timedelta(seconds=1), now)
-    assert refused_control(c.ControlView(), discount).field == "model"
+    assert refused_control(ControlView(), SetPrice(model, 1, 1, 1, now, now)).field == "model"
+    discount = SetFlexDiscount(model, 1, now + timedelta(seconds=1), now)
+    assert refused_control(ControlView(), discount).field == "model"
 
 
 # --- one Authorization header -------------------------------------------------------------------

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from api import tracing
 from api.logs import JsonFormatter
 from api.tracing import Tracing, TracingUnavailable
-from domain.events import RequestAdmitted
+from domain.requests.events import RequestAdmitted
 from tests.unit.test_edge import CALLER, MODEL, Harness
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -1,27 +1,22 @@
-"""The request stream (stream_id = request id): its state, the commands that drive it, `decide`
-(validates a command against the state and answers with new facts) and `evolve` (applies facts).
+"""The request stream's commands and `decide`: validates a command against the state and
+answers with new facts (a refusal is a fact too); what a terminal refunds and bills.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
 
 from domain.cost import Estimate, Price, amount_micros, base_model
+from domain.envelope import Event
 from domain.errors import DomainError
-from domain.events import (
-    TERMINAL_STATUS_OF,
+from domain.requests.events import (
     BudgetReserved,
-    Event,
     FirstTokenStreamed,
     LeaseExpired,
     LeaseProgress,
-    LeasesRenewed,
     PreemptionRequested,
     QuotaRefunded,
-    Recorded,
     RequestAdmitted,
     RequestCancelled,
     RequestCompleted,
@@ -35,141 +30,17 @@ from domain.events import (
     ToolCallsReturned,
     UsageBilled,
 )
+from domain.requests.state import RequestState
 from domain.types import (
     CANCEL_REASONS,
     REJECT_REASONS,
     SERVICE_TIERS,
-    TERMINAL_STATUSES,
     TIERS,
     CancelReason,
     RejectReason,
     ServiceTier,
-    Status,
     Tier,
 )
-
-__all__ = [
-    "TIERS",
-    "REJECT_REASONS",
-    "TERMINAL_STATUSES",
-    "Estimate",
-    "RequestState",
-    "AdmitRequest",
-    "RejectRequest",
-    "RouteRequest",
-    "RecordFirstToken",
-    "CompleteRequest",
-    "CancelRequest",
-    "FailRequest",
-    "ExpireLease",
-    "PreemptRequest",
-    "AskToPreempt",
-    "BillUsage",
-    "Command",
-    "decide",
-    "evolve",
-    "evolve_event",
-    "fold",
-    "refund_due",
-    "billed_counts",
-]
-
-# Non-terminal statuses only move forward; a late or reordered fact never moves them back.
-_RANK: Final = {"new": 0, "admitted": 1, "routed": 2, "streaming": 3}
-
-
-# --- state --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestState:
-    """A request as its events describe it. `version` is the stream_version of the last event of
-    this stream applied (LeasesRenewed lives in the edge's stream and does not count)."""
-
-    request_id: str = ""
-    status: Status = "new"
-    tenant_id: str = ""
-    key_id: str = ""
-    model: str = ""
-    tier: str = ""
-    edge_id: str = ""
-    is_retry: bool = False
-    reserved_tokens: int = 0
-    kv_byte_seconds: int = 0
-    prompt_tokens_est: int = 0
-    output_cap_tokens: int = 0  # what the request may produce: the engine's max_tokens
-    predictor_version: str = ""  # the output predictor behind the reservation, if any
-    replica_id: str | None = None
-    first_token: bool = False
-    ttft_ms: int | None = None
-    terminal: str | None = None  # the terminal event's type, e.g. "RequestCompleted"
-    refunded: bool = False
-    billed: bool = False
-    amount_micros: int | None = None
-    # Engine-authoritative counts, from the terminal event.
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    admitted_at: datetime | None = None
-    finished_at: datetime | None = None
-    progress: LeaseProgress | None = None  # last engine counts an edge renewed the lease with
-    downgraded_from: str | None = None  # the model asked for, when another one served it
-    # Its place in the tenant's hierarchy and its agent run (BudgetReserved), when governed.
-    workspace_id: str | None = None
-    project_id: str | None = None
-    run_id: str | None = None
-    reserved_micros: int = 0
-    tool_calls: int = 0
-    service_tier: str = "default"  # default (interactive) | flex
-    batch_item: str = ""  # "<batch id>/<custom_id>" when a batch runs it
-    # Another edge asked for this flex request's preemption (PreemptionRequested): its edge id,
-    # and the interactive request that needs the room. The first ask stands.
-    preemption_requested_by: str = ""
-    preemption_requested_for: str = ""
-    version: int = 0
-
-    @property
-    def used_tokens(self) -> int:
-        """What the tokens/min dimension actually consumed: engine prompt + completion tokens
-        (cached prompt tokens still occupied the context, so they count)."""
-        return self.prompt_tokens + self.completion_tokens
-
-    @property
-    def reserved_output_tokens(self) -> int:
-        """The output tokens admission reserved: the output cap, or less when an output-length
-        prediction narrowed it (never the engine's max_tokens: that is `output_cap_tokens`)."""
-        return self.reserved_tokens - self.prompt_tokens_est
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.terminal is not None
-
-
-_new_object = object.__new__
-_set_attribute = object.__setattr__
-_STATE_FIELDS: Final = frozenset(RequestState.__dataclass_fields__)
-_FIELD_COUNT: Final = len(_STATE_FIELDS)
-
-
-def _with(state: RequestState, **changes: Any) -> RequestState:
-    # dataclasses.replace re-runs the frozen __init__ (~10 µs for this many fields); building the
-    # new instance's dict in one merge is ~2 µs and is what keeps the folds cheap (filling an
-    # empty instance dict key by key, then updating it, cost twice that: measured 4.2 against
-    # 2.4 µs per copy in a request's chain of copies). The copy bypasses __init__, so a misspelt
-    # field is caught here: it is the one key the merge adds to a full set of fields.
-    fields = {**state.__dict__, **changes}
-    if len(fields) != _FIELD_COUNT:
-        unknown = ", ".join(sorted(set(changes) - _STATE_FIELDS))
-        raise DomainError("unknown_field", f"RequestState has no field {unknown}")
-    fresh: RequestState = _new_object(RequestState)
-    _set_attribute(fresh, "__dict__", fields)
-    return fresh
-
-
-INITIAL: Final = RequestState()
-
-
-# --- commands -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +214,7 @@ Command = (
 )
 
 
-# --- decide -------------------------------------------------------------------------------------
+# --- decide ---------------------------------------------------------------------------------------
 
 
 def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
@@ -736,265 +607,3 @@ def _later_progress(a: LeaseProgress | None, b: LeaseProgress | None) -> LeasePr
     return LeaseProgress(
         a.request_id, a.tenant_id, *(max(x, y) for x, y in zip(ca, cb, strict=True))
     )
-
-
-# --- evolve -------------------------------------------------------------------------------------
-
-
-def evolve(state: RequestState, recorded: Recorded) -> RequestState:
-    """Apply one recorded fact. A redelivered event (stream_version ≤ version) changes nothing;
-    a gap, a foreign stream, a second terminal, refund or bill raise: a corrupt stream is loud."""
-    event = recorded.event
-    if type(event) is LeasesRenewed:
-        return _renewed(state, event)
-    version = recorded.stream_version
-    if version <= state.version:
-        if version < 1:
-            raise DomainError("unversioned", "a recorded event has stream_version >= 1")
-        return state
-    if version != state.version + 1:
-        raise DomainError("stream_gap", f"stream at v{state.version} got v{version}")
-    return _apply(state, event, version, recorded.occurred_at)
-
-
-def _apply(state: RequestState, event: Event, version: int, at: datetime) -> RequestState:
-    """Apply `event` as the stream's next version `version`; the checks shared by `evolve` and
-    `evolve_event`."""
-    request_id: str | None = getattr(event, "request_id", None)
-    if request_id is None:
-        raise _not_a_request_event(event)
-    if state.request_id and request_id != state.request_id:
-        raise DomainError(
-            "wrong_stream", f"{event.EVENT_TYPE} for {request_id} on {state.request_id}"
-        )
-    evolver = _EVOLVERS.get(type(event))
-    if evolver is None:  # exhaustive: every request event has an evolver, anything else is loud
-        raise _not_a_request_event(event)
-    return evolver(state, event, version, at)
-
-
-def _not_a_request_event(event: Event) -> DomainError:
-    return DomainError("unknown_event", f"{event.EVENT_TYPE} does not belong to a request stream")
-
-
-# One evolver per request event type, dispatched by exact type: a dict lookup instead of a chain
-# of isinstance checks keeps the fold above 200k events/s.
-
-
-def _estimated(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, RequestEstimated)
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        reserved_tokens=event.reserved_tokens,
-        kv_byte_seconds=event.kv_byte_seconds,
-        prompt_tokens_est=event.prompt_tokens,
-        output_cap_tokens=event.output_cap_tokens or event.reserved_output_tokens,
-        predictor_version=event.predictor_version,
-    )
-
-
-def _admitted(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, RequestAdmitted)
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        status=_advance(state.status, "admitted"),
-        tenant_id=event.tenant_id,
-        key_id=event.key_id,
-        model=event.model,
-        tier=event.tier,
-        edge_id=event.edge_id,
-        is_retry=event.is_retry,
-        admitted_at=at,
-        service_tier=event.service_tier,
-        batch_item=event.batch_item,
-    )
-
-
-def _routed(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, RequestRouted)
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        status=_advance(state.status, "routed"),
-        replica_id=event.replica_id,
-    )
-
-
-def _first_token(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, FirstTokenStreamed)
-    progress = state.progress
-    if event.prompt_tokens:  # the engine's prompt count: what a lease expiry bills at least
-        progress = _later_progress(
-            progress,
-            LeaseProgress(
-                event.request_id, state.tenant_id, event.prompt_tokens, 0, event.cached_tokens
-            ),
-        )
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        status=_advance(state.status, "streaming"),
-        first_token=True,
-        ttft_ms=event.ttft_ms,
-        progress=progress,
-    )
-
-
-def _downgraded(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, RequestDowngraded)
-    return _with(
-        state, version=version, request_id=event.request_id, downgraded_from=event.requested_model
-    )
-
-
-def _budgeted(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, BudgetReserved)
-    return _with(
-        state, version=version, request_id=event.request_id, workspace_id=event.workspace_id,
-        project_id=event.project_id, run_id=event.run_id, reserved_micros=event.reserved_micros,
-    )  # fmt: skip
-
-
-def _tools(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, ToolCallsReturned)
-    return _with(state, version=version, request_id=event.request_id, tool_calls=event.tool_calls)
-
-
-def _refunded(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, QuotaRefunded)
-    if state.refunded:
-        raise DomainError("second_refund", f"request {event.request_id} refunded twice")
-    return _with(state, version=version, request_id=event.request_id, refunded=True)
-
-
-def _billed(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, UsageBilled)
-    if state.billed:
-        raise DomainError("already_billed", f"request {event.request_id} billed twice")
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        billed=True,
-        amount_micros=event.amount_micros,
-    )
-
-
-def _preemption_requested(
-    state: RequestState, event: Any, version: int, at: datetime
-) -> RequestState:
-    assert isinstance(event, PreemptionRequested)
-    if state.preemption_requested_by:  # the first ask stands (decide never records a second)
-        return _with(state, version=version)
-    return _with(
-        state, version=version, request_id=event.request_id,
-        preemption_requested_by=event.requested_by,
-        preemption_requested_for=event.preempted_for,
-    )  # fmt: skip
-
-
-def _rejected(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
-    assert isinstance(event, RequestRejected)
-    if state.status != "new":
-        raise DomainError("already_admitted", f"rejection of a {state.status} request")
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        status="rejected",
-        tenant_id=event.tenant_id,
-        key_id=event.key_id,
-        model=event.model,
-        tier=event.tier,
-        is_retry=event.is_retry,
-        finished_at=at,
-    )
-
-
-def _terminal(status: str) -> Callable[[RequestState, Any, int, datetime], RequestState]:
-    def evolve_terminal(
-        state: RequestState, event: Any, version: int, at: datetime
-    ) -> RequestState:
-        return _ended(state, version, at, event, status)
-
-    return evolve_terminal
-
-
-_EVOLVERS: Final[dict[type[Event], Callable[[RequestState, Any, int, datetime], RequestState]]] = {
-    RequestAdmitted: _admitted,
-    RequestEstimated: _estimated,
-    RequestDowngraded: _downgraded,
-    RequestRejected: _rejected,
-    RequestRouted: _routed,
-    FirstTokenStreamed: _first_token,
-    **{kind: _terminal(status) for kind, status in TERMINAL_STATUS_OF.items()},
-    PreemptionRequested: _preemption_requested,
-    QuotaRefunded: _refunded,
-    UsageBilled: _billed,
-    BudgetReserved: _budgeted,
-    ToolCallsReturned: _tools,
-}
-
-
-def _advance(current: str, to: str) -> str:
-    rank = _RANK.get(current)
-    if rank is None or rank >= _RANK[to]:
-        return current
-    return to
-
-
-def _ended(
-    state: RequestState,
-    version: int,
-    at: datetime,
-    event: TerminalEvent,
-    status: str,
-) -> RequestState:
-    if state.terminal is not None:
-        raise DomainError(
-            "second_terminal", f"{event.EVENT_TYPE} after {state.terminal} in {event.request_id}"
-        )
-    return _with(
-        state,
-        version=version,
-        request_id=event.request_id,
-        status=status,
-        terminal=event.EVENT_TYPE,
-        prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        cached_tokens=event.cached_tokens,
-        finished_at=at,
-    )
-
-
-def _renewed(state: RequestState, event: LeasesRenewed) -> RequestState:
-    # Renewals come from the edge's stream, so they are deduplicated by content, not version:
-    # keeping the larger count makes a redelivered or reordered renewal harmless.
-    for item in event.progress:
-        if item.request_id == state.request_id:
-            later = _later_progress(state.progress, item)
-            return state if later is state.progress else _with(state, progress=later)
-    return state
-
-
-def evolve_event(state: RequestState, event: Event, occurred_at: datetime) -> RequestState:
-    """Apply a fact just decided, before the store has recorded it (an edge keeping its
-    in-flight state current): it is taken as the stream's next version. (What `evolve` does
-    with that version, without building the Recorded envelope: the edge applies about six
-    events per request.)"""
-    if type(event) is LeasesRenewed:
-        return _renewed(state, event)
-    return _apply(state, event, state.version + 1, occurred_at)
-
-
-def fold(records: Iterable[Recorded], state: RequestState = INITIAL) -> RequestState:
-    """The state after applying `records` in order (from `state`, the empty request by default)."""
-    for recorded in records:
-        state = evolve(state, recorded)
-    return state

@@ -1,5 +1,5 @@
 """Admission below and beside the organization's limits: every level of a request's path (org →
-workspace → project → key, `domain.hierarchy`) with its own requests/min, tokens/min and
+workspace → project → key, `domain.governance`) with its own requests/min, tokens/min and
 concurrent KV·s, its spend budgets per calendar period, and the agent run the request belongs
 to — decided at once (`reserve`), reserved at every level, and trued up at every level from the
 same terminal event.
@@ -26,14 +26,15 @@ from datetime import datetime, timedelta
 from typing import Final, Literal, NamedTuple
 
 from domain.backoff import BackoffPolicy
-from domain.control import Limits
+from domain.control_plane.state import Limits
 from domain.cost import GIB, TOKENS_PER_MTOK, Price
-from domain.events import (
+from domain.envelope import Event, Recorded
+from domain.governance.state import LevelRule, PathPlan, PathPolicy, time_zone
+from domain.quota import TOMBSTONE_TTL_S, Bucket
+from domain.requests.events import (
     BudgetReserved,
-    Event,
     LeaseExpired,
     QuotaRefunded,
-    Recorded,
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
@@ -42,19 +43,7 @@ from domain.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.hierarchy import LevelRule, PathPlan, PathPolicy, Run, time_zone
-from domain.quota import TOMBSTONE_TTL_S, Bucket
-
-__all__ = [
-    "PathAdmitted",
-    "PathRefused",
-    "PathView",
-    "Rate",
-    "RunUsage",
-    "max_cost_micros",
-    "narrow",
-    "reserve",
-]
+from domain.runs.state import Run
 
 PathReason = Literal["requests", "tokens", "concurrency", "budget", "run_budget", "invalid"]
 _MINUTE_S: Final = 60.0

@@ -3,9 +3,9 @@ spend budgets and run policies set at each level, folded from the tenant stream'
 events (`Hierarchy.apply`), and the path a key's requests are decided over (`Hierarchy.path`).
 
 A level's limit that is not set leaves the level bounded by its ancestors only; the
-organization's own limits are the plan's (`domain.control.ControlView.limits`). Budget periods
-are calendar days and months in the organization's time zone (UTC unless it set one): a period
-is named by its local date, so a new one begins by the clock and nothing has to reset.
+organization's own limits are the plan's (`domain.control_plane.state.ControlView.limits`). Budget
+periods are calendar days and months in the organization's time zone (UTC unless it set one): a
+period is named by its local date, so a new one begins by the clock and nothing has to reset.
 """
 
 from __future__ import annotations
@@ -17,63 +17,37 @@ from typing import Any, Final, Literal, NamedTuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from domain.cost import base_model
-from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
-from domain.events import (
+from domain.envelope import Event
+from domain.errors import DomainError
+from domain.governance.events import (
     BudgetSet,
-    Event,
     KeyAssigned,
     LevelLimitsSet,
     ProjectCreated,
     ProjectMoved,
-    RunBudgetExhausted,
-    RunEnded,
     RunPolicySet,
-    RunStarted,
     TimeZoneSet,
     WorkspaceCreated,
 )
-
-__all__ = [
-    "BUDGET_PERIODS",
-    "HIERARCHY_EVENTS",
-    "LEVEL_LIMIT_FIELDS",
-    "LEVELS",
-    "RUN_LIMIT_FIELDS",
-    "Budget",
-    "Hierarchy",
-    "Level",
-    "LevelLimits",
-    "LevelRule",
-    "PathPlan",
-    "PathPolicy",
-    "Run",
-    "RunLimits",
-    "month_start",
-    "period_keys",
-    "run_stream",
-    "time_zone",
-]
+from domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
+from domain.runs.state import RUN_LIMIT_FIELDS, Run, RunLimits
 
 LevelKind = Literal["org", "workspace", "project", "key"]
 LEVELS: Final[tuple[LevelKind, ...]] = ("org", "workspace", "project", "key")
 BUDGET_PERIODS: Final = ("day", "month")
 LEVEL_LIMIT_FIELDS: Final = ("rpm", "tpm", "max_context", "max_output", "kv_gib_seconds")
-RUN_LIMIT_FIELDS: Final = (
-    "max_calls", "max_tool_calls", "max_wall_ms", "max_cost_micros", "max_in_flight",
-)  # fmt: skip
+
+
 # Both matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
 LEVEL_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-RUN_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
 # RunBudgetExhausted changes nothing here, but the control view must count it in its run's
 # stream version, or a later RunEnded would be decided at a stale one.
 HIERARCHY_EVENTS: Final[tuple[type[Event], ...]] = (
     WorkspaceCreated, ProjectCreated, ProjectMoved, KeyAssigned, LevelLimitsSet, BudgetSet,
     TimeZoneSet, RunPolicySet, RunStarted, RunBudgetExhausted, RunEnded,
 )  # fmt: skip
-
-
-def run_stream(tenant_id: str, run_id: str) -> str:
-    return f"run-{tenant_id}-{run_id}"
 
 
 def time_zone(name: str) -> tzinfo:
@@ -116,8 +90,9 @@ class PathPlan:
     requests/min, tokens/min and KV·s limits (None: not set) and its budgets, each with
     whether it is daily. Levels with nothing set are left out: checking them is a no-op.
 
-    Hashed by identity, on purpose: `domain.budgets.PathView` keeps its per-path state (the
-    buckets and spend entries the checks read) under it, and an identity hash costs nothing
+    Hashed by identity, on purpose: `domain.governance.budgets.PathView` keeps its per-path
+    state (the buckets and spend entries the checks read) under it, and an identity hash costs
+    nothing
     where a tuple of rules would hash every field of every level at every decision."""
 
     __slots__ = ("checks",)
@@ -213,34 +188,12 @@ class Budget:
 class LevelRule:
     """What bounds one level of a path: its own rate limits (the organization's are decided by
     `domain.admission.decide`, so None there) and budgets. `key` is the level's key in
-    `domain.budgets.PathView`: (tenant, kind, level id)."""
+    `domain.governance.budgets.PathView`: (tenant, kind, level id)."""
 
     level: Level
     limits: LevelLimits | None
     budgets: tuple[Budget, ...]
     key: tuple[str, str, str]
-
-
-@dataclass(frozen=True, slots=True)
-class RunLimits:
-    max_calls: int | None = None
-    max_tool_calls: int | None = None
-    max_wall_ms: int | None = None
-    max_cost_micros: int | None = None
-    max_in_flight: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """A run as its stream defines it (its consumption is folded by `domain.budgets`)."""
-
-    tenant_id: str
-    run_id: str
-    project_id: str | None
-    limits: RunLimits
-    started_at: datetime
-    implicit: bool = False
-    ended_at: datetime | None = None
 
 
 class PathPolicy(NamedTuple):
@@ -256,7 +209,7 @@ class PathPolicy(NamedTuple):
     month: str
     run: Run | None = None
     zone_name: str = "UTC"
-    # The levels' keys in `domain.budgets.PathView`, and those with a KV·s limit.
+    # The levels' keys in `domain.governance.budgets.PathView`, and those with a KV·s limit.
     level_keys: tuple[tuple[str, str, str], ...] = ()
     kv_keys: tuple[tuple[str, str, str], ...] = ()
     workspace_id: str | None = None
@@ -264,7 +217,8 @@ class PathPolicy(NamedTuple):
     # The tightest level's (below the organization), None where no level sets one.
     max_context: int | None = None
     max_output: int | None = None
-    # The checks of `levels`, precomputed (None: `domain.budgets.reserve` works them out).
+    # The checks of `levels`, precomputed (None: `domain.governance.budgets.reserve` works them
+    # out).
     plan: PathPlan | None = None
 
     def level(self, kind: str) -> Level | None:
@@ -542,248 +496,3 @@ class Hierarchy:
 
 
 _EMPTY: Final = _Tenant()
-
-
-# --- commands -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CreateWorkspace:
-    tenant_id: str
-    name: str  # becomes the workspace id, unique in its tenant
-
-
-@dataclass(frozen=True, slots=True)
-class CreateProject:
-    tenant_id: str
-    name: str  # becomes the project id, unique in its tenant
-    workspace_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class MoveProject:
-    tenant_id: str
-    project_id: str
-    workspace_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class AssignKey:
-    tenant_id: str
-    key_id: str
-    project_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class SetLevelLimits:
-    tenant_id: str
-    level: str  # workspace | project | key
-    level_id: str
-    model: str
-    rpm: int | None = None
-    tpm: int | None = None
-    max_context: int | None = None
-    max_output: int | None = None
-    kv_gib_seconds: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SetBudget:
-    tenant_id: str
-    level: str  # org | workspace | project | key
-    level_id: str  # the tenant id for org
-    period: str  # day | month
-    amount_micros: int | None  # None: remove it
-
-
-@dataclass(frozen=True, slots=True)
-class SetTimeZone:
-    tenant_id: str
-    time_zone: str
-
-
-@dataclass(frozen=True, slots=True)
-class SetRunPolicy:
-    tenant_id: str
-    project_id: str
-    limits: RunLimits
-
-
-@dataclass(frozen=True, slots=True)
-class StartRun:
-    """Stream `run_stream(tenant_id, run_id)`. Limits not given come from the project's run
-    policy (`SetRunPolicy`)."""
-
-    tenant_id: str
-    run_id: str
-    project_id: str | None
-    limits: RunLimits
-    implicit: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class EndRun:
-    tenant_id: str
-    run_id: str
-
-
-HierarchyCommand = (
-    CreateWorkspace | CreateProject | MoveProject | AssignKey | SetLevelLimits | SetBudget
-    | SetTimeZone | SetRunPolicy | StartRun | EndRun
-)  # fmt: skip
-HIERARCHY_COMMANDS: Final = (
-    CreateWorkspace, CreateProject, MoveProject, AssignKey, SetLevelLimits, SetBudget,
-    SetTimeZone, SetRunPolicy, StartRun, EndRun,
-)  # fmt: skip
-
-
-def decide(
-    h: Hierarchy, command: HierarchyCommand, *, key_tenant: str | None = None
-) -> tuple[Event, ...]:
-    """The events of a hierarchy command, or a DomainError naming the field. The tenant is
-    known to exist (`domain.control.decide_control` checks it); `key_tenant` is the tenant of
-    the key the command names, if it names one. A repeat that changes nothing answers ()."""
-    t = h._tenant(command.tenant_id)
-    tenant = command.tenant_id
-    match command:
-        case CreateWorkspace():
-            _check_name(command.name)
-            if command.name in t.workspaces:
-                raise DomainError(
-                    "duplicate_workspace", f"workspace {command.name!r} exists", field="name"
-                )
-            return (WorkspaceCreated(tenant, command.name, command.name),)
-        case CreateProject():
-            _check_name(command.name)
-            _require(t.workspaces, command.workspace_id, "workspace")
-            if command.name in t.projects:
-                raise DomainError(
-                    "duplicate_project", f"project {command.name!r} exists", field="name"
-                )
-            return (ProjectCreated(tenant, command.name, command.name, command.workspace_id),)
-        case MoveProject():
-            node = _require(t.projects, command.project_id, "project")
-            _require(t.workspaces, command.workspace_id, "workspace")
-            if node.parent == command.workspace_id:
-                return ()
-            return (ProjectMoved(tenant, command.project_id, command.workspace_id),)
-        case AssignKey():
-            _require_key(key_tenant, tenant, command.key_id)
-            _require(t.projects, command.project_id, "project")
-            if t.key_projects.get(command.key_id) == command.project_id:
-                return ()
-            return (KeyAssigned(tenant, command.key_id, command.project_id),)
-        case SetLevelLimits():
-            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=False)
-            if not command.model or command.model.strip() != command.model:
-                raise DomainError("bad_model", f"model {command.model!r}", field="model")
-            values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
-            for name, value in values.items():
-                check_quantity(name, value)
-            if all(value is None for value in values.values()):
-                raise DomainError("empty_limits", "no limit given")
-            return (
-                LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),
-            )
-        case SetBudget():
-            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
-            if command.period not in BUDGET_PERIODS:
-                raise DomainError(
-                    "bad_period",
-                    f"period {command.period!r} is not one of {BUDGET_PERIODS}",
-                    field="period",
-                )
-            amount = command.amount_micros
-            check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
-                           field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
-            current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
-            if current == amount:
-                return ()
-            return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
-        case SetTimeZone():
-            time_zone(command.time_zone)
-            if t.zone_name == command.time_zone:
-                return ()
-            return (TimeZoneSet(tenant, command.time_zone),)
-        case SetRunPolicy():
-            _require(t.projects, command.project_id, "project")
-            _check_run_limits(command.limits)
-            return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
-        case StartRun():
-            if not RUN_ID.fullmatch(command.run_id):
-                raise DomainError(
-                    "bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id"
-                )
-            if command.project_id is not None:
-                _require(t.projects, command.project_id, "project")
-            _check_run_limits(command.limits)
-            if command.run_id in t.runs:
-                raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
-            policy = h.run_policy(tenant, command.project_id)
-            merged = RunLimits(
-                *(
-                    getattr(command.limits, name)
-                    if getattr(command.limits, name) is not None
-                    else getattr(policy, name)
-                    for name in RUN_LIMIT_FIELDS
-                )
-            )
-            return (
-                RunStarted(
-                    tenant, command.run_id, command.project_id, **_run_fields(merged),
-                    implicit=command.implicit,
-                ),
-            )  # fmt: skip
-        case EndRun():
-            run = t.runs.get(command.run_id)
-            if run is None:
-                raise DomainError("unknown_run", f"no run {command.run_id!r}", field="run_id")
-            if run.ended_at is not None:
-                return ()
-            return (RunEnded(tenant, command.run_id),)
-    raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
-
-
-def _run_fields(limits: RunLimits) -> dict[str, int | None]:
-    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS}
-
-
-def _check_run_limits(limits: RunLimits) -> None:
-    for name in RUN_LIMIT_FIELDS:
-        value = getattr(limits, name)
-        check_quantity(name, value)
-
-
-def _check_name(name: str) -> None:
-    if not LEVEL_NAME.fullmatch(name):
-        raise DomainError(
-            "bad_name", f"name {name!r} must match {LEVEL_NAME.pattern}", field="name"
-        )
-
-
-def _require(nodes: dict[str, _Node], level_id: str, kind: str) -> _Node:
-    node = nodes.get(level_id)
-    if node is None:
-        raise DomainError(f"unknown_{kind}", f"no {kind} {level_id!r}", field=kind)
-    return node
-
-
-def _require_key(key_tenant: str | None, tenant: str, key_id: str) -> None:
-    if key_tenant != tenant:
-        raise DomainError("unknown_key", f"no key {key_id!r}", field="key")
-
-
-def _require_level(
-    t: _Tenant, level: str, level_id: str, key_tenant: str | None, tenant: str, *, org: bool
-) -> None:
-    if level == "org" and org:
-        if level_id != tenant:
-            raise DomainError("bad_level", "an organization's level id is its tenant id")
-    elif level == "workspace":
-        _require(t.workspaces, level_id, "workspace")
-    elif level == "project":
-        _require(t.projects, level_id, "project")
-    elif level == "key":
-        _require_key(key_tenant, tenant, level_id)
-    else:
-        raise DomainError("bad_level", f"level {level!r} is not one of {LEVELS}", field="level")

@@ -1,0 +1,388 @@
+"""The control plane's commands and `decide_control`: the control events a command produces
+against the current `ControlView`, or a DomainError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from domain.control_plane.events import (
+    ApiKeyIssued,
+    ApiKeyRevoked,
+    FallbackAllowed,
+    FallbackRevoked,
+    FlexDiscountSet,
+    LimitsSet,
+    ModelProfileRegistered,
+    PlanChanged,
+    PriceSet,
+    ReplicaRegistered,
+    SloSet,
+    TenantRegistered,
+)
+from domain.control_plane.state import (
+    KEY_HASH,
+    LIMIT_FIELDS,
+    MAX_MODEL_CHARS,
+    PLAN_LIMITS,
+    SCOPES,
+    TENANT_NAME,
+    ControlView,
+    _profile_of,
+)
+from domain.cost import base_model, check_profile
+from domain.envelope import Event
+from domain.errors import DomainError, check_quantity
+from domain.governance.decide import HIERARCHY_COMMANDS, AssignKey, HierarchyCommand
+from domain.governance.decide import decide as hierarchy_decide
+from domain.text import check_text
+from domain.types import TIERS
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterTenant:
+    name: str  # becomes the tenant id
+    plan: str
+    cache_salt: str  # generated outside the domain (random), sent to the engine per request
+
+
+@dataclass(frozen=True, slots=True)
+class ChangePlan:
+    tenant_id: str
+    plan: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetLimits:
+    tenant_id: str
+    model: str  # "*", a base name or a pinned version
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None
+    reserved_kv_gib_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IssueApiKey:
+    tenant_id: str
+    key_id: str
+    key_hash: str  # sha256 hex of the secret, computed outside the domain
+    scope: str = "customer"
+    project_id: str | None = None  # None: the key belongs to the organization directly
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeApiKey:
+    tenant_id: str
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetPrice:
+    model: str
+    prompt_micros_per_mtok: int
+    completion_micros_per_mtok: int
+    cached_micros_per_mtok: int
+    effective_at: datetime
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SetFlexDiscount:
+    """The flex class's discount on a model's price, in ppm of it (500,000 = half price)."""
+
+    model: str
+    discount_ppm: int
+    effective_at: datetime
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterReplica:
+    replica_id: str
+    model: str
+    url: str
+    reserved_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterModelProfile:
+    """The KV shape of a model name or version, in force from `effective_at`."""
+
+    model: str
+    layers: int
+    dtype_bytes: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    attention: str = "gqa"
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    max_model_len: int | None = None
+    effective_at: datetime | None = None  # None: now
+    now: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetSlo:
+    tier: str
+    ttft_ms: int
+    tpot_us: int
+    effective_at: datetime
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AllowFallback:
+    tenant_id: str
+    from_model: str
+    to_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeFallback:
+    tenant_id: str
+    from_model: str
+    to_model: str
+
+
+ControlCommand = (
+    RegisterTenant
+    | ChangePlan
+    | SetLimits
+    | IssueApiKey
+    | RevokeApiKey
+    | SetPrice
+    | SetFlexDiscount
+    | RegisterReplica
+    | RegisterModelProfile
+    | SetSlo
+    | AllowFallback
+    | RevokeFallback
+    | HierarchyCommand
+)
+
+
+def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, ...]:
+    """The control events a command produces against the current view, or a DomainError.
+    A repeat that changes nothing (same plan, key already revoked) answers ()."""
+    match command:
+        case RegisterTenant():
+            if not TENANT_NAME.fullmatch(command.name):
+                raise DomainError(
+                    "bad_name",
+                    f"tenant name {command.name!r} must match {TENANT_NAME.pattern}",
+                    field="name",
+                )
+            _check_plan(command.plan)
+            if view.tenant(command.name) is not None:
+                raise DomainError(
+                    "duplicate_tenant", f"tenant {command.name!r} exists", field="name"
+                )
+            if not command.cache_salt:
+                raise DomainError("bad_cache_salt", "cache_salt is empty", field="cache_salt")
+            return (TenantRegistered(command.name, command.name, command.plan, command.cache_salt),)
+        case ChangePlan():
+            _check_plan(command.plan)
+            tenant = view._tenant_or_error(command.tenant_id)
+            if tenant.plan == command.plan:
+                return ()
+            return (PlanChanged(command.tenant_id, command.plan),)
+        case SetLimits():
+            view._tenant_or_error(command.tenant_id)
+            _check_model(command.model)
+            if command.model.strip() != command.model:
+                raise DomainError("bad_model", f"model {command.model!r}", field="model")
+            values = {name: getattr(command, name) for name in LIMIT_FIELDS}
+            for name, value in values.items():
+                check_quantity(name, value)
+            if all(value is None for value in values.values()):
+                raise DomainError("empty_limits", "SetLimits sets no limit")
+            return (LimitsSet(command.tenant_id, command.model, **values),)
+        case IssueApiKey():
+            view._tenant_or_error(command.tenant_id)
+            if not KEY_HASH.fullmatch(command.key_hash):
+                raise DomainError(
+                    "bad_key_hash", "key_hash must be 64 lowercase hex", field="key_hash"
+                )
+            if command.scope not in SCOPES:
+                raise DomainError("bad_scope", f"scope not in {SCOPES}", field="scope")
+            existing = view.key(command.key_id)
+            if existing is not None:
+                same = (existing.tenant_id, existing.key_hash, existing.scope) == (
+                    command.tenant_id,
+                    command.key_hash,
+                    command.scope,
+                )
+                if same:
+                    return ()
+                raise DomainError("duplicate_key", f"key {command.key_id} exists", field="key_id")
+            if command.key_hash in view._key_ids_by_hash:
+                raise DomainError("duplicate_key_hash", "this key hash is in use", field="key_hash")
+            issued = ApiKeyIssued(
+                command.tenant_id, command.key_id, command.key_hash, command.scope
+            )
+            if command.project_id is None:
+                return (issued,)
+            if command.scope != "customer":
+                raise DomainError(
+                    "bad_scope", "only a customer key belongs to a project", field="project"
+                )
+            assigned = hierarchy_decide(
+                view.hierarchy,
+                AssignKey(command.tenant_id, command.key_id, command.project_id),
+                key_tenant=command.tenant_id,
+            )
+            return (issued, *assigned)
+        case RevokeApiKey():
+            key = view.key(command.key_id)
+            if key is None or key.tenant_id != command.tenant_id:
+                raise DomainError("unknown_key", f"no key {command.key_id}", field="key_id")
+            if key.revoked:
+                return ()
+            return (ApiKeyRevoked(command.tenant_id, command.key_id),)
+        case SetPrice():
+            _check_model(command.model)
+            for name in (
+                "prompt_micros_per_mtok",
+                "completion_micros_per_mtok",
+                "cached_micros_per_mtok",
+            ):
+                check_quantity(name, getattr(command, name), negative="negative_price")
+            if command.effective_at < command.now:
+                raise DomainError(
+                    "price_backdated",
+                    "a price cannot take effect before it is set",
+                    field="effective_at",
+                )
+            return (
+                PriceSet(
+                    command.model,
+                    command.prompt_micros_per_mtok,
+                    command.completion_micros_per_mtok,
+                    command.cached_micros_per_mtok,
+                    command.effective_at,
+                ),
+            )
+        case SetFlexDiscount():
+            _check_model(command.model)
+            if not 0 <= command.discount_ppm <= 1_000_000:
+                raise DomainError(
+                    "bad_discount", "the flex discount is within [0, 100] %", field="discount_ppm"
+                )
+            if command.effective_at < command.now:
+                raise DomainError(
+                    "price_backdated",
+                    "a price cannot take effect before it is set",
+                    field="effective_at",
+                )
+            return (FlexDiscountSet(command.model, command.discount_ppm, command.effective_at),)
+        case RegisterReplica():
+            if not command.replica_id or not command.model or not command.url:
+                raise DomainError("bad_replica", "replica_id, model and url are required")
+            # replica_id: request_log's replica column is 100 wide.
+            check_text(command.replica_id, "replica_id", max_chars=100)
+            _check_model(command.model)
+            check_text(command.url, "url", max_chars=2_048)
+            view.model_profile(command.model)  # a replica nobody could admit traffic for
+            known = view._replicas.get(command.replica_id)
+            if known is not None:
+                if (known.model, known.url, known.reserved_only) == (
+                    command.model,
+                    command.url,
+                    command.reserved_only,
+                ):
+                    return ()
+                raise DomainError("duplicate_replica", f"replica {command.replica_id} exists")
+            return (
+                ReplicaRegistered(
+                    command.replica_id, command.model, command.url, command.reserved_only
+                ),
+            )
+        case RegisterModelProfile():
+            return (_decide_model_profile(command),)
+        case SetSlo():
+            if command.tier not in TIERS:
+                raise DomainError("bad_tier", f"tier {command.tier!r} is not one of {TIERS}",
+                                  field="tier")
+            if command.ttft_ms <= 0 or command.tpot_us <= 0:
+                raise DomainError("bad_slo", "SLO targets must be positive", field="ttft_ms")
+            if command.effective_at < command.now:
+                raise DomainError(
+                    "slo_backdated", "an SLO cannot take effect before it is set",
+                    field="effective_at",
+                )
+            return (SloSet(command.tier, command.ttft_ms, command.tpot_us, command.effective_at),)
+        case AllowFallback():
+            view._tenant_or_error(command.tenant_id)
+            if not command.from_model or not command.to_model:
+                raise DomainError("bad_model", "both models are required", field="from_model")
+            _check_model(command.from_model, "from_model")
+            _check_model(command.to_model, "to_model")
+            if base_model(command.from_model) == base_model(command.to_model):
+                raise DomainError(
+                    "same_model", "a fallback is to another model", field="to_model"
+                )
+            given = view._fallbacks.get((command.tenant_id, command.from_model), [])
+            if command.to_model in given:
+                return ()
+            return (FallbackAllowed(command.tenant_id, command.from_model, command.to_model),)
+        case RevokeFallback():
+            view._tenant_or_error(command.tenant_id)
+            if command.to_model not in view._fallbacks.get(
+                (command.tenant_id, command.from_model), []
+            ):
+                return ()
+            return (FallbackRevoked(command.tenant_id, command.from_model, command.to_model),)
+    if isinstance(command, HIERARCHY_COMMANDS):
+        view._tenant_or_error(command.tenant_id)
+        key_id = getattr(command, "key_id", None) or (
+            getattr(command, "level_id", None) if getattr(command, "level", "") == "key" else None
+        )
+        key = view.key(key_id) if key_id else None
+        return hierarchy_decide(
+            view.hierarchy, command, key_tenant=key.tenant_id if key is not None else None
+        )
+    raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegistered:
+    _check_model(command.model)
+    if not command.model or command.model.strip() != command.model or command.model == "*":
+        raise DomainError("bad_model", f"model {command.model!r}", field="model")
+    if command.now is None:
+        raise DomainError("no_instant", "RegisterModelProfile needs `now`", field="now")
+    effective_at = command.effective_at or command.now
+    if effective_at < command.now:
+        raise DomainError(
+            "profile_backdated",
+            "a model profile cannot take effect before it is registered",
+            field="effective_at",
+        )
+    if command.max_model_len is not None and command.max_model_len <= 0:
+        raise DomainError("bad_profile", "max_model_len must be positive", field="max_model_len")
+    if command.attention not in ("gqa", "mla"):
+        raise DomainError("bad_profile", f"attention {command.attention!r} is not gqa or mla")
+    event = ModelProfileRegistered(
+        command.model, command.attention, command.layers, command.kv_heads, command.head_dim,
+        command.dtype_bytes, command.kv_lora_rank, command.rope_dim, command.max_model_len,
+        effective_at,
+    )  # fmt: skip
+    check_profile(_profile_of(event))
+    return event
+
+
+def _check_model(model: str, field: str = "model") -> None:
+    """A model name an operator gives: storable (domain.text), and short enough for the stream
+    ids it names (`prices-<model>`, `models-<model>`) to fit their 200-character column."""
+    try:
+        check_text(model, field, max_chars=MAX_MODEL_CHARS)
+    except DomainError as exc:
+        raise DomainError("bad_model", exc.message, field=field) from None
+
+
+def _check_plan(plan: str) -> None:
+    if plan not in PLAN_LIMITS:
+        raise DomainError("bad_plan", f"plan {plan!r} is not one of {TIERS}", field="plan")

@@ -1,0 +1,276 @@
+"""The hierarchy's commands (levels, limits, budgets, time zone, run policies, and a run's start
+and end) and its `decide`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from domain.envelope import Event
+from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
+from domain.governance.events import (
+    BudgetSet,
+    KeyAssigned,
+    LevelLimitsSet,
+    ProjectCreated,
+    ProjectMoved,
+    RunPolicySet,
+    TimeZoneSet,
+    WorkspaceCreated,
+)
+from domain.governance.state import (
+    BUDGET_PERIODS,
+    LEVEL_LIMIT_FIELDS,
+    LEVEL_NAME,
+    LEVELS,
+    Hierarchy,
+    _Node,
+    _Tenant,
+    time_zone,
+)
+from domain.runs.events import RunEnded, RunStarted
+from domain.runs.state import RUN_ID, RUN_LIMIT_FIELDS, RunLimits
+
+
+@dataclass(frozen=True, slots=True)
+class CreateWorkspace:
+    tenant_id: str
+    name: str  # becomes the workspace id, unique in its tenant
+
+
+@dataclass(frozen=True, slots=True)
+class CreateProject:
+    tenant_id: str
+    name: str  # becomes the project id, unique in its tenant
+    workspace_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class MoveProject:
+    tenant_id: str
+    project_id: str
+    workspace_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AssignKey:
+    tenant_id: str
+    key_id: str
+    project_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetLevelLimits:
+    tenant_id: str
+    level: str  # workspace | project | key
+    level_id: str
+    model: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_context: int | None = None
+    max_output: int | None = None
+    kv_gib_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetBudget:
+    tenant_id: str
+    level: str  # org | workspace | project | key
+    level_id: str  # the tenant id for org
+    period: str  # day | month
+    amount_micros: int | None  # None: remove it
+
+
+@dataclass(frozen=True, slots=True)
+class SetTimeZone:
+    tenant_id: str
+    time_zone: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetRunPolicy:
+    tenant_id: str
+    project_id: str
+    limits: RunLimits
+
+
+@dataclass(frozen=True, slots=True)
+class StartRun:
+    """Stream `run_stream(tenant_id, run_id)`. Limits not given come from the project's run
+    policy (`SetRunPolicy`)."""
+
+    tenant_id: str
+    run_id: str
+    project_id: str | None
+    limits: RunLimits
+    implicit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EndRun:
+    tenant_id: str
+    run_id: str
+
+
+HierarchyCommand = (
+    CreateWorkspace | CreateProject | MoveProject | AssignKey | SetLevelLimits | SetBudget
+    | SetTimeZone | SetRunPolicy | StartRun | EndRun
+)  # fmt: skip
+HIERARCHY_COMMANDS: Final = (
+    CreateWorkspace, CreateProject, MoveProject, AssignKey, SetLevelLimits, SetBudget,
+    SetTimeZone, SetRunPolicy, StartRun, EndRun,
+)  # fmt: skip
+
+
+def decide(
+    h: Hierarchy, command: HierarchyCommand, *, key_tenant: str | None = None
+) -> tuple[Event, ...]:
+    """The events of a hierarchy command, or a DomainError naming the field. The tenant is
+    known to exist (`domain.control_plane.decide.decide_control` checks it); `key_tenant` is
+    the tenant of the key the command names, if it names one. A repeat that changes nothing
+    answers ()."""
+    t = h._tenant(command.tenant_id)
+    tenant = command.tenant_id
+    match command:
+        case CreateWorkspace():
+            _check_name(command.name)
+            if command.name in t.workspaces:
+                raise DomainError(
+                    "duplicate_workspace", f"workspace {command.name!r} exists", field="name"
+                )
+            return (WorkspaceCreated(tenant, command.name, command.name),)
+        case CreateProject():
+            _check_name(command.name)
+            _require(t.workspaces, command.workspace_id, "workspace")
+            if command.name in t.projects:
+                raise DomainError(
+                    "duplicate_project", f"project {command.name!r} exists", field="name"
+                )
+            return (ProjectCreated(tenant, command.name, command.name, command.workspace_id),)
+        case MoveProject():
+            node = _require(t.projects, command.project_id, "project")
+            _require(t.workspaces, command.workspace_id, "workspace")
+            if node.parent == command.workspace_id:
+                return ()
+            return (ProjectMoved(tenant, command.project_id, command.workspace_id),)
+        case AssignKey():
+            _require_key(key_tenant, tenant, command.key_id)
+            _require(t.projects, command.project_id, "project")
+            if t.key_projects.get(command.key_id) == command.project_id:
+                return ()
+            return (KeyAssigned(tenant, command.key_id, command.project_id),)
+        case SetLevelLimits():
+            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=False)
+            if not command.model or command.model.strip() != command.model:
+                raise DomainError("bad_model", f"model {command.model!r}", field="model")
+            values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
+            for name, value in values.items():
+                check_quantity(name, value)
+            if all(value is None for value in values.values()):
+                raise DomainError("empty_limits", "no limit given")
+            return (
+                LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),
+            )
+        case SetBudget():
+            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
+            if command.period not in BUDGET_PERIODS:
+                raise DomainError(
+                    "bad_period",
+                    f"period {command.period!r} is not one of {BUDGET_PERIODS}",
+                    field="period",
+                )
+            amount = command.amount_micros
+            check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
+                           field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
+            current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
+            if current == amount:
+                return ()
+            return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
+        case SetTimeZone():
+            time_zone(command.time_zone)
+            if t.zone_name == command.time_zone:
+                return ()
+            return (TimeZoneSet(tenant, command.time_zone),)
+        case SetRunPolicy():
+            _require(t.projects, command.project_id, "project")
+            _check_run_limits(command.limits)
+            return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
+        case StartRun():
+            if not RUN_ID.fullmatch(command.run_id):
+                raise DomainError(
+                    "bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id"
+                )
+            if command.project_id is not None:
+                _require(t.projects, command.project_id, "project")
+            _check_run_limits(command.limits)
+            if command.run_id in t.runs:
+                raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
+            policy = h.run_policy(tenant, command.project_id)
+            merged = RunLimits(
+                *(
+                    getattr(command.limits, name)
+                    if getattr(command.limits, name) is not None
+                    else getattr(policy, name)
+                    for name in RUN_LIMIT_FIELDS
+                )
+            )
+            return (
+                RunStarted(
+                    tenant, command.run_id, command.project_id, **_run_fields(merged),
+                    implicit=command.implicit,
+                ),
+            )  # fmt: skip
+        case EndRun():
+            run = t.runs.get(command.run_id)
+            if run is None:
+                raise DomainError("unknown_run", f"no run {command.run_id!r}", field="run_id")
+            if run.ended_at is not None:
+                return ()
+            return (RunEnded(tenant, command.run_id),)
+    raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _run_fields(limits: RunLimits) -> dict[str, int | None]:
+    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS}
+
+
+def _check_run_limits(limits: RunLimits) -> None:
+    for name in RUN_LIMIT_FIELDS:
+        value = getattr(limits, name)
+        check_quantity(name, value)
+
+
+def _check_name(name: str) -> None:
+    if not LEVEL_NAME.fullmatch(name):
+        raise DomainError(
+            "bad_name", f"name {name!r} must match {LEVEL_NAME.pattern}", field="name"
+        )
+
+
+def _require(nodes: dict[str, _Node], level_id: str, kind: str) -> _Node:
+    node = nodes.get(level_id)
+    if node is None:
+        raise DomainError(f"unknown_{kind}", f"no {kind} {level_id!r}", field=kind)
+    return node
+
+
+def _require_key(key_tenant: str | None, tenant: str, key_id: str) -> None:
+    if key_tenant != tenant:
+        raise DomainError("unknown_key", f"no key {key_id!r}", field="key")
+
+
+def _require_level(
+    t: _Tenant, level: str, level_id: str, key_tenant: str | None, tenant: str, *, org: bool
+) -> None:
+    if level == "org" and org:
+        if level_id != tenant:
+            raise DomainError("bad_level", "an organization's level id is its tenant id")
+    elif level == "workspace":
+        _require(t.workspaces, level_id, "workspace")
+    elif level == "project":
+        _require(t.projects, level_id, "project")
+    elif level == "key":
+        _require_key(key_tenant, tenant, level_id)
+    else:
+        raise DomainError("bad_level", f"level {level!r} is not one of {LEVELS}", field="level")

@@ -1,0 +1,1 @@
+"""The request stream (stream_id = request id): `events`, `state`, `decide`, `evolve`."""
