@@ -238,7 +238,10 @@ class FaustEventConsumer(SavedOffsets):
         async with self._placing:
             if p not in self.assigned:
                 return
-            await self._app.consumer.seek(_tp(self.topic, p), offset)
+            # seek_wait, not seek: faust's `Consumer.seek` calls the aiokafka consumer from this
+            # thread while its own thread fetches, and the fetcher crashed on the records a
+            # seek deleted under it (KeyError in `fetched_records`): no message came again.
+            await self._app.consumer.seek_wait({_tp(self.topic, p): offset})
             self._resume[p] = offset
             self._sought_at[p] = time.monotonic()
             if new_epoch:
@@ -293,6 +296,13 @@ class FaustEventConsumer(SavedOffsets):
         refused = self._refusal()
         if refused is not None:
             raise RuntimeError(f"{self.name}: the consumer group refused this member: {refused!r}")
+        fetcher = getattr(self._app, "_fetcher", None)
+        if fetcher is not None and fetcher.crashed:
+            # faust does not start a crashed fetcher again: nothing would come, silently.
+            raise RuntimeError(
+                f"{self.name}: the faust fetcher crashed ({fetcher.crash_reason!r}); restart "
+                "the worker"
+            )
         failing = self._seek_failure
         if failing is not None:
             raise RuntimeError(
