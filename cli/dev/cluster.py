@@ -58,6 +58,7 @@ class DevClusterSettings:
     topic: str = DEFAULT_TOPIC
     log_dir: Path | None = None  # default: <data dir>/logs
     data_dir: Path = Path("data").resolve()  # the children's too
+    log_format: str = "plain"  # every child's, replicas included (--log-format)
     stop_grace_s: float = 20.0
 
 
@@ -129,8 +130,9 @@ class DevCluster:
                 port = _free_port(s.host)
                 child = self._spawn(
                     f"replica-{model}-{i}", "replica",
-                    [*python, "-m", "engine_adapter.simulator", "--host", s.host, "--port",
-                     str(port), "--model", model, "--seed", str(7 + 100 * m_index + i),
+                    # `tollgate replica-sim`, which sets up the log format the others use.
+                    [*tollgate, "replica-sim", "--host", s.host, "--port", str(port),
+                     "--model", model, "--seed", str(7 + 100 * m_index + i),
                      "--speed", str(s.sim_speed)],
                     url=f"http://{s.host}:{port}",
                 )  # fmt: skip
@@ -179,6 +181,7 @@ class DevCluster:
             "TOLLGATE_KAFKA_TOPIC": self.settings.topic,
             "TOLLGATE_DATA_DIR": str(self.settings.data_dir),
             "TOLLGATE_BATCH_TOKEN": self.batch_token,
+            "TOLLGATE_LOG_FORMAT": self.settings.log_format,
         }
         with open(child.log, "ab") as log:
             child.proc = subprocess.Popen(

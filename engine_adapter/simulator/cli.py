@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 from engine_adapter.simulator.engine import SimConfig
@@ -53,6 +54,11 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, **config: Any) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m engine_adapter.simulator`: plain log lines at INFO on stderr (a client's
+    disconnect is one such line); `tollgate replica-sim` takes `--log-format json` too."""
     args = _arg_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -63,7 +64,7 @@ def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
     proc = spawn(
         [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
          "--kafka-port", "0", "--model", MODEL, "--simulated-replicas", "2",
-         "--sim-speed", "20", "--log-dir", str(tmp_path / "logs")],
+         "--sim-speed", "20", "--log-dir", str(tmp_path / "logs"), "--log-format", "json"],
         out, env={"TOLLGATE_DATA_DIR": str(tmp_path / "data")},
     )  # fmt: skip
     try:
@@ -168,6 +169,27 @@ def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
                     .status in ("completed", "failed") and b, timeout=120, every=0.5)  # fmt: skip
         assert done.status == "completed" and done.request_counts is not None
         assert done.request_counts.completed == len(items)
+
+        # A client that leaves mid-stream: the replica says so in one JSON line (its log set up
+        # with every other child's format: the replicas' used to set up none).
+        with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "a long story"}],
+            max_tokens=4000, stream=True,
+        ) as response:
+            left = response.headers["x-request-id"]
+            next(iter(response.iter_lines()))
+
+        def aborted() -> list[dict[str, Any]]:
+            lines = [json.loads(x) for f in (tmp_path / "logs").glob("replica-*.log")
+                     for x in f.read_text().splitlines() if x.startswith("{")]  # fmt: skip
+            return [x for x in lines if "Aborted request" in x["message"]]
+
+        told = poll("the replica's line", aborted, timeout=30)
+        assert len(told) == 1 and told[0]["level"] == "INFO", told
+        for name in ("relay", "worker-1", "edge-1"):  # the others log JSON lines too
+            assert any(x.startswith("{") for x in
+                       (tmp_path / "logs" / f"{name}.log").read_text().splitlines()), name
+        assert left
 
         # Every worker process has its own row: both Kafka workers and the batch runner.
         status = subprocess.run(
