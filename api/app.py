@@ -28,6 +28,8 @@ from api.backoffice import (
     INVOICE_COLUMNS,
     MAX_ENTRIES,
     REQUEST_ID,
+    REQUESTS_LIMIT_DEFAULT,
+    REQUESTS_LIMIT_MAX,
     USAGE_COLUMNS,
     groups,
     parse_range,
@@ -53,6 +55,7 @@ from api.schemas import (
     ModelList,
     Readiness,
     Reconciliation,
+    RequestList,
     RequestTimeline,
     Run,
     RunCreate,
@@ -61,6 +64,7 @@ from api.schemas import (
     error_answers,
     request_body,
 )
+from domain.projections import REQUEST_LOG_STATUSES
 from domain.runs.state import RUN_ID
 from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
 from ledger.ids import new_request_id, utcnow
@@ -354,6 +358,40 @@ def create_app(runtime: Runtime) -> FastAPI:
         since, until = parse_range(start, end, utcnow())
         report = await asyncio.to_thread(bo.reconciliation, since, until)
         return json_response(200, report, {"X-Request-Id": request.state.request_id})
+
+    @app.get(
+        "/v1/requests", operation_id="list_requests",
+        summary="A tenant's requests, newest first (support keys name the tenant; a customer "
+        "its own)",
+        response_model=RequestList, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def list_requests(
+        request: Request, caller: AnyKeyDep,
+        tenant: Annotated[str | None, Query(
+            description="the tenant (required for support, admin and finance keys; a customer "
+            "key reads its own, and another tenant answers as an unknown one)",
+        )] = None,
+        start: FromQuery = None, end: ToQuery = None,
+        status: Annotated[
+            Literal[REQUEST_LOG_STATUSES] | None, Query(description="one request_log status")
+        ] = None,
+        key_id: Annotated[str | None, Query(description="the key that sent it")] = None,
+        model: ModelQuery = None,
+        limit: Annotated[int, Query(
+            ge=1, le=REQUESTS_LIMIT_MAX, description=f"default {REQUESTS_LIMIT_DEFAULT}"
+        ), IntegerText] = REQUESTS_LIMIT_DEFAULT,
+        after: Annotated[str | None, Query(
+            description="the `last_id` of the previous page: the page after it, older"
+        )] = None,
+    ) -> Response:  # fmt: skip
+        bo = runtime.backoffice
+        chosen = bo.requests_tenant(caller.scope, caller.tenant_id, tenant)
+        since, until = parse_range(start, end, utcnow())
+        page = await asyncio.to_thread(
+            bo.requests, chosen, since, until, status=status, key_id=key_id, model=model,
+            limit=limit, after=after,
+        )  # fmt: skip
+        return json_response(200, page, {"X-Request-Id": request.state.request_id})
 
     @app.get(
         "/v1/requests/{request_id}/events", operation_id="get_request_events",

@@ -19,6 +19,7 @@ from domain.control_plane.state import ControlView
 from domain.envelope import Recorded
 from domain.governance.state import month_start
 from domain.leases import edge_stream
+from domain.projections import REQUEST_LOG_STATUSES
 from domain.replay import Timeline, replay
 from domain.text import unstorable
 from ledger.finance import FinanceQueries, month_bounds
@@ -30,6 +31,9 @@ FORMATS = ("json", "csv")
 MAX_RANGE = timedelta(days=366)
 DEFAULT_RANGE = timedelta(days=30)
 MAX_ENTRIES = 10_000
+# A page of a tenant's requests (support): 50 unless asked, at most 500.
+REQUESTS_LIMIT_DEFAULT = 50
+REQUESTS_LIMIT_MAX = 500
 
 FINANCE_SCOPES = frozenset({"finance", "admin"})
 SUPPORT_SCOPES = frozenset({"support", "admin"})
@@ -125,10 +129,26 @@ class Backoffice:
         raise ApiError(403, f"a {scope} key may not read billing data",
                        type="permission_error", code="insufficient_scope")
 
+    def requests_tenant(self, scope: str, own_tenant: str, requested: str | None) -> str:
+        """The one tenant a request listing reads. Support, admin and finance name it; a customer
+        reads its own, and naming another answers exactly like an unknown tenant (404), so
+        tenant names cannot be probed any more than request ids can (`timeline`)."""
+        if scope in SUPPORT_SCOPES or scope in FINANCE_SCOPES:
+            if not requested:
+                raise ApiError(400, f"a {scope} key lists one tenant's requests: give 'tenant'",
+                               param="tenant", code="missing_required_parameter")
+            self._known_tenant(requested)
+            return requested
+        if scope == "customer":
+            if requested and requested != own_tenant:
+                raise _unknown_tenant(requested)
+            return own_tenant
+        raise ApiError(403, f"a {scope} key may not list requests",
+                       type="permission_error", code="insufficient_scope")
+
     def _known_tenant(self, tenant: str) -> None:
         if self.control.tenant(tenant) is None:
-            raise ApiError(404, f"unknown tenant {tenant!r}", param="tenant",
-                           code="tenant_not_found")
+            raise _unknown_tenant(tenant)
 
     # --- finance -------------------------------------------------------------------------------
 
@@ -227,6 +247,35 @@ class Backoffice:
         renewals = self._renewals(records)
         return replay(request_id, records, self.control, now, renewals)
 
+    def requests(self, tenant: str, start: datetime, end: datetime, *, status: str | None,
+                 key_id: str | None, model: str | None, limit: int,
+                 after: str | None) -> dict[str, Any]:
+        """A page of the tenant's requests, newest first: `after` is the `last_id` of the page
+        before (a request of this tenant, else a 400 naming it). Rows from the request log: ids,
+        states, tokens and instants, never a prompt or a completion (it holds none)."""
+        if not 1 <= limit <= REQUESTS_LIMIT_MAX:
+            raise ApiError(400, f"'limit' must be within 1..{REQUESTS_LIMIT_MAX}", param="limit",
+                           code="invalid_value")
+        if status is not None and status not in REQUEST_LOG_STATUSES:
+            raise ApiError(400, f"'status' must be one of {', '.join(REQUEST_LOG_STATUSES)}",
+                           param="status", code="invalid_value")
+        for value, param in ((key_id, "key_id"), (model, "model"), (after, "after")):
+            _queryable(value, param)
+        anchor = None
+        if after is not None:
+            at = self.finance.request_admitted_at(tenant, after)
+            if at is None:
+                raise ApiError(400, f"'after' names no request of tenant {tenant!r}",
+                               param="after", code="invalid_value")
+            anchor = (at, after)
+        # One row more than asked says whether another page follows.
+        rows = self.finance.requests(tenant, start, end, status=status, key_id=key_id,
+                                     model=model, limit=limit + 1, after=anchor)
+        page = rows[:limit]
+        return {"object": "list", "tenant": tenant, "data": page,
+                "has_more": len(rows) > limit,
+                "last_id": page[-1]["request_id"] if page else None}  # fmt: skip
+
     def _renewals(self, records: list[Recorded]) -> tuple[Recorded, ...]:
         """The renewals the request's edge appended while the request was open."""
         edge_id = getattr(records[0].event, "edge_id", None)
@@ -234,6 +283,10 @@ class Backoffice:
             return ()
         lo, hi = records[0].position, records[-1].position
         return tuple(self.store.read_stream_window(edge_stream(edge_id), lo, hi))
+
+
+def _unknown_tenant(tenant: str) -> ApiError:
+    return ApiError(404, f"unknown tenant {tenant!r}", param="tenant", code="tenant_not_found")
 
 
 # --- rendering ---------------------------------------------------------------------------------

@@ -329,6 +329,40 @@ class RequestTimeline(BaseModel):
     anomalies: list[Object]
 
 
+class RequestTokens(BaseModel):
+    """The request's tokens, once it ended (null before, and for a refusal)."""
+
+    prompt_tokens: Count | None = None
+    completion_tokens: Count | None = None
+    cached_tokens: Count | None = None
+
+
+class RequestSummary(BaseModel):
+    """One row of the request log: no prompt or completion content (the log holds none)."""
+
+    request_id: str
+    status: str
+    model: str
+    tier: str
+    key_id: str
+    admitted_at: str
+    finished_at: str | None = None
+    tokens: RequestTokens
+    reject_reason: str | None = None
+    replica: str | None = None
+    refusals: Count | None = Field(
+        None, description="a row of counted refusals stands for this many (null: one request)"
+    )
+
+
+class RequestList(BaseModel):
+    object: Literal["list"]
+    tenant: str
+    data: list[RequestSummary]
+    has_more: bool
+    last_id: str | None = Field(None, description="pass as `after` for the next page")
+
+
 class Readiness(BaseModel):
     status: Literal["ready", "not_ready"]
     problems: list[str]

@@ -31,6 +31,8 @@ from api.auth import Caller
 from api.backoffice import (
     ENTRY_COLUMNS,
     INVOICE_COLUMNS,
+    REQUEST_ID,
+    REQUESTS_LIMIT_DEFAULT,
     USAGE_COLUMNS,
     parse_range,
     timeline_json,
@@ -40,6 +42,7 @@ from api.charts import STACKS, goodput_chart, money, time_chart, totals_chart
 from api.errors import ApiError
 from api.runtime import Runtime
 from api.sessions import SESSION_TTL_S
+from domain.projections import REQUEST_LOG_STATUSES
 from domain.requests.events import LeaseExpired, QuotaRefunded, UsageBilled
 from ledger.ids import new_request_id, utcnow
 
@@ -270,6 +273,13 @@ class WebViews:
         context: dict[str, Any] = {"caller": caller, "request_id": request_id, "timeline": None,
                                    "error": None, "flagged": set()}
         status = 200
+        # The tenant's requests: when their form was sent, and for a customer by default.
+        listing = "list" in request.query_params or (
+            caller.scope == "customer" and not request_id
+        )
+        context.update(await self._request_list(request, caller, listing))
+        if context["list_error"] is not None:
+            status = context["list_status"]
         if request_id:
             try:
                 timeline = await asyncio.to_thread(
@@ -292,6 +302,40 @@ class WebViews:
                     _offset_ms(context["start"], e["occurred_at"]) for e in data["events"]
                 ]
         return self.page(request, "support.html", status, **context)
+
+    async def _request_list(self, request: Request, caller: Caller,
+                            listing: bool) -> dict[str, Any]:
+        """The support page's list of a tenant's requests, through the API's one service (its
+        rules: support names a tenant, a customer reads only its own)."""
+        q = {k: (v.strip() or None) for k, v in request.query_params.items()}
+        context: dict[str, Any] = {
+            "lq": q, "statuses": REQUEST_LOG_STATUSES, "requests": None, "list_error": None,
+            "list_status": 200, "next_page": None, "timeline_id": REQUEST_ID,
+        }  # fmt: skip
+        if not listing:
+            return context
+        bo = self.runtime.backoffice
+        try:
+            tenant = bo.requests_tenant(caller.scope, caller.tenant_id, q.get("tenant"))
+            start, end = parse_range(q.get("from"), q.get("to"), utcnow())
+            limit_text = q.get("limit") or str(REQUESTS_LIMIT_DEFAULT)
+            if not limit_text.isdigit():
+                raise ApiError(400, "'limit' must be a whole number", param="limit",
+                               code="invalid_value")
+            page = await asyncio.to_thread(
+                bo.requests, tenant, start, end, status=q.get("status"),
+                key_id=q.get("key_id"), model=q.get("model"), limit=int(limit_text),
+                after=q.get("after"),
+            )  # fmt: skip
+        except ApiError as exc:
+            context.update(list_error=exc.message, list_status=exc.status)
+            return context
+        context.update(requests=page, list_start=start, list_end=end)
+        if page["has_more"]:
+            kept = {k: v for k, v in q.items() if v and k not in ("after", "request_id")}
+            query = urllib.parse.urlencode({**kept, "list": "1", "after": page["last_id"]})
+            context["next_page"] = f"/ui/support?{query}"
+        return context
 
     async def finance(self, request: Request) -> Response:
         caller = self.session(request)

@@ -1,16 +1,24 @@
-"""`tollgate replay`: one request's story, re-folded from its events."""
+"""`tollgate replay`: one request's story, re-folded from its events; `tollgate requests list`:
+a tenant's recent requests, to find the one to replay."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import re
+from datetime import UTC, datetime, timedelta
 
 import click
 
 from api import control_service as control
 from cli.common import (
     database_option,
+    instant,
     one_line_errors,
 )
+from domain.projections import REQUEST_LOG_STATUSES
+
+# `--since 90m`, `--since 6h`, `--since 2d`: that long before now.
+AGO = re.compile(r"^([0-9]+)([mhd])$")
+AGO_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
 
 
 @click.command()
@@ -69,4 +77,74 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
         click.echo(f"ANOMALY {anomaly['kind']}: {anomaly['detail']}")
 
 
-COMMANDS = (replay,)
+@click.group("requests")
+def requests_group() -> None:
+    """A tenant's requests, from the request log (no prompt or completion content)."""
+
+
+@requests_group.command("list")
+@click.option("--tenant", required=True)
+@click.option("--status", type=click.Choice(REQUEST_LOG_STATUSES), default=None)
+@click.option("--key", "key_id", default=None, help="only this key id's requests")
+@click.option("--model", default=None, help="a model name or version")
+@click.option(
+    "--since", default=None,
+    help="admitted at or after: an ISO 8601 instant, or 90m / 6h / 2d ago (default: 30 days)",
+)  # fmt: skip
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 500))
+@click.option("--after", default=None, help="the last request id of the previous page")
+@click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table",
+              show_default=True)  # fmt: skip
+@database_option
+@one_line_errors
+def requests_list(
+    tenant: str, status: str | None, key_id: str | None, model: str | None, since: str | None,
+    limit: int, after: str | None, fmt: str, database_url: str,
+) -> None:  # fmt: skip
+    """A tenant's requests, newest first, with the same filters and bounds as GET /v1/requests
+    (a range of at most 366 days)."""
+    from api.backoffice import parse_range
+
+    now = datetime.now(UTC)
+    start = _since(since, now)
+    with control.open_backoffice(database_url) as bo:
+        bo.requests_tenant("support", "", tenant)
+        lo, hi = parse_range(start, None, now)
+        page = bo.requests(tenant, lo, hi, status=status, key_id=key_id, model=model,
+                           limit=limit, after=after)  # fmt: skip
+    if fmt == "json":
+        import orjson
+
+        click.echo(orjson.dumps(page, option=orjson.OPT_INDENT_2).decode())
+        return
+    click.echo(
+        f"{'request_id':<36}  {'status':<13} {'admitted_at':<27} {'model':<24} {'tier':<10} "
+        f"{'key_id':<18} {'tokens':>13}  {'replica':<12} reject_reason"
+    )
+    for row in page["data"]:
+        tokens = row["tokens"]
+        used = (
+            "-" if tokens["prompt_tokens"] is None
+            else f"{tokens['prompt_tokens']}+{tokens['completion_tokens']}"
+        )  # fmt: skip
+        click.echo(
+            f"{row['request_id']:<36}  {row['status']:<13} {row['admitted_at']:<27} "
+            f"{row['model']:<24} {row['tier']:<10} {row['key_id']:<18} {used:>13}  "
+            f"{row['replica'] or '-':<12} {row['reject_reason'] or ''}"
+        )
+    if page["has_more"]:
+        click.echo(f"more: --after {page['last_id']}")
+
+
+def _since(text: str | None, now: datetime) -> str | None:
+    """An ISO instant as it is given, or `90m`/`6h`/`2d` as the instant that long ago."""
+    if text is None:
+        return None
+    ago = AGO.fullmatch(text)
+    if ago is None:
+        return instant(text).isoformat()
+    amount, unit = ago.groups()
+    return (now - timedelta(**{AGO_UNITS[unit]: int(amount)})).isoformat()
+
+
+COMMANDS = (replay, requests_group)

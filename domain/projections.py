@@ -83,6 +83,8 @@ _LOGGED: Final = (
 )
 _TERMINAL_STATUS: Final = frozenset({*TERMINAL_STATUS_OF.values(), "rejected"})
 _RANK: Final = {"admitted": 1, "routed": 2, "streaming": 3}
+# Every status a request_log row can hold: what support may filter on.
+REQUEST_LOG_STATUSES: Final = (*_RANK, *sorted(_TERMINAL_STATUS))
 
 
 def _request_log_key(recorded: Recorded) -> tuple[Any, ...] | None:

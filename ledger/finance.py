@@ -229,6 +229,64 @@ class FinanceQueries:
             rows = conn.execute(query).mappings().all()
         return [_entry({str(k): v for k, v in r.items()}) for r in rows]
 
+    def requests(
+        self,
+        tenant: str,
+        start: datetime,
+        end: datetime,
+        *,
+        status: str | None = None,
+        key_id: str | None = None,
+        model: str | None = None,
+        limit: int = 50,
+        after: tuple[datetime, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """A tenant's request_log rows admitted in [start, end), newest first in (admitted_at,
+        request_id) order, at most `limit`; `after` is the (admitted_at, request_id) of the last
+        row of the previous page. The order and the range ride the (tenant_id, admitted_at)
+        index; the other filters narrow what it reads."""
+        r = request_log
+        query = (
+            sa.select(
+                r.c.request_id, r.c.status, r.c.model, r.c.tier, r.c.key_id, r.c.admitted_at,
+                r.c.finished_at, r.c.prompt_tokens, r.c.completion_tokens, r.c.cached_tokens,
+                r.c.reject_reason, r.c.replica_id, r.c.refusals,
+            )
+            .where(
+                r.c.tenant_id == tenant, r.c.admitted_at >= start, r.c.admitted_at < end,
+                _model_filter(r.c.model, model),
+            )
+            .order_by(r.c.admitted_at.desc(), r.c.request_id.desc())
+            .limit(limit)
+        )  # fmt: skip
+        if status is not None:
+            query = query.where(r.c.status == status)
+        if key_id is not None:
+            query = query.where(r.c.key_id == key_id)
+        if after is not None:
+            at, request_id = after
+            query = query.where(
+                sa.or_(
+                    r.c.admitted_at < at,
+                    sa.and_(r.c.admitted_at == at, r.c.request_id < request_id),
+                )
+            )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [_logged_request(row) for row in rows]
+
+    def request_admitted_at(self, tenant: str, request_id: str) -> datetime | None:
+        """When a tenant's request was admitted (None: no such request of that tenant), the
+        anchor of the next page of `requests`."""
+        r = request_log
+        with self.engine.connect() as conn:
+            at: datetime | None = conn.execute(
+                sa.select(r.c.admitted_at).where(
+                    r.c.request_id == request_id, r.c.tenant_id == tenant
+                )
+            ).scalar()
+        return at
+
     def goodput(
         self,
         tenant: str | None,
@@ -443,6 +501,28 @@ def _entry(row: dict[str, Any]) -> dict[str, Any]:
         "run_id": row.get("run_id"),
     }
     return out
+
+
+def _logged_request(row: Any) -> dict[str, Any]:
+    finished = row["finished_at"]
+    return {
+        "request_id": row["request_id"],
+        "status": row["status"],
+        "model": row["model"],
+        "tier": row["tier"],
+        "key_id": row["key_id"],
+        "admitted_at": _iso(row["admitted_at"]),
+        "finished_at": None if finished is None else _iso(finished),
+        "tokens": {
+            "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"],
+            "cached_tokens": row["cached_tokens"],
+        },
+        "reject_reason": row["reject_reason"],
+        "replica": row["replica_id"],
+        # A row of counted refusals (domain.refusals) stands for this many; else NULL, one.
+        "refusals": row["refusals"],
+    }
 
 
 def _iso(when: datetime) -> str:

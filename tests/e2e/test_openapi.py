@@ -25,6 +25,7 @@ OPERATIONS = {
     ("/v1/billing/goodput", "get"),
     ("/v1/fleet", "get"),
     ("/v1/requests/{request_id}/events", "get"),
+    ("/v1/requests", "get"),
     ("/v1/runs", "post"),
     ("/v1/runs/{run_id}", "get"),
     ("/v1/runs/{run_id}/end", "post"),
@@ -48,6 +49,7 @@ QUERY_PARAMETERS: dict[Any, set[str]] = {
     "/v1/billing/invoices/{tenant}": {"period", "format"},
     "/v1/billing/reconciliation": {"from", "to"},
     "/v1/billing/goodput": {"tenant", "from", "to", "group_by", "format"},
+    "/v1/requests": {"tenant", "from", "to", "status", "key_id", "model", "limit", "after"},
 }
 
 
@@ -158,6 +160,7 @@ def test_the_server_answers_what_the_document_says(
         "Invoice": get("/v1/billing/invoices/demo-standard", finance),
         "GoodputRow": get("/v1/billing/goodput", finance, group_by="tenant,tier,model,hour"),
         "RequestTimeline": get(f"/v1/requests/{request_id}/events", customer),
+        "RequestList": get("/v1/requests", customer, limit="5"),
         "Run": httpx.post(f"{base}/v1/runs", json={"max_calls": 3, "max_cost_usd": "0.25"},
                           headers=auth(customer), timeout=30),  # fmt: skip
     }
@@ -185,7 +188,11 @@ def test_the_server_answers_what_the_document_says(
         get("/v1/billing/ledger", finance, **{"from": "0001-01-01T00:00:00+23:59"}),
         httpx.post(f"{base}/v1/runs", json={"max_calls": -1}, headers=auth(customer)),
         get("/v1/runs/no-such-run", customer),
+        get("/v1/requests", customer, limit="501"),
+        get("/v1/requests", finance),
     ]
-    assert [e.status_code for e in errors] == [400, 401, 404, 400, 403, 404, 400, 400, 400, 404]
+    assert [e.status_code for e in errors] == [
+        400, 401, 404, 400, 403, 404, 400, 400, 400, 404, 400, 400
+    ]
     for e in errors:
         conforms(document, "Error", e.json())
