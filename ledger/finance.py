@@ -56,16 +56,17 @@ class FinanceQueries:
 
     def flex(self, tenant: str | None, start: datetime, end: datetime) -> list[dict[str, Any]]:
         """Per model, over requests that ended in [start, end): the flex class's billed requests
-        and revenue, and the preemption waste (requests preempted, the tokens the engine had
-        done for them, never billed). The finance views `finance_flex_revenue` and
-        `finance_preemption_waste` give the same per day."""
+        and revenue (`flex_amounts`: per currency), and the preemption waste (requests
+        preempted, the tokens the engine had done for them, never billed). The finance views
+        `finance_flex_revenue` and `finance_preemption_waste` give the same per day."""
         e, r = ledger_entries, request_log
         billed = sa.select(
-            e.c.model, sa.func.count().label("n"), sa.func.sum(e.c.amount_micros).label("amount")
+            e.c.model, e.c.currency, sa.func.count().label("n"),
+            sa.func.sum(e.c.amount_micros).label("amount"),
         ).where(
             e.c.service_tier == "flex", e.c.finished_at >= start, e.c.finished_at < end,
             e.c.terminal != "preempted", *([e.c.tenant_id == tenant] if tenant else []),
-        ).group_by(e.c.model)
+        ).group_by(e.c.model, e.c.currency)
         wasted = sa.select(
             r.c.model, sa.func.count().label("n"),
             sa.func.sum(r.c.prompt_tokens).label("prompt"),
@@ -78,14 +79,19 @@ class FinanceQueries:
 
         def row(model: str) -> dict[str, Any]:
             return rows.setdefault(model, {
-                "model": model, "flex_requests": 0, "flex_amount_micros": 0,
+                "model": model, "flex_requests": 0, "flex_amounts": [],
                 "preempted_requests": 0, "wasted_prompt_tokens": 0,
                 "wasted_completion_tokens": 0,
             })
 
         with self.engine.connect() as conn:
-            for model, n, amount in conn.execute(billed):
-                row(model).update(flex_requests=int(n), flex_amount_micros=int(amount or 0))
+            for model, currency, n, amount in conn.execute(billed):
+                r = row(model)
+                r["flex_requests"] += int(n)
+                r["flex_amounts"] = currency_totals([
+                    *r["flex_amounts"],
+                    {"currency": currency, "requests": int(n), "amount_micros": int(amount or 0)},
+                ])
             for model, n, prompt, completion in conn.execute(wasted):
                 row(model).update(preempted_requests=int(n), wasted_prompt_tokens=int(prompt or 0),
                                   wasted_completion_tokens=int(completion or 0))

@@ -1,5 +1,6 @@
 """Money with its currency: a `currency` column (ISO 4217) on `ledger_entries` and in the key of
-`usage_hourly`, and in every finance view (ledger/FINANCE.md), whose sums are now per currency.
+`usage_hourly`, and in every finance view that reads an amount (ledger/FINANCE.md), whose sums
+are now per currency.
 
 Every bill recorded before this revision was priced in USD, the only currency there was, so the
 existing rows read 'USD' (the server default), as their events do (`UsageBilled.currency`'s
@@ -29,7 +30,8 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 VIEWS = ("finance_spend_by_level", "finance_invoices", "finance_invoice_lines",
-         "finance_usage_hourly", "finance_ledger_entries")  # fmt: skip
+         "finance_usage_hourly", "finance_ledger_entries", "finance_downgrades",
+         "finance_flex_revenue")  # fmt: skip
 # PostgreSQL's invoice index (migration 0006) reads a tenant-month from the index alone: it
 # carries the currency too, which the invoice now groups by.
 INVOICE_INCLUDED = (
@@ -43,6 +45,12 @@ def _month(column: str) -> str:
     if op.get_bind().dialect.name == "postgresql":
         return f"to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM')"
     return f"strftime('%Y-%m', {column})"
+
+
+def _day(column: str) -> str:
+    if op.get_bind().dialect.name == "postgresql":
+        return f"to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+    return f"strftime('%Y-%m-%d', {column})"
 
 
 def _usage_hourly(with_currency: bool) -> None:
@@ -121,6 +129,32 @@ def _views(with_currency: bool) -> None:
     )
 
 
+def _views_beside(with_currency: bool) -> None:
+    """The views of migrations 0009 and 0013 that read an amount: with its currency."""
+    c = "currency, " if with_currency else ""
+    op.execute(
+        f"""
+        CREATE VIEW finance_downgrades AS
+        SELECT l.request_id, l.tenant_id AS tenant, r.requested_model, l.model AS served_model,
+               l.amount_micros, {"l.currency, " if with_currency else ""}l.admitted_at,
+               l.finished_at
+        FROM ledger_entries l JOIN request_log r ON r.request_id = l.request_id
+        WHERE r.requested_model IS NOT NULL
+        """
+    )
+    op.execute(
+        f"""
+        CREATE VIEW finance_flex_revenue AS
+        SELECT model, {_day("finished_at")} AS day, {c}COUNT(*) AS requests,
+               SUM(prompt_tokens) AS prompt_tokens, SUM(cached_tokens) AS cached_tokens,
+               SUM(completion_tokens) AS completion_tokens, SUM(amount_micros) AS amount_micros
+        FROM ledger_entries
+        WHERE service_tier = 'flex'
+        GROUP BY model, {_day("finished_at")}{", currency" if with_currency else ""}
+        """
+    )
+
+
 def _copy_usage_hourly(with_currency: bool) -> None:
     counts = ", ".join(COUNTS)
     sums = ", ".join(f"SUM({name})" for name in COUNTS)
@@ -160,6 +194,7 @@ def upgrade() -> None:
     _invoice_index((*INVOICE_INCLUDED, "currency"))
     _copy_usage_hourly(with_currency=True)
     _views(with_currency=True)
+    _views_beside(with_currency=True)
 
 
 def downgrade() -> None:
@@ -169,3 +204,4 @@ def downgrade() -> None:
     _invoice_index(INVOICE_INCLUDED)
     op.drop_column("ledger_entries", "currency")
     _views(with_currency=False)
+    _views_beside(with_currency=False)

@@ -8,7 +8,7 @@ import csv
 import io
 import json
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from api.control_service import ControlService
 from api.schemas import Invoice, LedgerEntries, UsageRows
@@ -88,3 +88,25 @@ def test_a_currency_setting_that_is_not_an_iso_code_is_refused(url: str) -> None
                "--cached", "0.5", url=url, env={"TOLLGATE_CURRENCY": "euro"})  # fmt: skip
     assert done.returncode != 0 and "currency" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_flex_revenue_is_per_currency(engine) -> None:  # type: ignore[no-untyped-def]
+    from ledger.finance import FinanceQueries
+    from ledger.schema import ledger_entries
+
+    when = datetime.now(UTC)
+    with engine.begin() as conn:
+        for n, (currency, amount) in enumerate((("USD", 700), ("EUR", 300), ("EUR", 100))):
+            conn.execute(ledger_entries.insert().values(
+                request_id=f"req-{n}", tenant_id="acme", key_id="key-1", model=MODEL,
+                prompt_tokens=10, completion_tokens=5, cached_tokens=0,
+                prompt_micros_per_mtok=1, completion_micros_per_mtok=1, cached_micros_per_mtok=1,
+                amount_micros=amount, terminal="completed", admitted_at=when, finished_at=when,
+                billed_at=when, position=n + 1, service_tier="flex", currency=currency,
+            ))  # fmt: skip
+    (row,) = FinanceQueries(engine).flex("acme", when - timedelta(hours=1),
+                                         when + timedelta(hours=1))
+    assert row["flex_requests"] == 3
+    assert [(t["currency"], t["requests"], t["amount_micros"]) for t in row["flex_amounts"]] == [
+        ("EUR", 2, 400), ("USD", 1, 700),
+    ]

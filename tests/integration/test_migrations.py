@@ -113,8 +113,11 @@ def test_bills_before_currencies_read_as_usd_and_survive_the_round_trip(
                 sa.text("SELECT currency, amount_micros FROM usage_hourly")
             ).one() == ("USD", 2)
             for view in ("finance_ledger_entries", "finance_usage_hourly",
-                         "finance_invoice_lines", "finance_invoices"):  # fmt: skip
+                         "finance_invoice_lines", "finance_invoices",
+                         "finance_spend_by_level"):  # fmt: skip
                 assert conn.execute(sa.text(f"SELECT currency FROM {view}")).scalar() == "USD"
+            for view in ("finance_downgrades", "finance_flex_revenue"):  # no rows: the column
+                assert conn.execute(sa.text(f"SELECT currency FROM {view}")).all() == []
             # Then an hour billed in a second currency keeps a row of its own, and the invoice
             # views total each currency apart.
             conn.execute(sa.text(
