@@ -86,10 +86,10 @@ class FinanceQueries:
 
         with self.engine.connect() as conn:
             for model, currency, n, amount in conn.execute(billed):
-                r = row(model)
-                r["flex_requests"] += int(n)
-                r["flex_amounts"] = currency_totals([
-                    *r["flex_amounts"],
+                line = row(model)
+                line["flex_requests"] += int(n)
+                line["flex_amounts"] = currency_totals([
+                    *line["flex_amounts"],
                     {"currency": currency, "requests": int(n), "amount_micros": int(amount or 0)},
                 ])
             for model, n, prompt, completion in conn.execute(wasted):
