@@ -360,18 +360,20 @@ def to_csv(rows: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -
     return out.getvalue()
 
 
+# Every amount beside its currency (ISO 4217), in the CSV exports and the CLI's tables alike.
 USAGE_COLUMNS = ("tenant", "model", "period_start", "requests", "prompt_tokens",
-                 "completion_tokens", "cached_tokens", "amount_micros")
+                 "completion_tokens", "cached_tokens", "amount_micros", "currency")
 # The column a usage row grouped by one of these adds (finance reads them from the ledger).
 GROUP_COLUMNS = {"key": "key_id", "workspace": "workspace_id", "project": "project_id",
                  "run": "run_id"}  # fmt: skip
 ENTRY_COLUMNS = ("request_id", "tenant", "key_id", "model", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "prompt_micros_per_mtok", "completion_micros_per_mtok",
-                 "cached_micros_per_mtok", "amount_micros", "terminal_reason", "admitted_at",
+                 "cached_micros_per_mtok", "amount_micros", "currency", "terminal_reason",
+                 "admitted_at",
                  "finished_at", "billed_at", "workspace_id", "project_id", "run_id")
 INVOICE_COLUMNS = ("model", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                    "cached_micros_per_mtok", "requests", "uncached_prompt_tokens",
-                   "cached_tokens", "completion_tokens", "amount_micros")
+                   "cached_tokens", "completion_tokens", "amount_micros", "currency")
 
 
 def _iso(when: datetime) -> str:

@@ -110,6 +110,12 @@ class Settings(BaseSettings):
         2, ge=0, description="simulated vLLM replicas per model when no --replica is given"
     )
     sim_speed: float = Field(1.0, gt=0, description="speed multiplier of the simulated engines")
+    # Recorded on each price as it is set (PriceSet.currency), so changing it re-prices nothing
+    # already billed: a past bill keeps the currency its price was set in.
+    currency: str = Field(
+        "USD", pattern=r"^[A-Z]{3}$",
+        description="the ISO 4217 code of the prices set from now on (and of their bills)",
+    )  # fmt: skip
     sim_seed: int = Field(7, description="the simulated engines' random seed",
                           json_schema_extra=cli(option=False))  # fmt: skip
     sim_gpu_blocks: int = Field(

@@ -186,13 +186,14 @@ class ControlService:
 
     def set_price(
         self, model: str, prompt: int, completion: int, cached: int,
-        effective_at: datetime | None = None,
+        effective_at: datetime | None = None, *, currency: str,
     ) -> datetime:
+        """A price for `model` from `effective_at` (default now), in `currency` (the setting)."""
         now = datetime.now(UTC)
         effective_at = effective_at or now
         command = SetPrice(
             model=model, prompt_micros_per_mtok=prompt, completion_micros_per_mtok=completion,
-            cached_micros_per_mtok=cached, effective_at=effective_at, now=now,
+            cached_micros_per_mtok=cached, effective_at=effective_at, now=now, currency=currency,
         )
         self.execute(price_stream(model), command, now)
         return effective_at

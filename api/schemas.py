@@ -46,6 +46,8 @@ Epoch = int | None
 Object = dict[str, Any]
 Usd = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]{1,6})?$")]
 Limit = Annotated[int, Field(ge=0, le=10**12)] | None
+# What every amount of a bill is in: an ISO 4217 code, e.g. USD.
+Currency = Annotated[str, Field(pattern=r"^[A-Z]{3}$", examples=["USD"])]
 RunId = Annotated[str, Field(pattern=RUN_ID.pattern)]
 # OpenAI's metadata, as domain.text.check_metadata checks it (a NUL anywhere is a 400 too).
 Metadata = Annotated[
@@ -163,6 +165,7 @@ class UsageRow(BaseModel):
     completion_tokens: Count
     cached_tokens: Count
     amount_micros: int
+    currency: Currency
     key_id: str | None = Field(None, description="with group_by=key")
     workspace_id: str | None = Field(None, description="with group_by=workspace")
     project_id: str | None = Field(None, description="with group_by=project")
@@ -177,6 +180,7 @@ class Prices(BaseModel):
     prompt_micros_per_mtok: int
     completion_micros_per_mtok: int
     cached_micros_per_mtok: int
+    currency: Currency
 
 
 class LedgerEntry(Prices):
@@ -210,6 +214,13 @@ class InvoiceLine(Prices):
     amount_micros: int
 
 
+class CurrencyTotal(BaseModel):
+    currency: Currency
+    requests: Count
+    amount_micros: int
+    amount: str
+
+
 class Invoice(BaseModel):
     tenant: str
     period: str
@@ -217,9 +228,16 @@ class Invoice(BaseModel):
     period_end: str
     currency_unit: Literal["micro"]
     lines: list[InvoiceLine]
+    totals: list[CurrencyTotal] = Field(
+        description="one per currency the month was billed in; amounts in two currencies are "
+        "never summed"
+    )
     requests: Count
-    amount_micros: int
-    amount: str
+    currency: Currency | None = Field(
+        description="the month's one currency (null: none billed, or more than one: see totals)"
+    )
+    amount_micros: int | None = Field(description="null when the month has several currencies")
+    amount: str | None = Field(description="null when the month has several currencies")
 
 
 class Mismatch(BaseModel):

@@ -82,7 +82,7 @@ def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
         for model in models:
             if not service.view.has_price(model, datetime.now(UTC) + timedelta(days=3650)):
                 prices = DEMO_PRICES.get(base_model(model), (500_000, 1_500_000, 250_000))
-                service.set_price(model, *prices)
+                service.set_price(model, *prices, currency=settings.currency)
 
 
 async def start_simulated_replica_of(settings: Settings, model: str, index: int) -> Any:

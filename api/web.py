@@ -44,6 +44,7 @@ from api.runtime import Runtime
 from api.sessions import SESSION_TTL_S
 from domain.projections import REQUEST_LOG_STATUSES
 from domain.requests.events import LeaseExpired, QuotaRefunded, UsageBilled
+from ledger.finance import currency_totals
 from ledger.ids import new_request_id, utcnow
 
 COOKIE = "tollgate_session"
@@ -87,6 +88,7 @@ def make_environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters["money"] = money
+    env.filters["amounts"] = amounts
     env.filters["num"] = _num
     env.filters["short_time"] = _short_time
     env.globals["zip"] = zip
@@ -94,20 +96,30 @@ def make_environment() -> Environment:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per tenant, model and currency: amounts in two currencies are never summed."""
     fields = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "amount_micros")
-    out: dict[tuple[str, str], dict[str, Any]] = {}
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
-        bucket = out.setdefault((r["tenant"], r["model"]),
+        bucket = out.setdefault((r["tenant"], r["model"], r["currency"]),
                                 {"tenant": r["tenant"], "model": r["model"],
-                                 **dict.fromkeys(fields, 0)})
+                                 "currency": r["currency"], **dict.fromkeys(fields, 0)})
         for f in fields:
             bucket[f] += int(r[f])
     return [out[k] for k in sorted(out)]
 
 
-def total_of(rows: list[dict[str, Any]]) -> dict[str, int]:
-    fields = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "amount_micros")
-    return {f: sum(int(r[f]) for r in rows) for f in fields}
+def total_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Requests and tokens over every row; the amount per currency (`amounts`), never one sum."""
+    fields = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+    return {
+        **{f: sum(int(r[f]) for r in rows) for f in fields},
+        "amounts": currency_totals(rows),
+    }
+
+
+def amounts(totals: list[dict[str, Any]]) -> str:
+    """Per-currency totals as the pages show them: "12.340000 USD · 3.000000 EUR"."""
+    return " · ".join(f"{money(t['amount_micros'])} {t['currency']}" for t in totals) or "—"
 
 
 # --- authentication ----------------------------------------------------------------------------
@@ -387,7 +399,9 @@ class WebViews:
                     inv = await asyncio.to_thread(bo.invoice, name, context["period"], now)
                     if inv["requests"]:
                         context["invoices"].append(inv)
-                context["invoices_total"] = sum(i["amount_micros"] for i in context["invoices"])
+                context["invoices_total"] = currency_totals(
+                    [t for i in context["invoices"] for t in i["totals"]]
+                )
         except ApiError as exc:
             context["error"] = exc.message
             return self.page(request, "finance.html", exc.status, **context)

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from api import control_service as control
+from api.config import Settings
 from cli.common import (
     F,
     database_option,
@@ -16,6 +17,7 @@ from cli.common import (
     micros,
     one_line_errors,
 )
+from cli.options import settings_options
 
 
 @click.group()
@@ -29,7 +31,7 @@ def prices() -> None:
 @click.option("--completion", required=True, help="price per 1M completion tokens")
 @click.option("--cached", required=True, help="price per 1M cached prompt tokens")
 @click.option("--effective-at", default=None, help="ISO 8601 (default: now)")
-@database_option
+@settings_options("database_url", "currency")
 @one_line_errors
 def prices_set(
     model: str,
@@ -37,15 +39,15 @@ def prices_set(
     completion: str,
     cached: str,
     effective_at: str | None,
-    database_url: str,
+    settings: Settings,
 ) -> None:
     at = instant(effective_at) if effective_at else None
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(settings.store_url()) as service:
         at = service.set_price(
             model, micros(prompt_, "--prompt"), micros(completion, "--completion"),
-            micros(cached, "--cached"), at,
+            micros(cached, "--cached"), at, currency=settings.currency,
         )  # fmt: skip
-    click.echo(f"price for {model} effective {at.isoformat()}")
+    click.echo(f"price for {model} in {settings.currency} effective {at.isoformat()}")
 
 
 @prices.command("flex-discount")
@@ -198,7 +200,8 @@ def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str)
         invoice["lines"],
         fmt,
         INVOICE_COLUMNS,
-        f"invoice {tenant} {invoice['period']}: total {invoice['amount']}",
+        f"invoice {tenant} {invoice['period']}: total "
+        + ", ".join(f"{t['amount']} {t['currency']}" for t in invoice["totals"]),
     )
 
 

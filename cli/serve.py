@@ -18,7 +18,7 @@ SERVE_OPTIONS = (
     "sim_max_num_seqs", "flex_ceiling", "batch_windows", "batch_concurrency", "seed_demo",
     "trusted_proxies", "metrics_token", "auth_failures_per_minute", "slow_reader_s",
     "stream_buffer_chunks", "lease_renew_s", "client_send_buffer_bytes", "keep_alive_s",
-    "fold_worker", "predictor_path", "predictor_enabled", "log_format",
+    "fold_worker", "predictor_path", "predictor_enabled", "log_format", "currency",
 )  # fmt: skip
 
 

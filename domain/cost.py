@@ -9,7 +9,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from domain.errors import DomainError
 
@@ -231,6 +231,10 @@ def estimate(
     )
 
 
+# An ISO 4217 alphabetic code: what a price, a bill and every amount shown are in.
+CURRENCY_CODE: Final = re.compile(r"[A-Z]{3}")
+
+
 @dataclass(frozen=True, slots=True)
 class Price:
     """A model's price per million tokens, in micro-units of the currency (as in force at the
@@ -240,6 +244,7 @@ class Price:
     prompt_micros_per_mtok: int
     completion_micros_per_mtok: int
     cached_micros_per_mtok: int
+    currency: str = "USD"  # ISO 4217: the unit of the micro-units above
 
 
 def amount_micros(

@@ -214,6 +214,7 @@ USAGE_HOURLY_COLUMNS: Final = (
     "tenant_id",
     "model",
     "hour",
+    "currency",
     "requests",
     "prompt_tokens",
     "completion_tokens",
@@ -227,11 +228,12 @@ def _usage_hourly_key(recorded: Recorded) -> tuple[Any, ...] | None:
     if type(event) is not UsageBilled:
         return None
     hour = event.finished_at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
-    return (event.tenant_id, event.model, hour)
+    return (event.tenant_id, event.model, hour, event.currency)
 
 
 def project_usage_hourly(row: Row | None, recorded: Recorded) -> Row | None:
-    """Adds one ledger entry to its (tenant, model, hour) bucket. Additive, so exactly-once rests
+    """Adds one ledger entry to its (tenant, model, hour, currency) bucket: amounts in two
+    currencies are never summed. Additive, so exactly-once rests
     on the runner committing the row and its checkpoint together (DESIGN §6)."""
     event = recorded.event
     if type(event) is not UsageBilled:
@@ -245,6 +247,7 @@ def project_usage_hourly(row: Row | None, recorded: Recorded) -> Row | None:
             "tenant_id": key[0],
             "model": key[1],
             "hour": key[2],
+            "currency": key[3],
             "requests": 0,
             "prompt_tokens": 0,
             "completion_tokens": 0,
@@ -262,7 +265,7 @@ def project_usage_hourly(row: Row | None, recorded: Recorded) -> Row | None:
 
 USAGE_HOURLY: Final = ProjectionSpec(
     name="usage_hourly",
-    key_columns=("tenant_id", "model", "hour"),
+    key_columns=("tenant_id", "model", "hour", "currency"),
     columns=USAGE_HOURLY_COLUMNS,
     key=_usage_hourly_key,
     project=project_usage_hourly,
@@ -292,6 +295,7 @@ LEDGER_ENTRIES_COLUMNS: Final = (
     "workspace_id",
     "project_id",
     "run_id",
+    "currency",
 )
 
 
@@ -328,6 +332,7 @@ def project_ledger_entry(row: Row | None, recorded: Recorded) -> Row | None:
         "workspace_id": event.workspace_id,
         "project_id": event.project_id,
         "run_id": event.run_id,
+        "currency": event.currency,
     }
 
 

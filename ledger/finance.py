@@ -8,7 +8,7 @@ Every query takes explicit UTC bounds [start, end) and, where it applies, a tena
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -56,16 +56,17 @@ class FinanceQueries:
 
     def flex(self, tenant: str | None, start: datetime, end: datetime) -> list[dict[str, Any]]:
         """Per model, over requests that ended in [start, end): the flex class's billed requests
-        and revenue, and the preemption waste (requests preempted, the tokens the engine had
-        done for them, never billed). The finance views `finance_flex_revenue` and
-        `finance_preemption_waste` give the same per day."""
+        and revenue (`flex_amounts`: per currency), and the preemption waste (requests
+        preempted, the tokens the engine had done for them, never billed). The finance views
+        `finance_flex_revenue` and `finance_preemption_waste` give the same per day."""
         e, r = ledger_entries, request_log
         billed = sa.select(
-            e.c.model, sa.func.count().label("n"), sa.func.sum(e.c.amount_micros).label("amount")
+            e.c.model, e.c.currency, sa.func.count().label("n"),
+            sa.func.sum(e.c.amount_micros).label("amount"),
         ).where(
             e.c.service_tier == "flex", e.c.finished_at >= start, e.c.finished_at < end,
             e.c.terminal != "preempted", *([e.c.tenant_id == tenant] if tenant else []),
-        ).group_by(e.c.model)
+        ).group_by(e.c.model, e.c.currency)
         wasted = sa.select(
             r.c.model, sa.func.count().label("n"),
             sa.func.sum(r.c.prompt_tokens).label("prompt"),
@@ -78,14 +79,19 @@ class FinanceQueries:
 
         def row(model: str) -> dict[str, Any]:
             return rows.setdefault(model, {
-                "model": model, "flex_requests": 0, "flex_amount_micros": 0,
+                "model": model, "flex_requests": 0, "flex_amounts": [],
                 "preempted_requests": 0, "wasted_prompt_tokens": 0,
                 "wasted_completion_tokens": 0,
             })
 
         with self.engine.connect() as conn:
-            for model, n, amount in conn.execute(billed):
-                row(model).update(flex_requests=int(n), flex_amount_micros=int(amount or 0))
+            for model, currency, n, amount in conn.execute(billed):
+                line = row(model)
+                line["flex_requests"] += int(n)
+                line["flex_amounts"] = currency_totals([
+                    *line["flex_amounts"],
+                    {"currency": currency, "requests": int(n), "amount_micros": int(amount or 0)},
+                ])
             for model, n, prompt, completion in conn.execute(wasted):
                 row(model).update(preempted_requests=int(n), wasted_prompt_tokens=int(prompt or 0),
                                   wasted_completion_tokens=int(completion or 0))
@@ -99,8 +105,9 @@ class FinanceQueries:
         model: str | None,
         group_by: str,
     ) -> list[dict[str, Any]]:
-        """Usage rows (tenant, model, period_start, requests, tokens, amount_micros) grouped by
-        hour, day, model (one row per tenant and model over the range) or key (from entries)."""
+        """Usage rows (tenant, model, period_start, currency, requests, tokens, amount_micros)
+        grouped by hour, day, model (one row per tenant and model over the range) or key (from
+        entries); always per currency too, so no row sums two currencies."""
         if group_by in ENTRY_GROUPS:
             return self._usage_by(ENTRY_GROUPS[group_by], tenant, start, end, model)
         u = usage_hourly
@@ -111,9 +118,11 @@ class FinanceQueries:
                 sa.func.timezone("UTC", u.c.hour), 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
             )
         query = (
-            sa.select(u.c.tenant_id, u.c.model, hour, *(u.c[f] for f in USAGE_FIELDS))
+            sa.select(
+                u.c.tenant_id, u.c.model, hour, u.c.currency, *(u.c[f] for f in USAGE_FIELDS)
+            )
             .where(u.c.hour >= start, u.c.hour < end, _model_filter(u.c.model, model))
-            .order_by(u.c.hour, u.c.tenant_id, u.c.model)
+            .order_by(u.c.hour, u.c.tenant_id, u.c.model, u.c.currency)
         )
         if tenant is not None:
             query = query.where(u.c.tenant_id == tenant)
@@ -122,18 +131,18 @@ class FinanceQueries:
         if group_by == "hour":
             # The hot finance read (30 days of a big tenant is thousands of rows): rows are
             # built by zip, instants formatted directly (they are UTC whole hours).
-            names = ("tenant", "model", "period_start", *USAGE_FIELDS)
+            names = ("tenant", "model", "period_start", "currency", *USAGE_FIELDS)
             return [
                 dict(
                     zip(
                         names,
-                        (r[0], r[1], _hour_text(r[2]), *map(int, r[3:])),
+                        (r[0], r[1], _hour_text(r[2]), r[3], *map(int, r[4:])),
                         strict=True,
                     )
                 )
                 for r in rows
             ]
-        buckets: dict[tuple[str, str, datetime], dict[str, int]] = defaultdict(
+        buckets: dict[tuple[str, str, datetime, str], dict[str, int]] = defaultdict(
             lambda: dict.fromkeys(USAGE_FIELDS, 0)
         )
         for r in rows:
@@ -141,13 +150,13 @@ class FinanceQueries:
                 when = r[2].replace(hour=0, minute=0, second=0, microsecond=0)
             else:  # model
                 when = start
-            bucket = buckets[(r.tenant_id, r.model, when)]
+            bucket = buckets[(r.tenant_id, r.model, when, r.currency)]
             for f in USAGE_FIELDS:
                 bucket[f] += getattr(r, f)
         return [
-            {"tenant": t, "model": m, "period_start": _iso(when), **values}
-            for (t, m, when), values in sorted(
-                buckets.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])
+            {"tenant": t, "model": m, "period_start": _iso(when), "currency": c, **values}
+            for (t, m, when, c), values in sorted(
+                buckets.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1], kv[0][3])
             )
         ]
 
@@ -163,6 +172,7 @@ class FinanceQueries:
                 e.c.tenant_id,
                 by.label("by"),
                 e.c.model,
+                e.c.currency,
                 sa.func.count().label("requests"),
                 sa.func.sum(e.c.prompt_tokens).label("prompt_tokens"),
                 sa.func.sum(e.c.completion_tokens).label("completion_tokens"),
@@ -170,14 +180,17 @@ class FinanceQueries:
                 sa.func.sum(e.c.amount_micros).label("amount_micros"),
             )
             .where(e.c.finished_at >= start, e.c.finished_at < end, _model_filter(e.c.model, model))
-            .group_by(e.c.tenant_id, by, e.c.model)
-            .order_by(e.c.tenant_id, by, e.c.model)
+            .group_by(e.c.tenant_id, by, e.c.model, e.c.currency)
+            .order_by(e.c.tenant_id, by, e.c.model, e.c.currency)
         )
         if tenant is not None:
             query = query.where(e.c.tenant_id == tenant)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [{**_usage_row(r.tenant_id, r.model, start, r), column: r.by} for r in rows]
+        return [
+            {**_usage_row(r.tenant_id, r.model, start, r), "currency": r.currency, column: r.by}
+            for r in rows
+        ]
 
     def spend_by_level(
         self, tenant: str, since: datetime
@@ -340,7 +353,11 @@ class FinanceQueries:
         return out
 
     def invoice(self, tenant: str, period: str) -> dict[str, Any]:
-        """One tenant's invoice for a calendar month: a line per model and price in force."""
+        """One tenant's invoice for a calendar month: a line per model and price in force (a
+        price is in one currency), and a total per currency (`totals`): a month in which the
+        currency setting changed is never summed across currencies. `currency`, `amount_micros`
+        and `amount` are that total's when the month has one currency (none: 0, no currency);
+        null when it has more than one."""
         start, end = month_bounds(period)
         e = ledger_entries
         query = (
@@ -349,6 +366,7 @@ class FinanceQueries:
                 e.c.prompt_micros_per_mtok,
                 e.c.completion_micros_per_mtok,
                 e.c.cached_micros_per_mtok,
+                e.c.currency,
                 sa.func.count().label("requests"),
                 sa.func.sum(e.c.prompt_tokens - e.c.cached_tokens).label("uncached_prompt_tokens"),
                 sa.func.sum(e.c.cached_tokens).label("cached_tokens"),
@@ -361,8 +379,9 @@ class FinanceQueries:
                 e.c.prompt_micros_per_mtok,
                 e.c.completion_micros_per_mtok,
                 e.c.cached_micros_per_mtok,
+                e.c.currency,
             )
-            .order_by(e.c.model, e.c.prompt_micros_per_mtok)
+            .order_by(e.c.currency, e.c.model, e.c.prompt_micros_per_mtok)
         )
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
@@ -370,7 +389,8 @@ class FinanceQueries:
         lines = [
             {str(k): (v if isinstance(v, str) else int(v)) for k, v in r.items()} for r in rows
         ]
-        total = sum(line["amount_micros"] for line in lines)
+        totals = currency_totals(lines)
+        single = totals[0] if len(totals) == 1 else None
         return {
             "tenant": tenant,
             "period": period,
@@ -378,9 +398,11 @@ class FinanceQueries:
             "period_end": _iso(end),
             "currency_unit": "micro",
             "lines": lines,
+            "totals": totals,
             "requests": sum(line["requests"] for line in lines),
-            "amount_micros": total,
-            "amount": _money(total),
+            "currency": single["currency"] if single else None,
+            "amount_micros": single["amount_micros"] if single else (None if totals else 0),
+            "amount": single["amount"] if single else (None if totals else _money(0)),
         }
 
     def reconciliation(
@@ -458,6 +480,20 @@ GOODPUT_GROUPS: Final = ("tenant", "tier", "model", "hour")
 GOODPUT_COLUMNS: Final = (*OUTCOMES, "served", "offered", "attainment_ppm", "goodput_ppm")
 
 
+def currency_totals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Requests and amount per currency of rows that each carry `currency`, `requests` and
+    `amount_micros`, in currency order: the one way a total is taken, never across currencies."""
+    sums: dict[str, list[int]] = {}
+    for row in rows:
+        acc = sums.setdefault(row["currency"], [0, 0])
+        acc[0] += row["requests"]
+        acc[1] += row["amount_micros"]
+    return [
+        {"currency": c, "requests": n, "amount_micros": a, "amount": _money(a)}
+        for c, (n, a) in sorted(sums.items())
+    ]
+
+
 def _group_value(row: Any, group: str) -> Any:
     if group == "tenant":
         return row.tenant_id
@@ -499,6 +535,7 @@ def _entry(row: dict[str, Any]) -> dict[str, Any]:
         "workspace_id": row.get("workspace_id"),
         "project_id": row.get("project_id"),
         "run_id": row.get("run_id"),
+        "currency": row["currency"],
     }
     return out
 

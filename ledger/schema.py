@@ -118,6 +118,9 @@ usage_hourly = sa.Table(
     sa.Column("tenant_id", sa.String(100), primary_key=True),
     sa.Column("model", sa.String(200), primary_key=True),
     sa.Column("hour", UTCDateTime, primary_key=True),
+    # ISO 4217 (migration 0020): an hour in which the currency setting changed has a row per
+    # currency, never one sum of two.
+    sa.Column("currency", sa.String(3), primary_key=True, server_default="USD"),
     sa.Column("requests", sa.BigInteger, nullable=False),
     sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
     sa.Column("completion_tokens", sa.BigInteger, nullable=False),
@@ -148,6 +151,8 @@ ledger_entries = sa.Table(
     sa.Column("workspace_id", sa.String(64)),
     sa.Column("project_id", sa.String(64)),
     sa.Column("run_id", sa.String(128)),
+    # ISO 4217 of the entry's prices and amount (migration 0020; 'USD' for every earlier bill).
+    sa.Column("currency", sa.String(3), nullable=False, server_default="USD"),
     # When the row was written (the database's clock; migration 0014): the billing lag's end.
     # Not a projection column, so rebuilds and digests ignore it.
     sa.Column(
@@ -160,7 +165,7 @@ ledger_entries = sa.Table(
         "ix_ledger_entries_invoice", "tenant_id", "finished_at",
         postgresql_include=["model", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                             "cached_micros_per_mtok", "prompt_tokens", "completion_tokens",
-                            "cached_tokens", "amount_micros"],
+                            "cached_tokens", "amount_micros", "currency"],
     ),
 )
 

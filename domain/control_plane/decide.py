@@ -31,7 +31,7 @@ from domain.control_plane.state import (
     ControlView,
     _profile_of,
 )
-from domain.cost import base_model, check_profile
+from domain.cost import CURRENCY_CODE, base_model, check_profile
 from domain.envelope import Event
 from domain.errors import DomainError, check_quantity
 from domain.governance.decide import HIERARCHY_COMMANDS, AssignKey, HierarchyCommand
@@ -88,6 +88,7 @@ class SetPrice:
     cached_micros_per_mtok: int
     effective_at: datetime
     now: datetime
+    currency: str = "USD"  # ISO 4217: the deployment's setting, passed in by the control service
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +252,13 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 "cached_micros_per_mtok",
             ):
                 check_quantity(name, getattr(command, name), negative="negative_price")
+            if not CURRENCY_CODE.fullmatch(command.currency):
+                raise DomainError(
+                    "bad_currency",
+                    f"currency {command.currency!r} is not an ISO 4217 code "
+                    f"({CURRENCY_CODE.pattern})",
+                    field="currency",
+                )
             if command.effective_at < command.now:
                 raise DomainError(
                     "price_backdated",
@@ -264,6 +272,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                     command.completion_micros_per_mtok,
                     command.cached_micros_per_mtok,
                     command.effective_at,
+                    command.currency,
                 ),
             )
         case SetFlexDiscount():

@@ -81,6 +81,10 @@ class PriceSet(Event):
     completion_micros_per_mtok: int
     cached_micros_per_mtok: int
     effective_at: datetime
+    # ISO 4217 code the micro-units are of: the deployment's setting when the price was set, so
+    # a past bill keeps the currency it was priced in. A default, so a PriceSet recorded before
+    # it existed reads as USD (the only currency there was) and EVENT_VERSION stays 1.
+    currency: str = "USD"
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,6 +225,7 @@ class ControlView:
                     event.prompt_micros_per_mtok,
                     event.completion_micros_per_mtok,
                     event.cached_micros_per_mtok,
+                    event.currency,
                 )
                 # A price is never in force before it was recorded: a back-dated PriceSet must not
                 # re-price requests that already ran (and may already be billed).
@@ -452,6 +453,7 @@ def flex_price(price: Price, discount_ppm: int) -> Price:
         off(price.prompt_micros_per_mtok),
         off(price.completion_micros_per_mtok),
         off(price.cached_micros_per_mtok),
+        price.currency,
     )
 
 

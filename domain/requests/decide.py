@@ -512,6 +512,7 @@ def _bill(state: RequestState, command: BillUsage) -> UsageBilled:
         workspace_id=state.workspace_id,
         project_id=state.project_id,
         run_id=state.run_id,
+        currency=price.currency,
     )
 
 

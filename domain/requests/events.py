@@ -236,6 +236,9 @@ class UsageBilled(Event):
     workspace_id: str | None = None
     project_id: str | None = None
     run_id: str | None = None
+    # ISO 4217 code of the prices and amount above: the price's (PriceSet.currency). USD for a
+    # bill recorded before currencies were recorded, the only currency there was.
+    currency: str = "USD"
 
 
 # A request stream ends with exactly one of these (DESIGN §3), each with the status it leaves.

@@ -41,8 +41,9 @@ def test_scopes_decide_what_each_key_reads(server: Server) -> None:
     assert {row["tenant"] for row in own} == {mine.name}
     assert own[0]["requests"] == 1
     for field in ("tenant", "model", "period_start", "requests", "prompt_tokens",
-                  "completion_tokens", "cached_tokens", "amount_micros"):
+                  "completion_tokens", "cached_tokens", "amount_micros", "currency"):
         assert field in own[0]
+    assert own[0]["currency"] == "USD"  # the demo server's prices, under the default setting
     assert get(server, "/v1/billing/usage", mine.secret, tenant=other.name).status_code == 403
     assert get(server, "/v1/billing/usage", support).status_code == 403
 
@@ -68,10 +69,13 @@ def test_ledger_csv_invoice_and_replay_agree(server: Server) -> None:
     entry = server.wait_billed(request_id)
     assert int(rows[0]["amount_micros"]) == entry["amount_micros"]
     assert rows[0]["terminal_reason"] == "completed"
+    assert rows[0]["currency"] == entry["currency"] == "USD"
 
     period = datetime.now(UTC).strftime("%Y-%m")
     invoice = get(server, f"/v1/billing/invoices/{tenant.name}", finance, period=period).json()
     assert invoice["amount_micros"] == entry["amount_micros"] and invoice["requests"] == 1
+    assert invoice["currency"] == "USD" and [t["currency"] for t in invoice["totals"]] == ["USD"]
+    assert [line["currency"] for line in invoice["lines"]] == ["USD"]
 
     timeline = get(server, f"/v1/requests/{request_id}/events", server.keys["support"]).json()
     types = [e["type"] for e in timeline["events"]]

@@ -305,8 +305,9 @@ def test_support_page_shows_the_timeline(ui: UiServer) -> None:
     assert f'id="ttft">{api["ttft_ms"]:,} ms' in dom
     assert 'id="tpot">' in dom and 'id="plan">standard<' in dom
     assert f"<dt>max_output</dt><dd>{api['limits_at_admission']['max_output']:,}</dd>" in dom
-    amount = api["billing"]["amount_micros"]
-    assert f"<strong>billed {amount // 1_000_000}.{amount % 1_000_000:06d}</strong>" in dom
+    amount, currency = api["billing"]["amount_micros"], api["billing"]["currency"]
+    assert currency == "USD"  # the demo's prices, set under the default currency setting
+    assert f"<strong>billed {amount // 1_000_000}.{amount % 1_000_000:06d} USD</strong>" in dom
     assert "reserved tokens +" in dom and "refunded tokens +" in dom  # quota effects
     assert 'id="who"' in dom and "support key" in dom  # the cookie session, key gone from URL
 
@@ -380,8 +381,9 @@ def test_finance_page_all_tenants(ui: UiServer) -> None:
     assert '<polyline class="amount-line"' in chart.group(0)
     assert '<svg id="totals-chart"' in dom
     invoices = [_invoice(ui, t) for t in CUSTOMERS]
+    assert {i["currency"] for i in invoices} == {"USD"}
     total = sum(i["amount_micros"] for i in invoices)
-    assert f'id="invoice-total">{total // 1_000_000}.{total % 1_000_000:06d}<' in dom
+    assert f'id="invoice-total">{total // 1_000_000}.{total % 1_000_000:06d} USD<' in dom
     for kind in ("usage", "ledger"):
         assert f'href="/ui/export/billing/{kind}?' in dom
         assert f"/v1/billing/{kind}?" in dom
@@ -393,7 +395,7 @@ def test_finance_page_one_tenant_invoice_and_csv(ui: UiServer) -> None:
     url = ui.url("/ui/finance", tenant="demo-standard", period=invoice["period"],
                  stack="kind")
     dom = ui.dom(url, "finance")
-    assert f'id="invoice-total">{invoice["amount"]}<' in dom
+    assert f'id="invoice-total">{invoice["amount"]} {invoice["currency"]}<' in dom
     assert len(re.findall(r'<tr class="invoice-line">', dom)) == len(invoice["lines"]) == 2
     assert 'data-tenant="demo-free"' not in dom
     assert ">completion<" in dom and ">cached<" in dom  # the token-kind legend
@@ -420,7 +422,7 @@ def test_customer_finance_page_shows_only_its_tenant(ui: UiServer) -> None:
     assert 'data-tenant="demo-free"' in dom
     assert "demo-standard" not in dom and "demo-enterprise" not in dom
     invoice = _invoice(ui, "demo-free")
-    assert f'id="invoice-total">{invoice["amount"]}<' in dom
+    assert f'id="invoice-total">{invoice["amount"]} {invoice["currency"]}<' in dom
 
     r = httpx.get(ui.url("/ui/finance", tenant="demo-standard"),
                   headers=auth(ui.keys["demo-free"]), timeout=10)

@@ -79,3 +79,72 @@ def test_upgrade_downgrade_upgrade(request: pytest.FixtureRequest, db: str) -> N
     assert schema.upgrade(url) == schema.head()
     assert tables(url) == TABLES
     assert differences(url) == []
+
+
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_bills_before_currencies_read_as_usd_and_survive_the_round_trip(
+    request: pytest.FixtureRequest, db: str
+) -> None:
+    """Migration 0020: a bill posted before it is a USD bill, in its table and every finance view;
+    the downgrade gives the rows back in their earlier shape."""
+    url = request.getfixturevalue(f"{db}_url")
+    schema.upgrade(url, "0019")
+    hour = "2026-11-30 10:00:00+00:00"
+    engine = create_engine_from_url(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO ledger_entries (request_id, tenant_id, key_id, model, prompt_tokens,"
+                " completion_tokens, cached_tokens, prompt_micros_per_mtok,"
+                " completion_micros_per_mtok, cached_micros_per_mtok, amount_micros, terminal,"
+                " admitted_at, finished_at, billed_at, position, service_tier)"
+                " VALUES ('r1', 'acme', 'k1', 'm', 10, 5, 0, 100, 200, 50, 2, 'completed',"
+                f" '{hour}', '{hour}', '{hour}', 1, 'default')"
+            ))  # fmt: skip
+            conn.execute(sa.text(
+                "INSERT INTO usage_hourly (tenant_id, model, hour, requests, prompt_tokens,"
+                f" completion_tokens, cached_tokens, amount_micros) VALUES ('acme', 'm', '{hour}',"
+                " 1, 10, 5, 0, 2)"
+            ))  # fmt: skip
+        schema.upgrade(url)
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("SELECT currency FROM ledger_entries")).scalar() == "USD"
+            assert conn.execute(
+                sa.text("SELECT currency, amount_micros FROM usage_hourly")
+            ).one() == ("USD", 2)
+            for view in ("finance_ledger_entries", "finance_usage_hourly",
+                         "finance_invoice_lines", "finance_invoices",
+                         "finance_spend_by_level"):  # fmt: skip
+                assert conn.execute(sa.text(f"SELECT currency FROM {view}")).scalar() == "USD"
+            for view in ("finance_downgrades", "finance_flex_revenue"):  # no rows: the column
+                assert conn.execute(sa.text(f"SELECT currency FROM {view}")).all() == []
+            # Then an hour billed in a second currency keeps a row of its own, and the invoice
+            # views total each currency apart.
+            conn.execute(sa.text(
+                "INSERT INTO usage_hourly (tenant_id, model, hour, currency, requests,"
+                " prompt_tokens, completion_tokens, cached_tokens, amount_micros)"
+                f" VALUES ('acme', 'm', '{hour}', 'EUR', 1, 1, 1, 0, 3)"
+            ))  # fmt: skip
+            conn.execute(sa.text(
+                "INSERT INTO ledger_entries (request_id, tenant_id, key_id, model, prompt_tokens,"
+                " completion_tokens, cached_tokens, prompt_micros_per_mtok,"
+                " completion_micros_per_mtok, cached_micros_per_mtok, amount_micros, terminal,"
+                " admitted_at, finished_at, billed_at, position, service_tier, currency)"
+                " VALUES ('r2', 'acme', 'k1', 'm', 1, 1, 0, 100, 200, 50, 3, 'completed',"
+                f" '{hour}', '{hour}', '{hour}', 2, 'default', 'EUR')"
+            ))  # fmt: skip
+            totals = conn.execute(sa.text(
+                "SELECT currency, amount_micros FROM finance_invoices ORDER BY currency"
+            )).all()  # fmt: skip
+            assert [tuple(t) for t in totals] == [("EUR", 3), ("USD", 2)]
+        schema.downgrade(url, "0019")
+        assert differences(url) != []  # the earlier shape: no currency column
+        with engine.begin() as conn:
+            assert conn.execute(
+                sa.text("SELECT requests, amount_micros FROM usage_hourly")
+            ).one() == (2, 5)
+            assert conn.execute(sa.text("SELECT COUNT(*) FROM ledger_entries")).scalar() == 2
+        assert schema.upgrade(url) == schema.head()
+        assert differences(url) == []
+    finally:
+        engine.dispose()

@@ -113,19 +113,42 @@ def test_usage_hourly_sums_ledger_entries_by_tenant_model_and_hour() -> None:
         b.record(b.completed(), position=5),  # not a bill: ignored
     ]
     rows = run(USAGE_HOURLY, records)
-    noon = (b.TENANT, b.MODEL, datetime(2026, 5, 4, 12, tzinfo=UTC))
+    noon = (b.TENANT, b.MODEL, datetime(2026, 5, 4, 12, tzinfo=UTC), "USD")
     assert rows[noon] == {
         "tenant_id": b.TENANT,
         "model": b.MODEL,
         "hour": datetime(2026, 5, 4, 12, tzinfo=UTC),
+        "currency": "USD",
         "requests": 2,
         "prompt_tokens": 1624,
         "completion_tokens": 600,
         "cached_tokens": 1024,
         "amount_micros": 276,
     }
-    assert rows[(b.TENANT, b.MODEL, datetime(2026, 5, 4, 13, tzinfo=UTC))]["requests"] == 1
+    assert rows[(b.TENANT, b.MODEL, datetime(2026, 5, 4, 13, tzinfo=UTC), "USD")]["requests"] == 1
     assert len(rows) == 3
+
+
+def test_an_hour_billed_in_two_currencies_keeps_a_row_per_currency() -> None:
+    # Given the currency setting changed within an hour: one bill priced in USD, one in EUR
+    records = [
+        b.record(b.billed(request_id="a", amount_micros=100), position=1),
+        b.record(b.billed(request_id="b", amount_micros=7, currency="EUR"), position=2),
+    ]
+    # When usage_hourly folds them
+    rows = run(USAGE_HOURLY, records)
+    # Then each currency has its own row, and no amount is a sum of two currencies
+    hour = datetime(2026, 5, 4, 12, tzinfo=UTC)
+    assert rows[(b.TENANT, b.MODEL, hour, "USD")]["amount_micros"] == 100
+    assert rows[(b.TENANT, b.MODEL, hour, "EUR")]["amount_micros"] == 7
+    assert rows[(b.TENANT, b.MODEL, hour, "EUR")]["currency"] == "EUR"
+    assert len(rows) == 2
+
+
+def test_ledger_entry_carries_its_bills_currency() -> None:
+    usd = run(LEDGER_ENTRIES, [b.record(b.billed(), position=1)])[(b.RID,)]
+    eur = run(LEDGER_ENTRIES, [b.record(b.billed(currency="EUR"), position=1)])[(b.RID,)]
+    assert (usd["currency"], eur["currency"]) == ("USD", "EUR")
 
 
 def test_ledger_entry_is_posted_once_with_its_position() -> None:
