@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import click
 
-from api import control_service as control
+from api.services import control_service as control
 from cli.common import (
     database_option,
     one_line_errors,
@@ -23,7 +23,7 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
     the limits in force at admission, and anomalies."""
     import orjson
 
-    from api.backoffice import timeline_json
+    from api.services.backoffice import timeline_json
 
     with control.open_backoffice(database_url) as bo:
         timeline = timeline_json(bo.timeline(request_id, "support", "", datetime.now(UTC)))
