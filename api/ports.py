@@ -126,8 +126,8 @@ class EventSink(Protocol):
 
 
 class Idempotency(Protocol):
-    """Idempotency-Key records (`api.idempotency_service.AsyncIdempotency`): 409 while a key is
-    in flight, 422 for a different body, the stored response for a replay."""
+    """Idempotency-Key records (`api.services.idempotency_service.AsyncIdempotency`): 409
+    while a key is in flight, 422 for a different body, the stored response for a replay."""
 
     def seen_recently(self, tenant_id: str, key: str | None) -> bool: ...
 

@@ -22,16 +22,16 @@ from typing import Any
 
 import aiohttp
 
-from api.backoffice import Backoffice
-from api.batch_service import BatchService
 from api.config import Settings
-from api.edge import Edge
-from api.idempotency_service import AsyncIdempotency
+from api.http.sessions import Sessions, load_secret
 from api.metrics import Metrics
-from api.runs_service import RunService
-from api.scaling import Actuator, ScalingLoop
-from api.sessions import Sessions, load_secret
-from api.tracing import from_env as tracing_from_env
+from api.services.backoffice import Backoffice
+from api.services.batch_service import BatchService
+from api.services.edge import Edge
+from api.services.idempotency_service import AsyncIdempotency
+from api.services.runs_service import RunService
+from api.services.scaling import Actuator, ScalingLoop
+from api.services.tracing import from_env as tracing_from_env
 from domain import remote_flex
 from domain.autoscale import ScalePolicy
 from domain.capacity import FlexPolicy
@@ -105,7 +105,7 @@ class Runtime:
         self.quota = QuotaView(limits_for=self.control.limits)
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
         self.backoffice = Backoffice(self.engine, self.store, self.control)
-        # The web pages' sessions (api/sessions.py): signed with a secret every edge shares.
+        # The web pages' sessions (api/http/sessions.py): signed with a secret every edge shares.
         self.sessions = Sessions(
             load_secret(self.settings.data_path(), self.settings.session_secret)
         )

@@ -21,12 +21,12 @@ import uvicorn
 import uvloop
 from uvicorn.config import LOGGING_CONFIG
 
-from api.app import create_app
 from api.config import DEFAULT_MODELS, Settings
-from api.control_service import ControlService
+from api.http.app import create_app
 from api.logs import setup_logging
 from api.runtime import Runtime
-from api.scaling import Actuator
+from api.services.control_service import ControlService
+from api.services.scaling import Actuator
 from engine_adapter.fleet import Fleet
 
 log = logging.getLogger("tollgate.serve")

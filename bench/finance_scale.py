@@ -41,7 +41,7 @@ import sqlalchemy as sa  # noqa: E402
 from sqlalchemy import event as sa_event  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from api.backoffice import Backoffice  # noqa: E402
+from api.services.backoffice import Backoffice  # noqa: E402
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
 from domain.control_plane.events import ApiKeyIssued, PriceSet, TenantRegistered
 from domain.control_plane.state import (

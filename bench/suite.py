@@ -114,7 +114,8 @@ BENCHES: tuple[Bench, ...] = (
         "distributed_ab", "bench.gateway", (*DISTRIBUTED_AB, "--runs", "5"),
         (*DISTRIBUTED_AB, "--quick"), render=r.render_gateway,
     ),
-    # The CPU the OpenTelemetry spans of a request cost on the edge's path (api/tracing.py).
+    # The CPU the OpenTelemetry spans of a request cost on the edge's path
+    # (api/services/tracing.py).
     Bench(
         "tracing", "bench.tracing", quick_args=("--requests", "300", "--rounds", "2"),
         render=r.render_tracing,

@@ -25,10 +25,10 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from api.auth import Caller
-from api.edge import Edge, StreamOutcome
 from api.metrics import Metrics
-from api.tracing import Tracing
+from api.services.auth import Caller
+from api.services.edge import Edge, StreamOutcome
+from api.services.tracing import Tracing
 from bench.common import RESULTS_DIR, machine, write_result
 from domain.control_plane.state import ControlView
 from domain.quota import QuotaView

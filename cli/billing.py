@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from api import control_service as control
 from api.config import Settings
+from api.services import control_service as control
 from cli.common import (
     F,
     database_option,
@@ -91,7 +91,7 @@ def _with_range(fn: F) -> F:
 
 
 def _emit(rows: list[dict[str, Any]], fmt: str, columns: tuple[str, ...], title: str) -> None:
-    from api.backoffice import to_csv
+    from api.services.backoffice import to_csv
 
     if fmt == "json":
         import orjson
@@ -141,7 +141,7 @@ def ledger_usage(
     fmt: str,
     database_url: str,
 ) -> None:
-    from api.backoffice import GROUP_COLUMNS, USAGE_COLUMNS, parse_range
+    from api.services.backoffice import GROUP_COLUMNS, USAGE_COLUMNS, parse_range
 
     with control.open_backoffice(database_url) as bo:
         if tenant is not None:
@@ -170,7 +170,7 @@ def ledger_entries(
     fmt: str,
     database_url: str,
 ) -> None:
-    from api.backoffice import ENTRY_COLUMNS, parse_range
+    from api.services.backoffice import ENTRY_COLUMNS, parse_range
 
     with control.open_backoffice(database_url) as bo:
         if tenant is not None:
@@ -187,7 +187,7 @@ def ledger_entries(
 @database_option
 @one_line_errors
 def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str) -> None:
-    from api.backoffice import INVOICE_COLUMNS
+    from api.services.backoffice import INVOICE_COLUMNS
 
     with control.open_backoffice(database_url) as bo:
         invoice = bo.invoice(tenant, period, datetime.now(UTC))
@@ -228,7 +228,7 @@ def ledger_goodput(
     """Requests that ended in the range, by outcome against their tier's objective (attained,
     missed_ttft, missed_tpot, cancelled, failed, ..., refused_quota, invalid), with attainment
     (attained / served) and goodput (attained / offered) in parts per million."""
-    from api.backoffice import groups, parse_range
+    from api.services.backoffice import groups, parse_range
     from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
 
     chosen = groups(group_by, GOODPUT_GROUPS, ("tier",), "group-by")
@@ -249,7 +249,7 @@ def ledger_reconcile(start: str | None, end: str | None, database_url: str) -> N
     mismatch."""
     import orjson
 
-    from api.backoffice import parse_range
+    from api.services.backoffice import parse_range
 
     with control.open_backoffice(database_url) as bo:
         lo, hi = parse_range(start, end, datetime.now(UTC))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from api import control_service as control
+from api.services import control_service as control
 from cli.common import (
     database_option,
     one_line_errors,

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import click
 
-from api import control_service as control
+from api.services import control_service as control
 from cli.common import (
     database_option,
     instant,

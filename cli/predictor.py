@@ -15,8 +15,8 @@ from pathlib import Path
 import click
 import httpx
 
-from api import control_service as control
 from api.config import Settings
+from api.services import control_service as control
 from cli.common import one_line_errors
 from cli.options import settings_options
 from ledger.control import ControlLog

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import click
 
-from api import control_service as control
+from api.services import control_service as control
 from cli.common import (
     database_option,
     instant,
@@ -31,7 +31,7 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
     the limits in force at admission, and anomalies."""
     import orjson
 
-    from api.backoffice import timeline_json
+    from api.services.backoffice import timeline_json
 
     with control.open_backoffice(database_url) as bo:
         timeline = timeline_json(bo.timeline(request_id, "support", "", datetime.now(UTC)))
@@ -103,7 +103,7 @@ def requests_list(
 ) -> None:  # fmt: skip
     """A tenant's requests, newest first, with the same filters and bounds as GET /v1/requests
     (a range of at most 366 days)."""
-    from api.backoffice import parse_range
+    from api.services.backoffice import parse_range
 
     now = datetime.now(UTC)
     start = _since(since, now)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from api import control_service as control
+from api.services import control_service as control
 from cli.common import (
     F,
     database_option,

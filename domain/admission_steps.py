@@ -1,6 +1,6 @@
 """The steps of an admission beside the quota decision (`domain.admission`), each a pure
-decision the edge's `Admission` service (api/admission.py) applies in order: which run a call
-belongs to, what a capacity refusal says, which other models a tenant consented to, whether a
+decision the edge's `Admission` service (api/services/admission.py) applies in order: which run
+a call belongs to, what a capacity refusal says, which other models a tenant consented to, whether a
 request may go to one, and how much KV the router is asked to hold for it.
 """
 

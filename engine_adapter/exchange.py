@@ -13,8 +13,9 @@ received, including what `abort` drains after telling the engine to stop.
 
 A streaming reader's buffer is bounded (`max_buffered` chunks): when it is full, reading from the
 engine pauses until the reader has taken half of it, and `stalled_s` says for how long the reader
-has taken nothing while it was full (the edge cancels a slow reader by that, api/edge.py). Usage
-reports are still seen when reading resumes or the abort drains: they are cumulative.
+has taken nothing while it was full (the edge cancels a slow reader by that,
+api/services/edge.py). Usage reports are still seen when reading resumes or the abort drains:
+they are cumulative.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from api.config import DEFAULT_MODELS, Settings
-from api.control_service import ControlService, hash_secret
 from api.serve import demo_keys_file, ensure_demo_prices, seed_demo
+from api.services.control_service import ControlService, hash_secret
 from cli.dev import DEV_DATABASE_URL
 from streams.dev_broker import DevBroker
 from streams.supervisor import RestartBackoff

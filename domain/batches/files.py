@@ -21,7 +21,8 @@ MAX_FILE_BYTES: Final = 10 * 1024 * 1024
 MAX_LINES: Final = 5_000
 MAX_CUSTOM_ID_CHARS: Final = 64
 MAX_NESTING: Final = 66  # the chat body's 64 levels, below the line object and its body
-# The chat route's bound on `model` (api/chat_request.py): the read models' columns are 200 wide.
+# The chat route's bound on `model` (api/services/chat_request.py): the read models' columns are
+# 200 wide.
 MAX_MODEL_CHARS: Final = 200
 # What the runner can send (streams/batch_runner.py): the body goes out through orjson, which
 # writes integers from -2**63 to 2**64 - 1 and nothing wider, and no non-finite float (it writes

@@ -68,7 +68,7 @@ class AdmitRequest:
     reserved: BudgetReserved | None = None
     service_tier: ServiceTier = "default"
     batch_item: str = ""
-    trace_id: str = ""  # the edge's trace of it (api/tracing.py), for support's replay
+    trace_id: str = ""  # the edge's trace of it (api/services/tracing.py), for support's replay
 
 
 @dataclass(frozen=True, slots=True)

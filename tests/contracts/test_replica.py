@@ -334,7 +334,7 @@ def test_simulator_context_limit_and_n() -> None:
             "This model's maximum context length is 512 tokens. However, your prompt contains "
         )
         # A known difference: vLLM serves n > 1, the simulator refuses it (the gateway never
-        # sends it: api/chat_request.py accepts n=1 only).
+        # sends it: api/services/chat_request.py accepts n=1 only).
         r = await s.post(url, json=body(n=2))
         assert r.status == 400 and (await r.json())["error"]["param"] == "n"
 

@@ -524,7 +524,7 @@ def test_a_revoked_key_ends_its_sessions(ui: UiServer) -> None:
 def test_usage_chart_layout() -> None:
     """The chart maths without a browser: the axis spans the hours with data, gaps between them
     are zero-filled, a long span is drawn per day, stacks add up to the axis."""
-    from api.charts import time_chart
+    from api.http.charts import time_chart
 
     def row(when: datetime, tenant: str, tokens: int) -> dict:
         return {"tenant": tenant, "model": MODEL, "period_start": when.isoformat(),
@@ -544,7 +544,7 @@ def test_usage_chart_layout() -> None:
 
 
 def test_an_hour_of_usage_is_one_bar_across_the_chart() -> None:
-    from api.charts import time_chart
+    from api.http.charts import time_chart
 
     at = datetime(2026, 12, 7, 9, 30, tzinfo=UTC)
     rows = [{"tenant": "a", "model": MODEL, "period_start": at.isoformat(), "requests": 1,

@@ -1,12 +1,12 @@
 """`tollgate` with two of the edge's safeguards removed, for the safeguard-off twins: a request's
-events that the store could not take are never sent again (api/recorder.py), and an answer's
-end — its final usage, `[DONE]`, a JSON body — is sent without waiting for its terminal event
-to commit (issue 26, finding 3: "done only when durable"). The twins run their edge this way
+events that the store could not take are never sent again (api/services/recorder.py), and an
+answer's end — its final usage, `[DONE]`, a JSON body — is sent without waiting for its terminal
+event to commit (issue 26, finding 3: "done only when durable"). The twins run their edge this way
 and must find what that loses: answers a client holds complete, billed other than shown."""
 
 from __future__ import annotations
 
-from api import edge, recorder, relay
+from api.services import edge, recorder, relay
 from cli import main
 
 

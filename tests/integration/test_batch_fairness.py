@@ -18,8 +18,8 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from api.auth import Caller
-from api.batch_service import BatchService
+from api.services.auth import Caller
+from api.services.batch_service import BatchService
 from domain.batches.files import parse_input
 from ledger.batches import BatchStore, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader

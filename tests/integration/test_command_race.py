@@ -22,7 +22,7 @@ from ledger.store import SqlEventStore
 PROCESSES = 8
 GATED = """
 import os, sys, time
-import api.control_service as service
+import api.services.control_service as service
 gate = sys.argv[1]
 decide, first = service.decide_control, [True]
 

@@ -10,8 +10,8 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
-from api.control_service import ControlService
-from api.schemas import Invoice, LedgerEntries, UsageRows
+from api.http.schemas import Invoice, LedgerEntries, UsageRows
+from api.services.control_service import ControlService
 from tests.integration.test_cli import ok, run
 from tests.integration.test_finance import MODEL, _project, _request
 

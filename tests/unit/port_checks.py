@@ -7,7 +7,7 @@ from its port (a renamed method, a parameter more, another return type) fails
 from __future__ import annotations
 
 from api import ports
-from api.idempotency_service import AsyncIdempotency
+from api.services.idempotency_service import AsyncIdempotency
 from engine_adapter.estimators import WordTokenEstimator
 from engine_adapter.fleet import Fleet, ScrapedReplica
 from engine_adapter.tokenizers import ChatTemplateEstimator

@@ -1,4 +1,4 @@
-"""The hand-written chat-completions validation (api/chat_request.py): what OpenAI and vLLM
+"""The hand-written chat-completions validation (api/services/chat_request.py): what OpenAI and vLLM
 refuse is refused here, with a 400 naming the field and never quoting the value; what they accept
 is accepted and forwarded."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from api.chat_request import MAX_MODEL_CHARS, MAX_NESTING, parse_chat_request
-from api.errors import ApiError
+from api.services.chat_request import MAX_MODEL_CHARS, MAX_NESTING, parse_chat_request
+from api.services.errors import ApiError
 
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -1,6 +1,7 @@
-"""The published chat body schema (`request_schema()`, built from `FIELDS` in api/chat_request.py)
-and the checks that parse the body say the same thing: at each field's bounds, just past them and
-for the wrong type, the schema accepts exactly what `parse_chat_request` accepts."""
+"""The published chat body schema (`request_schema()`, built from `FIELDS` in
+api/services/chat_request.py) and the checks that parse the body say the same thing: at each
+field's bounds, just past them and for the wrong type, the schema accepts exactly what
+`parse_chat_request` accepts."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from typing import Any
 import jsonschema_rs
 import pytest
 
-from api.chat_request import _CHECKS, _UNPUBLISHED, FIELDS, parse_chat_request, request_schema
-from api.errors import ApiError
+from api.services.chat_request import (
+    _CHECKS,
+    _UNPUBLISHED,
+    FIELDS,
+    parse_chat_request,
+    request_schema,
+)
+from api.services.errors import ApiError
 
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import orjson
 
-from api.edge import JsonOutcome, StreamOutcome
+from api.services.edge import JsonOutcome, StreamOutcome
 from domain.capacity import Choice, Refusal
 from domain.envelope import Recorded
 from domain.remote_flex import RemoteFlex, routes, routes_to_read

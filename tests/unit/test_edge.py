@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
-from api.auth import Caller
-from api.edge import Edge, JsonOutcome, StreamOutcome
-from api.errors import ApiError
 from api.metrics import Metrics
+from api.services.auth import Caller
+from api.services.edge import Edge, JsonOutcome, StreamOutcome
+from api.services.errors import ApiError
 from domain.control_plane.events import FallbackAllowed, PriceSet
 from domain.control_plane.state import ControlView
 from domain.quota import QuotaView
@@ -403,8 +403,8 @@ def test_a_skipped_prediction_reserves_the_cap_and_is_counted_by_reason() -> Non
 
 
 def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
-    from api.admission import _system_prompt_bucket
-    from api.chat_request import parse_chat_request
+    from api.services.admission import _system_prompt_bucket
+    from api.services.chat_request import parse_chat_request
 
     prompts = [f"You are assistant number {i}." for i in range(40)]
     raws = [

@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 import orjson
 import pytest
 
-from api.auth import Caller
-from api.edge import Edge, JsonOutcome
-from api.errors import ApiError
 from api.metrics import Metrics
+from api.services.auth import Caller
+from api.services.edge import Edge, JsonOutcome
+from api.services.errors import ApiError
 from domain.control_plane.decide import decide_control
 from domain.control_plane.events import PriceSet
 from domain.control_plane.state import ControlView

@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 import pytest
 
-from api.edge import JsonOutcome, StreamOutcome
-from api.errors import ApiError
+from api.services.edge import JsonOutcome, StreamOutcome
+from api.services.errors import ApiError
 from domain.backoff import FLEX_ENGINE_PRIORITY, engine_priority
 from domain.requests.events import (
     QuotaRefunded,

@@ -3,7 +3,7 @@ headers; Retry-After on everything a retry can fix."""
 
 from __future__ import annotations
 
-from api import http
+from api.services import refusal_errors
 from domain.admission import RateLimitInfo, Rejected
 from domain.types import CAPACITY_REASONS, QUOTA_REASONS, REJECT_REASONS
 
@@ -11,26 +11,26 @@ INFO = RateLimitInfo(60, 0, 1_000, 10_000, 8_000, 12_000)
 
 
 def test_every_reason_has_a_status_and_quota_is_never_capacity() -> None:
-    assert set(http.STATUS) == set(REJECT_REASONS)
-    assert {http.STATUS[r] for r in QUOTA_REASONS} == {429}
-    assert {http.STATUS[r] for r in CAPACITY_REASONS} == {503}
-    assert http.STATUS["invalid"] == 400
+    assert set(refusal_errors.STATUS) == set(REJECT_REASONS)
+    assert {refusal_errors.STATUS[r] for r in QUOTA_REASONS} == {429}
+    assert {refusal_errors.STATUS[r] for r in CAPACITY_REASONS} == {503}
+    assert refusal_errors.STATUS["invalid"] == 400
 
 
 def test_rate_limit_headers_use_openai_names_and_reset_format() -> None:
-    headers = http.rate_limit_headers(INFO)
+    headers = refusal_errors.rate_limit_headers(INFO)
     assert headers["X-RateLimit-Remaining-Tokens"] == "8000"
     assert headers["X-RateLimit-Reset-Requests"] == "1s"
     assert headers["X-RateLimit-Reset-Tokens"] == "12s"
-    assert http.duration(250) == "250ms" and http.duration(360_000) == "6m0s"
+    assert refusal_errors.duration(250) == "250ms" and refusal_errors.duration(360_000) == "6m0s"
 
 
 def test_a_quota_refusal_carries_retry_after_and_an_invalid_one_does_not() -> None:
-    quota = http.refusal(Rejected("tokens", 7, "over", INFO), {"X-Request-Id": "r"})
+    quota = refusal_errors.refusal(Rejected("tokens", 7, "over", INFO), {"X-Request-Id": "r"})
     assert (quota.status, quota.type, quota.code) == (429, "tokens", "rate_limit_exceeded")
     assert quota.headers["Retry-After"] == "7" and quota.headers["X-Request-Id"] == "r"
-    invalid = http.refusal(Rejected("invalid", 0, "too long", INFO, "messages"), {})
+    invalid = refusal_errors.refusal(Rejected("invalid", 0, "too long", INFO, "messages"), {})
     assert (invalid.status, invalid.param) == (400, "messages")
     assert "Retry-After" not in invalid.headers
-    shed = http.refusal(Rejected("retry_budget", 45, "storm", INFO), {})
+    shed = refusal_errors.refusal(Rejected("retry_budget", 45, "storm", INFO), {})
     assert (shed.status, shed.type, shed.code) == (503, "capacity", "retry_budget_exhausted")

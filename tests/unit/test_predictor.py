@@ -249,8 +249,8 @@ def test_status_reads_realised_coverage_from_the_log(trained: model_file.ModelFi
 
 def test_serving_never_imports_torch() -> None:
     code = (
-        "import sys, api.app, api.runtime, api.edge, predictor.runtime, predictor.evaluate, "
-        "predictor.status; print('torch' in sys.modules)"
+        "import sys, api.http.app, api.runtime, api.services.edge, predictor.runtime, "
+        "predictor.evaluate, predictor.status; print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=120)  # fmt: skip

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from api.auth import single_authorization
-from api.chat_request import parse_chat_request
-from api.errors import ApiError
+from api.services.auth import single_authorization
+from api.services.chat_request import parse_chat_request
+from api.services.errors import ApiError
 from domain import text
 from domain.batches.files import check_metadata, parse_input
 from domain.control_plane.decide import RegisterTenant, SetFlexDiscount, SetPrice, decide_control

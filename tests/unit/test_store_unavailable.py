@@ -1,12 +1,12 @@
-"""Which errors mean "the store is away" (a 503 with Retry-After, never a 500): api/errors.py's
-one mapping, used by every route."""
+"""Which errors mean "the store is away" (a 503 with Retry-After, never a 500):
+api/services/errors.py's one mapping, used by every route."""
 
 from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
 
-from api.errors import ApiError, store_unavailable
+from api.services.errors import ApiError, store_unavailable
 from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
 
 

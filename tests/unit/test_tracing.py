@@ -1,7 +1,7 @@
-"""Tracing (api/tracing.py): off without an endpoint, and then neither the SDK nor the exporter
-is imported; a clear error when an endpoint is set without the packages; and, on, the spans of a
-request through the edge over fakes, the traceparent the replica gets, the trace id on the
-admission event and in the log records made meanwhile."""
+"""Tracing (api/services/tracing.py): off without an endpoint, and then neither the SDK nor the
+exporter is imported; a clear error when an endpoint is set without the packages; and, on, the
+spans of a request through the edge over fakes, the traceparent the replica gets, the trace id on
+the admission event and in the log records made meanwhile."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from api import tracing
 from api.logs import JsonFormatter
-from api.tracing import Tracing, TracingUnavailable
+from api.services import tracing
+from api.services.tracing import Tracing, TracingUnavailable
 from domain.requests.events import RequestAdmitted
 from tests.unit.test_edge import CALLER, MODEL, Harness
 
@@ -31,8 +31,8 @@ def test_without_an_endpoint_tracing_is_off_and_the_sdk_is_not_imported() -> Non
     # (FastAPI imports the OpenTelemetry API itself when it is installed; the SDK and the
     # exporter, with their thread, are ours to load, and only when tracing is on.)
     code = (
-        "import sys, api.app, api.runtime, api.tracing\n"
-        "assert api.tracing.from_env({'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT': ''}) is None\n"
+        "import sys, api.http.app, api.runtime, api.services.tracing\n"
+        "assert api.services.tracing.from_env({'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT': ''}) is None\n"
         "print(sorted(m for m in sys.modules\n"
         "             if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))\n"
     )

@@ -102,7 +102,7 @@ def rebuild_projections(
 def open_backoffice(database_url: str) -> Iterator[Any]:
     """A Backoffice over the database, with the control view folded (the CLI acts as an
     operator: it has every scope)."""
-    from api.backoffice import Backoffice
+    from api.services.backoffice import Backoffice
 
     url = database_url
     upgrade(url)

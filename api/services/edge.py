@@ -1,7 +1,7 @@
 """The customer path, as an application service over ports: parse, resolve the model, ask
-`Admission` (quota, budgets, runs, capacity, fallbacks, flex preemption: api/admission.py),
-record the admission, relay the generation (`api/relay.py` for a stream), and end every
-admitted request with exactly one terminal event and its refund (`api/flights.py`).
+`Admission` (quota, budgets, runs, capacity, fallbacks, flex preemption: api/services/admission.py),
+record the admission, relay the generation (`api/services/relay.py` for a stream), and end every
+admitted request with exactly one terminal event and its refund (`api/services/flights.py`).
 
 The rules it applies are `domain`'s (admission, capacity, lifecycle, backoff); the facts go
 through the `Recorder`; the engine, the fleet, the token count, the clock and the ids are ports
@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from api.admission import Admission, Refused
-from api.auth import Authenticator, Caller
-from api.chat_request import ChatRequest, parse_chat_request
-from api.errors import ApiError
-from api.flights import (
+from api.metrics import Metrics
+from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
+from api.services.admission import Admission, Refused
+from api.services.auth import Authenticator, Caller
+from api.services.chat_request import ChatRequest, parse_chat_request
+from api.services.errors import ApiError
+from api.services.flights import (
     NOT_RECORDED,
     Flights,
     cancel_command,
@@ -36,12 +38,10 @@ from api.flights import (
     engine_error_text,
     fail_command,
 )
-from api.idempotency_service import replay_frames
-from api.metrics import Metrics
-from api.outcomes import Outcomes
-from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
-from api.recorder import Flight, Recorder
-from api.relay import StreamOutcome, StreamRelay
+from api.services.idempotency_service import replay_frames
+from api.services.outcomes import Outcomes
+from api.services.recorder import Flight, Recorder
+from api.services.relay import StreamOutcome, StreamRelay
 from domain.admission import DEFAULT_POLICY, AdmissionPolicy
 from domain.backoff import engine_priority
 from domain.control_plane.state import ControlView
@@ -61,7 +61,7 @@ from ledger.ids import Clock, IdSource, new_event_id, utcnow
 from ledger.store import AppendResult
 
 if TYPE_CHECKING:
-    from api.tracing import RequestTrace
+    from api.services.tracing import RequestTrace
 
 __all__ = ["Caller", "Edge", "JsonOutcome", "StreamOutcome"]
 
@@ -225,7 +225,7 @@ class Edge:
     ) -> JsonOutcome | StreamOutcome:
         """One chat completion. `batch_item` ("<batch id>/<custom_id>"): the batch runner sends
         it, and it runs in the flex class whatever the body asks. `trace`: its spans, when
-        tracing is on (api/tracing.py)."""
+        tracing is on (api/services/tracing.py)."""
         headers = {"X-Request-Id": request_id}
         try:
             req = parse_chat_request(raw)

@@ -19,31 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from api.auth import Caller, single_authorization
-from api.backoffice import (
-    ENTRY_COLUMNS,
-    FORMATS,
-    GROUP_BY,
-    GROUP_COLUMNS,
-    INVOICE_COLUMNS,
-    MAX_ENTRIES,
-    REQUEST_ID,
-    REQUESTS_LIMIT_DEFAULT,
-    REQUESTS_LIMIT_MAX,
-    USAGE_COLUMNS,
-    groups,
-    parse_range,
-    timeline_json,
-    to_csv,
-)
-from api.batch_routes import add_batch_routes
-from api.body_limits import bounded, read_body
-from api.edge import JsonOutcome
-from api.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
-from api.openapi import install as install_openapi
-from api.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
-from api.runtime import Runtime
-from api.schemas import (
+from api.http.batch_routes import add_batch_routes
+from api.http.body_limits import bounded, read_body
+from api.http.openapi import install as install_openapi
+from api.http.schemas import (
     AUTHENTICATED,
     BearerDep,
     Fleet,
@@ -64,6 +43,27 @@ from api.schemas import (
     error_answers,
     request_body,
 )
+from api.runtime import Runtime
+from api.services.auth import Caller, single_authorization
+from api.services.backoffice import (
+    ENTRY_COLUMNS,
+    FORMATS,
+    GROUP_BY,
+    GROUP_COLUMNS,
+    INVOICE_COLUMNS,
+    MAX_ENTRIES,
+    REQUEST_ID,
+    REQUESTS_LIMIT_DEFAULT,
+    REQUESTS_LIMIT_MAX,
+    USAGE_COLUMNS,
+    groups,
+    parse_range,
+    timeline_json,
+    to_csv,
+)
+from api.services.edge import JsonOutcome
+from api.services.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
+from api.services.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
 from domain.projections import REQUEST_LOG_STATUSES
 from domain.runs.state import RUN_ID
 from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
@@ -498,7 +498,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     add_batch_routes(app, runtime.batches, customer, json_response)
 
-    from api.web import add_web_routes  # the /ui pages (issue 4)
+    from api.http.web import add_web_routes  # the /ui pages (issue 4)
 
     add_web_routes(app, runtime)
     install_openapi(app, lambda: runtime.edge.models())
@@ -542,7 +542,7 @@ class TollgateApp:
         dropped: Any = None
         caller: Caller | None = None
         limits = self.limits
-        # Tracing on: this request's spans (api/tracing.py); off, None and nothing else.
+        # Tracing on: this request's spans (api/services/tracing.py); off, None and nothing else.
         trace = None if self.tracing is None else self.tracing.request(headers, request_id)
         started = 0 if trace is None else trace.now()
         status = 200

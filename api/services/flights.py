@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from api import http
-from api.admission import Admission
-from api.auth import Caller
-from api.errors import ApiError
 from api.metrics import Metrics
-from api.outcomes import Outcomes, Terminal
 from api.ports import Clock, Idempotency
-from api.recorder import Flight, Recorder
+from api.services import refusal_errors
+from api.services.admission import Admission
+from api.services.auth import Caller
+from api.services.errors import ApiError
+from api.services.outcomes import Outcomes, Terminal
+from api.services.recorder import Flight, Recorder
 from domain.envelope import Recorded
 from domain.requests.decide import (
     CancelRequest,
@@ -90,7 +90,7 @@ class Flights:
         """What the client gets for an engine request that broke before the answer started
         (None: the exception itself, re-raised)."""
         if flight.preempted_for is not None and isinstance(exc, PREEMPTED_ERRORS):
-            return http.preempted(self.retry_after_s(), headers)
+            return refusal_errors.preempted(self.retry_after_s(), headers)
         if isinstance(exc, REPLICA_ERRORS):
             return self._replica_error(exc, headers)
         return None
@@ -103,7 +103,7 @@ class Flights:
                 exc.status, str(err.get("message") or exc), param=err.get("param"),
                 code="engine_rejected", headers=headers,
             )
-        return http.replica_unavailable(self.retry_after_s(), headers)
+        return refusal_errors.replica_unavailable(self.retry_after_s(), headers)
 
     def first_token(self, flight: Flight, stream: bool = False) -> None:
         """The first chunk arrived: record its instant and the engine's prompt counts (its
@@ -111,10 +111,10 @@ class Flights:
 
         A stream's goes to the next group commit (within 5 ms, with other requests' ends and
         first tokens; committing it and the end in this loop iteration's group instead cost more
-        CPU per request in the gateway bench), and its first frame waits for it (`api.relay`): a
-        client that saw a token is billed at least its prompt whatever happens to this edge
-        next. A non-streamed request's is staged: it goes with the next lease renewal (0.1 s)
-        or its terminal event, saving a commit per request."""
+        CPU per request in the gateway bench), and its first frame waits for it
+        (`api.services.relay`): a client that saw a token is billed at least its prompt whatever
+        happens to this edge next. A non-streamed request's is staged: it goes with the next lease
+        renewal (0.1 s) or its terminal event, saving a commit per request."""
         p = flight.progress
         exchange = flight.exchange
         if exchange is not None and exchange.last_usage is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from api.errors import ApiError
+from api.services.errors import ApiError
 from ledger.idempotency import IdempotencyConflict, IdempotencyStore, StoredResponse
 
 

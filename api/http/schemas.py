@@ -4,8 +4,8 @@ They describe; they do not serialise. The routes render their own JSON (orjson, 
 services' dicts) and return a `Response`, which FastAPI sends as it is, so declaring a model as a
 route's `response_model` costs no CPU per request. `tests/e2e/test_openapi.py` checks the real
 answers against the schemas, and the fuzz test (`tests/e2e/test_api_fuzz.py`) the server against
-the whole document. The chat request is described by `api/chat_request.py`'s field table, which is
-also what checks it.
+the whole document. The chat request is described by `api/services/chat_request.py`'s field
+table, which is also what checks it.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
-# --- chat completions: the answers (the request is api/chat_request.py's) ----------------------
+# --- chat completions: the answers (the request is api/services/chat_request.py's) ----------------
 
 
 class PromptTokensDetails(BaseModel):
@@ -395,7 +395,7 @@ class Health(BaseModel):
 
 
 class RunCreate(BaseModel):
-    """What `POST /v1/runs` reads (parsed by `api/runs_service.py`; limits not given: the
+    """What `POST /v1/runs` reads (parsed by `api/services/runs_service.py`; limits not given: the
     project's run policy)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -454,7 +454,7 @@ class File(BaseModel):
 
 
 class FileUpload(BaseModel):
-    """What `POST /v1/files` reads (multipart, parsed by `api/batch_service.py`)."""
+    """What `POST /v1/files` reads (multipart, parsed by `api/services/batch_service.py`)."""
 
     file: bytes = Field(json_schema_extra={"format": "binary"})
     purpose: Literal["batch"]
@@ -507,7 +507,7 @@ class BatchList(BaseModel):
 
 
 class BatchCreateRequest(BaseModel):
-    """What `POST /v1/batches` reads (parsed by `api/batch_service.py`)."""
+    """What `POST /v1/batches` reads (parsed by `api/services/batch_service.py`)."""
 
     input_file_id: str
     endpoint: Literal["/v1/chat/completions"]
@@ -584,7 +584,7 @@ def request_body(model: type[BaseModel] | str, *, required: bool = True,
                  media_type: str = "application/json") -> dict[str, Any]:
     """`openapi_extra` for a route that reads its body by hand (its own limits and messages):
     the body described by `model` (one of REQUEST_BODIES, or the chat request: the document's
-    components hold them, api/openapi.py)."""
+    components hold them, api/http/openapi.py)."""
     name = model if isinstance(model, str) else model.__name__
     schema = {"$ref": f"#/components/schemas/{name}"}
     return {"requestBody": {"required": required, "content": {media_type: {"schema": schema}}}}

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from api.auth import Caller
-from api.errors import ApiError
+from api.services.auth import Caller
+from api.services.errors import ApiError
 from domain.control_plane.decide import decide_control
 from domain.errors import DomainError
 from domain.governance.budgets import PathView

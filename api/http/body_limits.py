@@ -18,11 +18,11 @@ from typing import Any, Final
 
 import orjson
 
-from api.batch_service import MULTIPART_OVERHEAD_BYTES
-from api.chat_request import too_large
-from api.errors import ApiError
-from api.runs_service import MAX_BODY_BYTES as MAX_RUN_BODY_BYTES
-from api.web import MAX_LOGIN_BODY
+from api.http.web import MAX_LOGIN_BODY
+from api.services.batch_service import MULTIPART_OVERHEAD_BYTES
+from api.services.chat_request import too_large
+from api.services.errors import ApiError
+from api.services.runs_service import MAX_BODY_BYTES as MAX_RUN_BODY_BYTES
 from domain.batches.files import MAX_FILE_BYTES
 from ledger.ids import new_request_id
 

@@ -4,14 +4,14 @@ support/admin read any request, a customer only its own (another tenant's id ans
 like an unknown one); finance/admin read every tenant's billing, a customer only its own.
 
 Browser authentication: `POST /ui/login` (form field `key`) sets an HttpOnly, SameSite=Strict
-cookie scoped to /ui holding a signed, expiring session (api/sessions.py: the key's id, an
+cookie scoped to /ui holding a signed, expiring session (api/http/sessions.py: the key's id, an
 expiry, an HMAC), never the key itself. Pages take that session or an `Authorization: Bearer`
 header. A key in a URL (`?key=`) is refused (400), never used: it would sit in the browser's
 history and in every log on the way. A missing, expired or bad session renders the login page
 (401); a revoked key ends its sessions.
 
 All text reaches the HTML through Jinja2 with autoescape on; charts are laid out as plain numbers
-in `api/charts.py` and drawn by the templates.
+in `api/http/charts.py` and drawn by the templates.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from api.auth import Caller
-from api.backoffice import (
+from api.http.charts import STACKS, goodput_chart, money, time_chart, totals_chart
+from api.http.sessions import SESSION_TTL_S
+from api.runtime import Runtime
+from api.services.auth import Caller
+from api.services.backoffice import (
     ENTRY_COLUMNS,
     INVOICE_COLUMNS,
     REQUEST_ID,
@@ -38,10 +41,7 @@ from api.backoffice import (
     timeline_json,
     to_csv,
 )
-from api.charts import STACKS, goodput_chart, money, time_chart, totals_chart
-from api.errors import ApiError
-from api.runtime import Runtime
-from api.sessions import SESSION_TTL_S
+from api.services.errors import ApiError
 from domain.projections import REQUEST_LOG_STATUSES
 from domain.requests.events import LeaseExpired, QuotaRefunded, UsageBilled
 from ledger.finance import currency_totals
@@ -62,7 +62,7 @@ ANOMALY_EVENTS = {
     "not_refunded": QuotaRefunded.EVENT_TYPE,
 }
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
 def _num(value: Any) -> str:

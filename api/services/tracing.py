@@ -179,7 +179,7 @@ class RequestTrace:
         with contextlib.suppress(ValueError):  # ended in another context than it began
             TRACE_ID.reset(self._token)
 
-    # --- admission (api/edge.py, api/admission.py) ----------------------------------------------
+    # --- admission (api/services/edge.py, api/services/admission.py) ------------------------------
 
     def admitting(self) -> None:
         self._admission = self._child("admission")
@@ -224,7 +224,7 @@ class RequestTrace:
         span.end()
 
     def admitted(self, answer: Any) -> None:
-        """Admission's answer (`api.admission.Admitted | Refused`)."""
+        """Admission's answer (`api.services.admission.Admitted | Refused`)."""
         span, self._admission = self._admission, None
         if span is None:
             return
@@ -257,7 +257,7 @@ class RequestTrace:
         span.set_attribute("tollgate.durable", ok)
         span.end()
 
-    # --- the engine, the stream, the end (api/flights.py, api/app.py) --------------------------
+    # --- the engine, the stream, the end (api/services/flights.py, api/http/app.py) ---------------
 
     def engine_opened(self, replica_id: str) -> str:
         """Open the engine span; its `traceparent`, for the request to the replica."""

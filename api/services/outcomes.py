@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from api.auth import Caller
 from api.metrics import Metrics
-from api.recorder import Recorder
+from api.services.auth import Caller
+from api.services.recorder import Recorder
 from domain import goodput
 from domain.control_plane.state import ControlView
 from domain.refusals import RefusalSampler

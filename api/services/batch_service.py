@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
-from api.auth import Caller
-from api.errors import ApiError, bad_request
+from api.services.auth import Caller
+from api.services.errors import ApiError, bad_request
 from domain.batches.decide import BatchCommand, CancelBatch, CreateBatch, decide
 from domain.batches.evolve import fold
 from domain.batches.files import INPUT_RETENTION_S, check_metadata, parse_input

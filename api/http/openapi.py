@@ -1,9 +1,10 @@
 """`/openapi.json`: FastAPI's generated document, with the completions route registered in it.
 
 Every FastAPI route describes itself: typed parameters, `response_model`s and `responses=` from
-`api/schemas.py`. `POST /v1/chat/completions` is served in front of FastAPI (api/app.py, for CPU),
-so it is described here by a route the app never serves, `chat_route()`, whose body schema is
-`api/chat_request.py`'s own field table (`request_schema()`, the table that checks the body).
+`api/http/schemas.py`. `POST /v1/chat/completions` is served in front of FastAPI
+(api/http/app.py, for CPU), so it is described here by a route the app never serves,
+`chat_route()`, whose body schema is `api/services/chat_request.py`'s own field table
+(`request_schema()`, the table that checks the body).
 `tests/e2e/test_openapi.py` checks the document against what the server answers, and a schema
 fuzzer (`tests/e2e/test_api_fuzz.py`) the server against the document.
 """
@@ -18,8 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
-from api.chat_request import request_schema
-from api.schemas import (
+from api.http.schemas import (
     REQUEST_BODIES,
     REQUEST_ID_HEADER,
     BearerDep,
@@ -28,6 +28,7 @@ from api.schemas import (
     error_answers,
     request_body,
 )
+from api.services.chat_request import request_schema
 from domain.runs.state import RUN_ID
 
 JSON = "application/json"
@@ -85,7 +86,7 @@ async def create_chat_completion(
     """The signature FastAPI describes `POST /v1/chat/completions` from. Never called: the
     route is `TollgateApp.chat_completions` (`app.idempotency_key_of` and `app.run_id_of` read
     these headers)."""
-    raise NotImplementedError("served by api.app.TollgateApp")
+    raise NotImplementedError("served by api.http.app.TollgateApp")
 
 
 def chat_route() -> APIRoute:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from api.errors import ApiError
+from api.services.errors import ApiError
 from domain.admission import RateLimitInfo, Rejected
 
 # 429 is the tenant's quota, 503 our capacity, 400 a request that can never succeed.

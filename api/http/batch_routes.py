@@ -10,10 +10,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
-from api.auth import Caller
-from api.batch_service import MAX_LIST, MULTIPART_OVERHEAD_BYTES, BatchService
-from api.chat_request import too_large
-from api.schemas import (
+from api.http.schemas import (
     AUTHENTICATED,
     Batch,
     BatchCreateRequest,
@@ -25,6 +22,9 @@ from api.schemas import (
     answers,
     request_body,
 )
+from api.services.auth import Caller
+from api.services.batch_service import MAX_LIST, MULTIPART_OVERHEAD_BYTES, BatchService
+from api.services.chat_request import too_large
 from domain.batches.files import MAX_FILE_BYTES
 
 FileId = Annotated[str, Path(description="a file id")]

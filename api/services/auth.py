@@ -8,7 +8,7 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from api.errors import ApiError
+from api.services.errors import ApiError
 from domain.control_plane.state import ApiKey, ControlView
 
 
@@ -59,8 +59,8 @@ class Authenticator:
         return self._caller(key, scopes)
 
     def by_key_id(self, key_id: str, scopes: frozenset[str]) -> Caller:
-        """The caller of a web session issued to `key_id` (api/sessions.py verified it): the key
-        must still be valid, so revoking it ends its sessions."""
+        """The caller of a web session issued to `key_id` (api/http/sessions.py verified it):
+        the key must still be valid, so revoking it ends its sessions."""
         key = self.control.key(key_id)
         if key is None or key.revoked:
             raise ApiError(

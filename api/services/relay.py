@@ -1,7 +1,7 @@
 """A streamed answer: the engine's chunks relayed as SSE frames, the answer's end held until its
 terminal event is durable, a failure after the first token sent as an error object then
 [DONE] (never a silently truncated answer), and a client that leaves cancelled at the engine
-and billed what the engine produced. The request's ends are `api.flights.Flights`'.
+and billed what the engine produced. The request's ends are `api.services.flights.Flights`'.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from api import http
-from api.auth import Caller
-from api.chat_request import ChatRequest
-from api.errors import error_frame
-from api.flights import (
+from api.ports import Idempotency
+from api.services import refusal_errors
+from api.services.auth import Caller
+from api.services.chat_request import ChatRequest
+from api.services.errors import error_frame
+from api.services.flights import (
     NOT_RECORDED,
     PREEMPTED_ERRORS,
     REPLICA_ERRORS,
@@ -29,8 +30,7 @@ from api.flights import (
     failure_text,
     preempt_command,
 )
-from api.ports import Idempotency
-from api.recorder import Flight
+from api.services.recorder import Flight
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.usage import DONE, relay_stream
 
@@ -174,7 +174,7 @@ class StreamRelay:
         if flight.preempted_for is not None:
             await durable(flights.end(flight, preempt_command(flight)))
             yield error_frame(
-                http.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
+                refusal_errors.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
             )
         elif flight.cancel_reason == "slow_reader":  # the edge stopped it: say so
             await durable(flights.end(flight, cancel_command(flight.progress, "slow_reader")))

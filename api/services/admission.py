@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from api import http
-from api.auth import Caller
-from api.chat_request import ChatRequest
-from api.errors import ApiError
 from api.metrics import Metrics
 from api.ports import Clock, Fleet, OutputPredictor, Replica, TokenEstimator
-from api.recorder import Flight, Recorder
+from api.services import refusal_errors
+from api.services.auth import Caller
+from api.services.chat_request import ChatRequest
+from api.services.errors import ApiError
+from api.services.recorder import Flight, Recorder
 from domain import admission
 from domain.admission import AdmissionPolicy
 from domain.admission_steps import (
@@ -56,7 +56,7 @@ from domain.views import AdmissionViews
 from engine_adapter.usage import Progress
 
 if TYPE_CHECKING:
-    from api.tracing import RequestTrace
+    from api.services.tracing import RequestTrace
 
 __all__ = ["Admission", "Admitted", "Refused"]
 
@@ -158,7 +158,7 @@ class Admission:
         decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
         if trace is not None:
             trace.quota_decided(decision)
-        headers.update(http.rate_limit_headers(decision.rate_limits))
+        headers.update(refusal_errors.rate_limit_headers(decision.rate_limits))
         if isinstance(decision, admission.Rejected):
             self.reject(
                 request_id, caller, model, decision.reason, decision.retry_after_s,
@@ -166,7 +166,7 @@ class Admission:
             )
             if decision.reason == "run_budget" and run is not None:
                 self._run_exhausted(run, decision.dimension or "", request_id)
-            return Refused(http.refusal(decision, headers))
+            return Refused(refusal_errors.refusal(decision, headers))
         choice = self._route(
             model, caller.tier, decision.estimate, req.service_tier, request_id, trace
         )
@@ -185,7 +185,9 @@ class Admission:
         if fallback is None:
             retry_after = self.policy.backoff.retry_after_s(self.rng.random())
             self.reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-            return Refused(http.no_capacity(model, caller.tier, reason, retry_after, headers))
+            return Refused(
+                refusal_errors.no_capacity(model, caller.tier, reason, retry_after, headers)
+            )
         served, decision, shape, choice = fallback
         return self._admitted(
             caller, req, request_id, idempotency_key, is_retry, bucket, run, decision, shape,
@@ -203,7 +205,7 @@ class Admission:
         retry_after = self.policy.backoff.retry_after_s(self.rng.random())
         self.metrics.flex_of(model, caller.tier, "refused").inc()
         self.reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-        return Refused(http.flex_unavailable(model, reason, retry_after, headers))
+        return Refused(refusal_errors.flex_unavailable(model, reason, retry_after, headers))
 
     def _fall_back(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
@@ -223,7 +225,7 @@ class Admission:
                 alternative, caller.tier, other.estimate, "default", request_id, trace
             )
             if isinstance(choice, Choice):
-                headers.update(http.rate_limit_headers(other.rate_limits))
+                headers.update(refusal_errors.rate_limit_headers(other.rate_limits))
                 headers["X-Tollgate-Downgraded-From"] = model
                 self.metrics.downgraded.labels(model, alternative).inc()
                 return alternative, other, shape, choice

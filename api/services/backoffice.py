@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from api.errors import ApiError
+from api.services.errors import ApiError
 from domain.control_plane.state import ControlView
 from domain.envelope import Recorded
 from domain.governance.state import month_start

@@ -74,7 +74,7 @@ STORE_AWAY_ERRORS: tuple[type[BaseException], ...] = (
 
 def store_unavailable(exc: BaseException) -> ApiError | None:
     """The 503 for `exc` if it (or what it was raised from) means the store is away, else None.
-    The mapping of every route (api/app.py's handlers and the chat route): one place."""
+    The mapping of every route (api/http/app.py's handlers and the chat route): one place."""
     seen = 0
     cause: BaseException | None = exc
     while cause is not None and seen < 8:

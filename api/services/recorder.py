@@ -41,7 +41,7 @@ from ledger.store import AppendBatch, AppendResult, NewEvent
 from ledger.writer import WriterOverloaded
 
 if TYPE_CHECKING:
-    from api.tracing import RequestTrace
+    from api.services.tracing import RequestTrace
 
 log = logging.getLogger("tollgate.edge")
 
@@ -89,7 +89,7 @@ class Flight:
     # event's, once ended: the final usage and [DONE] (a JSON body) wait for that one.
     first_durable: asyncio.Future[bool] | None = None
     ended: asyncio.Future[bool] | None = None
-    trace: RequestTrace | None = None  # its spans, when tracing is on (api/tracing.py)
+    trace: RequestTrace | None = None  # its spans, when tracing is on (api/services/tracing.py)
 
 
 class Recorder:

@@ -11,7 +11,7 @@ message is echoed to the client and stored (truncated) in the refusal event.
 
 `FIELDS` is the one table of the body's fields: each field's check and its JSON schema, made from
 the same bounds, beside each other. `request_schema()` is the published schema of the body
-(`/openapi.json`, api/openapi.py), built from it; parsing reads only the checks (`_CHECKS`).
+(`/openapi.json`, api/http/openapi.py), built from it; parsing reads only the checks (`_CHECKS`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from api.errors import ApiError, bad_request
+from api.services.errors import ApiError, bad_request
 from domain.errors import DomainError
 from domain.text import check_metadata, unstorable
 

@@ -1,0 +1,1 @@
+"""The HTTP layer of api: the ASGI app, its routes and pages, rendering."""

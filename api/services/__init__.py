@@ -1,0 +1,1 @@
+"""The application services of api, below the HTTP layer: no route, no template."""
