@@ -202,5 +202,7 @@ def test_the_finance_page_shows_flex_revenue_and_preemption_waste(fleet: Server)
     assert MODEL in card
     row = card.split(MODEL, 1)[1].split("</tr>", 1)[0]
     numbers = re.findall(r'<td class="num">([^<]*)</td>', row)
-    flex_requests, revenue, preempted = int(numbers[0]), float(numbers[1]), int(numbers[2])
+    amount, currency = numbers[1].split()  # the amount says its currency: "0.000003 USD"
+    flex_requests, revenue, preempted = int(numbers[0]), float(amount), int(numbers[2])
+    assert currency == "USD"
     assert flex_requests >= 1 and revenue > 0 and preempted >= 1
