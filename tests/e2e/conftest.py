@@ -181,6 +181,17 @@ class Tenant:
 
 
 @dataclass
+class EngineReplica:
+    """A real `vllm serve`, as the Server lists its replicas (its owner stops it)."""
+
+    model: str
+    url: str
+
+    def stop(self) -> None:
+        pass
+
+
+@dataclass
 class Server:
     tmp: Path
     replicas: list[Replica]

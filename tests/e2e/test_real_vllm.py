@@ -9,7 +9,6 @@ import shlex
 import subprocess
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import TERMINALS, TOLLGATE, Server, auth, poll
+from tests.e2e.conftest import TERMINALS, TOLLGATE, EngineReplica, Server, auth, poll
 from tests.vllm.engine import counter
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,17 +26,6 @@ MODEL = "tiny-llama-2026-05"
 SYSTEM = "You are the billing assistant of a careful ledger; answer in one line. " * 40
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
             "vllm:prompt_tokens_cached_total")  # fmt: skip
-
-
-@dataclass
-class EngineReplica:
-    """The session's `vllm serve`, as the e2e Server lists its replicas."""
-
-    model: str
-    url: str
-
-    def stop(self) -> None:  # the session fixture owns the engine
-        pass
 
 
 def engine_finished(vllm: Any) -> float:

@@ -19,7 +19,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tests.e2e.conftest import FAST, MODEL, auth, poll, running_server, short_body
+from tests.e2e.conftest import (
+    FAST,
+    MODEL,
+    EngineReplica,
+    Server,
+    auth,
+    poll,
+    running_server,
+    short_body,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -67,9 +76,8 @@ class Receiver:
         with self.lock:
             self.posts += 1
             for resource_spans in request.resource_spans:
-                service = {
-                    a.key: a.value.string_value for a in resource_spans.resource.attributes
-                }.get("service.name")
+                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                service = resource.get("service.name")
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
                         self.spans.append({
@@ -78,6 +86,7 @@ class Receiver:
                             "span_id": span.span_id.hex(),
                             "parent": span.parent_span_id.hex(),
                             "service": service,
+                            "resource": resource,
                             "attributes": {a.key: _value(a.value) for a in span.attributes},
                             "start": span.start_time_unix_nano,
                             "end": span.end_time_unix_nano,
@@ -210,3 +219,65 @@ def test_without_the_endpoint_nothing_is_exported(
         assert timeline["trace_id"] is None
     # The server has stopped (an exporter, had there been one, flushes at the stop).
     assert receiver.posts == 0 and receiver.spans == []
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_vllm_continues_the_gateways_trace(
+    tmp_path_factory: pytest.TempPathFactory, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine side of item 3: vLLM (the CPU build the tests run, 0.32) started with
+    `--otlp-traces-endpoint` at the same receiver exports its `llm_request` span into the
+    client's trace, a child of the gateway's engine span. Its own engine (the session's has no
+    tracing): one more start, 20-50 s here. vLLM exports over gRPC unless
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says http/protobuf (vllm/tracing/otel.py); it reads the
+    `traceparent` it is sent only when tracing is on (else it drops the headers)."""
+    from tests.vllm.engine import SERVED_NAME, VllmServer, engine_python, tiny_model
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    python = engine_python()
+    tmp = tmp_path_factory.mktemp("traced-vllm")
+    engine = VllmServer(
+        python, tiny_model(python), tmp / "vllm.log",
+        extra_args=("--otlp-traces-endpoint", receiver.endpoint),
+        extra_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
+    )  # fmt: skip
+    engine.start()
+    server = Server(tmp, [EngineReplica(SERVED_NAME, engine.url)])  # type: ignore[list-item]
+    try:
+        server.data_dir.mkdir(parents=True)
+        server.cli("models", "register", "--model", SERVED_NAME,
+                   "--hf-config", str(engine.model_dir / "config.json"))  # fmt: skip
+        server.start()
+        headers = {**auth(server.keys["demo-standard"]), "traceparent": TRACEPARENT}
+        answer = httpx.post(
+            f"{server.base}/v1/chat/completions", headers=headers, timeout=120,
+            json=short_body(model=SERVED_NAME, tokens=6, stream=True,
+                            stream_options={"include_usage": True}),
+        )  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        request_id = answer.headers["x-request-id"]
+        usage = [json.loads(line[6:]) for line in answer.text.splitlines()
+                 if line.startswith("data: {")][-1]["usage"]  # fmt: skip
+
+        def both() -> bool:
+            return {"engine", "llm_request"} <= {s["name"] for s in receiver.of_trace(TRACE_ID)}
+
+        poll("the gateway's engine span and vLLM's llm_request span", both, timeout=60)
+        spans = {s["name"]: s for s in receiver.of_trace(TRACE_ID)}
+        gateway_engine, vllm = spans["engine"], spans["llm_request"]
+        assert gateway_engine["service"] == "tollgate"
+        # vLLM's own span, from its own process, in the client's trace under the gateway's
+        # engine span: the traceparent the gateway forwarded is the one vLLM continued.
+        assert vllm["resource"].get("vllm.instrumenting_module_name") == "vllm.llm_engine"
+        assert vllm["service"] != "tollgate"
+        assert vllm["trace_id"] == gateway_engine["trace_id"] == TRACE_ID
+        assert vllm["parent"] == gateway_engine["span_id"]
+        assert vllm["attributes"]["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
+        assert vllm["attributes"]["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
+        assert request_id in vllm["attributes"]["gen_ai.request.id"]
+    finally:
+        server.stop()
+        engine.stop()

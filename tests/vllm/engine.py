@@ -96,7 +96,10 @@ class VllmServer:
     """`vllm serve` on the tiny model, in its own process group (the API server starts an engine
     core process; stopping the group stops both)."""
 
-    def __init__(self, python: Path, model_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self, python: Path, model_dir: Path, log_path: Path,
+        extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.python = python
         self.model_dir = model_dir
         self.log_path = log_path
@@ -105,6 +108,9 @@ class VllmServer:
         self.model = SERVED_NAME
         self.max_model_len = MAX_MODEL_LEN
         self.proc: subprocess.Popen[bytes] | None = None
+        # A test's own engine (e.g. tracing on): options after the session's, and variables.
+        self.extra_args = extra_args
+        self.extra_env = extra_env or {}
 
     def command(self) -> list[str]:
         # The OpenAI server module directly: the `vllm` script looks up its distribution's
@@ -117,12 +123,12 @@ class VllmServer:
             "--enable-prompt-tokens-details", "--max-num-seqs", "32",
             # Aborts are logged only with request logging on (vLLM 0.32 counts no
             # finished_reason="abort" in /metrics); the tests read them here.
-            "--enable-log-requests",
+            "--enable-log-requests", *self.extra_args,
         ]  # fmt: skip
 
     def start(self) -> None:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.extra_env}  # fmt: skip
         t0 = time.monotonic()
         log = self.log_path.open("ab")
         # Niced: on a GPU machine the engine does not share the gateway's cores; here it would
