@@ -15,6 +15,9 @@ STACKS = ("tenant", "model", "kind")
 # Okabe-Ito, readable by colour-blind readers; cycles past eight series.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#999999")
 KIND_COLOURS = {"prompt (uncached)": "#0072B2", "cached": "#56B4E9", "completion": "#E69F00"}
+# The amount lines, one per currency: dark tones the bars' palette does not use, each with its
+# own dash so that two lines differ without their colour; cycles past four currencies.
+AMOUNT_STYLES = (("#b3261e", ""), ("#5e3c99", "7 4"), ("#1b7837", "2 3"), ("#7f3b08", "9 3 2 3"))
 
 
 def money(micros: int | None) -> str:
@@ -44,6 +47,16 @@ class Tick:
 
 
 @dataclass
+class Series:
+    name: str
+    colour: str
+    points: str  # polyline points
+    dots: list[tuple[float, float, str]] = field(default_factory=list)
+    dash: str = ""  # stroke-dasharray: lines told apart without their colour
+    label_at: tuple[float, float] = (0.0, 0.0)  # where the name is written, by the last point
+
+
+@dataclass
 class Chart:
     """An SVG chart already laid out: the template only draws what is here."""
 
@@ -54,8 +67,7 @@ class Chart:
     y_ticks: list[Tick] = field(default_factory=list)
     y2_ticks: list[Tick] = field(default_factory=list)
     x_ticks: list[Tick] = field(default_factory=list)
-    line: str = ""  # polyline points
-    dots: list[tuple[float, float, str]] = field(default_factory=list)
+    amounts: list[Series] = field(default_factory=list)  # one line per currency
     legend: list[tuple[str, str]] = field(default_factory=list)
     y_label: str = ""
     y2_label: str = ""
@@ -95,9 +107,11 @@ def _series_key(row: dict[str, Any], stack: str) -> list[tuple[str, int]]:
 
 def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
     """Stacked bars of tokens per hour (or per day when the span is long), stacked by tenant,
-    model or token kind, with the billed amount as a line on the right axis. The axis runs from
-    the first hour (day) with data to the last, quiet ones between them drawn as zero: an hour of
-    data is one bar, not a day of empty hours around it."""
+    model or token kind, with the billed amount as a line on the right axis: one line per
+    currency, named by its code, since amounts in two currencies are never summed (one right
+    axis for all: each line's numbers are in its own currency). The axis runs from the first
+    hour (day) with data to the last, quiet ones between them drawn as zero: an hour of data is
+    one bar, not a day of empty hours around it."""
     width, height = 1160, 340
     left, top, right, bottom = 78.0, 18.0, width - 86.0, height - 46.0
     chart = Chart(width, height, (left, top, right, bottom), y_label="tokens",
@@ -120,12 +134,12 @@ def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
         cursor += step
     index = {b: i for i, b in enumerate(buckets)}
     values: dict[str, list[int]] = defaultdict(lambda: [0] * len(buckets))
-    amounts = [0] * len(buckets)
+    amounts: dict[str, list[int]] = defaultdict(lambda: [0] * len(buckets))  # by currency
     for row, hour in zip(rows, hours, strict=True):
         i = index[hour if unit == "hour" else hour.replace(hour=0)]
         for name, tokens in _series_key(row, stack):
             values[name][i] += tokens
-        amounts[i] += int(row["amount_micros"])
+        amounts[row["currency"]][i] += int(row["amount_micros"])
     names = list(KIND_COLOURS) if stack == "kind" else sorted(values)
     colours = {
         name: KIND_COLOURS.get(name) or PALETTE[n % len(PALETTE)] for n, name in enumerate(names)
@@ -133,7 +147,7 @@ def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
     chart.legend = [(name, colours[name]) for name in names]
     totals = [sum(values[name][i] for name in names) for i in range(len(buckets))]
     y_max = _nice_max(max(totals))
-    a_max = _nice_max(max(amounts) / 1e6)
+    a_max = _nice_max(max(max(line) for line in amounts.values()) / 1e6)
     plot_w, plot_h = right - left, bottom - top
     slot = plot_w / len(buckets)
     bar_w = min(MAX_BAR_WIDTH, max(1.0, slot * 0.72))
@@ -150,14 +164,25 @@ def time_chart(rows: list[dict[str, Any]], stack: str) -> tuple[Chart, str]:
             chart.bars.append(Bar(round(x, 2), round(base, 2), round(bar_w, 2), round(h, 2),
                                   colours[name],
                                   f"{when.strftime(label)} · {name}: {v:,} tokens"))
-    points = []
-    for i, amount in enumerate(amounts):
-        cx = left + i * slot + slot / 2
-        cy = bottom - (amount / 1e6) / a_max * plot_h
-        points.append(f"{cx:.2f},{cy:.2f}")
-        chart.dots.append((round(cx, 2), round(cy, 2),
-                           f"{buckets[i].strftime(label)} · amount {money(amount)}"))
-    chart.line = " ".join(points)
+    for n, currency in enumerate(sorted(amounts)):
+        colour, dash = AMOUNT_STYLES[n % len(AMOUNT_STYLES)]
+        series = Series(currency, colour, "", dash=dash)
+        points = []
+        for i, amount in enumerate(amounts[currency]):
+            cx = left + i * slot + slot / 2
+            cy = bottom - (amount / 1e6) / a_max * plot_h
+            points.append(f"{cx:.2f},{cy:.2f}")
+            series.dots.append((round(cx, 2), round(cy, 2),
+                                f"{buckets[i].strftime(label)} · amount {money(amount)} "
+                                f"{currency}"))
+        series.points = " ".join(points)
+        last_x, last_y, _ = series.dots[-1]
+        label_y = max(top + 10, last_y - 8)
+        while any(abs(label_y - other.label_at[1]) < 12 for other in chart.amounts):
+            label_y += 13  # two lines ending together: their names one above the other
+        series.label_at = (last_x, round(label_y, 2))
+        chart.amounts.append(series)
+    chart.y2_label = f"amount ({', '.join(s.name for s in chart.amounts)})"
     decimals = max(2, min(6, math.ceil(-math.log10(a_max)) + 2))
     for k in range(5):
         frac = k / 4
@@ -189,20 +214,12 @@ def totals_chart(summary: list[dict[str, Any]]) -> Chart:
         w = max(1.0, (right - left) * int(r["amount_micros"]) / a_max)
         chart.bars.append(Bar(left, y + 4, round(w, 2), row_h - 8, colours[r["tenant"]],
                               f"{r['tenant']} · {r['model']}: {money(r['amount_micros'])} "
-                              f"({r['prompt_tokens'] + r['completion_tokens']:,} tokens, "
-                              f"{r['requests']:,} requests)"))
+                              f"{r['currency']} ({r['prompt_tokens'] + r['completion_tokens']:,} "
+                              f"tokens, {r['requests']:,} requests)"))
         chart.y_ticks.append(Tick(y + row_h / 2, f"{r['tenant']} · {r['model']}"))
-        chart.x_ticks.append(Tick(y + row_h / 2, money(r["amount_micros"])))
+        chart.x_ticks.append(Tick(y + row_h / 2, f"{money(r['amount_micros'])} {r['currency']}"))
     chart.legend = [(t, colours[t]) for t in tenants]
     return chart
-
-
-@dataclass
-class Series:
-    name: str
-    colour: str
-    points: str  # polyline points
-    dots: list[tuple[float, float, str]] = field(default_factory=list)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.e2e.conftest import (
+    FAST,
     MODEL,
     REPO,
     TOLLGATE,
@@ -39,6 +40,8 @@ from tests.e2e.conftest import (
     auth,
     free_port,
     poll,
+    running_server,
+    short_body,
     spawn,
     wait_http,
 )
@@ -432,6 +435,52 @@ def test_customer_finance_page_shows_only_its_tenant(ui: UiServer) -> None:
     assert r.status_code == 403
 
 
+def test_finance_chart_draws_an_amount_line_per_currency(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A tenant billed in USD, then (a price set under the EUR setting) in EUR: the usage chart
+    has one amount line per currency, each named by its code, its points the ledger's amounts
+    in that currency. Its own server: the EUR price must not re-price the module's."""
+    chromium = ensure_chromium()
+    with running_server(tmp_path_factory, "web-currency", [(MODEL, FAST)]) as server:
+        tenant = server.new_tenant("money")
+
+        def billed() -> dict:
+            r = httpx.post(f"{server.base}/v1/chat/completions", json=short_body(),
+                           headers=auth(tenant.secret), timeout=30)  # fmt: skip
+            assert r.status_code == 200, r.text
+            return dict(server.wait_billed(r.headers["x-request-id"]))
+
+        assert billed()["currency"] == "USD"
+        server.cli("prices", "set", "--model", MODEL, "--prompt", "1", "--completion", "2",
+                   "--cached", "0.5", "--currency", "EUR")  # fmt: skip
+        poll("a request billed in EUR", lambda: billed()["currency"] == "EUR", timeout=30)
+        ledger = httpx.get(f"{server.base}/v1/billing/ledger", params={"tenant": tenant.name},
+                           headers=auth(server.keys["finance"]), timeout=30).json()["data"]
+        billed_micros = {c: sum(e["amount_micros"] for e in ledger if e["currency"] == c)
+                         for c in ("USD", "EUR")}  # fmt: skip
+
+        assert server.proc is not None
+        ui = UiServer(server.tmp, server.port, server.proc, server.keys, chromium)
+        url = ui.url("/ui/finance", tenant=tenant.name)
+        dom = ui.dom(url, "finance")
+        chart = re.search(r'<svg id="tokens-chart".*?</svg>', dom, re.S)
+        assert chart, "no usage chart"
+        lines = re.findall(r'<g class="amount" data-currency="([A-Z]{3})">(.*?)</g>',
+                           chart.group(0), re.S)  # fmt: skip
+        assert [code for code, _ in lines] == ["EUR", "USD"]
+        for code, drawn in lines:
+            assert drawn.count('<polyline class="amount-line"') == 1, code
+            assert re.search(rf'<text class="amount-label"[^>]*>{code}</text>', drawn), code
+            # Every dot says its currency; together they are that currency's bills, no other.
+            dots = re.findall(r"<title>[^<]* · amount (\d+)\.(\d{6}) ([A-Z]{3})</title>", drawn)
+            assert dots and {c for _, _, c in dots} == {code}
+            assert sum(int(w) * 1_000_000 + int(f) for w, f, _ in dots) == billed_micros[code]
+        assert "amount EUR (right axis)" in dom and "amount USD (right axis)" in dom
+        assert ">amount (EUR, USD)</text>" in chart.group(0)
+        ui.screenshot("finance-two-currencies", url, "finance")
+
+
 # --- login -----------------------------------------------------------------------------------
 
 
@@ -529,17 +578,19 @@ def test_usage_chart_layout() -> None:
     def row(when: datetime, tenant: str, tokens: int) -> dict:
         return {"tenant": tenant, "model": MODEL, "period_start": when.isoformat(),
                 "requests": 1, "prompt_tokens": tokens, "completion_tokens": tokens,
-                "cached_tokens": 0, "amount_micros": tokens * 10}
+                "cached_tokens": 0, "amount_micros": tokens * 10, "currency": "USD"}
 
     t0 = datetime(2026, 11, 1, tzinfo=UTC)
     chart, unit = time_chart([row(t0, "a", 50), row(t0, "b", 25),
                               row(t0 + timedelta(hours=5), "a", 10)], "tenant")
-    assert unit == "hour" and len(chart.dots) == 6  # the first hour with data to the last
+    # The first hour with data to the last; one currency, one amount line.
+    assert unit == "hour" and [s.name for s in chart.amounts] == ["USD"]
+    assert len(chart.amounts[0].dots) == 6 and chart.y2_label == "amount (USD)"
     assert [name for name, _ in chart.legend] == ["a", "b"]
     assert len(chart.bars) == 3 and chart.y_ticks[-1].label == "200"
     assert [t.label for t in chart.x_ticks] == [f"11-01 {h:02d}:00" for h in range(6)]
     chart, unit = time_chart([row(t0, "a", 5), row(t0 + timedelta(days=9), "a", 5)], "kind")
-    assert unit == "day" and len(chart.dots) == 10
+    assert unit == "day" and len(chart.amounts[0].dots) == 10
     assert {name for name, _ in chart.legend} == {"prompt (uncached)", "cached", "completion"}
 
 
@@ -549,10 +600,51 @@ def test_an_hour_of_usage_is_one_bar_across_the_chart() -> None:
     at = datetime(2026, 12, 7, 9, 30, tzinfo=UTC)
     rows = [{"tenant": "a", "model": MODEL, "period_start": at.isoformat(), "requests": 1,
              "prompt_tokens": 40, "completion_tokens": 10, "cached_tokens": 0,
-             "amount_micros": 500}]  # fmt: skip
+             "amount_micros": 500, "currency": "USD"}]  # fmt: skip
     chart, unit = time_chart(rows, "tenant")
-    assert unit == "hour" and len(chart.dots) == 1 and len(chart.bars) == 1
+    assert unit == "hour" and len(chart.amounts[0].dots) == 1 and len(chart.bars) == 1
     assert [t.label for t in chart.x_ticks] == ["12-07 09:00"]
     left, _, right, _ = chart.plot
     bar = chart.bars[0]
     assert abs((bar.x + bar.w / 2) - (left + right) / 2) < 0.01  # centred, alone on the axis
+
+
+def test_each_currency_is_its_own_amount_line_named_by_its_code() -> None:
+    """A range billed in two currencies (the setting changed in the middle): one amount line per
+    currency, each over every bucket, its points the amounts of that currency alone (never a sum
+    of the two), its dots and its label saying the code."""
+    from api.http.charts import time_chart
+
+    t0 = datetime(2026, 12, 1, 10, tzinfo=UTC)
+
+    def row(hours: int, tenant: str, currency: str, amount_micros: int) -> dict:
+        return {"tenant": tenant, "model": MODEL, "period_start": (t0 + timedelta(hours=hours))
+                .isoformat(), "requests": 1, "prompt_tokens": 10, "completion_tokens": 10,
+                "cached_tokens": 0, "amount_micros": amount_micros, "currency": currency}
+
+    rows = [row(0, "a", "USD", 400_000), row(0, "b", "USD", 100_000),
+            row(1, "a", "USD", 200_000), row(1, "a", "EUR", 300_000),
+            row(2, "b", "EUR", 800_000), row(2, "a", "USD", 800_000)]  # fmt: skip
+    chart, unit = time_chart(rows, "tenant")
+    assert unit == "hour"
+    assert [s.name for s in chart.amounts] == ["EUR", "USD"]
+    assert chart.y2_label == "amount (EUR, USD)"
+    assert chart.y2_ticks[-1].label == "1.00"  # the axis fits the largest of either currency
+    _, top, _, bottom = chart.plot
+
+    def amounts_of(currency: str) -> list[float]:
+        series = next(s for s in chart.amounts if s.name == currency)
+        ys = [float(p.split(",")[1]) for p in series.points.split()]
+        assert ys == [y for _, y, _ in series.dots]
+        return [round((bottom - y) / (bottom - top) * 1.0, 3) for y in ys]  # axis top = 1.00
+
+    assert amounts_of("USD") == [0.5, 0.2, 0.8]
+    assert amounts_of("EUR") == [0.0, 0.3, 0.8]
+    eur, usd = chart.amounts
+    assert eur.colour != usd.colour and eur.dash != usd.dash
+    assert eur.dots[1][2] == "2026-12-01 11:00 · amount 0.300000 EUR"
+    assert usd.dots[0][2] == "2026-12-01 10:00 · amount 0.500000 USD"
+    # Each line's code is written by its last point; the two lines end at one point here, and
+    # their codes are one above the other, not on top of each other.
+    assert eur.label_at[0] == eur.dots[-1][0] and usd.label_at[0] == usd.dots[-1][0]
+    assert abs(eur.label_at[1] - usd.label_at[1]) >= 12
