@@ -58,6 +58,8 @@ SEAMS: Final[dict[str, tuple[str, str]]] = {
                      "batch runner)", "store"),
     "store.read": ("a read of the event store: a stream, a tail by position, the relay's "
                    "committed outbox rows", "db"),
+    "db.read": ("a support or finance read of the read models: the request list "
+                "(`GET /v1/requests`, `tollgate requests list`)", "db"),
     "db.readmodel": ("read-model rows written in a fold's transaction (request_log, "
                      "usage_hourly, ledger_entries)", "db"),
     "db.checkpoint": ("a fold's checkpoint saved (on its own or in the caller's "

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 
 from domain.goodput import OUTCOMES, Attainment, Slo, outcome
 from domain.reconcile import account
+from ledger import faults
 from ledger.schema import ledger_entries, request_log, usage_hourly
 from ledger.store import EventStore
 
@@ -242,6 +243,7 @@ class FinanceQueries:
             rows = conn.execute(query).mappings().all()
         return [_entry({str(k): v for k, v in r.items()}) for r in rows]
 
+    @faults.seam("db.read")
     def requests(
         self,
         tenant: str,
@@ -288,6 +290,7 @@ class FinanceQueries:
             rows = conn.execute(query).mappings().all()
         return [_logged_request(row) for row in rows]
 
+    @faults.seam("db.read")
     def request_admitted_at(self, tenant: str, request_id: str) -> datetime | None:
         """When a tenant's request was admitted (None: no such request of that tenant), the
         anchor of the next page of `requests`."""

@@ -22,13 +22,17 @@ import json
 import re
 import shutil
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import sqlalchemy as sa
 
 from ledger import faults
+from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import MODEL, TOLLGATE, free_port, poll, start_replica
 from tests.faults.matrix import (
     EDGE_SEAMS,
@@ -287,3 +291,114 @@ def test_safeguard_off_twin_finds_a_kafka_worker_moving_past(
     broken = _verdict(run, result)
     print(f"safeguard off (kafka rewind): {len(broken)} kinds of violation found: {broken}")
     assert broken, "the unsafe worker lost nothing: a blind matrix"
+
+
+# --- the read rows: a support or finance read that meets a failing store ---------------------
+
+# The request list's reads, in order, and the `db.read` hit each reaches: a plain page is one
+# hit (the rows), a page `after` a cursor two (the cursor's row, then the rows). The faults sit
+# on hits 2 (before), 3 (after, on the cursor's read), 5 (drop) and 7 (hang, on the rows of a
+# page after a cursor); `die` at a read is the edge dying, the edge-crash rows' case.
+READS = (("plain", 200), ("plain", 503), ("after", 503), ("plain", 200), ("plain", 503),
+         ("after", 200), ("plain", 200), ("after", 200))  # fmt: skip
+READ_SPEC = "seed=5;hang=3;db.read:before@2;db.read:after@3;db.read:drop@5;db.read:hang@7"
+READ_INJECTED = {("db.read", "before"): 1, ("db.read", "after"): 1, ("db.read", "drop"): 1,
+                 ("db.read", "hang"): 1}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "database", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+)
+def test_fault_matrix_read_row_request_list(
+    database: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """`GET /v1/requests` (support's list of a tenant's requests) while its read of the request
+    log fails with each kind: a failed read is a whole 503 (`Retry-After`, an OpenAI error body
+    saying the store is unavailable), never a 500 nor a page cut short; a read that hangs
+    answers the whole page once the store does; the next read is whole again; and nothing else
+    is touched: the edge stays up, a chat served while the read hangs and the chats after are
+    answered and billed, and the list shows them."""
+    replica = start_replica(tmp_path, MODEL, seed=5, **FAST)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = [*TOLLGATE, "serve", "--port", str(port), "--replica", f"{MODEL}={replica.url}"]
+    db_url = f"sqlite:///{tmp_path / 'data' / 'tollgate.db'}"
+    if database == "postgresql":
+        db_url = request.getfixturevalue("postgres_url")
+        args += ["--database-url", db_url]
+    edge = Service("edge", args, {"TOLLGATE_DATA_DIR": str(tmp_path / "data")},
+                   tmp_path / "edge.log", lambda start: READ_SPEC if start == 0 else "",
+                   wait_url=f"{base}/readyz")  # fmt: skip
+    try:
+        edge.start()
+        keys = json.loads((tmp_path / "data" / "demo-keys.json").read_text())
+        support, listed, other = ({"Authorization": f"Bearer {keys[k]}"}
+                                  for k in ("support", "demo-enterprise", "demo-free"))
+        with httpx.Client(base_url=base, timeout=30) as client:
+
+            def chat(headers: dict[str, str]) -> str:
+                r = client.post("/v1/chat/completions", headers=headers,
+                                json={"model": MODEL, "max_tokens": 4,
+                                      "messages": [{"role": "user", "content": "Hi."}]})
+                assert r.status_code == 200, r.text
+                return str(r.headers["x-request-id"])
+
+            def page(kind: str) -> httpx.Response:
+                params = {"tenant": "demo-enterprise", "limit": "2"}
+                if kind == "after":
+                    params["after"] = sent[-2]  # the second newest: the page holds the rest
+                return client.get("/v1/requests", headers=support, params=params)
+
+            sent = [chat(listed) for _ in range(5)]  # oldest first
+            expected = {"plain": sent[::-1][:2], "after": sent[::-1][2:4]}
+            # Waited for in the database itself: every read of the list counts as a hit.
+            poll("the request log to hold the chats", lambda: logged(db_url) == len(sent))
+            answers: list[tuple[str, int, httpx.Response]] = []
+            served_meanwhile: list[str] = []
+            def read(kind: str, wanted: int) -> None:
+                answers.append((kind, wanted, page(kind)))
+
+            for n, (kind, wanted) in enumerate(READS):
+                if n != 5:
+                    read(kind, wanted)
+                    continue
+                # The read that hangs, in its own thread; another tenant's chat meanwhile.
+                hung = threading.Thread(target=read, args=(kind, wanted))
+                hung.start()
+                served_meanwhile.append(chat(other))
+                hung.join(60)
+                assert not hung.is_alive(), "the hung read never answered"
+            after_faults = chat(listed)
+            poll("the request log to hold it", lambda: logged(db_url) == len(sent) + 1)
+            last = page("plain")
+    finally:
+        edge.stop()
+        replica.stop()
+    assert edge.deaths == 0 and edge.proc is not None and edge.proc.returncode in (0, -15)
+    assert edge.injected() == READ_INJECTED
+    for i, (kind, wanted, r) in enumerate(answers):
+        body = r.json()  # a whole JSON body: a page cut short would not parse
+        assert r.status_code == wanted, (i, kind, r.status_code, body)
+        if wanted == 503:
+            assert int(r.headers["retry-after"]) >= 1, (i, r.headers)
+            assert body["error"]["code"] == "store_unavailable" and body["error"]["message"]
+            assert body["error"]["type"] == "server_error"
+        else:
+            assert [row["request_id"] for row in body["data"]] == expected[kind], (i, body)
+            assert body["has_more"] is True and body["last_id"] == expected[kind][-1]
+    assert len(served_meanwhile) == 1
+    assert [row["request_id"] for row in last.json()["data"]] == [after_faults, sent[-1]]
+
+
+def logged(db_url: str, tenant: str = "demo-enterprise") -> int:
+    """A tenant's rows in the request log (the fold worker writes them shortly after each
+    request)."""
+    engine = create_engine_from_url(db_url)
+    try:
+        with engine.connect() as conn:
+            count = conn.execute(
+                sa.text("SELECT count(*) FROM request_log WHERE tenant_id = :t"), {"t": tenant}
+            ).scalar()
+            return int(count or 0)
+    finally:
+        engine.dispose()

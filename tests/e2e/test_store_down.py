@@ -51,6 +51,7 @@ def _asks(server: Server) -> list[tuple[str, str, dict[str, Any]]]:
     """(method, path, httpx options) of every route family a customer or an admin reaches."""
     customer = auth(server.keys["demo-enterprise"])
     admin = auth(server.keys["finance"])
+    support = auth(server.keys["support"])
     chat = "/v1/chat/completions"
     return [
         ("POST", chat, {"headers": customer, "json": short_body()}),
@@ -63,6 +64,8 @@ def _asks(server: Server) -> list[tuple[str, str, dict[str, Any]]]:
         ("GET", "/v1/billing/goodput", {"headers": admin}),
         ("GET", "/v1/billing/reconciliation", {"headers": admin}),
         ("GET", f"/v1/requests/req_{uuid.uuid4().hex}/events", {"headers": admin}),
+        ("GET", "/v1/requests", {"headers": support, "params": {"tenant": "demo-enterprise"}}),
+        ("GET", "/v1/requests", {"headers": customer, "params": {"limit": 5}}),
         ("POST", "/v1/runs", {"headers": customer, "json": {"id": "run-1", "max_calls": 2}}),
         ("GET", "/v1/batches/batch_x", {"headers": customer}),
         ("POST", "/v1/files", {"headers": customer, "data": {"purpose": "batch"},
@@ -103,9 +106,14 @@ def test_every_route_answers_503_with_retry_after_while_the_store_is_down(
         assert error.get("type") and error.get("code") and error.get("message"), (path, body)
     chats = [s for m, p, s, _, _ in answers if p == "/v1/chat/completions"]
     assert set(chats) == {503}
+    # The request list reads the store on every page: down, it is the 503, never a page.
+    assert {s for _, p, s, _, _ in answers if p == "/v1/requests"} == {503}
     # Back up: the same server admits and bills again, and admitted nothing while it was down.
     poll("the server to admit again", lambda: _chat_ok(server), timeout=30, every=0.5)
     assert _admitted(server) == admitted_before + 1
+    listed = httpx.get(f"{server.base}/v1/requests", headers=auth(server.keys["support"]),
+                       params={"tenant": "demo-enterprise"}, timeout=30)  # fmt: skip
+    assert listed.status_code == 200 and listed.json()["object"] == "list", listed.text
 
 
 def _batch_line() -> bytes:

@@ -22,6 +22,7 @@ from ledger import faults, schema
 from ledger.checkpoints import Checkpoints
 from ledger.engine import create_engine_from_url
 from ledger.errors import StoreUnavailable
+from ledger.finance import FinanceQueries
 from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
 
@@ -38,6 +39,7 @@ def armed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (SqlEventStore, "_read", "store.read"),
         (SqlEventStore, "_sqlite_tail", "store.read"),
         (Checkpoints, "set", "db.checkpoint"),
+        (FinanceQueries, "requests", "db.read"),
     ):
         monkeypatch.setattr(owner, method, faults.seam(name)(getattr(owner, method)))
     yield
@@ -105,6 +107,23 @@ def test_drop_invalidates_the_connection(store: SqlEventStore, armed: None) -> N
             checkpoints.set("fold", 7, conn)
         assert conn.invalidated
     assert checkpoints.find("fold") is None
+
+
+def test_a_dropped_read_of_the_request_list_fails_whole_and_the_next_reads_again(
+    store: SqlEventStore, armed: None
+) -> None:
+    """`db.read` (support's request list): a drop closes the pool's connections and raises the
+    error the routes answer 503 for; the next read reconnects and answers."""
+    from api.services.errors import store_unavailable
+
+    finance = FinanceQueries(store.engine)
+    since, until = datetime(2026, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
+    faults.arm("db.read:drop@1")
+    with pytest.raises(sa.exc.OperationalError) as failed:
+        finance.requests("acme", since, until)
+    answer = store_unavailable(failed.value)
+    assert answer is not None and answer.status == 503
+    assert finance.requests("acme", since, until) == []
 
 
 def test_hang_sleeps_then_goes_on(store: SqlEventStore, armed: None) -> None:
