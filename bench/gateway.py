@@ -49,7 +49,7 @@ from bench.common import (
     machine,
     write_result,
 )
-from bench.gateway_children import open_loop, serve_upstream
+from bench.gateway_children import open_loop, serve_otlp_sink, serve_upstream
 from bench.harness import (
     MODEL,
     OUTPUT_TOKENS,
@@ -63,8 +63,10 @@ from bench.harness import (
     own_cpu_s,
     post,
     run_wrk,
+    sink_counts,
     start_distributed,
     start_litellm,
+    start_otlp_sink,
     start_tollgate,
     start_upstream,
     thread_cpu_s,
@@ -195,6 +197,35 @@ def paired_ratios(
     ]
 
 
+def tracing_verdicts(
+    raw_runs: dict[tuple[str, str, int], list[dict[str, Any]]], closed: dict[str, Any],
+    modes: list[str], conns: list[int],
+) -> dict[str, Any]:  # fmt: skip
+    """Tracing on ('traced') against off ('tollgate'), paired per run: the whole server (edge and
+    fold worker) and the edge alone, where the spans are made and exported."""
+    out: dict[str, Any] = {}
+    for mode in modes:
+        for c in conns:
+            on, off = closed["traced"][mode][str(c)], closed["tollgate"][mode][str(c)]
+            paired = paired_ratios(raw_runs, "traced", "tollgate", mode, c)
+            edge = paired_ratios(raw_runs, "traced", "tollgate", mode, c, "edge_cpu_ms_per_req")
+            added = [a["cpu_ms_per_req"] - b["cpu_ms_per_req"] for a, b in zip(
+                raw_runs[("traced", mode, c)], raw_runs[("tollgate", mode, c)], strict=True
+            ) if a["cpu_ms_per_req"] and b["cpu_ms_per_req"]]  # fmt: skip
+            out[f"tracing_cpu_{mode}_c{c}"] = {
+                "traced_ms": on["cpu_ms_per_req"], "plain_ms": off["cpu_ms_per_req"],
+                "traced_edge_ms": on["edge_cpu_ms_per_req"],
+                "plain_edge_ms": off["edge_cpu_ms_per_req"],
+                "traced_over_plain_per_run": [round(r, 3) for r in paired],
+                "traced_over_plain": med(paired) if paired else None,
+                "edge_traced_over_plain": med(edge) if edge else None,
+                "added_ms_per_run": [round(a, 3) for a in added],
+                "added_ms": med(added) if added else None,
+                "target": "(comparison)", "met": None,
+            }  # fmt: skip
+    return out
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = (
         "rps",
@@ -293,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, required=True)
     up.add_argument("--model", default=MODEL)
     up.add_argument("--gap-ms", type=float, default=1.0)
+    sink = sub.add_parser("otlp-sink", help="run the OTLP/HTTP sink of the tracing target")
+    sink.add_argument("--port", type=int, required=True)
     ol = sub.add_parser("openloop", help="one open-loop run; prints a JSON line")
     ol.add_argument("--url", required=True)
     ol.add_argument("--body", required=True)
@@ -340,8 +373,18 @@ def main(argv: list[str] | None = None) -> None:
         help="also serve the distributed mode (one `tollgate api` edge on a fresh PostgreSQL "
         "schema, the relay, one Kafka worker, the development broker) as target 'distributed'",
     )
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also serve target 'traced': a second `tollgate serve` with "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at a local OTLP sink that accepts every export and "
+        "discards it; its CPU per request is paired with 'tollgate' (tracing off)",
+    )
     args = ap.parse_args(argv)
 
+    if args.cmd == "otlp-sink":
+        serve_otlp_sink(args.port)
+        return
     if args.cmd == "upstream":
         serve_upstream(args.port, args.model, args.gap_ms)
         return
@@ -414,6 +457,14 @@ def main(argv: list[str] | None = None) -> None:
             procs.append(edge)  # the relay and worker stop with `stack`
             targets["distributed"] = (edge_url, edge_key, edge.pid)
             pipeline["distributed"] = pids
+        if args.tracing:
+            sink, sink_url = start_otlp_sink(work)
+            procs.append(sink)
+            traced_env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink_url + "/v1/traces"}
+            tr, tr_url, tr_key = start_tollgate(up_url, work / "data-traced", work,
+                                                name="traced", env_extra=traced_env)  # fmt: skip
+            procs.append(tr)
+            targets["traced"] = (tr_url, tr_key, tr.pid)
         if use_litellm:
             ll, ll_url, ll_key = start_litellm(venv, up_url, work)
             procs.append(ll)
@@ -593,6 +644,11 @@ def main(argv: list[str] | None = None) -> None:
                         "target": "(comparison)",
                         "met": None,
                     }
+        if "traced" in closed and "tollgate" in closed:
+            verdicts.update(tracing_verdicts(raw_runs, closed, modes, conns))
+            # Every span of the traced target's requests, flushed by its stop, over its requests.
+            tr.stop()
+            result["tracing_sink"] = sink_counts(sink_url, work / "data-traced")
         for mode, per_rate in open_res.items():
             for rate_s, o in per_rate.items():
                 a = o["added_p99_ms"]

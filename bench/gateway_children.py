@@ -1,6 +1,7 @@
-"""The two processes `python -m bench.gateway` starts as children of a run: the cheap upstream
-(`upstream`: vLLM's SSE shape from pre-rendered frames) and the open-loop generator
-(`openloop`: sends on a fixed schedule, latency from the scheduled time)."""
+"""The processes `python -m bench.gateway` starts as children of a run: the cheap upstream
+(`upstream`: vLLM's SSE shape from pre-rendered frames), the open-loop generator (`openloop`:
+sends on a fixed schedule, latency from the scheduled time) and the OTLP sink of the tracing
+target (`otlp-sink`: accepts every trace export, counts its spans, keeps nothing)."""
 
 from __future__ import annotations
 
@@ -176,6 +177,41 @@ def serve_upstream(port: int, model: str, gap_ms: float) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics_h)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# --- the OTLP sink ----------------------------------------------------------------------------
+
+
+def serve_otlp_sink(port: int) -> None:
+    """An OTLP/HTTP trace receiver that answers every export as a collector does (200, an empty
+    ExportTraceServiceResponse) and discards it, counting posts and spans (`GET /stats`), so
+    the traced target pays the whole export, the POST included. Its own process, not below
+    Tollgate's: its CPU is not counted as the gateway's."""
+    import orjson
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    counts = {"posts": 0, "spans": 0, "bytes": 0}
+
+    async def traces(request: web.Request) -> web.Response:
+        body = await request.read()
+        exported = ExportTraceServiceRequest.FromString(body)
+        counts["posts"] += 1
+        counts["bytes"] += len(body)
+        counts["spans"] += sum(
+            len(scope.spans) for rs in exported.resource_spans for scope in rs.scope_spans
+        )
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(counts), content_type="application/json")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/stats", stats)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 

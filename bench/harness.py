@@ -147,6 +147,36 @@ class Proc:
 # --- targets ----------------------------------------------------------------------------------
 
 
+def start_otlp_sink(log_dir: Path) -> tuple[Proc, str]:
+    """The tracing target's OTLP/HTTP sink (bench/gateway_children.py); its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.gateway", "otlp-sink", "--port", str(port)]
+    proc = Proc("otlp-sink", cmd, None, log_dir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/stats", 30, proc.p)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+def sink_counts(sink_url: str, data_dir: Path) -> dict[str, Any]:
+    """What the OTLP sink received, beside the requests the traced server admitted (its own
+    SQLite log): the spans per request show every request was traced and exported."""
+    import sqlite3
+
+    with urllib.request.urlopen(sink_url + "/stats", timeout=10) as resp:
+        counts = dict(json.loads(resp.read()))
+    with contextlib.closing(sqlite3.connect(data_dir / "tollgate.db")) as db:
+        admitted = db.execute(
+            "SELECT count(*) FROM events WHERE type = 'RequestAdmitted'"
+        ).fetchone()[0]
+    counts["requests_admitted"] = admitted
+    counts["spans_per_request"] = round(counts["spans"] / admitted, 2) if admitted else None
+    return counts
+
+
 def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
     port = free_port()
     if kind == "cheap":

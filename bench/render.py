@@ -361,6 +361,15 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
                 f"{_fmt(v['embedded_total_ms'], 3)} ms); paired ratio "
                 f"{v['distributed_over_embedded']}, per run {per_run} | (comparison) | n/a |"
             )
+        elif key.startswith("tracing_cpu"):
+            per_run = ", ".join(f"{r:.3f}" for r in v["traced_over_plain_per_run"])
+            rows.append(
+                f"| CPU/request, tracing on ÷ off, {key.removeprefix('tracing_cpu_')} | traced "
+                f"{_fmt(v['traced_ms'], 3)} ms (edge {_fmt(v['traced_edge_ms'], 3)} ms) | "
+                f"untraced {_fmt(v['plain_ms'], 3)} ms (edge {_fmt(v['plain_edge_ms'], 3)} ms); "
+                f"added {_fmt(v['added_ms'], 3)} ms, paired ratio {v['traced_over_plain']} "
+                f"(edge {v['edge_traced_over_plain']}), per run {per_run} | (comparison) | n/a |"
+            )
         elif key.startswith("cpu_ratio"):
             rows.append(
                 f"| CPU/request, {key.removeprefix('cpu_ratio_')} | {_fmt(v['tollgate_ms'], 3)} ms "
@@ -373,6 +382,15 @@ def render_gateway(d: dict[str, Any]) -> list[str]:
                 f" (Tollgate answered {_fmt(100 * v.get('tollgate_ok_fraction', 0), 1)} %) | "
                 f"{_fmt(v['added_ms'])} ms | | ≤ 5 ms | {_verdict(v['met'])} |"
             )
+    sink = d.get("tracing_sink")
+    if sink:
+        rows += [
+            "",
+            f"The traced server exported {sink['spans']:,} spans in {sink['posts']:,} OTLP/HTTP "
+            f"posts ({sink['bytes']:,} bytes) for the {sink['requests_admitted']:,} requests it "
+            f"admitted: {sink['spans_per_request']} spans per request, each export answered by "
+            "a local sink that keeps nothing (its CPU not counted as the server's).",
+        ]
     ref = d.get("issue_reference_ms", {})
     if ref:
         rows += [

@@ -47,6 +47,13 @@ BUDGETS_AB = (
     "--connections", "16", "--output", "bench/results/budgets_ab.json",
 )  # fmt: skip
 
+# Tracing on (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` at a local sink that discards) against off,
+# through the real HTTP server, paired per run.
+TRACING_AB = (
+    "--tracing", "--closed-targets", "tollgate,traced", "--no-litellm", "--no-open-loop",
+    "--connections", "16", "--output", "bench/results/tracing_http.json",
+)  # fmt: skip
+
 DISTRIBUTED_AB = (
     "--distributed", "--closed-targets", "tollgate,distributed", "--no-litellm", "--no-open-loop",
     "--connections", "16", "--output", "bench/results/distributed_ab.json",
@@ -119,6 +126,12 @@ BENCHES: tuple[Bench, ...] = (
     Bench(
         "tracing", "bench.tracing", quick_args=("--requests", "300", "--rounds", "2"),
         render=r.render_tracing,
+    ),
+    # The same through the real HTTP server (`tollgate serve` under wrk, the spans POSTed to a
+    # local OTLP sink), beside the same server untraced, in one run.
+    Bench(
+        "tracing_http", "bench.gateway", (*TRACING_AB, "--runs", "3", "--duration", "6"),
+        (*TRACING_AB, "--quick"), render=r.render_gateway,
     ),
 )  # fmt: skip
 NAMES = tuple(b.name for b in BENCHES)
