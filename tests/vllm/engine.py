@@ -128,7 +128,8 @@ class VllmServer:
 
     def start(self) -> None:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.extra_env}  # fmt: skip
+               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               **self.extra_env}  # fmt: skip
         t0 = time.monotonic()
         log = self.log_path.open("ab")
         # Niced: on a GPU machine the engine does not share the gateway's cores; here it would
