@@ -28,6 +28,7 @@ from api.metrics import Metrics
 from api.services.backoffice import Backoffice
 from api.services.batch_service import BatchService
 from api.services.edge import Edge
+from api.services.feedback_service import FeedbackService
 from api.services.idempotency_service import AsyncIdempotency
 from api.services.runs_service import RunService
 from api.services.scaling import Actuator, ScalingLoop
@@ -105,6 +106,7 @@ class Runtime:
         self.quota = QuotaView(limits_for=self.control.limits)
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
         self.backoffice = Backoffice(self.engine, self.store, self.control)
+        self.feedback = FeedbackService(self.store, CommandHandler(self.store))
         # The web pages' sessions (api/http/sessions.py): signed with a secret every edge shares.
         self.sessions = Sessions(
             load_secret(self.settings.data_path(), self.settings.session_secret)

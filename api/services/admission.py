@@ -50,6 +50,7 @@ from domain.requests.decide import (
     PreemptRequest,
     RouteRequest,
 )
+from domain.routing import task_class
 from domain.runs.events import RunBudgetExhausted
 from domain.runs.state import Run, run_stream
 from domain.views import AdmissionViews
@@ -267,6 +268,7 @@ class Admission:
                 service_tier=req.service_tier,  # type: ignore[arg-type]
                 reserved=decision.reserved,
                 batch_item=req.batch_item,
+                task_class=_task_class(req, bucket, decision.estimate.prompt_tokens, run),
             ),
             RouteRequest(
                 request_id=request_id, replica_id=choice.replica_id,
@@ -417,6 +419,15 @@ class Admission:
             price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
         )  # fmt: skip
         return amount, p.tool_calls
+
+
+def _task_class(req: ChatRequest, bucket: int, prompt_tokens: int, run: Run | None) -> str:
+    """The request's task class (domain.routing): what the router's statistics are kept by."""
+    fmt = req.upstream.get("response_format")
+    return task_class(
+        bucket, prompt_tokens, bool(req.upstream.get("tools")),
+        fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
+    )  # fmt: skip
 
 
 def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
