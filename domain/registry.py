@@ -30,6 +30,8 @@ from domain.control_plane.events import (
     PlanChanged,
     PriceSet,
     ReplicaRegistered,
+    RoutingAllowed,
+    RoutingRevoked,
     SloSet,
     TenantRegistered,
 )
@@ -123,6 +125,8 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         BatchFailed,
         RequestModelRouted,
         FeedbackRecorded,
+        RoutingAllowed,
+        RoutingRevoked,
     )
 }
 

@@ -5,16 +5,15 @@ tenant only, so nothing of it is even decoded)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from api.services.auth import Caller
 from api.services.errors import ApiError
-from domain.envelope import Recorded
 from domain.errors import DomainError
 from domain.feedback import SCORE_PPM_MAX, RecordFeedback, decide_feedback
 from domain.requests.evolve import fold
 from domain.requests.state import RequestState
+from domain.routing import QualityView
 from ledger.commands import CommandHandler, StreamLoader
 from ledger.store import EventStore
 
@@ -26,14 +25,13 @@ _CONFLICTS = frozenset({"still_in_flight", "not_served", "feedback_differs"})
 
 class FeedbackService:
     def __init__(
-        self, store: EventStore, commands: CommandHandler,
-        recorded: Callable[[list[Recorded]], None] = lambda records: None,
+        self, store: EventStore, commands: CommandHandler, quality: QualityView | None = None
     ) -> None:  # fmt: skip
-        """`recorded`: who learns of a new feedback at once (the router's quality view on this
-        edge; other edges fold it from the log)."""
+        """`quality`: the router's view on this edge, which learns of a new feedback at once
+        (other edges fold it from the log: ledger/quality.py)."""
         self.store = store
         self.commands = commands
-        self.recorded = recorded
+        self.quality = quality
 
     def record(self, caller: Caller, request_id: str, score: float, label: str) -> dict[str, Any]:
         # The score as integer parts per million: events carry no floats.
@@ -45,8 +43,9 @@ class FeedbackService:
             )  # fmt: skip
         except DomainError as exc:
             raise _error(exc, request_id) from None
-        if handled.records:
-            self.recorded(handled.records)
+        if self.quality is not None:
+            for record in handled.records:
+                self.quality.apply(record)
         return {
             "object": "feedback",
             "request_id": request_id,
