@@ -397,19 +397,22 @@ class Health(BaseModel):
 # --- feedback ----------------------------------------------------------------------------------
 
 
+FeedbackLabel = Annotated[
+    str, Field(min_length=1, max_length=MAX_LABEL_CHARS, description="a word or two of your own")
+]
+
+
 class FeedbackCreate(BaseModel):
     """A customer's score of one of its own served requests, once it has ended (one per request;
     the router learns from them: `tollgate routing allow`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    request_id: Annotated[str, Field(
-        pattern=r"^req_[0-9a-f]{32}$", description="the X-Request-Id of the response"
-    )]
+    request_id: Annotated[
+        str, Field(pattern=r"^req_[0-9a-f]{32}$", description="the X-Request-Id of the response")
+    ]
     score: Annotated[float, Field(ge=0, le=1, description="0: useless, 1: all that was needed")]
-    label: Annotated[str, Field(
-        min_length=1, max_length=MAX_LABEL_CHARS, description="a word or two of your own"
-    )] | None = None
+    label: FeedbackLabel | None = None
 
 
 class Feedback(BaseModel):
