@@ -28,6 +28,7 @@ from api.metrics import Metrics
 from api.services.backoffice import Backoffice
 from api.services.batch_service import BatchService
 from api.services.edge import Edge
+from api.services.feedback_service import FeedbackService
 from api.services.idempotency_service import AsyncIdempotency
 from api.services.runs_service import RunService
 from api.services.scaling import Actuator, ScalingLoop
@@ -49,6 +50,7 @@ from ledger.control import ControlLog
 from ledger.dead_letters import FOLDS as DEAD_LETTER_FOLDS
 from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, checkpoint_wal, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
+from ledger.quality import QualityLog
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore
 from ledger.writer import GroupCommitWriter
@@ -105,6 +107,12 @@ class Runtime:
         self.quota = QuotaView(limits_for=self.control.limits)
         self.idempotency = AsyncIdempotency(IdempotencyStore(self.engine))
         self.backoffice = Backoffice(self.engine, self.store, self.control)
+        # The router's statistics: the tenants' feedback, folded here at start and followed with
+        # the control plane; this edge's own feedback is folded as it is recorded.
+        self.quality_log = QualityLog(self.store)
+        self.feedback = FeedbackService(
+            self.store, CommandHandler(self.store), self.quality_log.view
+        )
         # The web pages' sessions (api/http/sessions.py): signed with a secret every edge shares.
         self.sessions = Sessions(
             load_secret(self.settings.data_path(), self.settings.session_secret)
@@ -193,7 +201,7 @@ class Runtime:
             rng=random.Random(), commands=CommandHandler(self.store),
             slow_reader_s=self.settings.slow_reader_s,
             stream_buffer_chunks=self.settings.stream_buffer_chunks,
-            predictor=self.predictor,
+            predictor=self.predictor, quality=self.quality_log.view,
         )
         # Budgets and runs count what was spent before this process started.
         end = self.store.last_position()
@@ -320,6 +328,7 @@ class Runtime:
         while not self._stop.wait(CONTROL_POLL_S):
             try:
                 self.control_log.follow()
+                self.quality_log.follow()
                 self.control_error = None
             except Exception as exc:
                 log.exception("control-plane follower failed")

@@ -53,6 +53,14 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
             f"workspace {timeline['workspace']}  project {timeline['project']}  run "
             f"{timeline['run']}  budget reserved {timeline['budget_reserved_micros']} micro-units"
         )
+    if timeline.get("routing"):
+        r = timeline["routing"]
+        click.echo(
+            f"routed: asked {r['asked_model']}, served {r['served_model']} ({r['reason']}; "
+            f"bound {r['estimate_ppm']} ppm, bar {r['bar_ppm']} ppm, class {r['task_class']})"
+        )
+    if timeline.get("feedback"):
+        click.echo(f"feedback: {timeline['feedback']}")
     rejection = timeline.get("rejection")
     if rejection:
         click.echo(f"refused: {rejection}")

@@ -30,6 +30,8 @@ from domain.control_plane.events import (
     PlanChanged,
     PriceSet,
     ReplicaRegistered,
+    RoutingAllowed,
+    RoutingRevoked,
     SloSet,
     TenantRegistered,
 )
@@ -47,6 +49,7 @@ from domain.governance.events import (
 )
 from domain.requests.events import (
     BudgetReserved,
+    FeedbackRecorded,
     FirstTokenStreamed,
     LeaseExpired,
     LeaseProgress,
@@ -60,6 +63,7 @@ from domain.requests.events import (
     RequestDowngraded,
     RequestEstimated,
     RequestFailed,
+    RequestModelRouted,
     RequestPreempted,
     RequestRejected,
     RequestRouted,
@@ -119,6 +123,10 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         BatchFinalizing,
         BatchEnded,
         BatchFailed,
+        RequestModelRouted,
+        FeedbackRecorded,
+        RoutingAllowed,
+        RoutingRevoked,
     )
 }
 
@@ -246,6 +254,8 @@ def _decoders(cls: type) -> dict[str, Callable[[Any], Any] | None]:
                 plan[f.name] = parse_instant
             elif hint == tuple[LeaseProgress, ...]:
                 plan[f.name] = _progress
+            elif hint == tuple[str, ...]:  # JSON has lists only
+                plan[f.name] = tuple
             else:
                 plan[f.name] = None
         _DECODERS[cls] = plan

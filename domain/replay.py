@@ -14,6 +14,7 @@ from domain.leases import LEASE_TTL_S
 from domain.reconcile import account
 from domain.registry import to_payload
 from domain.requests.events import (
+    FeedbackRecorded,
     FirstTokenStreamed,
     LeaseExpired,
     LeasesRenewed,
@@ -24,6 +25,7 @@ from domain.requests.events import (
     RequestCancelled,
     RequestCompleted,
     RequestEstimated,
+    RequestModelRouted,
     RequestPreempted,
     RequestRejected,
     RequestRouted,
@@ -149,6 +151,21 @@ def replay(
             note = (
                 f"edge {event.requested_by} asked for this flex request's preemption, for "
                 f"{event.preempted_for} on {event.replica_id}; the edge serving it preempts it"
+            )
+        elif isinstance(event, RequestModelRouted):
+            note = (
+                f"the router served {event.served_model} for {event.asked_model} ({event.reason}:"
+                f" lower bound {event.estimate_ppm / 1e6:.3f} against the bar "
+                f"{event.bar_ppm / 1e6:.3f} for class {event.task_class}; reference "
+                f"{event.reference_model})"
+            )
+        elif isinstance(event, FeedbackRecorded):
+            note = (
+                f"the customer scored it {event.score_ppm / 1e6:.3f}"
+                + (f" ({event.label})" if event.label else "")
+                if event.source == "client"
+                else "implicit signal: the client left the stream it was reading (a 0, "
+                "weighed half)"
             )
         elif isinstance(event, UsageBilled):
             t.bill = to_payload(event)

@@ -25,6 +25,8 @@ from api.http.openapi import install as install_openapi
 from api.http.schemas import (
     AUTHENTICATED,
     BearerDep,
+    Feedback,
+    FeedbackCreate,
     Fleet,
     GoodputRows,
     Health,
@@ -411,6 +413,17 @@ def create_app(runtime: Runtime) -> FastAPI:
         return json_response(
             200, timeline_json(timeline), {"X-Request-Id": request.state.request_id}
         )
+
+    @app.post(
+        "/v1/feedback", operation_id="create_feedback",
+        summary="Score one of your own served requests (0-1), once it has ended",
+        response_model=Feedback, responses=answers(*AUTHENTICATED, 404, 409),
+    )  # fmt: skip
+    async def feedback(request: Request, body: FeedbackCreate, caller: CustomerDep) -> Response:
+        answer = await asyncio.to_thread(
+            runtime.feedback.record, caller, body.request_id, body.score, body.label or ""
+        )
+        return json_response(200, answer, {"X-Request-Id": request.state.request_id})
 
     @app.post(
         "/v1/runs",

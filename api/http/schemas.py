@@ -18,6 +18,7 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from domain.feedback import MAX_LABEL_CHARS
 from domain.runs.state import RUN_ID
 
 INTEGER = re.compile(r"-?[0-9]{1,18}")
@@ -332,6 +333,8 @@ class RequestTimeline(BaseModel):
     tier: str | None = None
     trace_id: str | None = None
     downgraded_from: str | None = None
+    routing: Object | None = Field(None, description="RequestModelRouted: the router's choice")
+    feedback: Object | None = Field(None, description="the customer's score and label")
     plan_at_admission: str | None = None
     limits_at_admission: Object | None = None
     replica_id: str | None = None
@@ -389,6 +392,37 @@ class Readiness(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+# --- feedback ----------------------------------------------------------------------------------
+
+
+FeedbackLabel = Annotated[
+    str, Field(min_length=1, max_length=MAX_LABEL_CHARS, description="a word or two of your own")
+]
+
+
+class FeedbackCreate(BaseModel):
+    """A customer's score of one of its own served requests, once it has ended (one per request;
+    the router learns from them: `tollgate routing allow`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: Annotated[
+        str, Field(pattern=r"^req_[0-9a-f]{32}$", description="the X-Request-Id of the response")
+    ]
+    score: Annotated[float, Field(ge=0, le=1, description="0: useless, 1: all that was needed")]
+    label: FeedbackLabel | None = None
+
+
+class Feedback(BaseModel):
+    object: Literal["feedback"]
+    request_id: str
+    score: float
+    label: str | None
+    recorded: bool = Field(
+        description="false: the same feedback had been recorded before; it stands as it was"
+    )
 
 
 # --- runs --------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ from domain.admission_steps import (
 )
 from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control_plane.state import ControlView
-from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
+from domain.cost import Estimate, Price, amount_micros, base_model, tpot_estimate_us
 from domain.governance.decide import StartRun
 from domain.governance.decide import decide as hierarchy_decide
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
@@ -50,6 +50,8 @@ from domain.requests.decide import (
     PreemptRequest,
     RouteRequest,
 )
+from domain.requests.events import RequestModelRouted
+from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
 from domain.runs.events import RunBudgetExhausted
 from domain.runs.state import Run, run_stream
 from domain.views import AdmissionViews
@@ -104,6 +106,7 @@ class Admission:
         policy: AdmissionPolicy,
         predictor: OutputPredictor | None,
         tpot_target_us: int,
+        quality: QualityView | None = None,
     ) -> None:
         self.control = control
         self.views = views
@@ -119,6 +122,8 @@ class Admission:
         self.policy = policy
         self.predictor = predictor
         self.tpot_target_us = tpot_target_us
+        # The tenants' feedback folded (ledger/quality.py keeps it current): the router's evidence.
+        self.quality = quality or QualityView()
 
     # --- the models on sale --------------------------------------------------------------------
 
@@ -130,7 +135,9 @@ class Admission:
 
     def resolve_model(self, requested: str) -> str | None:
         """A pinned version is served as is (if on sale); a base name goes to its newest
-        version on sale."""
+        version on sale; `auto` is the router's, decided with the caller's consent in `admit`."""
+        if requested == AUTO:
+            return AUTO
         if requested in self.fleet.serves:  # a version: no need to list every model on sale
             return requested if self.control.has_price(requested, self.clock()) else None
         versions = [m for m in self.models() if base_model(m) == requested]
@@ -155,6 +162,12 @@ class Admission:
         run = None if run_id is None else resolve_run(
             tree, self.views.paths, caller.tenant_id, caller.key_id, run_id, self.clock()
         )  # fmt: skip
+        routed: tuple[Routed, RoutingPolicy] | None = None
+        if model == AUTO:
+            chosen = self._choose_model(caller, req, request_id, is_retry, bucket, run)
+            if isinstance(chosen, Refused):
+                return chosen
+            routed, model = chosen, chosen[0].served_model
         decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
         if trace is not None:
             trace.quota_decided(decision)
@@ -171,14 +184,21 @@ class Admission:
             model, caller.tier, decision.estimate, req.service_tier, request_id, trace
         )
         if isinstance(choice, Choice):
+            if routed is not None:
+                _say_routed(headers, routed[0])
             return self._admitted(
                 caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                shape, choice, model,
+                shape, choice, model, routed=routed and routed[0],
             )  # fmt: skip
         if not may_fall_back(req.service_tier):
             return self._flex_refused(caller, model, request_id, is_retry, headers, choice)
         reason = capacity_detail(choice)
         self.views.void(request_id)
+        if routed is not None:
+            return self._shed(
+                caller, req, request_id, idempotency_key, is_retry, headers, bucket, run, trace,
+                routed, reason,
+            )  # fmt: skip
         fallback = self._fall_back(
             caller, req, model, request_id, is_retry, headers, bucket, run, trace
         )
@@ -210,11 +230,19 @@ class Admission:
     def _fall_back(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
         headers: dict[str, str], bucket: int, run: Run | None, trace: RequestTrace | None,
+        alternatives: list[str] | None = None,
     ) -> tuple[str, admission.Admitted, RequestShape | None, Choice[Replica]] | None:
         """The first consented model whose own quota admits the request and that a replica
-        takes: (that model, its quota decision, the predictor's question, the replica)."""
-        consented = (self.resolve_model(m) for m in self.control.fallbacks(caller.tenant_id, model))
-        for alternative in fallback_models(model, consented):
+        takes: (that model, its quota decision, the predictor's question, the replica).
+        `alternatives`: those models instead of the consented fallbacks (the router's shedding:
+        not a downgrade)."""
+        downgrade = alternatives is None
+        if alternatives is None:
+            consented = (
+                self.resolve_model(m) for m in self.control.fallbacks(caller.tenant_id, model)
+            )
+            alternatives = fallback_models(model, consented)
+        for alternative in alternatives:
             self.views.withdraw(request_id)
             other, shape = self._reserve(
                 caller, req, alternative, request_id, is_retry, bucket, run
@@ -226,8 +254,9 @@ class Admission:
             )
             if isinstance(choice, Choice):
                 headers.update(refusal_errors.rate_limit_headers(other.rate_limits))
-                headers["X-Tollgate-Downgraded-From"] = model
-                self.metrics.downgraded.labels(model, alternative).inc()
+                if downgrade:
+                    headers["X-Tollgate-Downgraded-From"] = model
+                    self.metrics.downgraded.labels(model, alternative).inc()
                 return alternative, other, shape, choice
             self.views.void(request_id)
         return None
@@ -236,7 +265,7 @@ class Admission:
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
         is_retry: bool, bucket: int, run: Run | None, decision: admission.Admitted,
         shape: RequestShape | None, choice: Choice[Replica], served: str, *,
-        downgraded_from: str | None = None, reason: str = "",
+        downgraded_from: str | None = None, reason: str = "", routed: Routed | None = None,
     ) -> Admitted:  # fmt: skip
         """The admitted request's flight; the flex work its replica gives up is preempted, and
         the run it starts is recorded."""
@@ -255,6 +284,14 @@ class Admission:
             self.metrics.preemptions_of(served, caller.tier).inc()
         if decision.starts_run and run is not None and run.implicit:
             self._start_run(run)
+        cls = _task_class(req, bucket, decision.estimate.prompt_tokens, run)
+        model_routed = None
+        if routed is not None:
+            cls = routed.task_class  # as the router saw it, so feedback lands where it looked
+            model_routed = RequestModelRouted(
+                request_id, AUTO, routed.reference_model, served, cls, routed.estimate_ppm,
+                routed.bar_ppm, routed.reason, routed.alternatives,
+            )  # fmt: skip
         return Admitted(flight, (
             AdmitRequest(
                 request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
@@ -267,12 +304,75 @@ class Admission:
                 service_tier=req.service_tier,  # type: ignore[arg-type]
                 reserved=decision.reserved,
                 batch_item=req.batch_item,
+                task_class=cls,
+                routed=model_routed,
             ),
             RouteRequest(
                 request_id=request_id, replica_id=choice.replica_id,
                 occupancy_ppm=choice.occupancy_ppm,
             ),
         ))  # fmt: skip
+
+    # --- the router ----------------------------------------------------------------------------
+
+    def _choose_model(
+        self, caller: Caller, req: ChatRequest, request_id: str, is_retry: bool, bucket: int,
+        run: Run | None,
+    ) -> tuple[Routed, RoutingPolicy] | Refused:  # fmt: skip
+        """`auto`: the model the tenant's routing consent serves it with (domain.routing.choose),
+        or, without consent (or none of its models on sale), the answer an unknown model gets:
+        nothing is routed for a tenant that did not ask for it."""
+        project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
+        policy = self.control.routing(caller.tenant_id, project)
+        now = self.clock()
+        on_sale = [] if policy is None else [
+            m for m in dict.fromkeys(self.resolve_model(name) for name in policy.models) if m
+        ]  # fmt: skip
+        if policy is None or not on_sale:
+            detail = "no routing consent" if policy is None else "no routed model on sale"
+            self.reject(request_id, caller, AUTO, "invalid", 0, detail, is_retry)
+            return Refused(ApiError(
+                404, f"The model `{AUTO}` does not exist or you do not have access to it.",
+                param="model", code="model_not_found",
+            ))  # fmt: skip
+        on_sale.sort(key=lambda m: (_unit_price(self.control.price(m, now)), m))
+        reference = on_sale[-1]
+        tokens = self.tokens(reference).prompt_tokens(req.messages, req.upstream.get("tools"))
+        cls = _task_class(req, bucket, tokens, run)
+        return choose(policy, on_sale, self.quality, cls, self.rng.random()), policy
+
+    def _shed(
+        self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
+        is_retry: bool, headers: dict[str, str], bucket: int, run: Run | None,
+        trace: RequestTrace | None, routed: tuple[Routed, RoutingPolicy], reason: str,
+    ) -> Admitted | Refused:  # fmt: skip
+        """The routed model had no room: the reference model serves it, through its own quota
+        and capacity like any request, when the policy says so (`on_capacity` "asked"); else,
+        or when it has no room either, the capacity refusal any request gets."""
+        choice, policy = routed
+        served = choice.served_model
+        if policy.on_capacity == "asked" and served != choice.reference_model:
+            shed = self._fall_back(
+                caller, req, served, request_id, is_retry, headers, bucket, run, trace,
+                alternatives=[choice.reference_model],
+            )  # fmt: skip
+            if shed is not None:
+                model, decision, shape, replica = shed
+                shed_choice = replace(
+                    choice, served_model=model, reason="shed_capacity",
+                    estimate_ppm=self.quality.estimate(
+                        caller.tenant_id, model, choice.task_class
+                    )[0],
+                )  # fmt: skip
+                _say_routed(headers, shed_choice)
+                return self._admitted(
+                    caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
+                    shape, replica, model, routed=shed_choice,
+                )  # fmt: skip
+        retry_after = self.policy.backoff.retry_after_s(self.rng.random())
+        self.reject(request_id, caller, served, "capacity", retry_after, reason, is_retry)
+        refused = refusal_errors.no_capacity(served, caller.tier, reason, retry_after, headers)
+        return Refused(refused)
 
     # --- quota ---------------------------------------------------------------------------------
 
@@ -417,6 +517,26 @@ class Admission:
             price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
         )  # fmt: skip
         return amount, p.tool_calls
+
+
+def _say_routed(headers: dict[str, str], routed: Routed) -> None:
+    """A routed answer says where it went and why (its `model` field names the model too)."""
+    headers["X-Tollgate-Routed-To"] = routed.served_model
+    headers["X-Tollgate-Routing-Reason"] = routed.reason
+
+
+def _unit_price(price: Price) -> int:
+    """What the router orders models by: a million prompt and a million completion tokens."""
+    return price.prompt_micros_per_mtok + price.completion_micros_per_mtok
+
+
+def _task_class(req: ChatRequest, bucket: int, prompt_tokens: int, run: Run | None) -> str:
+    """The request's task class (domain.routing): what the router's statistics are kept by."""
+    fmt = req.upstream.get("response_format")
+    return task_class(
+        bucket, prompt_tokens, bool(req.upstream.get("tools")),
+        fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
+    )  # fmt: skip
 
 
 def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:

@@ -307,6 +307,11 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
             None,
         ),
         "downgraded_from": state.downgraded_from,
+        # The router's choice of its model (tollgate routing allow), and the customer's score.
+        "routing": next((s.payload for s in t.steps if s.type == "RequestModelRouted"), None),
+        "feedback": None if state.feedback_score_ppm is None else {
+            "score": state.feedback_score_ppm / 1_000_000, "label": state.feedback_label or None,
+        },
         # Its place in the tenant's hierarchy and its agent run (None: the organization's key,
         # no run); a refusal by a level names it, and its state then, in `rejection`.
         "workspace": state.workspace_id,

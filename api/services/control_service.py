@@ -17,6 +17,7 @@ import orjson
 
 from domain.control_plane.decide import (
     AllowFallback,
+    AllowRouting,
     ChangePlan,
     ControlCommand,
     IssueApiKey,
@@ -24,6 +25,7 @@ from domain.control_plane.decide import (
     RegisterTenant,
     RevokeApiKey,
     RevokeFallback,
+    RevokeRouting,
     SetFlexDiscount,
     SetLimits,
     SetPrice,
@@ -273,6 +275,12 @@ class ControlService:
     def revoke_fallback(self, tenant: str, from_model: str, to_model: str) -> bool:
         command = RevokeFallback(tenant, from_model, to_model)
         return bool(self.execute(tenant_stream(tenant), command))
+
+    def allow_routing(self, command: AllowRouting) -> bool:
+        return bool(self.execute(tenant_stream(command.tenant_id), command))
+
+    def revoke_routing(self, tenant: str, project: str = "") -> bool:
+        return bool(self.execute(tenant_stream(tenant), RevokeRouting(tenant, project)))
 
 
 def profile_shape(

@@ -53,6 +53,7 @@ from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
 from domain.requests.decide import Command
 from domain.requests.events import PreemptionRequested
+from domain.routing import QualityView
 from domain.views import AdmissionViews
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
 from engine_adapter.usage import Collector
@@ -96,6 +97,7 @@ class Edge:
         stream_buffer_chunks: int = MAX_BUFFERED_CHUNKS,
         paths: PathView | None = None,
         refusals: RefusalSampler | None = None,
+        quality: QualityView | None = None,
     ) -> None:
         """The ports arrive from the composition root (api/runtime.py; fakes in the unit
         tests); the services of the path are put together here, each given what it uses."""
@@ -130,7 +132,7 @@ class Edge:
             control=control, views=self.views, fleet=fleet, metrics=metrics, tokens=tokens,
             recorder=self.recorder, reject=self.outcomes.reject, preempt=self.preempt,
             edge_id=edge_id, rng=rng, clock=clock, policy=policy, predictor=predictor,
-            tpot_target_us=tpot_target_us,
+            tpot_target_us=tpot_target_us, quality=quality or QualityView(),
         )
         self.flights = Flights(
             admission=self.admission, recorder=self.recorder, outcomes=self.outcomes,

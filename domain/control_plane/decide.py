@@ -18,6 +18,8 @@ from domain.control_plane.events import (
     PlanChanged,
     PriceSet,
     ReplicaRegistered,
+    RoutingAllowed,
+    RoutingRevoked,
     SloSet,
     TenantRegistered,
 )
@@ -36,6 +38,7 @@ from domain.envelope import Event
 from domain.errors import DomainError, check_quantity
 from domain.governance.decide import HIERARCHY_COMMANDS, AssignKey, HierarchyCommand
 from domain.governance.decide import decide as hierarchy_decide
+from domain.routing import AUTO, DEFAULT_EXPLORATION_PPM, EXPLORATION_PPM_MAX, ON_CAPACITY
 from domain.text import check_text
 from domain.types import TIERS
 
@@ -149,6 +152,29 @@ class RevokeFallback:
     to_model: str
 
 
+@dataclass(frozen=True, slots=True)
+class AllowRouting:
+    """Consent to the router for a tenant (or one of its projects): see RoutingAllowed."""
+
+    tenant_id: str
+    models: tuple[str, ...]
+    quality_bar_ppm: int
+    exploration_ppm: int = DEFAULT_EXPLORATION_PPM
+    on_capacity: str = "asked"
+    project_id: str = ""
+    reset_drift: bool = False  # record it even unchanged: forget the latched classes
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeRouting:
+    tenant_id: str
+    project_id: str = ""
+
+
+# A policy names a handful of models (it is a price ladder, not a catalogue).
+MAX_ROUTING_MODELS = 8
+
+
 ControlCommand = (
     RegisterTenant
     | ChangePlan
@@ -162,6 +188,8 @@ ControlCommand = (
     | SetSlo
     | AllowFallback
     | RevokeFallback
+    | AllowRouting
+    | RevokeRouting
     | HierarchyCommand
 )
 
@@ -345,6 +373,13 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             ):
                 return ()
             return (FallbackRevoked(command.tenant_id, command.from_model, command.to_model),)
+    if isinstance(command, AllowRouting):
+        return _decide_routing(view, command)
+    if isinstance(command, RevokeRouting):
+        view._tenant_or_error(command.tenant_id)
+        if (command.tenant_id, command.project_id) not in view._routing:
+            return ()
+        return (RoutingRevoked(command.tenant_id, command.project_id),)
     if isinstance(command, HIERARCHY_COMMANDS):
         view._tenant_or_error(command.tenant_id)
         key_id = getattr(command, "key_id", None) or (
@@ -355,6 +390,48 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             view.hierarchy, command, key_tenant=key.tenant_id if key is not None else None
         )
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _decide_routing(view: ControlView, command: AllowRouting) -> tuple[Event, ...]:
+    view._tenant_or_error(command.tenant_id)
+    if command.project_id and view.hierarchy.project(command.tenant_id, command.project_id) is None:
+        raise DomainError("unknown_project", f"no project {command.project_id!r}",
+                          field="project")  # fmt: skip
+    models = command.models
+    if not 2 <= len(models) <= MAX_ROUTING_MODELS:
+        raise DomainError(
+            "bad_models", f"a routing policy names 2 to {MAX_ROUTING_MODELS} models",
+            field="models",
+        )  # fmt: skip
+    for model in models:
+        _check_model(model, "models")
+        if model == AUTO:
+            raise DomainError("bad_models", f"{AUTO!r} is what asks the router", field="models")
+    if len({base_model(m) for m in models}) != len(models):
+        raise DomainError("bad_models", "each model once", field="models")
+    if not 0 < command.quality_bar_ppm <= 1_000_000:
+        raise DomainError("bad_quality_bar", "the quality bar is within (0, 1]",
+                          field="quality_bar")  # fmt: skip
+    if not 0 <= command.exploration_ppm <= EXPLORATION_PPM_MAX:
+        raise DomainError(
+            "bad_exploration",
+            f"exploration is within [0, {EXPLORATION_PPM_MAX / 1e6:g}] of a class's requests",
+            field="exploration",
+        )  # fmt: skip
+    if command.on_capacity not in ON_CAPACITY:
+        raise DomainError("bad_on_capacity", f"on_capacity is one of {ON_CAPACITY}",
+                          field="on_capacity")  # fmt: skip
+    event = RoutingAllowed(
+        command.tenant_id, command.project_id, tuple(models), command.quality_bar_ppm,
+        command.exploration_ppm, command.on_capacity,
+    )  # fmt: skip
+    current = view._routing.get((command.tenant_id, command.project_id))
+    same = current is not None and (
+        current.models, current.quality_bar_ppm, current.exploration_ppm, current.on_capacity
+    ) == (event.models, event.quality_bar_ppm, event.exploration_ppm, event.on_capacity)
+    if same and not command.reset_drift:
+        return ()
+    return (event,)
 
 
 def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegistered:

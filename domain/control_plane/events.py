@@ -146,3 +146,27 @@ class FallbackRevoked(Event):
     tenant_id: str
     from_model: str
     to_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingAllowed(Event):
+    """A tenant's (or one of its projects') consent to the router (domain.routing): its requests
+    for `auto` may be served by any of `models`, the cheapest whose quality for the request's
+    task class meets `quality_bar_ppm` by a lower confidence bound on the tenant's own feedback.
+    Recorded again (even unchanged, with `tollgate routing allow --reset-drift`) it forgets the
+    classes the drift monitor had latched: the router's "retrain". Without it nothing is routed."""
+
+    EVENT_TYPE: ClassVar[str] = "RoutingAllowed"
+    tenant_id: str
+    project_id: str  # "" for the whole organization
+    models: tuple[str, ...]
+    quality_bar_ppm: int
+    exploration_ppm: int
+    on_capacity: str  # asked: shed to the reference model | refuse: 503
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRevoked(Event):
+    EVENT_TYPE: ClassVar[str] = "RoutingRevoked"
+    tenant_id: str
+    project_id: str

@@ -24,6 +24,8 @@ from domain.control_plane.events import (
     PlanChanged,
     PriceSet,
     ReplicaRegistered,
+    RoutingAllowed,
+    RoutingRevoked,
     SloSet,
     TenantRegistered,
 )
@@ -32,6 +34,7 @@ from domain.envelope import Event, Recorded
 from domain.errors import DomainError
 from domain.goodput import DEFAULT_SLOS, Slo
 from domain.governance.state import HIERARCHY_EVENTS, Hierarchy
+from domain.routing import RoutingPolicy
 from domain.types import TIERS
 
 
@@ -139,7 +142,7 @@ class _Dated:
 CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
     TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
     FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
-    FallbackRevoked, *HIERARCHY_EVENTS,
+    FallbackRevoked, RoutingAllowed, RoutingRevoked, *HIERARCHY_EVENTS,
 })  # fmt: skip
 
 
@@ -159,6 +162,8 @@ class ControlView:
         self._slos: dict[str, list[tuple[datetime, int, Slo]]] = {}
         # (tenant, requested model) -> models consented to, in the order consent was given
         self._fallbacks: dict[tuple[str, str], list[str]] = {}
+        # (tenant, project or "") -> its consent to the router
+        self._routing: dict[tuple[str, str], RoutingPolicy] = {}
         self._current: dict[tuple[str, str], Limits] = {}
         # Workspaces, projects, the keys' places, level limits, budgets and runs.
         self.hierarchy = Hierarchy()
@@ -254,6 +259,13 @@ class ControlView:
                 allowed = self._fallbacks.get((event.tenant_id, event.from_model), [])
                 if event.to_model in allowed:
                     allowed.remove(event.to_model)
+            case RoutingAllowed():
+                self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
+                    event.tenant_id, event.project_id, event.models, event.quality_bar_ppm,
+                    event.exploration_ppm, event.on_capacity, at,
+                )  # fmt: skip
+            case RoutingRevoked():
+                self._routing.pop((event.tenant_id, event.project_id), None)
             case _ if isinstance(event, HIERARCHY_EVENTS):
                 self.hierarchy.apply(event, at)
             case _:
@@ -401,6 +413,18 @@ class ControlView:
         exact = self._fallbacks.get((tenant_id, model), [])
         wider = self._fallbacks.get((tenant_id, base), []) if base != model else []
         return tuple(dict.fromkeys([*exact, *wider]))
+
+    def routing(self, tenant_id: str, project_id: str | None = None) -> RoutingPolicy | None:
+        """The router consent in force for a request of `project_id` (None: the organization's
+        key): the project's own, else the organization's, else None (nothing is routed)."""
+        if project_id:
+            own = self._routing.get((tenant_id, project_id))
+            if own is not None:
+                return own
+        return self._routing.get((tenant_id, ""))
+
+    def routing_policies(self, tenant_id: str) -> list[RoutingPolicy]:
+        return [p for (t, _), p in self._routing.items() if t == tenant_id]
 
     def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
         return [r for r in self._replicas.values() if model is None or r.model == model]

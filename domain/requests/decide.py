@@ -10,6 +10,7 @@ from datetime import datetime
 from domain.cost import Estimate, Price, amount_micros, base_model
 from domain.envelope import Event
 from domain.errors import DomainError
+from domain.feedback import implicit_signal
 from domain.requests.events import (
     BudgetReserved,
     FirstTokenStreamed,
@@ -23,6 +24,7 @@ from domain.requests.events import (
     RequestDowngraded,
     RequestEstimated,
     RequestFailed,
+    RequestModelRouted,
     RequestPreempted,
     RequestRejected,
     RequestRouted,
@@ -69,6 +71,10 @@ class AdmitRequest:
     service_tier: ServiceTier = "default"
     batch_item: str = ""
     trace_id: str = ""  # the edge's trace of it (api/services/tracing.py), for support's replay
+    # Its task class (domain.routing.task_class), and the router's choice of its model when the
+    # tenant consented to routing (recorded with the admission, like `reserved`).
+    task_class: str = ""
+    routed: RequestModelRouted | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,18 +285,17 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
             if command.reason not in CANCEL_REASONS:
                 raise DomainError("bad_reason", f"cancel reason {command.reason!r}", field="reason")
             _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
-            return _with_refund(
-                state,
-                RequestCancelled(
-                    state.request_id,
-                    command.prompt_tokens,
-                    command.completion_tokens,
-                    command.cached_tokens,
-                    command.reason,
-                    command.engine_reported,
-                ),
-                command.tool_calls,
+            cancelled = RequestCancelled(
+                state.request_id,
+                command.prompt_tokens,
+                command.completion_tokens,
+                command.cached_tokens,
+                command.reason,
+                command.engine_reported,
             )
+            ended = _with_refund(state, cancelled, command.tool_calls)
+            signal = implicit_signal(state, cancelled)
+            return ended if signal is None else (*ended, signal)
         case FailRequest():
             _require_live(state)
             _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
@@ -435,6 +440,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         est.predictor_version,
         command.message_count,
         command.system_prompt_bucket,
+        command.task_class,
     )
     reserved = command.reserved
     if reserved is not None and (
@@ -443,7 +449,13 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         or reserved.reserved_tokens != est.reserved_tokens
     ):
         raise DomainError("reservation_mismatch", "the budget reservation is another request's")
-    tail = () if reserved is None else (reserved,)
+    tail: tuple[Event, ...] = () if reserved is None else (reserved,)
+    routed = command.routed
+    if routed is not None:
+        if routed.request_id != command.request_id or routed.served_model != command.model:
+            raise DomainError("routing_mismatch", "the routing decision is another request's",
+                              field="model")  # fmt: skip
+        tail = (routed, *tail)
     if command.downgraded_from is None:
         return (admitted, estimated, *tail)
     if command.downgraded_from == command.model:

@@ -54,6 +54,9 @@ class RequestEstimated(Event):
     predictor_version: str = ""  # the output predictor's model version; "" when none was used
     message_count: int = 0
     system_prompt_bucket: int = -1  # a per-tenant keyed hash of the system prompt, mod 64; -1 none
+    # The request's task class (`domain.routing.task_class`): admission-time features only, what
+    # the router's quality statistics are kept by. Optional (no new version): "" before it existed.
+    task_class: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,3 +312,46 @@ class ToolCallsReturned(Event):
     request_id: str
     run_id: str
     tool_calls: int
+
+
+# --- the router's facts (domain.routing): the model chosen, and what the customer thought -----
+
+
+@dataclass(frozen=True, slots=True)
+class RequestModelRouted(Event):
+    """Recorded with the admission of a request the router served (the tenant's consent,
+    `tollgate routing allow`): the model asked for, the one it would have been served without the
+    router (`reference_model`: the policy's most expensive), the one that served it, and why.
+    (`RequestRouted` is the replica's choice; this is the model's.)"""
+
+    EVENT_TYPE: ClassVar[str] = "RequestModelRouted"
+    request_id: str
+    asked_model: str  # "auto", or the model the request named
+    reference_model: str
+    served_model: str
+    task_class: str
+    # The served model's quality for the class as a lower confidence bound, ppm (0: no evidence).
+    estimate_ppm: int
+    bar_ppm: int
+    # meets_bar | explore | below_bar | latched (drift) | shed_capacity
+    reason: str
+    # Every allowed model, cheapest first, as "<model>=<lower bound ppm>/<evidence>".
+    alternatives: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackRecorded(Event):
+    """A quality signal on a served request, on its stream: the customer's own
+    (`POST /v1/feedback`, source "client") or one seen without content (source "cancelled": the
+    client left a stream it had started reading). It carries what the router's statistics are
+    kept by (tenant, serving model, task class), so they fold from these events alone."""
+
+    EVENT_TYPE: ClassVar[str] = "FeedbackRecorded"
+    request_id: str
+    tenant_id: str
+    model: str  # the model version that served the request
+    task_class: str
+    score_ppm: int  # 0..1,000,000
+    source: str  # client | cancelled
+    label: str = ""  # the customer's own word for it, at most domain.routing.MAX_LABEL_CHARS
+    routed_from: str = ""  # the reference model when the router chose `model` (drift reads these)

@@ -12,6 +12,7 @@ from domain.requests.decide import _later_progress
 from domain.requests.events import (
     TERMINAL_STATUS_OF,
     BudgetReserved,
+    FeedbackRecorded,
     FirstTokenStreamed,
     LeaseProgress,
     LeasesRenewed,
@@ -20,6 +21,7 @@ from domain.requests.events import (
     RequestAdmitted,
     RequestDowngraded,
     RequestEstimated,
+    RequestModelRouted,
     RequestRejected,
     RequestRouted,
     TerminalEvent,
@@ -80,6 +82,7 @@ def _estimated(state: RequestState, event: Any, version: int, at: datetime) -> R
         prompt_tokens_est=event.prompt_tokens,
         output_cap_tokens=event.output_cap_tokens or event.reserved_output_tokens,
         predictor_version=event.predictor_version,
+        task_class=event.task_class,
     )
 
 
@@ -139,6 +142,22 @@ def _downgraded(state: RequestState, event: Any, version: int, at: datetime) -> 
     return _with(
         state, version=version, request_id=event.request_id, downgraded_from=event.requested_model
     )
+
+
+def _model_routed(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
+    assert isinstance(event, RequestModelRouted)
+    routed_from = event.reference_model if event.served_model != event.reference_model else ""
+    return _with(state, version=version, request_id=event.request_id, routed_from=routed_from)
+
+
+def _feedback(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
+    assert isinstance(event, FeedbackRecorded)
+    if event.source != "client":  # an implicit signal: the customer may still give its own
+        return _with(state, version=version, request_id=event.request_id)
+    return _with(
+        state, version=version, request_id=event.request_id,
+        feedback_score_ppm=event.score_ppm, feedback_label=event.label,
+    )  # fmt: skip
 
 
 def _budgeted(state: RequestState, event: Any, version: int, at: datetime) -> RequestState:
@@ -227,6 +246,8 @@ _EVOLVERS: Final[dict[type[Event], Callable[[RequestState, Any, int, datetime], 
     UsageBilled: _billed,
     BudgetReserved: _budgeted,
     ToolCallsReturned: _tools,
+    RequestModelRouted: _model_routed,
+    FeedbackRecorded: _feedback,
 }
 
 

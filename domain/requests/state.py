@@ -59,6 +59,12 @@ class RequestState:
     # and the interactive request that needs the room. The first ask stands.
     preemption_requested_by: str = ""
     preemption_requested_for: str = ""
+    # The router (domain.routing): the request's task class (RequestEstimated), the reference
+    # model when the router chose another (RequestModelRouted), and the customer's feedback.
+    task_class: str = ""
+    routed_from: str = ""
+    feedback_score_ppm: int | None = None
+    feedback_label: str = ""
     version: int = 0
 
     @property

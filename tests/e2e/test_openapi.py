@@ -40,6 +40,7 @@ OPERATIONS = {
     ("/v1/batches", "get"),
     ("/v1/batches/{batch_id}", "get"),
     ("/v1/batches/{batch_id}/cancel", "post"),
+    ("/v1/feedback", "post"),
 }
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
 QUERY_PARAMETERS: dict[Any, set[str]] = {

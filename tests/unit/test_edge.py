@@ -21,6 +21,7 @@ from domain.control_plane.state import ControlView
 from domain.quota import QuotaView
 from domain.requests.decide import ExpireLease, decide
 from domain.requests.events import (
+    FeedbackRecorded,
     FirstTokenStreamed,
     LeaseExpired,
     LeasesRenewed,
@@ -224,8 +225,9 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_with_what_the_engine_sent(
         await out.frames.aclose()  # the client is gone after the first frame
         for _ in range(20):
             await asyncio.sleep(0)
-        assert h.types()[-2:] == [RequestCancelled, QuotaRefunded]
-        cancel = h.sink.store.read_stream(f"req_{1:032x}")[-2].event
+        # ... and the implicit signal of a client that gave up on an answer (domain.feedback).
+        assert h.types()[-3:] == [RequestCancelled, QuotaRefunded, FeedbackRecorded]
+        cancel = h.sink.store.read_stream(f"req_{1:032x}")[-3].event
         assert isinstance(cancel, RequestCancelled) and cancel.engine_reported
         assert cancel.completion_tokens >= 1
 

@@ -1,0 +1,144 @@
+"""`tollgate routing`: a tenant's consent to the router (`auto` served by the cheapest allowed
+model that meets its quality bar on the tenant's own feedback), and what it saved."""
+
+from __future__ import annotations
+
+import click
+
+from api.services import control_service as control
+from cli.common import database_option, one_line_errors
+from domain.control_plane.decide import AllowRouting
+from domain.routing import DEFAULT_EXPLORATION_PPM, ON_CAPACITY
+
+
+@click.group()
+def routing() -> None:
+    """The router: consent per tenant or project, and the saving it made."""
+
+
+@routing.command("allow")
+@click.option("--tenant", required=True)
+@click.option("--project", default="", help="one project only (default: the whole organization)")
+@click.option("--models", required=True, help="comma-separated: the models that may serve `auto`")
+@click.option(
+    "--quality-bar",
+    type=click.FloatRange(0, 1, min_open=True),
+    required=True,
+    help="the quality a routed model must meet (a lower confidence bound), 0-1",
+)
+@click.option(
+    "--exploration",
+    type=click.FloatRange(0, 0.2),
+    default=DEFAULT_EXPLORATION_PPM / 1e6,
+    show_default=True,
+    help="share of a class's requests that may try a cheaper model not yet proven",
+)
+@click.option(
+    "--on-capacity",
+    type=click.Choice(ON_CAPACITY),
+    default="asked",
+    show_default=True,
+    help="when the chosen model has no room: serve the reference model, or refuse",
+)
+@click.option("--reset-drift", is_flag=True, help="forget the classes latched for drift")
+@database_option
+@one_line_errors
+def routing_allow(
+    tenant: str,
+    project: str,
+    models: str,
+    quality_bar: float,
+    exploration: float,
+    on_capacity: str,
+    reset_drift: bool,
+    database_url: str,
+) -> None:
+    command = AllowRouting(
+        tenant,
+        tuple(m.strip() for m in models.split(",") if m.strip()),
+        round(quality_bar * 1_000_000),
+        round(exploration * 1_000_000),
+        on_capacity,
+        project,
+        reset_drift,
+    )
+    with control.ControlService.open(database_url) as service:
+        changed = service.allow_routing(command)
+    where = f"{tenant}/{project}" if project else tenant
+    state = "allowed" if changed else "was already allowed, unchanged"
+    click.echo(f"{where}: routing over {', '.join(command.models)} at bar {quality_bar:g} {state}")
+
+
+@routing.command("revoke")
+@click.option("--tenant", required=True)
+@click.option("--project", default="")
+@database_option
+@one_line_errors
+def routing_revoke(tenant: str, project: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        changed = service.revoke_routing(tenant, project)
+    where = f"{tenant}/{project}" if project else tenant
+    click.echo(f"{where}: routing {'revoked' if changed else 'was not allowed'}")
+
+
+@routing.command("show")
+@click.option("--tenant", required=True)
+@database_option
+@one_line_errors
+def routing_show(tenant: str, database_url: str) -> None:
+    with control.ControlService.open(database_url) as service:
+        policies = service.view.routing_policies(tenant)
+    if not policies:
+        click.echo(f"{tenant}: no routing consent (`auto` is refused, every model served as asked)")
+    for p in policies:
+        click.echo(
+            f"{tenant}/{p.project_id or '*'}: {', '.join(p.models)} bar "
+            f"{p.quality_bar_ppm / 1e6:g} exploration {p.exploration_ppm / 1e6:g} on capacity "
+            f"{p.on_capacity}, since {p.since.isoformat()}"
+        )
+
+
+@routing.command("savings")
+@click.option("--tenant", default=None, help="one tenant (default: all)")
+@click.option("--month", required=True, help="YYYY-MM (UTC)")
+@database_option
+@one_line_errors
+def routing_savings(tenant: str | None, month: str, database_url: str) -> None:
+    """Per tenant: what routed requests were billed, what the reference model would have
+    billed for the same tokens, the saving, and the customers' mean score of each side."""
+    from datetime import UTC, datetime, timedelta
+
+    from domain.requests.events import RequestModelRouted
+    from domain.routing_savings import savings
+
+    try:
+        start = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
+    except ValueError:
+        raise click.BadParameter("YYYY-MM", param_hint="--month") from None
+    end = (start + timedelta(days=32)).replace(day=1)
+    with control.ControlService.open(database_url) as service:
+        # A request admitted in the month's last seconds may be billed in the next one: its
+        # RequestModelRouted is looked up a day either side, and the bill's month decides.
+        ids = service.store.streams_with(
+            RequestModelRouted.EVENT_TYPE, start - timedelta(days=1), end + timedelta(days=1)
+        )
+        streams = service.store.read_streams(ids).values() if ids else []
+        rows = [
+            r
+            for r in savings(streams, service.view.price)
+            if r.month == month and (tenant is None or r.tenant_id == tenant)
+        ]
+    click.echo(
+        "tenant,month,currency,routed_requests,routed_away,billed_micros,"
+        "reference_micros,saving_micros,mean_score_routed_away,mean_score_reference"
+    )
+    for r in rows:
+        away = r.score_routed_away_ppm / r.scored_routed_away / 1e6 if r.scored_routed_away else ""
+        ref = r.score_reference_ppm / r.scored_reference / 1e6 if r.scored_reference else ""
+        click.echo(
+            f"{r.tenant_id},{r.month},{r.currency},{r.routed_requests},{r.routed_away},"
+            f"{r.billed_micros},{r.reference_micros},{r.saving_micros},{away},{ref}"
+        )
+
+
+COMMANDS = (routing,)

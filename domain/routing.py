@@ -1,0 +1,204 @@
+"""The one learned decision: which model serves a request that asked for `auto`, with the
+tenant's consent (`RoutingPolicy`, `tollgate routing allow`). The cheapest allowed model whose
+quality for the request's task class meets the bar by a lower confidence bound on the tenant's
+own feedback (`QualityView`, folded from `FeedbackRecorded`); a bounded share explores; a class
+whose routed traffic scores below the bar is latched to the reference model (drift) until the
+policy is given again. Task classes are admission-time features only, never text.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Final
+
+from domain.envelope import Recorded
+from domain.requests.events import FeedbackRecorded
+
+__all__ = [
+    "AUTO",
+    "EXPLORATION_PPM_MAX",
+    "QualityView",
+    "Routed",
+    "RoutingPolicy",
+    "choose",
+    "lower_bound_ppm",
+    "task_class",
+]
+
+# The model name that asks the router (a model of that name could not be put on sale).
+AUTO: Final = "auto"
+# Prompt-length bands, in tokens: a class says "short chat" or "long document", not a length.
+PROMPT_BANDS: Final = (256, 1_024, 4_096, 16_384)
+RESPONSE_FORMATS: Final = {"text": "t", "json_object": "o", "json_schema": "s"}
+# One-sided 95 % Wilson bound: the estimate a routed model must meet the bar by.
+Z: Final = 1.645
+# Less evidence than this at a level (the class, then its shape without the system-prompt
+# bucket) says nothing: the model's bound there is 0 and it is not routed to, only explored.
+MIN_EVIDENCE: Final = 10.0
+# A client leaving a stream is a weaker sign than a customer's own score (it may have had what it
+# needed): it counts as half a score of 0.
+IMPLICIT_WEIGHT: Final = 0.5
+# Exploration is bounded: at most 20 % of a class's traffic may go where the bar is not yet met.
+EXPLORATION_PPM_MAX: Final = 200_000
+DEFAULT_EXPLORATION_PPM: Final = 50_000
+# Drift: the last DRIFT_WINDOW routed feedbacks of a class; once DRIFT_MIN of them are in and
+# their mean is below the bar, the class goes to the reference model until the policy is given
+# again (`tollgate routing allow`), which is the router's "retrain".
+DRIFT_WINDOW: Final = 50
+DRIFT_MIN: Final = 20
+ON_CAPACITY: Final = ("asked", "refuse")
+
+
+def task_class(
+    system_prompt_bucket: int, prompt_tokens: int, tools: bool, response_format: str,
+    in_run: bool,
+) -> str:  # fmt: skip
+    """The request's task class, e.g. "p1.t0.ft.r0.b7": prompt band, tools present, response
+    format, part of a run, the tenant-keyed system-prompt bucket (-1: none). All known at
+    admission; nothing of the text."""
+    band = bisect.bisect_right(PROMPT_BANDS, prompt_tokens)
+    fmt = RESPONSE_FORMATS.get(response_format, "t")
+    return f"p{band}.t{int(tools)}.f{fmt}.r{int(in_run)}.b{system_prompt_bucket}"
+
+
+def shape_of(cls: str) -> str:
+    """The class without its system-prompt bucket: the coarser level evidence is pooled at."""
+    return cls.rsplit(".b", 1)[0]
+
+
+def lower_bound_ppm(score_sum: float, weight: float, z: float = Z) -> int:
+    """Wilson's lower bound of the mean score (scores in [0, 1], weighted), in ppm; 0 without
+    evidence. Fractional scores are taken as fractional successes."""
+    if weight <= 0:
+        return 0
+    p = min(1.0, max(0.0, score_sum / weight))
+    z2 = z * z
+    centre = p + z2 / (2 * weight)
+    margin = z * math.sqrt(p * (1 - p) / weight + z2 / (4 * weight * weight))
+    return max(0, int((centre - margin) / (1 + z2 / weight) * 1_000_000))
+
+
+def upper_bound_ppm(score_sum: float, weight: float, z: float = Z) -> int:
+    if weight <= 0:
+        return 1_000_000
+    return 1_000_000 - lower_bound_ppm(weight - score_sum, weight, z)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """A tenant's (or one project's) consent: `models` may serve its `auto` requests, the most
+    expensive of them being the reference (what `auto` means without evidence)."""
+
+    tenant_id: str
+    project_id: str  # "" for the whole organization
+    models: tuple[str, ...]
+    quality_bar_ppm: int
+    exploration_ppm: int
+    on_capacity: str  # asked: shed to the reference model | refuse: 503
+    since: datetime  # when this consent was recorded: drift latches before it are forgotten
+
+
+@dataclass(slots=True)
+class _Tally:
+    score_sum: float = 0.0
+    weight: float = 0.0
+
+    def add(self, score: float, weight: float) -> None:
+        self.score_sum += score * weight
+        self.weight += weight
+
+
+@dataclass(slots=True)
+class QualityView:
+    """The tenant's feedback folded per (tenant, model, class) and per (tenant, model, shape),
+    and each class's recent routed scores (drift). A redelivered event changes nothing."""
+
+    classes: dict[tuple[str, str, str], _Tally] = field(default_factory=dict)
+    shapes: dict[tuple[str, str, str], _Tally] = field(default_factory=dict)
+    recent: dict[tuple[str, str], deque[tuple[datetime, float]]] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    position: int = 0
+
+    def apply(self, recorded: Recorded) -> None:
+        event = recorded.event
+        if not isinstance(event, FeedbackRecorded) or recorded.event_id in self.seen:
+            return
+        self.seen.add(recorded.event_id)
+        self.position = max(self.position, recorded.position)
+        if not event.task_class:
+            return
+        score = event.score_ppm / 1_000_000
+        weight = 1.0 if event.source == "client" else IMPLICIT_WEIGHT
+        tenant, model, cls = event.tenant_id, event.model, event.task_class
+        self.classes.setdefault((tenant, model, cls), _Tally()).add(score, weight)
+        self.shapes.setdefault((tenant, model, shape_of(cls)), _Tally()).add(score, weight)
+        if event.routed_from and event.source == "client":
+            window = self.recent.setdefault((tenant, cls), deque(maxlen=DRIFT_WINDOW))
+            window.append((recorded.occurred_at, score))
+
+    def estimate(self, tenant_id: str, model: str, cls: str) -> tuple[int, int, float]:
+        """(lower bound ppm, upper bound ppm, evidence) of `model` for `cls`: at the class when
+        it has MIN_EVIDENCE, else at its shape, else none (0, 1e6, what there is)."""
+        for level, key in ((self.classes, cls), (self.shapes, shape_of(cls))):
+            tally = level.get((tenant_id, model, key))
+            if tally is not None and tally.weight >= MIN_EVIDENCE:
+                return (
+                    lower_bound_ppm(tally.score_sum, tally.weight),
+                    upper_bound_ppm(tally.score_sum, tally.weight),
+                    tally.weight,
+                )
+        tally = self.classes.get((tenant_id, model, cls))
+        return 0, 1_000_000, 0.0 if tally is None else tally.weight
+
+    def drifted(self, tenant_id: str, cls: str, bar_ppm: int, since: datetime) -> bool:
+        """The class's routed feedback since `since` scores below the bar (DRIFT_MIN at least)."""
+        window = self.recent.get((tenant_id, cls))
+        if not window:
+            return False
+        scores = [score for at, score in window if at >= since]
+        return len(scores) >= DRIFT_MIN and sum(scores) / len(scores) * 1_000_000 < bar_ppm
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The router's answer: the model to serve and why (what RequestModelRouted records)."""
+
+    served_model: str
+    reference_model: str
+    task_class: str
+    estimate_ppm: int
+    bar_ppm: int
+    reason: str  # meets_bar | explore | below_bar | latched
+    alternatives: tuple[str, ...]
+
+
+def choose(
+    policy: RoutingPolicy, cheapest_first: list[str], quality: QualityView, cls: str,
+    draw: float,
+) -> Routed:  # fmt: skip
+    """The model for a request of class `cls`: the cheapest of `cheapest_first` (the policy's
+    models on sale, by price) whose lower bound meets the bar; with probability
+    `exploration_ppm` (`draw` uniform in [0, 1)) the cheapest not ruled out by its upper bound;
+    else the reference (the most expensive). A drifted class is latched to the reference."""
+    reference = cheapest_first[-1]
+    tenant, bar = policy.tenant_id, policy.quality_bar_ppm
+    estimates = {m: quality.estimate(tenant, m, cls) for m in cheapest_first}
+    alternatives = tuple(f"{m}={low}/{round(n)}" for m, (low, _, n) in estimates.items())
+
+    def answer(model: str, reason: str) -> Routed:
+        return Routed(model, reference, cls, estimates[model][0], bar, reason, alternatives)
+
+    if quality.drifted(tenant, cls, bar, policy.since):
+        return answer(reference, "latched")
+    for model in cheapest_first[:-1]:
+        if estimates[model][0] >= bar:
+            return answer(model, "meets_bar")
+    if draw * 1_000_000 < policy.exploration_ppm:
+        for model in cheapest_first[:-1]:
+            if estimates[model][1] >= bar:
+                return answer(model, "explore")
+    return answer(reference, "below_bar")
