@@ -19,6 +19,7 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
+from domain.control_plane.data_policy import ResidencyCleared, ResidencySet, RetentionSet
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -119,6 +120,9 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         BatchFinalizing,
         BatchEnded,
         BatchFailed,
+        ResidencySet,
+        ResidencyCleared,
+        RetentionSet,
     )
 }
 

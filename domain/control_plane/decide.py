@@ -7,6 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from domain.control_plane.data_policy import (
+    DATA_POLICY_COMMANDS,
+    DataPolicyCommand,
+    decide_data_policy,
+)
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -163,6 +168,7 @@ ControlCommand = (
     | AllowFallback
     | RevokeFallback
     | HierarchyCommand
+    | DataPolicyCommand
 )
 
 
@@ -345,6 +351,11 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             ):
                 return ()
             return (FallbackRevoked(command.tenant_id, command.from_model, command.to_model),)
+    if isinstance(command, DATA_POLICY_COMMANDS):
+        view._tenant_or_error(command.tenant_id)
+        project = command.project_id
+        exists = project is not None and view.hierarchy.project(command.tenant_id, project)
+        return decide_data_policy(view.data_policy, command, project_exists=bool(exists))
     if isinstance(command, HIERARCHY_COMMANDS):
         view._tenant_or_error(command.tenant_id)
         key_id = getattr(command, "key_id", None) or (

@@ -69,6 +69,7 @@ class AdmitRequest:
     service_tier: ServiceTier = "default"
     batch_item: str = ""
     trace_id: str = ""  # the edge's trace of it (api/services/tracing.py), for support's replay
+    retention: str = ""  # its retention tier: "zero" | "standard" (control_plane.data_policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,7 @@ class RouteRequest:
     occupancy_ppm: int
     request_id: str = ""
     at: datetime | None = None
+    region: str = ""  # the replica's (Choice.region)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +243,10 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
                 raise DomainError("already_routed", f"request already routed to {state.replica_id}")
             if not 0 <= command.occupancy_ppm <= 1_000_000:
                 raise DomainError("bad_occupancy", "occupancy_ppm must be within [0, 1e6]")
-            return (RequestRouted(state.request_id, command.replica_id, command.occupancy_ppm),)
+            routed = RequestRouted(
+                state.request_id, command.replica_id, command.occupancy_ppm, command.region
+            )
+            return (routed,)
         case RecordFirstToken():
             _require_live(state)
             if state.first_token:
@@ -418,6 +423,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.service_tier,
         command.batch_item,
         command.trace_id,
+        command.retention,
     )
     if est.output_cap_tokens and est.output_cap_tokens < est.reserved_output_tokens:
         raise DomainError(
