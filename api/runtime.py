@@ -115,6 +115,7 @@ class Runtime:
             BatchStore(self.engine), self.store, CommandHandler(self.store),
             windows=self.settings.batch_windows,
             runner_alive=None if self.settings.fold_worker else self.batch_runner_alive,
+            retention=self.control.retention,
         )
         self._runner_seen: tuple[float, bool] | None = None
         if not self.settings.batch_token:

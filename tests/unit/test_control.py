@@ -241,8 +241,8 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     import inspect
     import textwrap
 
-    from domain.control_plane.state import CONTROL_EVENTS, ControlView
     from domain.control_plane.data_policy import DATA_POLICY_EVENTS
+    from domain.control_plane.state import CONTROL_EVENTS, ControlView
     from domain.governance.state import HIERARCHY_EVENTS
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(ControlView.apply)))
