@@ -273,7 +273,7 @@ class FinanceQueries:
             sa.select(
                 r.c.request_id, r.c.status, r.c.model, r.c.tier, r.c.key_id, r.c.admitted_at,
                 r.c.finished_at, r.c.prompt_tokens, r.c.completion_tokens, r.c.cached_tokens,
-                r.c.reject_reason, r.c.replica_id, r.c.refusals,
+                r.c.reject_reason, r.c.replica_id, r.c.refusals, r.c.region, r.c.retention,
             )
             .where(
                 r.c.tenant_id == tenant, r.c.admitted_at >= start, r.c.admitted_at < end,
