@@ -391,10 +391,12 @@ class Settings(BaseSettings):
     @field_validator("simulated_regions")
     @classmethod
     def _regions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for region in value:
+        # Repeated (`--simulated-region a --simulated-region b`) or comma-separated, alike.
+        regions = tuple(part.strip() for item in value for part in item.split(",") if part.strip())
+        for region in regions:
             if not REGION.fullmatch(region):
                 raise ValueError(f"{region!r}: a region matches {REGION.pattern}")
-        return value
+        return regions
 
     @model_validator(mode="after")
     def _resolve(self) -> Settings:
