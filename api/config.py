@@ -25,6 +25,7 @@ from pydantic_settings import (
 
 from domain.batches.state import window_seconds
 from domain.capacity import FLEX_CEILING_PPM
+from domain.control_plane.data_policy import REGION
 from domain.leases import LEASE_RENEW_S, LEASE_TTL_S
 from engine_adapter.exchange import MAX_BUFFERED_CHUNKS
 
@@ -91,9 +92,20 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="the port the API listens on")
     replicas: Names = Field(
         (),
-        description="a real vLLM replica: MODEL=URL (MODEL: the version Tollgate serves; the "
-        "engine's own name for it is read from its /v1/models); repeatable",
+        description="a real vLLM replica: MODEL=URL[@REGION] (MODEL: the version Tollgate "
+        "serves; the engine's own name for it is read from its /v1/models; REGION: where it "
+        "runs, for tenants pinned to regions); repeatable",
         json_schema_extra=cli("--replica"),
+    )
+    region: str = Field(
+        "", pattern=r"^([a-z0-9][a-z0-9-]{0,31})?$",
+        description="the region of a replica given none (--replica MODEL=URL without @REGION, "
+        "and the simulated ones); empty: none, so it serves no tenant pinned to regions",
+    )  # fmt: skip
+    simulated_regions: Names = Field(
+        (),
+        description="regions the simulated replicas of each model are spread over, in turn",
+        json_schema_extra=cli("--simulated-region"),
     )
     tokenizers: Names = Field(
         (),
@@ -361,7 +373,7 @@ class Settings(BaseSettings):
     )
 
     @field_validator("replicas", "tokenizers", "models", "batch_windows", "trusted_proxies",
-                     mode="before")  # fmt: skip
+                     "simulated_regions", mode="before")  # fmt: skip
     @classmethod
     def _split_names(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -375,6 +387,16 @@ class Settings(BaseSettings):
             if window_seconds(window, (window,)) is None:
                 raise ValueError(f"{window!r}: a window is 1-99999 followed by s, m or h")
         return value
+
+    @field_validator("simulated_regions")
+    @classmethod
+    def _regions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # Repeated (`--simulated-region a --simulated-region b`) or comma-separated, alike.
+        regions = tuple(part.strip() for item in value for part in item.split(",") if part.strip())
+        for region in regions:
+            if not REGION.fullmatch(region):
+                raise ValueError(f"{region!r}: a region matches {REGION.pattern}")
+        return regions
 
     @model_validator(mode="after")
     def _resolve(self) -> Settings:

@@ -94,11 +94,13 @@ class Fleet(Protocol):
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
+        regions: frozenset[str] | None = None,
     ) -> Choice[Replica] | Refusal | UnknownModel:
         """A replica for the request (its estimate is counted against it until `release`), or
         why none may take it. A flex request is placed only into idle capacity; an interactive
         one may be placed by preempting flex requests, named in `Choice.preempt`, which the
-        caller must then abort."""
+        caller must then abort. `regions` (None: anywhere): only a replica in one of them may
+        be chosen, by any step, and `Choice.region` says which."""
         ...
 
     def release(self, choice: Choice[Replica]) -> None: ...

@@ -123,6 +123,7 @@ class Runtime:
             BatchStore(self.engine), self.store, CommandHandler(self.store),
             windows=self.settings.batch_windows,
             runner_alive=None if self.settings.fold_worker else self.batch_runner_alive,
+            retention=self.control.retention,
         )
         self._runner_seen: tuple[float, bool] | None = None
         if not self.settings.batch_token:
@@ -160,12 +161,13 @@ class Runtime:
         simulated: bool = False,
         tokenizers: dict[str, str] | None = None,
         actuator: Actuator | None = None,
+        regions: dict[str, str] | None = None,
     ) -> None:
         """`replicas`: (replica_id, model, url) of the engines to route to; `tokenizers`: model
         -> directory of its tokenizer, where the replica's own `root` is not readable here;
         `actuator`: what adds and removes replicas by the autoscaling signal (else the signal
-        is only shown). A served model without a profile refuses the start (DomainError, one
-        line)."""
+        is only shown); `regions`: replica id -> where it runs (none: no region). A served model
+        without a profile refuses the start (DomainError, one line)."""
         profiles = {model: self.control.model_profile(model) for _, model, _ in replicas}
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
@@ -178,7 +180,7 @@ class Runtime:
         )
         engines = [VLLMReplica(replica_id, url, model) for replica_id, model, url in replicas]
         for engine in engines:
-            self.fleet.add(engine)
+            self.fleet.add(engine, region=(regions or {}).get(engine.replica_id, ""))
         self.served = await discover(
             self.session, engines,
             simulated=simulated, tokenizers=tokenizers,

@@ -24,6 +24,7 @@ from uvicorn.config import LOGGING_CONFIG
 from api.config import DEFAULT_MODELS, Settings
 from api.http.app import create_app
 from api.logs import setup_logging
+from api.replica_regions import simulated_region, split_region
 from api.runtime import Runtime
 from api.services.control_service import ControlService
 from api.services.scaling import Actuator
@@ -115,6 +116,18 @@ async def start_simulated_fleet(
     return handles, replicas
 
 
+def simulated_regions(
+    settings: Settings, replicas: list[tuple[str, str, str]]
+) -> dict[str, str]:
+    """Each simulated replica's region: a model's replicas take `simulated_regions` in turn."""
+    index: dict[str, int] = {}
+    out = {}
+    for replica_id, model, _ in replicas:
+        i = index[model] = index.get(model, -1) + 1
+        out[replica_id] = simulated_region(settings.simulated_regions, i, settings.region)
+    return out
+
+
 def parse_model_flags(flags: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     """MODEL=VALUE flags, in order."""
     out = []
@@ -127,14 +140,23 @@ def parse_model_flags(flags: tuple[str, ...], option: str) -> list[tuple[str, st
 
 
 def parse_replica_flags(flags: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    return [(replica_id, model, url) for replica_id, model, url, _ in parse_replicas(flags)]
+
+
+def parse_replicas(
+    flags: tuple[str, ...], default_region: str = ""
+) -> list[tuple[str, str, str, str]]:
+    """(replica id, model, url, region) of each `--replica MODEL=URL[@REGION]`."""
     out = []
     for i, flag in enumerate(flags):
         model, sep, url = flag.partition("=")
         if not sep:
             raise ValueError(
-                f"--replica {flag!r}: give MODEL=URL (the model version the replica serves)"
+                f"--replica {flag!r}: give MODEL=URL[@REGION] (the model version the replica "
+                "serves, and where it runs)"
             )
-        out.append((f"replica-{i}", model, url.rstrip("/")))
+        url, region = split_region(url, default_region)
+        out.append((f"replica-{i}", model, url.rstrip("/"), region))
     return out
 
 
@@ -175,9 +197,12 @@ async def _serve(
 ) -> None:
     handles: list[Any] = []
     if settings.replicas:
-        replicas = parse_replica_flags(settings.replicas)
+        given = parse_replicas(settings.replicas, settings.region)
+        replicas = [(replica_id, model, url) for replica_id, model, url, _ in given]
+        regions = {replica_id: region for replica_id, _, _, region in given}
     else:
         handles, replicas = await start_simulated_fleet(settings)
+        regions = simulated_regions(settings, replicas)
     runtime = Runtime(settings)
     actuator = None
     if settings.autoscale:
@@ -197,7 +222,7 @@ async def _serve(
         await runtime.start(
             replicas, simulated=not settings.replicas,
             tokenizers=dict(parse_model_flags(settings.tokenizers, "--tokenizer")),
-            actuator=actuator,
+            actuator=actuator, regions=regions,
         )  # fmt: skip
     except BaseException:
         # Refused (a model without a profile, a replica serving another model): nothing runs.

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import click
 
-from cli import billing, config, db, dev, models, pipeline, routing, serve, support, tenants
+from cli import (
+    billing,
+    config,
+    data_policy,
+    db,
+    dev,
+    models,
+    pipeline,
+    routing,
+    serve,
+    support,
+    tenants,
+)
 from cli.common import LazyCommand
 
 
@@ -13,7 +25,9 @@ def main() -> None:
     """Tollgate: admission, quota, routing and exact billing in front of vLLM replicas."""
 
 
-for _module in (db, tenants, billing, models, support, serve, pipeline, config, dev, routing):
+for _module in (
+    db, tenants, data_policy, billing, models, support, serve, pipeline, config, dev, routing,
+):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 

@@ -124,7 +124,7 @@ def ledger() -> None:
 @click.option("--model", default=None)
 @click.option(
     "--group-by",
-    type=click.Choice(["hour", "day", "model", "key", "workspace", "project", "run"]),
+    type=click.Choice(["hour", "day", "model", "key", "workspace", "project", "run", "region"]),
     default="hour",
     show_default=True,
 )

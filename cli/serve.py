@@ -19,6 +19,7 @@ SERVE_OPTIONS = (
     "trusted_proxies", "metrics_token", "auth_failures_per_minute", "slow_reader_s",
     "stream_buffer_chunks", "lease_renew_s", "client_send_buffer_bytes", "keep_alive_s",
     "fold_worker", "predictor_path", "predictor_enabled", "log_format", "currency",
+    "region", "simulated_regions",
 )  # fmt: skip
 
 

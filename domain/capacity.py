@@ -82,6 +82,7 @@ class Choice(Generic[R_co]):
     # their preemption through the log, and tells `others_flex.ask`, which then counts their
     # KV as being freed.
     preempt_remote: tuple[str, ...] = ()
+    region: str = ""  # the replica's region ("" when it was given none), for RequestRouted
 
     @property
     def replica_id(self) -> str:
@@ -125,6 +126,7 @@ class ReplicaLoad:
     # Flex requests this router runs there, newest last: (request id, estimated KV tokens as ppm
     # of the replica's capacity). What preemption could free for an interactive request.
     flex: tuple[tuple[str, int], ...] = ()
+    region: str = ""  # where it runs (domain.residency); "" when it was given none
 
 
 @dataclass(frozen=True, slots=True)

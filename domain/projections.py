@@ -73,6 +73,8 @@ REQUEST_LOG_COLUMNS: Final = (
     "requested_model",
     "service_tier",
     "refusals",  # a RefusalsCounted row: how many refusals it stands for (else NULL: one)
+    "region",  # the replica's region (RequestRouted); NULL before regions, "" for none given
+    "retention",  # the tier it ran under (RequestAdmitted): standard | zero
 )
 _LOGGED: Final = (
     RequestAdmitted,
@@ -115,6 +117,7 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
                 tier=event.tier,
                 admitted_at=at,
                 service_tier=event.service_tier,
+                retention=event.retention or "standard",
             )
             _advance(new, "admitted")
         case RequestRejected():
@@ -131,6 +134,7 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
             new["requested_model"] = event.requested_model
         case RequestRouted():
             new["replica_id"] = event.replica_id
+            new["region"] = event.region
             _advance(new, "routed")
         case FirstTokenStreamed():
             new["ttft_ms"] = event.ttft_ms

@@ -19,6 +19,7 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
+from domain.control_plane.data_policy import ResidencyCleared, ResidencySet, RetentionSet
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -127,6 +128,9 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         FeedbackRecorded,
         RoutingAllowed,
         RoutingRevoked,
+        ResidencySet,
+        ResidencyCleared,
+        RetentionSet,
     )
 }
 

@@ -63,6 +63,8 @@ class Timeline:
     plan_at_admission: str | None = None
     replica_id: str | None = None
     occupancy_ppm_at_routing: int | None = None
+    region: str | None = None  # the replica's, as RequestRouted recorded it ("": none given)
+    retention: str | None = None  # the tier it ran under (RequestAdmitted), "standard" or "zero"
     ttft_ms: int | None = None
     tpot_us: int | None = None
     reserved_tokens: int = 0
@@ -124,6 +126,7 @@ def replay(
         elif isinstance(event, RequestRouted):
             t.replica_id = event.replica_id
             t.occupancy_ppm_at_routing = event.occupancy_ppm
+            t.region = event.region
         elif isinstance(event, FirstTokenStreamed):
             t.ttft_ms = event.ttft_ms
         elif isinstance(event, RequestCompleted):
@@ -172,6 +175,7 @@ def replay(
         elif isinstance(event, RequestRejected):
             t.reject = to_payload(event)
         elif isinstance(event, RequestAdmitted) and control is not None:
+            t.retention = event.retention or "standard"
             at = record.occurred_at
             try:
                 limits = control.limits(event.tenant_id, event.model, at)

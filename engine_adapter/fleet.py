@@ -38,6 +38,7 @@ from domain.capacity import (
     place_flex,
     preemption_plan,
 )
+from domain.residency import REGION_UNAVAILABLE, in_region
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.vllm_http import (
     ReplicaMetrics,
@@ -77,6 +78,7 @@ class ScrapedReplica(Protocol):
 class ReplicaState:
     replica: ScrapedReplica
     reserved_only: bool = False
+    region: str = ""  # where it runs (`--replica MODEL=URL@REGION`); "" when not given
     healthy: bool = False
     last_error: str | None = None
     metrics: ReplicaMetrics | None = None
@@ -126,7 +128,7 @@ class ReplicaState:
             (rid, tokens * PPM // cap if cap > 0 else PPM) for rid, tokens in self.flex.values()
         )
         occupancy = self.effective_occupancy_ppm()
-        return ReplicaLoad(self.replica_id, occupancy, self.reserved_only, flex)
+        return ReplicaLoad(self.replica_id, occupancy, self.reserved_only, flex, self.region)
 
 
 class OthersFlex(Protocol):
@@ -175,11 +177,12 @@ class Fleet:
 
     # -- registry
 
-    def add(self, replica: ScrapedReplica, reserved_only: bool = False) -> None:
-        """Route to `replica` (built by the caller: the composition root, or a test)."""
+    def add(self, replica: ScrapedReplica, reserved_only: bool = False, region: str = "") -> None:
+        """Route to `replica` (built by the caller: the composition root, or a test), which
+        runs in `region` ("": not said, so it serves no request pinned to regions)."""
         if replica.replica_id in self._by_id:
             raise ValueError(f"replica {replica.replica_id!r} already registered")
-        state = ReplicaState(replica, reserved_only=reserved_only)
+        state = ReplicaState(replica, reserved_only=reserved_only, region=region)
         self._by_id[replica.replica_id] = state
         self._by_model.setdefault(replica.model, []).append(state)
 
@@ -339,9 +342,14 @@ class Fleet:
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
+        regions: frozenset[str] | None = None,
     ) -> Choice[ScrapedReplica] | Refusal | UnknownModel:
         """Pick a replica of `model` for a request of `tier` by p2c, under the tier's ceiling
         (a flex request: under the flex ceiling).
+
+        `regions` (a pinned tenant's): only replicas in them are considered, for every step
+        below (placement, preemption, other edges' flex work), so none elsewhere is ever chosen
+        (`domain.residency`); with none of the model there, the refusal is `region_unavailable`.
 
         An interactive request that no replica has room for, where some replica would have room
         without flex work this router runs there, is placed there and its `Choice.preempt` names
@@ -352,6 +360,10 @@ class Fleet:
         states = self._by_model.get(model)
         if not states:
             return UnknownModel(model)
+        if regions is not None:
+            states = [s for s in states if in_region(s.region, regions)]
+            if not states:
+                return Refusal(model, REGION_UNAVAILABLE, 0)
         now = time.monotonic()
         routable = {s.replica_id: s for s in states if self._is_routable(s, now)}
         loads = [s.load() for s in routable.values()]
@@ -390,7 +402,9 @@ class Fleet:
         s.inflight_tokens += tokens
         if flex:
             s.flex[dispatch_id] = (request_id, tokens)
-        return Choice(s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims, remote)
+        return Choice(
+            s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims, remote, s.region
+        )
 
     def _with_others_flex(
         self, tier: str, routable: dict[str, ReplicaState], rng: random.Random,
@@ -414,6 +428,7 @@ class Fleet:
                     load.replica_id, max(0, load.occupancy_ppm - asked * PPM // cap),
                     load.reserved_only,
                     (*((rid, tokens * PPM // cap) for rid, tokens in theirs), *load.flex),
+                    load.region,
                 )
             loads.append(load)
         if not widened:

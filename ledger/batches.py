@@ -51,14 +51,15 @@ class BatchStore:
 
     # --- files ----------------------------------------------------------------------------------
 
-    def put_file(self, stored: StoredFile, content: bytes) -> bool:
-        """Store a file; False (and nothing changed) when its id exists already."""
+    def put_file(self, stored: StoredFile, content: bytes, *, read_once: bool = False) -> bool:
+        """Store a file; False (and nothing changed) when its id exists already. `read_once`:
+        deleted by the first read of its content (`content(..., consume=True)`)."""
         try:
             with self.engine.begin() as conn:
                 conn.execute(batch_files.insert().values(
                     file_id=stored.file_id, tenant_id=stored.tenant_id, purpose=stored.purpose,
                     filename=stored.filename, bytes=stored.bytes, created_at=stored.created_at,
-                    expires_at=stored.expires_at, content=content,
+                    expires_at=stored.expires_at, content=content, read_once=read_once,
                 ))
         except IntegrityError:
             return False
@@ -75,14 +76,23 @@ class BatchStore:
             ).first()
         return StoredFile(*row) if row is not None else None
 
-    def content(self, tenant_id: str, file_id: str, now: datetime) -> bytes | None:
+    def content(
+        self, tenant_id: str, file_id: str, now: datetime, *, consume: bool = False
+    ) -> bytes | None:
+        """The file's content, if it is this tenant's and has not expired. `consume` (the
+        customer's download): a read-once file is deleted in the same transaction, so it is
+        handed out once, and two downloads at once cannot both get it."""
         t = batch_files
-        with self.engine.connect() as conn:
-            return conn.execute(
-                sa.select(t.c.content).where(
-                    t.c.file_id == file_id, t.c.tenant_id == tenant_id, t.c.expires_at > now
-                )
-            ).scalar()
+        mine = (t.c.file_id == file_id, t.c.tenant_id == tenant_id, t.c.expires_at > now)
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(t.c.content, t.c.read_once).where(*mine)).first()
+            if row is None:
+                return None
+            if consume and row.read_once:
+                taken = conn.execute(t.delete().where(*mine, t.c.read_once.is_(True))).rowcount
+                if not taken:  # another read consumed it first
+                    return None
+            return bytes(row.content)
 
     def delete_file(self, tenant_id: str, file_id: str) -> bool:
         t = batch_files

@@ -49,6 +49,8 @@ def _model_filter(column: Any, model: str | None) -> Any:
 ENTRY_GROUPS: Final = {
     "key": "key_id", "workspace": "workspace_id", "project": "project_id", "run": "run_id",
 }  # fmt: skip
+# usage group_by values read from the request log joined to the entries (where a request ran).
+LOG_GROUPS: Final = {"region": "region"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class FinanceQueries:
         entries); always per currency too, so no row sums two currencies."""
         if group_by in ENTRY_GROUPS:
             return self._usage_by(ENTRY_GROUPS[group_by], tenant, start, end, model)
+        if group_by in LOG_GROUPS:
+            return self._usage_by(LOG_GROUPS[group_by], tenant, start, end, model, logged=True)
         u = usage_hourly
         hour: Any = u.c.hour
         if group_by == "hour" and self.engine.dialect.name == "postgresql":
@@ -162,12 +166,15 @@ class FinanceQueries:
         ]
 
     def _usage_by(
-        self, column: str, tenant: str | None, start: datetime, end: datetime, model: str | None
-    ) -> list[dict[str, Any]]:
+        self, column: str, tenant: str | None, start: datetime, end: datetime, model: str | None,
+        *, logged: bool = False,
+    ) -> list[dict[str, Any]]:  # fmt: skip
         """Usage per tenant, model and one column of the ledger (a key, or a level of the
-        hierarchy: workspace, project, run; null for what is the organization's own)."""
+        hierarchy: workspace, project, run; null for what is the organization's own), or with
+        `logged` of the request log (the region a request ran in: "" for none given, null for
+        a request recorded before regions)."""
         e = ledger_entries
-        by = e.c[column]
+        by = request_log.c[column] if logged else e.c[column]
         query = (
             sa.select(
                 e.c.tenant_id,
@@ -179,6 +186,9 @@ class FinanceQueries:
                 sa.func.sum(e.c.completion_tokens).label("completion_tokens"),
                 sa.func.sum(e.c.cached_tokens).label("cached_tokens"),
                 sa.func.sum(e.c.amount_micros).label("amount_micros"),
+            )
+            .select_from(
+                e.join(request_log, request_log.c.request_id == e.c.request_id) if logged else e
             )
             .where(e.c.finished_at >= start, e.c.finished_at < end, _model_filter(e.c.model, model))
             .group_by(e.c.tenant_id, by, e.c.model, e.c.currency)
@@ -265,7 +275,7 @@ class FinanceQueries:
             sa.select(
                 r.c.request_id, r.c.status, r.c.model, r.c.tier, r.c.key_id, r.c.admitted_at,
                 r.c.finished_at, r.c.prompt_tokens, r.c.completion_tokens, r.c.cached_tokens,
-                r.c.reject_reason, r.c.replica_id, r.c.refusals,
+                r.c.reject_reason, r.c.replica_id, r.c.refusals, r.c.region, r.c.retention,
             )
             .where(
                 r.c.tenant_id == tenant, r.c.admitted_at >= start, r.c.admitted_at < end,
@@ -560,6 +570,8 @@ def _logged_request(row: Any) -> dict[str, Any]:
         },
         "reject_reason": row["reject_reason"],
         "replica": row["replica_id"],
+        "region": row["region"],
+        "retention": row["retention"],
         # A row of counted refusals (domain.refusals) stands for this many; else NULL, one.
         "refusals": row["refusals"],
     }

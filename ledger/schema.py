@@ -109,6 +109,8 @@ request_log = sa.Table(
     sa.Column("requested_model", sa.String(200)),  # when another model served it, by consent
     sa.Column("service_tier", sa.String(16), nullable=False, server_default="default"),
     sa.Column("refusals", sa.BigInteger),  # a row of counted refusals: how many (domain.refusals)
+    sa.Column("region", sa.String(32)),  # the replica's region (RequestRouted), migration 0021
+    sa.Column("retention", sa.String(16)),  # the tier it ran under (RequestAdmitted)
     sa.Index(None, "tenant_id", "admitted_at"),
 )
 
@@ -294,6 +296,8 @@ batch_files = sa.Table(
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("expires_at", UTCDateTime, nullable=False),
     sa.Column("content", sa.LargeBinary, nullable=False),
+    # Zero retention: deleted as it is read (an output file is streamed once).
+    sa.Column("read_once", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index(None, "tenant_id", "created_at"),
 )
 

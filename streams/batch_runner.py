@@ -57,6 +57,7 @@ from domain.batches.files import (
     unrun_line,
 )
 from domain.batches.state import BatchState, batch_stream
+from domain.control_plane.data_policy import ZERO
 from domain.errors import DomainError
 from ledger.batches import BatchStore, ItemResult, StoredFile
 from ledger.commands import CommandHandler, batch_stream_loader
@@ -302,7 +303,8 @@ class BatchRunner:
             answer = done.get(item_key(state.batch_id, cid))
             if answer is None or cid in state.finished or cid in kept:
                 continue
-            result = ItemResult(cid, answer.request_id, answer.status, answer.body)
+            body = answer.body or _not_kept(answer.request_id)  # zero retention kept none
+            result = ItemResult(cid, answer.request_id, answer.status, body)
             result = await asyncio.to_thread(self.files.put_result, state.batch_id, result, now)
             state = await self._record(state, result, now)
         return state
@@ -487,6 +489,11 @@ class BatchRunner:
             self.files.content, state.tenant_id, state.input_file_id, now
         )
         try:
+            if content is None and state.retention == ZERO:
+                raise DomainError(
+                    "input_file_deleted", "under zero retention the input file is deleted once "
+                    "read, and the batch runner restarted before the batch ended",
+                )  # fmt: skip
             if content is None:
                 raise DomainError("input_file_deleted", "the input file was deleted")
             lines = parse_input(bytes(content))
@@ -494,6 +501,9 @@ class BatchRunner:
             await self._decide(state, FailBatch(exc.rule, exc.message), now)
             return None
         self._inputs[state.batch_id] = lines
+        if state.retention == ZERO:
+            # Read: its items are in this runner's memory now, and the file is not kept.
+            await asyncio.to_thread(self.files.delete_file, state.tenant_id, state.input_file_id)
         return lines
 
     def _end(self, state: BatchState, lines: list[InputLine], now: datetime) -> None:
@@ -528,6 +538,7 @@ class BatchRunner:
                 len(content), now, now + timedelta(seconds=OUTPUT_RETENTION_S),
             ),
             content,
+            read_once=state.retention == ZERO,  # zero retention: deleted as it is downloaded
         )
         return file_id
 
@@ -560,6 +571,17 @@ def _unsendable(exc: Exception) -> bytes:
         {"error": {
             "message": f"this request could not be sent: {type(exc).__name__}",
             "type": "invalid_request_error", "param": "body", "code": "unsendable_request",
+        }}
+    )  # fmt: skip
+
+
+def _not_kept(request_id: str) -> bytes:
+    """The result of an item whose answer the edge completed under zero retention while this
+    runner was not waiting for it: billed, but its response was not kept to be read back."""
+    return orjson.dumps(
+        {"error": {
+            "message": f"request {request_id} completed, but under zero retention its response "
+            "was not kept", "type": "server_error", "param": None, "code": "response_not_kept",
         }}
     )  # fmt: skip
 

@@ -28,6 +28,7 @@ from domain.capacity import Choice, Refusal, TpotEstimate, UnknownModel
 from domain.envelope import Recorded
 from domain.prediction import Prediction, RequestShape, Skip
 from domain.registry import from_payload
+from domain.residency import REGION_UNAVAILABLE, in_region
 from engine_adapter.exchange import ChatExchange, IteratorExchange
 from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
 from ledger.errors import StoreUnavailable
@@ -213,6 +214,7 @@ class FakeReplica:
 class FakeFleet(Fleet):
     def __init__(self, *replicas: FakeReplica, occupancy_ppm: int = 100_000) -> None:
         self.replicas = {r.model: r for r in replicas}
+        self.regions: dict[str, str] = {}  # replica id -> its region, where a test sets one
         self.occupancy_ppm = occupancy_ppm
         self.full = False  # every model refuses for capacity
         self.full_models: set[str] = set()  # these models do
@@ -233,17 +235,23 @@ class FakeFleet(Fleet):
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
+        regions: frozenset[str] | None = None,
     ) -> Choice[Replica] | Refusal | UnknownModel:
         replica = self.replicas.get(model)
         if replica is None:
             return UnknownModel(model)
+        region = self.regions.get(replica.replica_id, "")
+        if not in_region(region, regions):
+            return Refusal(model, REGION_UNAVAILABLE, 0)
         if self.full or model in self.full_models:
             return Refusal(model, "over_ceiling", 850_000, 990_000)
         if service_tier == "flex" and self.flex_full:
             return Refusal(model, "over_ceiling", 500_000, 600_000)
         preempt, self.preempt_next = self.preempt_next, ()
         remote, self.preempt_remote_next = self.preempt_remote_next, ()
-        return Choice(replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt, remote)
+        return Choice(
+            replica, self.occupancy_ppm, est_kv_tokens, next(self._ids), preempt, remote, region
+        )
 
     def release(self, choice: Choice[Replica]) -> None:
         self.released.append(choice)

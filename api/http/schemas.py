@@ -171,6 +171,9 @@ class UsageRow(BaseModel):
     workspace_id: str | None = Field(None, description="with group_by=workspace")
     project_id: str | None = Field(None, description="with group_by=project")
     run_id: str | None = Field(None, description="with group_by=run")
+    region: str | None = Field(
+        None, description="with group_by=region: where the requests ran ('' for no region)"
+    )
 
 
 class UsageRows(BaseModel):
@@ -339,6 +342,8 @@ class RequestTimeline(BaseModel):
     limits_at_admission: Object | None = None
     replica_id: str | None = None
     replica_occupancy_at_routing: float | None = None
+    region: str | None = None
+    retention: str | None = None
     ttft_ms: int | None = None
     tpot_us: int | None = None
     quota: Object
@@ -371,6 +376,8 @@ class RequestSummary(BaseModel):
     tokens: RequestTokens
     reject_reason: str | None = None
     replica: str | None = None
+    region: str | None = None
+    retention: str | None = None
     refusals: Count | None = Field(
         None, description="a row of counted refusals stands for this many (null: one request)"
     )

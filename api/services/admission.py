@@ -27,6 +27,7 @@ from api.services.auth import Caller
 from api.services.chat_request import ChatRequest
 from api.services.errors import ApiError
 from api.services.recorder import Flight, Recorder
+from api.services.retention import RETENTION_HEADER
 from domain import admission
 from domain.admission import AdmissionPolicy
 from domain.admission_steps import (
@@ -37,6 +38,7 @@ from domain.admission_steps import (
     resolve_run,
 )
 from domain.capacity import Choice, Refusal, UnknownModel
+from domain.control_plane.data_policy import ZERO
 from domain.control_plane.state import ControlView
 from domain.cost import Estimate, Price, amount_micros, base_model, tpot_estimate_us
 from domain.governance.decide import StartRun
@@ -51,6 +53,7 @@ from domain.requests.decide import (
     RouteRequest,
 )
 from domain.requests.events import RequestModelRouted
+from domain.residency import refusal_detail
 from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
 from domain.runs.events import RunBudgetExhausted
 from domain.runs.state import Run, run_stream
@@ -156,7 +159,15 @@ class Admission:
 
         When no replica of the model can take the request and the tenant consented to another
         model (`tollgate fallbacks allow`), that one is tried, under its own quota; without
-        consent no other model is ever served."""
+        consent no other model is ever served.
+
+        A tenant pinned to regions (`tollgate residency set`) is routed only there, the
+        fallback included, and refused `region_unavailable` when they have no room; a
+        zero-retention one's responses say so (`X-Tollgate-Retention: zero`)."""
+        regions = self.control.regions(caller.tenant_id, caller.key_id)
+        retention = self.control.retention(caller.tenant_id, caller.key_id)
+        if retention == ZERO:
+            headers[RETENTION_HEADER] = ZERO
         bucket = _system_prompt_bucket(caller, req)
         tree = self.control.hierarchy
         run = None if run_id is None else resolve_run(
@@ -181,37 +192,46 @@ class Admission:
                 self._run_exhausted(run, decision.dimension or "", request_id)
             return Refused(refusal_errors.refusal(decision, headers))
         choice = self._route(
-            model, caller.tier, decision.estimate, req.service_tier, request_id, trace
+            model, caller.tier, decision.estimate, req.service_tier, request_id, trace, regions
         )
         if isinstance(choice, Choice):
             if routed is not None:
                 _say_routed(headers, routed[0])
             return self._admitted(
                 caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                shape, choice, model, routed=routed and routed[0],
+                shape, choice, model, routed=routed and routed[0], retention=retention,
             )  # fmt: skip
         if not may_fall_back(req.service_tier):
-            return self._flex_refused(caller, model, request_id, is_retry, headers, choice)
+            if regions is None:
+                return self._flex_refused(caller, model, request_id, is_retry, headers, choice)
+            # A pinned tenant's flex refusal says, like its other ones, that its regions had
+            # no room: what it must know is that nothing ran elsewhere.
+            self.metrics.flex_of(model, caller.tier, "refused").inc()
         reason = capacity_detail(choice)
         self.views.void(request_id)
         if routed is not None:
             return self._shed(
                 caller, req, request_id, idempotency_key, is_retry, headers, bucket, run, trace,
-                routed, reason,
+                routed, reason, regions, retention,
             )  # fmt: skip
-        fallback = self._fall_back(
-            caller, req, model, request_id, is_retry, headers, bucket, run, trace
-        )
+        fallback = None if not may_fall_back(req.service_tier) else self._fall_back(
+            caller, req, model, request_id, is_retry, headers, bucket, run, trace, regions=regions
+        )  # fmt: skip
         if fallback is None:
             retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-            self.reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
+            detail = refusal_detail(reason, regions)
+            self.reject(request_id, caller, model, "capacity", retry_after, detail, is_retry)
+            if regions is not None:
+                return Refused(
+                    refusal_errors.region_unavailable(model, regions, retry_after, headers)
+                )
             return Refused(
                 refusal_errors.no_capacity(model, caller.tier, reason, retry_after, headers)
             )
         served, decision, shape, choice = fallback
         return self._admitted(
             caller, req, request_id, idempotency_key, is_retry, bucket, run, decision, shape,
-            choice, served, downgraded_from=model, reason=reason,
+            choice, served, downgraded_from=model, reason=reason, retention=retention,
         )  # fmt: skip
 
     def _flex_refused(
@@ -231,6 +251,7 @@ class Admission:
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
         headers: dict[str, str], bucket: int, run: Run | None, trace: RequestTrace | None,
         alternatives: list[str] | None = None,
+        regions: frozenset[str] | None = None,
     ) -> tuple[str, admission.Admitted, RequestShape | None, Choice[Replica]] | None:
         """The first consented model whose own quota admits the request and that a replica
         takes: (that model, its quota decision, the predictor's question, the replica).
@@ -250,7 +271,7 @@ class Admission:
             if isinstance(other, admission.Rejected):
                 continue  # its own quota is spent: the next consented model, or a 503
             choice = self._route(
-                alternative, caller.tier, other.estimate, "default", request_id, trace
+                alternative, caller.tier, other.estimate, "default", request_id, trace, regions
             )
             if isinstance(choice, Choice):
                 headers.update(refusal_errors.rate_limit_headers(other.rate_limits))
@@ -266,12 +287,14 @@ class Admission:
         is_retry: bool, bucket: int, run: Run | None, decision: admission.Admitted,
         shape: RequestShape | None, choice: Choice[Replica], served: str, *,
         downgraded_from: str | None = None, reason: str = "", routed: Routed | None = None,
+        retention: str = "",
     ) -> Admitted:  # fmt: skip
         """The admitted request's flight; the flex work its replica gives up is preempted, and
         the run it starts is recorded."""
         flight = Flight(
             request_id, caller.tenant_id, served, caller.tier, Progress(), choice,
             idempotency_key=idempotency_key, shape=shape, service_tier=req.service_tier,
+            retention=retention,
         )
         if req.service_tier == "flex":
             self.metrics.flex_of(served, caller.tier, "admitted").inc()
@@ -306,10 +329,11 @@ class Admission:
                 batch_item=req.batch_item,
                 task_class=cls,
                 routed=model_routed,
+                retention=retention,
             ),
             RouteRequest(
                 request_id=request_id, replica_id=choice.replica_id,
-                occupancy_ppm=choice.occupancy_ppm,
+                occupancy_ppm=choice.occupancy_ppm, region=choice.region,
             ),
         ))  # fmt: skip
 
@@ -345,6 +369,7 @@ class Admission:
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
         is_retry: bool, headers: dict[str, str], bucket: int, run: Run | None,
         trace: RequestTrace | None, routed: tuple[Routed, RoutingPolicy], reason: str,
+        regions: frozenset[str] | None, retention: str,
     ) -> Admitted | Refused:  # fmt: skip
         """The routed model had no room: the reference model serves it, through its own quota
         and capacity like any request, when the policy says so (`on_capacity` "asked"); else,
@@ -354,7 +379,7 @@ class Admission:
         if policy.on_capacity == "asked" and served != choice.reference_model:
             shed = self._fall_back(
                 caller, req, served, request_id, is_retry, headers, bucket, run, trace,
-                alternatives=[choice.reference_model],
+                alternatives=[choice.reference_model], regions=regions,
             )  # fmt: skip
             if shed is not None:
                 model, decision, shape, replica = shed
@@ -367,10 +392,13 @@ class Admission:
                 _say_routed(headers, shed_choice)
                 return self._admitted(
                     caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                    shape, replica, model, routed=shed_choice,
+                    shape, replica, model, routed=shed_choice, retention=retention,
                 )  # fmt: skip
         retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-        self.reject(request_id, caller, served, "capacity", retry_after, reason, is_retry)
+        detail = refusal_detail(reason, regions)
+        self.reject(request_id, caller, served, "capacity", retry_after, detail, is_retry)
+        if regions is not None:
+            return Refused(refusal_errors.region_unavailable(served, regions, retry_after, headers))
         refused = refusal_errors.no_capacity(served, caller.tier, reason, retry_after, headers)
         return Refused(refused)
 
@@ -447,12 +475,12 @@ class Admission:
 
     def _route(
         self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str,
-        trace: RequestTrace | None = None,
+        trace: RequestTrace | None = None, regions: frozenset[str] | None = None,
     ) -> _Routed:  # fmt: skip
         started = 0 if trace is None else trace.now()
         choice = self.fleet.choose(
             model, tier, kv_tokens(estimate), self.rng, service_tier=service_tier,
-            request_id=request_id,
+            request_id=request_id, regions=regions,
         )
         if trace is not None:
             trace.routed(started, model, choice)

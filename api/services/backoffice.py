@@ -26,7 +26,7 @@ from ledger.finance import FinanceQueries, month_bounds
 from ledger.store import EventStore
 
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
-GROUP_BY = ("hour", "day", "model", "key", "workspace", "project", "run")
+GROUP_BY = ("hour", "day", "model", "key", "workspace", "project", "run", "region")
 FORMATS = ("json", "csv")
 MAX_RANGE = timedelta(days=366)
 DEFAULT_RANGE = timedelta(days=30)
@@ -292,6 +292,12 @@ def _unknown_tenant(tenant: str) -> ApiError:
 # --- rendering ---------------------------------------------------------------------------------
 
 
+def _retention_of(t: Timeline) -> str | None:
+    """The tier recorded on its admission (a replay without the control view still says it)."""
+    admitted = next((s.payload for s in t.steps if s.type == "RequestAdmitted"), None)
+    return None if admitted is None else admitted.get("retention") or "standard"
+
+
 def timeline_json(t: Timeline) -> dict[str, Any]:
     state = t.state
     return {
@@ -324,6 +330,9 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "replica_occupancy_at_routing": (
             None if t.occupancy_ppm_at_routing is None else t.occupancy_ppm_at_routing / 1e6
         ),
+        # Where it ran (the replica's region) and what was kept of it (its retention tier).
+        "region": t.region or None,
+        "retention": t.retention or _retention_of(t),
         "ttft_ms": t.ttft_ms,
         "tpot_us": t.tpot_us,
         "quota": {
@@ -370,7 +379,7 @@ USAGE_COLUMNS = ("tenant", "model", "period_start", "requests", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "amount_micros", "currency")
 # The column a usage row grouped by one of these adds (finance reads them from the ledger).
 GROUP_COLUMNS = {"key": "key_id", "workspace": "workspace_id", "project": "project_id",
-                 "run": "run_id"}  # fmt: skip
+                 "run": "run_id", "region": "region"}  # fmt: skip
 ENTRY_COLUMNS = ("request_id", "tenant", "key_id", "model", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                  "cached_micros_per_mtok", "amount_micros", "currency", "terminal_reason",

@@ -56,6 +56,7 @@ class BatchService:
         windows: Iterable[str] = (),
         clock: Clock = utcnow,
         runner_alive: Callable[[], bool] | None = None,
+        retention: Callable[[str, str], str] | None = None,
     ) -> None:
         self.files = files
         self.events = events
@@ -65,6 +66,8 @@ class BatchService:
         # Whether a batch runner will pick a new batch up (None: one always runs beside this
         # edge, `tollgate serve`'s; the distributed mode's edges read the runner's heartbeat).
         self.runner_alive = runner_alive
+        # The retention tier of a (tenant, key)'s batches (the control view's; None: standard).
+        self.retention = retention
         # custom_id -> model of each open batch's input file, parsed once (for `queue`).
         self._models: dict[str, dict[str, str]] = {}
 
@@ -101,7 +104,8 @@ class BatchService:
 
     def content(self, caller: Caller, file_id: str) -> bytes:
         _queryable(file_id, "file_id")
-        found = self.files.content(caller.tenant_id, file_id, self.clock())
+        # A zero-retention batch's output is read once: deleted in the read's own transaction.
+        found = self.files.content(caller.tenant_id, file_id, self.clock(), consume=True)
         if found is None:
             raise _no_file(file_id, "file_id")
         return bytes(found)
@@ -176,6 +180,7 @@ class BatchService:
             input_file_id=file_id, endpoint=endpoint, completion_window=str(window),
             window_s=window_s, total=len(lines), now=now,
             metadata_json=json.dumps(metadata, sort_keys=True),
+            retention=self.retention(caller.tenant_id, caller.key_id) if self.retention else "",
         )
         self._handle(batch_id, caller.tenant_id, command, now)
         return self.get(caller, batch_id)

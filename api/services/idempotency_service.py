@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from api.services.errors import ApiError
+from api.services.retention import is_zero, not_retained
 from ledger.idempotency import IdempotencyConflict, IdempotencyStore, StoredResponse
 
 
@@ -19,9 +20,12 @@ class AsyncIdempotency:
 
     async def lookup(self, tenant_id: str, key: str, body_sha256: str) -> StoredResponse | None:
         try:
-            return await asyncio.to_thread(self.store.lookup, tenant_id, key, body_sha256)
+            stored = await asyncio.to_thread(self.store.lookup, tenant_id, key, body_sha256)
         except IdempotencyConflict as exc:
             raise _conflict(exc, key) from None
+        if stored is not None and is_zero(stored.headers):
+            return not_retained(stored)
+        return stored
 
     async def begin(self, tenant_id: str, key: str, request_id: str, body_sha256: str) -> None:
         try:
@@ -33,6 +37,10 @@ class AsyncIdempotency:
         self, tenant_id: str, key: str, status: int, body: bytes, content_type: str,
         headers: dict[str, str],
     ) -> None:
+        """Keep the finished response for a replay; a zero-retention one's (its headers say
+        `X-Tollgate-Retention: zero`) without its body: a retry gets its status and request id."""
+        if is_zero(headers):
+            body = b""
         await asyncio.to_thread(
             self.store.complete, tenant_id, key, status, body, content_type, headers
         )

@@ -90,6 +90,7 @@ class Flight:
     first_durable: asyncio.Future[bool] | None = None
     ended: asyncio.Future[bool] | None = None
     trace: RequestTrace | None = None  # its spans, when tracing is on (api/services/tracing.py)
+    retention: str = ""  # its retention tier: "zero" keeps no response for a replay
 
 
 class Recorder:

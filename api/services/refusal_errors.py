@@ -72,6 +72,24 @@ def no_capacity(
     )
 
 
+def region_unavailable(
+    model: str, regions: frozenset[str], retry_after_s: int, headers: dict[str, str]
+) -> ApiError:
+    """A tenant pinned to regions whose regions have no room for `model` (or no replica of
+    it): a 503 like any capacity refusal, whose code says the request was kept in its regions
+    rather than served elsewhere."""
+    headers["Retry-After"] = str(retry_after_s)
+    where = ", ".join(sorted(regions)) or "no region"
+    return ApiError(
+        503,
+        f"no capacity for {model} in this tenant's regions ({where}); the request is never "
+        "served outside them: retry after the Retry-After delay",
+        type="capacity",
+        code="region_unavailable",
+        headers=headers,
+    )
+
+
 def flex_unavailable(
     model: str, detail: str, retry_after_s: int, headers: dict[str, str]
 ) -> ApiError:

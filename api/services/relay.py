@@ -31,6 +31,7 @@ from api.services.flights import (
     preempt_command,
 )
 from api.services.recorder import Flight
+from api.services.retention import retention_headers
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.usage import DONE, relay_stream
 
@@ -159,7 +160,7 @@ class StreamRelay:
             await self.idempotency.complete(
                 caller.tenant_id, flight.idempotency_key or "", 200,
                 b"".join(transcript), "text/event-stream",
-                {"X-Request-Id": flight.request_id},
+                {"X-Request-Id": flight.request_id, **retention_headers(flight.retention)},
             )
         yield DONE
 

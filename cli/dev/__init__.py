@@ -23,7 +23,7 @@ DEV_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 @click.option("--log-dir", default=None, help="the children's logs (default: <data dir>/logs)")
 @settings_options(
     "database_url", "host", "port", "simulated_replicas", "models", "sim_speed", "kafka_topic",
-    "log_format",
+    "log_format", "simulated_regions", "region",
     # A development cluster's own defaults: the test PostgreSQL, one replica per model.
     defaults={"database_url": DEV_DATABASE_URL, "simulated_replicas": 1},
 )
@@ -47,7 +47,8 @@ def dev_cluster(settings: Settings, kafka_port: int, log_dir: str | None) -> Non
         kafka_port=kafka_port, simulated_replicas=settings.simulated_replicas,
         models=settings.models, sim_speed=settings.sim_speed, topic=settings.kafka_topic,
         log_dir=Path(log_dir) if log_dir else None, data_dir=settings.data_path(),
-        log_format=settings.log_format,
+        log_format=settings.log_format, simulated_regions=settings.simulated_regions,
+        region=settings.region,
     )))  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from api.config import DEFAULT_MODELS, Settings
+from api.replica_regions import simulated_region
 from api.serve import demo_keys_file, ensure_demo_prices, seed_demo
 from api.services.control_service import ControlService, hash_secret
 from cli.dev import DEV_DATABASE_URL
@@ -60,6 +61,10 @@ class DevClusterSettings:
     data_dir: Path = Path("data").resolve()  # the children's too
     log_format: str = "plain"  # every child's, replicas included (--log-format)
     stop_grace_s: float = 20.0
+    # Regions a model's replicas are spread over in turn (--simulated-region), and that of a
+    # replica given none (--region): what tenants pinned to regions are confined to.
+    simulated_regions: tuple[str, ...] = ()
+    region: str = ""
 
 
 @dataclass
@@ -136,7 +141,9 @@ class DevCluster:
                      "--speed", str(s.sim_speed)],
                     url=f"http://{s.host}:{port}",
                 )  # fmt: skip
-                replicas += ["--replica", f"{model}={child.url}"]
+                region = simulated_region(s.simulated_regions, i, s.region)
+                where = f"@{region}" if region else ""
+                replicas += ["--replica", f"{model}={child.url}{where}"]
         for child in self.children:
             self._wait_http(child, "/health", 30)
         db = ["--database-url", s.database_url]

@@ -32,6 +32,7 @@ class CreateBatch:
     total: int
     now: datetime
     metadata_json: str = "{}"
+    retention: str = ""  # the creating key's tier (domain.control_plane.data_policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ def decide(state: BatchState, command: BatchCommand) -> tuple[Event, ...]:
                     command.batch_id, command.tenant_id, command.key_id, command.input_file_id,
                     command.endpoint, command.completion_window, command.total,
                     command.now + timedelta(seconds=command.window_s), command.metadata_json,
+                    command.retention,
                 ),
             )
         case StartBatch():

@@ -21,6 +21,9 @@ class BatchCreated(Event):
     total: int  # requests in the input file
     expires_at: datetime
     metadata_json: str = "{}"
+    # The retention tier of the key that created it, fixed for its life: "zero" deletes its
+    # input once read and its output files as they are read. "" before tiers existed.
+    retention: str = ""
 
 
 @dataclass(frozen=True, slots=True)

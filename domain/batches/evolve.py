@@ -37,7 +37,7 @@ def _created(state: BatchState, e: Any, at: datetime) -> BatchState:
         state, batch_id=e.batch_id, status="validating", tenant_id=e.tenant_id,
         key_id=e.key_id, input_file_id=e.input_file_id, endpoint=e.endpoint,
         completion_window=e.completion_window, total=e.total, metadata_json=e.metadata_json,
-        created_at=at, expires_at=e.expires_at,
+        created_at=at, expires_at=e.expires_at, retention=e.retention,
     )
 
 

@@ -57,6 +57,7 @@ class BatchState:
     endpoint: str = ""
     completion_window: str = ""
     metadata_json: str = "{}"
+    retention: str = ""  # "zero": its files are deleted once used (BatchCreated.retention)
     total: int = 0
     completed: int = 0
     failed: int = 0

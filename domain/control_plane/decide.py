@@ -7,6 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from domain.control_plane.data_policy import (
+    DATA_POLICY_COMMANDS,
+    DataPolicyCommand,
+    decide_data_policy,
+)
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -191,6 +196,7 @@ ControlCommand = (
     | AllowRouting
     | RevokeRouting
     | HierarchyCommand
+    | DataPolicyCommand
 )
 
 
@@ -380,6 +386,11 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
         if (command.tenant_id, command.project_id) not in view._routing:
             return ()
         return (RoutingRevoked(command.tenant_id, command.project_id),)
+    if isinstance(command, DATA_POLICY_COMMANDS):
+        view._tenant_or_error(command.tenant_id)
+        project = command.project_id
+        exists = project is not None and view.hierarchy.project(command.tenant_id, project)
+        return decide_data_policy(view.data_policy, command, project_exists=bool(exists))
     if isinstance(command, HIERARCHY_COMMANDS):
         view._tenant_or_error(command.tenant_id)
         key_id = getattr(command, "key_id", None) or (

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar
 
+from domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -142,7 +143,7 @@ class _Dated:
 CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
     TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
     FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
-    FallbackRevoked, RoutingAllowed, RoutingRevoked, *HIERARCHY_EVENTS,
+    FallbackRevoked, RoutingAllowed, RoutingRevoked, *HIERARCHY_EVENTS, *DATA_POLICY_EVENTS,
 })  # fmt: skip
 
 
@@ -167,6 +168,8 @@ class ControlView:
         self._current: dict[tuple[str, str], Limits] = {}
         # Workspaces, projects, the keys' places, level limits, budgets and runs.
         self.hierarchy = Hierarchy()
+        # Residency pins and retention tiers (domain/control_plane/data_policy.py).
+        self.data_policy = DataPolicy()
         self._seen: set[str] = set()
         self._versions: dict[str, int] = {}
         self._seq = 0
@@ -268,6 +271,8 @@ class ControlView:
                 self._routing.pop((event.tenant_id, event.project_id), None)
             case _ if isinstance(event, HIERARCHY_EVENTS):
                 self.hierarchy.apply(event, at)
+            case _ if isinstance(event, DATA_POLICY_EVENTS):
+                self.data_policy.apply(event)
             case _:
                 return
         self._seen.add(recorded.event_id)
@@ -425,6 +430,17 @@ class ControlView:
 
     def routing_policies(self, tenant_id: str) -> list[RoutingPolicy]:
         return [p for (t, _), p in self._routing.items() if t == tenant_id]
+
+    def regions(self, tenant_id: str, key_id: str) -> frozenset[str] | None:
+        """The regions a key's requests may be served in (its tenant's pin narrowed by its
+        project's); None: anywhere."""
+        project = self.hierarchy.project_of_key(tenant_id, key_id)
+        return self.data_policy.regions(tenant_id, project)
+
+    def retention(self, tenant_id: str, key_id: str) -> str:
+        """The retention tier of a key's requests: `zero` when its tenant or project says so."""
+        project = self.hierarchy.project_of_key(tenant_id, key_id)
+        return self.data_policy.retention(tenant_id, project)
 
     def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
         return [r for r in self._replicas.values() if model is None or r.model == model]

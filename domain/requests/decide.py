@@ -75,6 +75,7 @@ class AdmitRequest:
     # tenant consented to routing (recorded with the admission, like `reserved`).
     task_class: str = ""
     routed: RequestModelRouted | None = None
+    retention: str = ""  # its retention tier: "zero" | "standard" (control_plane.data_policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class RouteRequest:
     occupancy_ppm: int
     request_id: str = ""
     at: datetime | None = None
+    region: str = ""  # the replica's (Choice.region)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +249,10 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
                 raise DomainError("already_routed", f"request already routed to {state.replica_id}")
             if not 0 <= command.occupancy_ppm <= 1_000_000:
                 raise DomainError("bad_occupancy", "occupancy_ppm must be within [0, 1e6]")
-            return (RequestRouted(state.request_id, command.replica_id, command.occupancy_ppm),)
+            routed = RequestRouted(
+                state.request_id, command.replica_id, command.occupancy_ppm, command.region
+            )
+            return (routed,)
         case RecordFirstToken():
             _require_live(state)
             if state.first_token:
@@ -423,6 +428,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.service_tier,
         command.batch_item,
         command.trace_id,
+        command.retention,
     )
     if est.output_cap_tokens and est.output_cap_tokens < est.reserved_output_tokens:
         raise DomainError(

@@ -34,6 +34,9 @@ class RequestAdmitted(Event):
     # The W3C trace id of its spans, 32 hex digits, when the edge traced it (empty otherwise, and
     # in events recorded before tracing: an optional field, so the version stays 1).
     trace_id: str = ""
+    # The retention tier it ran under (domain/control_plane/data_policy.py): "zero" kept no
+    # response for a replay. "" in events recorded before tiers existed, which were standard.
+    retention: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,9 @@ class RequestRouted(Event):
     request_id: str
     replica_id: str
     occupancy_ppm: int  # the replica's effective KV occupancy at choice, parts per million
+    # The replica's region ("" when it was given none, and in events recorded before regions:
+    # an optional field, so the version stays 1).
+    region: str = ""
 
 
 @dataclass(frozen=True, slots=True)

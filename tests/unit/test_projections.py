@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,7 +14,7 @@ from domain.projections import (
     USAGE_HOURLY,
     ProjectionSpec,
 )
-from domain.requests.events import RefusalsCounted, RequestDowngraded
+from domain.requests.events import RefusalsCounted, RequestDowngraded, RequestRouted
 from tests import builders as b
 
 
@@ -62,7 +63,19 @@ def test_request_log_follows_a_request_to_its_end() -> None:
         "requested_model": None,
         "service_tier": "default",
         "refusals": None,
+        "region": "",  # routed to a replica given no region
+        "retention": "standard",
     }
+
+
+def test_request_log_keeps_the_region_and_the_retention_tier() -> None:
+    events = b.happy_path()
+    admitted = dataclasses.replace(events[0], retention="zero")
+    routed = next(e for e in events if isinstance(e, RequestRouted))
+    events = [admitted, *(dataclasses.replace(e, region="eu-west") if e is routed else e
+                          for e in events[1:])]  # fmt: skip
+    row = run(REQUEST_LOG, b.stream(*events))[(b.RID,)]
+    assert (row["region"], row["retention"]) == ("eu-west", "zero")
 
 
 def test_request_log_keeps_the_model_a_downgraded_request_asked_for() -> None:
