@@ -445,7 +445,7 @@ class Fleet:
 def _with_others_flex(
     others: OthersFlex, tier: str, routable: dict[str, ReplicaState], rng: random.Random,
     refused: CapacityRefusal,
-) -> tuple[Placement | CapacityRefusal, Preemption | None]:
+) -> tuple[Placement | CapacityRefusal, Preemption | None]:  # fmt: skip
     """The interactive request again, with the flex work other edges serve counted: the KV
     of what some edge already asked to preempt as free (it is being aborted), and the rest
     as preemptible behind this router's own flex work (which is aborted first: at once,

@@ -348,9 +348,7 @@ def _expire(state: RequestState, command: ExpireLease) -> tuple[Event, ...]:
         max(reported[1], known[1]),
         min(max(reported[2], known[2]), max(reported[0], known[0])),
     )
-    return _with_refund(
-        state, LeaseExpired(state.request_id, *counts, command.last_renewed_at)
-    )
+    return _with_refund(state, LeaseExpired(state.request_id, *counts, command.last_renewed_at))
 
 
 def _preempt(state: RequestState, command: PreemptRequest) -> tuple[Event, ...]:

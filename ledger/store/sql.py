@@ -435,4 +435,3 @@ def _first_line(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     text = str(orig).strip()
     return text.splitlines()[0] if text else type(orig).__name__
-
