@@ -62,12 +62,25 @@ class Children(Generic[M]):
 
 class Metrics:
     def __init__(self, *, max_tenant_labels: int = 50) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         # Tenant is a label only for the first `max_tenant_labels` tenants seen: the others are
         # counted as "other", so a platform with many tenants cannot explode the series count.
         self.max_tenant_labels = max_tenant_labels
         self._tenant_labels: set[str] = set()
-        self.models = models = ModelLabels()
+        self.models = ModelLabels()
+        self._register_requests()
+        self._register_fleet()
+        self._register_slo()
+        self._register_batches()
+        self._register_store()
+        self._register_prediction()
+        self._register_reconciliation()
+
+    def _register_requests(self) -> None:
+        """What became of each chat request at the edge (admitted, refused, finished, served by
+        another model), its latencies and the slow readers cut."""
+        r = self.registry
+        models = self.models
         self.ttft = Histogram(
             "tollgate_ttft_seconds", "Time to first token seen by the edge.", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r,
@@ -95,19 +108,6 @@ class Metrics:
             ["requested", "served"],
             registry=r,
         )
-        self.desired_replicas = Gauge(
-            "tollgate_desired_replicas",
-            "Replicas each model version should have one cold start from now (the autoscaling "
-            "signal: KV demand forecast, waiting and reserved terms, with hysteresis).",
-            ["model"],
-            registry=r,
-        )
-        self.fleet_replicas = Gauge(
-            "tollgate_fleet_replicas",
-            "Replicas serving each model version now, or starting.",
-            ["model"],
-            registry=r,
-        )
         self.in_flight = Gauge("tollgate_in_flight", "Requests in flight on this edge.", registry=r)
         self.slow_readers = Counter(
             "tollgate_slow_readers_cancelled",
@@ -121,6 +121,27 @@ class Metrics:
             "timeout later.",
             registry=r,
         )
+        self.ttft_of = Children(self.ttft, models, model_at=0)
+        self.tpot_of = Children(self.tpot, models, model_at=0)
+        self.admitted_of = Children(self.admitted, models, model_at=1)
+        self.finished_of = Children(self.finished)
+
+    def _register_fleet(self) -> None:
+        """The replicas as this edge sees them, and the autoscaling signal."""
+        r = self.registry
+        self.desired_replicas = Gauge(
+            "tollgate_desired_replicas",
+            "Replicas each model version should have one cold start from now (the autoscaling "
+            "signal: KV demand forecast, waiting and reserved terms, with hysteresis).",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_replicas = Gauge(
+            "tollgate_fleet_replicas",
+            "Replicas serving each model version now, or starting.",
+            ["model"],
+            registry=r,
+        )
         self.kv_occupancy = Gauge(
             "tollgate_replica_kv_occupancy", "Last scraped KV-cache occupancy (0..1).",
             ["replica", "model"], registry=r,
@@ -129,9 +150,11 @@ class Metrics:
             "tollgate_replica_healthy", "1 when the replica answers its scrapes.",
             ["replica", "model"], registry=r,
         )
-        self.events = Counter(
-            "tollgate_events_appended", "Events committed to the event store.", ["type"], registry=r
-        )
+
+    def _register_slo(self) -> None:
+        """Objectives attained per tier, and the flex class and its preemptions."""
+        r = self.registry
+        models = self.models
         self.attained = Counter(
             "tollgate_requests_attained",
             "Requests that completed within their tier's TTFT and TPOT objectives.",
@@ -174,6 +197,13 @@ class Metrics:
             registry=r,
         )
         self.preemptions_of = Children(self.preemptions, models, model_at=0)
+        self.attained_of = Children(self.attained, models, model_at=2)
+        self.not_attained_of = Children(self.not_attained, models, model_at=2)
+        self.outcomes: dict[str, dict[str, int]] = {}  # tier -> outcome -> count, for the ratios
+
+    def _register_batches(self) -> None:
+        """Open batches and their queue."""
+        r = self.registry
         self.batches_open = Gauge(
             "tollgate_batches_open", "Batches not yet ended (validating to finalizing).",
             registry=r,
@@ -187,14 +217,13 @@ class Metrics:
             "Age of the oldest open batch that still has items to run (0: none).",
             registry=r,
         )
-        self.attained_of = Children(self.attained, models, model_at=2)
-        self.not_attained_of = Children(self.not_attained, models, model_at=2)
-        self.outcomes: dict[str, dict[str, int]] = {}  # tier -> outcome -> count, for the ratios
-        # The request path's labelled metrics, through the cache above.
-        self.ttft_of = Children(self.ttft, models, model_at=0)
-        self.tpot_of = Children(self.tpot, models, model_at=0)
-        self.admitted_of = Children(self.admitted, models, model_at=1)
-        self.finished_of = Children(self.finished)
+
+    def _register_store(self) -> None:
+        """The event store and the folds behind it."""
+        r = self.registry
+        self.events = Counter(
+            "tollgate_events_appended", "Events committed to the event store.", ["type"], registry=r
+        )
         self.events_of = Children(self.events)
         self.append_failures = Counter(
             "tollgate_event_append_failures", "Event appends that failed.", registry=r
@@ -222,6 +251,20 @@ class Metrics:
             ["fold"],
             registry=r,
         )
+        self.billing_lag = Gauge(
+            "tollgate_billing_lag_events", "Committed events the billing fold has not applied yet.",
+            registry=r,
+        )
+        self.admission_view_lag = Gauge(
+            "tollgate_admission_view_lag_seconds",
+            "Age of the newest logged event this edge's admission views have folded when they "
+            "folded it (edges that share a store: how late another edge's admission counts here).",
+            registry=r,
+        )
+
+    def _register_prediction(self) -> None:
+        """Output-length prediction at admission."""
+        r = self.registry
         self.output_predicted = Counter(
             "tollgate_output_predicted",
             "Admissions whose output reservation was an output-length prediction.",
@@ -244,19 +287,11 @@ class Metrics:
         )
         self.output_predicted_of = Children(self.output_predicted)
         self.output_prediction_fallbacks_of = Children(self.output_prediction_fallbacks)
-        self.billing_lag = Gauge(
-            "tollgate_billing_lag_events", "Committed events the billing fold has not applied yet.",
-            registry=r,
-        )
-        self.admission_view_lag = Gauge(
-            "tollgate_admission_view_lag_seconds",
-            "Age of the newest logged event this edge's admission views have folded when they "
-            "folded it (edges that share a store: how late another edge's admission counts here).",
-            registry=r,
-        )
 
-        # The continuous reconciliation's last result (streams/reconciler.py), read from the
-        # store with /readyz's status: the figures an operator pages on (DESIGN §4, 14).
+    def _register_reconciliation(self) -> None:
+        """The continuous reconciliation's last result (streams/reconciler.py), read from the
+        store with /readyz's status: the figures an operator pages on (DESIGN §4, 14)."""
+        r = self.registry
         self.unbilled_terminals = Gauge(
             "tollgate_unbilled_terminals",
             "Terminal events whose ledger row the reconciliation has not found.", registry=r,

@@ -158,9 +158,7 @@ def _admit(
 ) -> _Granted | Rejected:  # fmt: skip
     """`decide`'s rules, answering what its Admitted would be built from (`now_s`: `cmd.now` as
     epoch seconds)."""
-    backoff = policy.backoff
-    jitter = cmd.jitter
-    if not 0.0 <= jitter < 1.0:
+    if not 0.0 <= cmd.jitter < 1.0:
         raise DomainError("bad_jitter", "jitter is a uniform draw in [0, 1)", field="jitter")
     rid = cmd.request_id
     if view.knows(rid):
@@ -170,45 +168,79 @@ def _admit(
     rpm, tpm = windows
 
     prompt = cmd.prompt_tokens
-    max_output = limits.max_output
     max_tokens = cmd.max_tokens
-    invalid = param = None
-    if prompt < 0:
-        invalid, param = "prompt_tokens is negative", "messages"
-    elif max_tokens is not None and max_tokens < 1:
-        invalid, param = "max_tokens must be at least 1", "max_tokens"
-    elif prompt > limits.max_context:
-        invalid = f"prompt of {prompt} tokens exceeds max_context {limits.max_context}"
-        param = "messages"
-    elif cmd.context_tokens is not None and prompt >= cmd.context_tokens:
-        invalid = (
-            f"prompt of {prompt} tokens leaves no room in the model's context of "
-            f"{cmd.context_tokens} tokens"
-        )
-        param = "messages"
     out = output_cap(max_tokens, limits)
-    reserved = prompt + out
-    if invalid is None and cmd.min_tokens is not None and cmd.min_tokens > out:
-        # The engine would refuse it after admission; it can never succeed as asked.
-        invalid = (
-            f"min_tokens {cmd.min_tokens} exceeds the {out} output tokens this request may "
-            f"produce (max_tokens, capped at the {max_output} of the tenant's max_output)"
-        )
-        param = "min_tokens"
-    if invalid is None and reserved > limits.tpm:
-        invalid = f"request needs {reserved} tokens, above the {limits.tpm} tokens/min limit"
-        param = "max_tokens"
+    invalid = _invalid(cmd, limits, out)
     if invalid is not None:
-        return Rejected("invalid", 0, invalid, _info(rpm, tpm), param)
+        return Rejected("invalid", 0, invalid[0], _info(rpm, tpm), invalid[1])
     reserved_out = out
     predicted = cmd.predicted_output_tokens
     if predicted is not None:
         floor = max(predicted, cmd.min_tokens or 0, 1)
         if floor < out:
             reserved_out = floor
-            reserved = prompt + reserved_out
+    reserved = prompt + reserved_out
 
     view.see(rid, cmd.is_retry, now_s)
+    refused = _rate_refusal(view, cmd, limits, policy, stale, windows, reserved, reserved_out < out)
+    if refused is not None:
+        return refused
+    kv = est_kv_byte_seconds(prompt, reserved_out, cmd.kv_bytes_per_token, cmd.tpot_us)
+    refused = _kv_refusal(view, cmd, limits, policy, stale, windows, kv)
+    if refused is not None:
+        return refused
+
+    view.charge(rid, key, now_s, windows, reserved, kv)
+    return (
+        Estimate(
+            prompt, reserved_out, kv, cmd.tpot_us, out,
+            cmd.predictor_version if predicted is not None else "",
+        ),
+        rpm,
+        tpm,
+        max_tokens is not None and max_tokens > limits.max_output,
+    )  # fmt: skip
+
+
+def _invalid(cmd: ReserveQuota, limits: Limits, out: int) -> tuple[str, str] | None:
+    """(message, param) of a request that can never be admitted as asked, else None."""
+    prompt = cmd.prompt_tokens
+    max_tokens = cmd.max_tokens
+    if prompt < 0:
+        return "prompt_tokens is negative", "messages"
+    if max_tokens is not None and max_tokens < 1:
+        return "max_tokens must be at least 1", "max_tokens"
+    if prompt > limits.max_context:
+        return f"prompt of {prompt} tokens exceeds max_context {limits.max_context}", "messages"
+    if cmd.context_tokens is not None and prompt >= cmd.context_tokens:
+        return (
+            f"prompt of {prompt} tokens leaves no room in the model's context of "
+            f"{cmd.context_tokens} tokens"
+        ), "messages"
+    if cmd.min_tokens is not None and cmd.min_tokens > out:
+        # The engine would refuse it after admission; it can never succeed as asked.
+        return (
+            f"min_tokens {cmd.min_tokens} exceeds the {out} output tokens this request may "
+            f"produce (max_tokens, capped at the {limits.max_output} of the tenant's max_output)"
+        ), "min_tokens"
+    reserved = prompt + out
+    if reserved > limits.tpm:
+        return (
+            f"request needs {reserved} tokens, above the {limits.tpm} tokens/min limit",
+            "max_tokens",
+        )
+    return None
+
+
+def _rate_refusal(
+    view: QuotaView, cmd: ReserveQuota, limits: Limits, policy: AdmissionPolicy, stale: bool,
+    windows: tuple[Bucket, Bucket], reserved: int, predicted: bool,
+) -> Rejected | None:  # fmt: skip
+    """The retry budget, then requests/min, then tokens/min (`reserved`: the tokens charged,
+    on a `predicted` output or the whole cap)."""
+    backoff = policy.backoff
+    jitter = cmd.jitter
+    rpm, tpm = windows
     if cmd.is_retry and cmd.tier != RESERVED_TIER:
         requests, retries = view.retry_window()
         if backoff.over_budget(requests, retries):
@@ -231,38 +263,35 @@ def _admit(
             "tokens",
             backoff.retry_after_s(jitter, tpm.refill_s(reserved)),
             f"{reserved} tokens reserved (prompt + "
-            f"{'predicted' if reserved_out < out else 'max'} output) exceed the "
+            f"{'predicted' if predicted else 'max'} output) exceed the "
             f"{max(0, int(tpm.level))} left of {limits.tpm} tokens/min for {cmd.model}",
             _info(rpm, tpm),
         )
+    return None
 
-    kv = est_kv_byte_seconds(prompt, reserved_out, cmd.kv_bytes_per_token, cmd.tpot_us)
+
+def _kv_refusal(
+    view: QuotaView, cmd: ReserveQuota, limits: Limits, policy: AdmissionPolicy, stale: bool,
+    windows: tuple[Bucket, Bucket], kv: int,
+) -> Rejected | None:  # fmt: skip
+    """The concurrent KV·s limit: what the tenant has in flight plus this request's `kv`."""
     in_flight = view.kv_in_flight(cmd.tenant_id, cmd.model)
-    if in_flight:
-        cap_gib_s = limits.kv_gib_seconds
-        if stale and policy.stale_kv_gib_seconds < cap_gib_s:
-            cap_gib_s = policy.stale_kv_gib_seconds
-        if cmd.tier == RESERVED_TIER and limits.reserved_kv_gib_seconds > cap_gib_s:
-            cap_gib_s = limits.reserved_kv_gib_seconds
-        if in_flight + kv > cap_gib_s * GIB:
-            return Rejected(
-                "concurrency",
-                backoff.retry_after_s(jitter),
-                f"{_gib(in_flight)} GiB·s in flight + {_gib(kv)} GiB·s for this request "
-                f"exceed the {cap_gib_s} GiB·s concurrent KV limit for {cmd.model}"
-                + (" (stale view: conservative cap)" if stale else ""),
-                _info(rpm, tpm),
-            )
-
-    view.charge(rid, key, now_s, windows, reserved, kv)
-    return (
-        Estimate(
-            prompt, reserved_out, kv, cmd.tpot_us, out,
-            cmd.predictor_version if predicted is not None else "",
-        ),
-        rpm,
-        tpm,
-        max_tokens is not None and max_tokens > max_output,
+    if not in_flight:
+        return None
+    cap_gib_s = limits.kv_gib_seconds
+    if stale and policy.stale_kv_gib_seconds < cap_gib_s:
+        cap_gib_s = policy.stale_kv_gib_seconds
+    if cmd.tier == RESERVED_TIER and limits.reserved_kv_gib_seconds > cap_gib_s:
+        cap_gib_s = limits.reserved_kv_gib_seconds
+    if in_flight + kv <= cap_gib_s * GIB:
+        return None
+    return Rejected(
+        "concurrency",
+        policy.backoff.retry_after_s(cmd.jitter),
+        f"{_gib(in_flight)} GiB·s in flight + {_gib(kv)} GiB·s for this request "
+        f"exceed the {cap_gib_s} GiB·s concurrent KV limit for {cmd.model}"
+        + (" (stale view: conservative cap)" if stale else ""),
+        _info(*windows),
     )
 
 

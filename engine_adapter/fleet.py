@@ -122,6 +122,36 @@ class ReplicaState:
             self.capacity_tokens,
         )
 
+    def take_scrape(self, m: ReplicaMetrics, *, scrape_started_at: float, now: float) -> None:
+        """A scrape asked for at `scrape_started_at` and read at `now` (monotonic seconds)."""
+        self.metrics = m
+        self.scraped_at = now
+        self.slow = False
+        self.scraped_occupancy_ppm = max(0, min(PPM, round(m.kv_cache_usage * PPM)))
+        cap = m.kv_capacity_tokens
+        if cap:
+            self.capacity_tokens = cap
+        # What was dispatched before this scrape was asked for is now in the engine's own number
+        # (queued or running); keep only what went out while the scrape was in flight.
+        while self.inflight:
+            first = next(iter(self.inflight))
+            at, tokens = self.inflight[first]
+            if at >= scrape_started_at:
+                break
+            del self.inflight[first]
+            self.inflight_tokens -= tokens
+        while self.freed and self.freed[0][0] < scrape_started_at:  # the engine's number shows it
+            self.freed_tokens -= self.freed.pop(0)[1]
+        self.healthy = self.health_ok and self.capacity_tokens > 0
+        unhealthy = self.last_error or "no capacity info / health failed"
+        self.last_error = None if self.healthy else unhealthy
+        window = self.tpot_samples
+        if window and m.tpot_count < (window[-1][1][-1][1] if window[-1][1] else 0):
+            window.clear()  # counters went backwards: the replica restarted
+        window.append((now, m.tpot_buckets))
+        while len(window) > 1 and window[1][0] <= now - TPOT_WINDOW_S:
+            window.popleft()
+
     def load(self) -> ReplicaLoad:
         cap = self.capacity_tokens
         flex = tuple(
@@ -295,32 +325,7 @@ class Fleet:
         self, s: ReplicaState, m: ReplicaMetrics, *, scrape_started_at: float, now: float
     ) -> None:
         """Take a scrape into the replica's state (public so tests can feed scrapes directly)."""
-        s.metrics = m
-        s.scraped_at = now
-        s.slow = False
-        s.scraped_occupancy_ppm = max(0, min(PPM, round(m.kv_cache_usage * PPM)))
-        cap = m.kv_capacity_tokens
-        if cap:
-            s.capacity_tokens = cap
-        # What was dispatched before this scrape was asked for is now in the engine's own number
-        # (queued or running); keep only what went out while the scrape was in flight.
-        while s.inflight:
-            first = next(iter(s.inflight))
-            at, tokens = s.inflight[first]
-            if at >= scrape_started_at:
-                break
-            del s.inflight[first]
-            s.inflight_tokens -= tokens
-        while s.freed and s.freed[0][0] < scrape_started_at:  # the engine's number shows it
-            s.freed_tokens -= s.freed.pop(0)[1]
-        s.healthy = s.health_ok and s.capacity_tokens > 0
-        s.last_error = None if s.healthy else (s.last_error or "no capacity info / health failed")
-        window = s.tpot_samples
-        if window and m.tpot_count < (window[-1][1][-1][1] if window[-1][1] else 0):
-            window.clear()  # counters went backwards: the replica restarted
-        window.append((now, m.tpot_buckets))
-        while len(window) > 1 and window[1][0] <= now - TPOT_WINDOW_S:
-            window.popleft()
+        s.take_scrape(m, scrape_started_at=scrape_started_at, now=now)
 
     def _is_routable(self, s: ReplicaState, now: float) -> bool:
         if s.draining or not s.healthy or s.scraped_at is None or s.capacity_tokens <= 0:
@@ -378,7 +383,7 @@ class Fleet:
         if isinstance(decision, CapacityRefusal) and not flex:
             plan = preemption_plan(tier, loads)
             if plan is None and self.others_flex is not None:
-                decision, plan = self._with_others_flex(tier, routable, rng, decision)
+                decision, plan = _with_others_flex(self.others_flex, tier, routable, rng, decision)
             if plan is not None:
                 victims = plan.victims
                 s = routable[plan.replica_id]
@@ -405,38 +410,6 @@ class Fleet:
         return Choice(
             s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims, remote, s.region
         )
-
-    def _with_others_flex(
-        self, tier: str, routable: dict[str, ReplicaState], rng: random.Random,
-        refused: CapacityRefusal,
-    ) -> tuple[Placement | CapacityRefusal, Preemption | None]:
-        """The interactive request again, with the flex work other edges serve counted: the KV
-        of what some edge already asked to preempt as free (it is being aborted), and the rest
-        as preemptible behind this router's own flex work (which is aborted first: at once,
-        where another edge's takes a trip through the log)."""
-        others = self.others_flex
-        assert others is not None
-        loads, widened = [], False
-        for s in routable.values():
-            load = s.load()
-            theirs = others.preemptible(s.replica_id)
-            asked = others.asked_tokens(s.replica_id)
-            cap = s.capacity_tokens
-            if (theirs or asked) and cap > 0:
-                widened = True
-                load = ReplicaLoad(
-                    load.replica_id, max(0, load.occupancy_ppm - asked * PPM // cap),
-                    load.reserved_only,
-                    (*((rid, tokens * PPM // cap) for rid, tokens in theirs), *load.flex),
-                    load.region,
-                )
-            loads.append(load)
-        if not widened:
-            return refused, None
-        placed = place(tier, loads, rng.sample)
-        if isinstance(placed, Placement):
-            return placed, None
-        return refused, preemption_plan(tier, loads)
 
     def _free(self, s: ReplicaState, victims: set[str], now: float) -> None:
         """Stop counting the victims as flex work there, and count their KV as free until a
@@ -481,6 +454,37 @@ class Fleet:
             return None
         p95_us, samples, at = got
         return TpotEstimate(p95_us, samples, time.monotonic() - at)
+
+
+def _with_others_flex(
+    others: OthersFlex, tier: str, routable: dict[str, ReplicaState], rng: random.Random,
+    refused: CapacityRefusal,
+) -> tuple[Placement | CapacityRefusal, Preemption | None]:  # fmt: skip
+    """The interactive request again, with the flex work other edges serve counted: the KV
+    of what some edge already asked to preempt as free (it is being aborted), and the rest
+    as preemptible behind this router's own flex work (which is aborted first: at once,
+    where another edge's takes a trip through the log)."""
+    loads, widened = [], False
+    for s in routable.values():
+        load = s.load()
+        theirs = others.preemptible(s.replica_id)
+        asked = others.asked_tokens(s.replica_id)
+        cap = s.capacity_tokens
+        if (theirs or asked) and cap > 0:
+            widened = True
+            load = ReplicaLoad(
+                load.replica_id, max(0, load.occupancy_ppm - asked * PPM // cap),
+                load.reserved_only,
+                (*((rid, tokens * PPM // cap) for rid, tokens in theirs), *load.flex),
+                load.region,
+            )
+        loads.append(load)
+    if not widened:
+        return refused, None
+    placed = place(tier, loads, rng.sample)
+    if isinstance(placed, Placement):
+        return placed, None
+    return refused, preemption_plan(tier, loads)
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, int]]) -> float | None:

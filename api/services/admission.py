@@ -4,7 +4,7 @@ recorded). Quota and hierarchy budgets (`domain.admission` over `domain.views.Ad
 runs, capacity (`Fleet.choose`, `domain.capacity`), fallbacks to consented models and flex
 preemption are its steps, applied in that order; each rule is a pure decision in `domain/`
 (`domain.admission_steps` beside the quota's). `settle` gives an ended request's reservations
-back, `void` one whose admission was not recorded.
+back, `void` one whose admission was not recorded (both in `settlement.py`).
 
 Nothing here waits on anything remote: the views are local and the fleet's is the last scrape.
 """
@@ -15,7 +15,6 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime
 from typing import TYPE_CHECKING
 
 import orjson
@@ -28,6 +27,8 @@ from api.services.chat_request import ChatRequest
 from api.services.errors import ApiError
 from api.services.recorder import Flight, Recorder
 from api.services.retention import RETENTION_HEADER
+from api.services.run_steps import RunSteps
+from api.services.settlement import Settlement
 from domain import admission
 from domain.admission import AdmissionPolicy
 from domain.admission_steps import (
@@ -35,28 +36,22 @@ from domain.admission_steps import (
     fallback_models,
     kv_tokens,
     may_fall_back,
-    resolve_run,
 )
 from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control_plane.data_policy import ZERO
 from domain.control_plane.state import ControlView
-from domain.cost import Estimate, Price, amount_micros, base_model, tpot_estimate_us
-from domain.governance.decide import StartRun
-from domain.governance.decide import decide as hierarchy_decide
+from domain.cost import Estimate, Price, base_model, tpot_estimate_us
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.requests.decide import (
     AdmitRequest,
     AskToPreempt,
     Command,
-    CompleteRequest,
-    PreemptRequest,
     RouteRequest,
 )
 from domain.requests.events import RequestModelRouted
 from domain.residency import refusal_detail
 from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
-from domain.runs.events import RunBudgetExhausted
-from domain.runs.state import Run, run_stream
+from domain.runs.state import Run
 from domain.views import AdmissionViews
 from engine_adapter.usage import Progress
 
@@ -123,10 +118,23 @@ class Admission:
         self.rng = rng
         self.clock = clock
         self.policy = policy
-        self.predictor = predictor
         self.tpot_target_us = tpot_target_us
         # The tenants' feedback folded (ledger/quality.py keeps it current): the router's evidence.
         self.quality = quality or QualityView()
+        self.runs = RunSteps(control=control, views=views, recorder=recorder, clock=clock)
+        self.settlement = Settlement(
+            control=control, views=views, fleet=fleet, predictor=predictor, clock=clock
+        )
+
+    @property
+    def predictor(self) -> OutputPredictor | None:
+        """One for both ends of an admission, the question and the lesson (`Settlement`), and
+        replaced while serving when a new model is loaded (`Edge.predictor`)."""
+        return self.settlement.predictor
+
+    @predictor.setter
+    def predictor(self, predictor: OutputPredictor | None) -> None:
+        self.settlement.predictor = predictor
 
     # --- the models on sale --------------------------------------------------------------------
 
@@ -169,10 +177,7 @@ class Admission:
         if retention == ZERO:
             headers[RETENTION_HEADER] = ZERO
         bucket = _system_prompt_bucket(caller, req)
-        tree = self.control.hierarchy
-        run = None if run_id is None else resolve_run(
-            tree, self.views.paths, caller.tenant_id, caller.key_id, run_id, self.clock()
-        )  # fmt: skip
+        run = None if run_id is None else self.runs.resolve(caller, run_id)
         routed: tuple[Routed, RoutingPolicy] | None = None
         if model == AUTO:
             chosen = self._choose_model(caller, req, request_id, is_retry, bucket, run)
@@ -189,7 +194,7 @@ class Admission:
                 decision.detail, is_retry,
             )
             if decision.reason == "run_budget" and run is not None:
-                self._run_exhausted(run, decision.dimension or "", request_id)
+                self.runs.exhausted(run, decision.dimension or "", request_id)
             return Refused(refusal_errors.refusal(decision, headers))
         choice = self._route(
             model, caller.tier, decision.estimate, req.service_tier, request_id, trace, regions
@@ -306,7 +311,7 @@ class Admission:
                 self._ask_to_preempt(choice.preempt_remote, request_id, choice.replica_id)
             self.metrics.preemptions_of(served, caller.tier).inc()
         if decision.starts_run and run is not None and run.implicit:
-            self._start_run(run)
+            self.runs.started(run)
         cls = _task_class(req, bucket, decision.estimate.prompt_tokens, run)
         model_routed = None
         if routed is not None:
@@ -452,25 +457,6 @@ class Admission:
         price = lambda: self.control.price(model, now)  # noqa: E731 - only on a path
         return self.views.charge(cmd, limits, path, price, self.policy), shape
 
-    # --- runs ----------------------------------------------------------------------------------
-
-    def _start_run(self, run: Run) -> None:
-        """Record the RunStarted of a run its first call started (at version 0: if another
-        edge started it first, that one stands and this append is refused, which is counted)."""
-        (event,) = hierarchy_decide(
-            self.control.hierarchy,
-            StartRun(run.tenant_id, run.run_id, run.project_id, run.limits, True),
-        )
-        self.recorder.fact(run_stream(run.tenant_id, run.run_id), run.tenant_id,
-                           event, 0, run.started_at)  # fmt: skip
-
-    def _run_exhausted(self, run: Run, dimension: str, request_id: str) -> None:
-        if self.views.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
-            event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
-            self.recorder.fact(
-                run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
-            )
-
     # --- capacity ------------------------------------------------------------------------------
 
     def _route(
@@ -503,48 +489,15 @@ class Admission:
             )
             self.recorder.ask(request_id, tenant_id, command)
 
-    # --- the end of an admission ---------------------------------------------------------------
+    # --- the end of an admission (services/settlement.py) ------------------------------------
 
     def void(self, flight: Flight) -> None:
-        """Its admission was not recorded, so nothing was admitted: the quota and the router's
-        reservation are given back."""
-        self.views.void(flight.request_id)
-        self.fleet.release(flight.choice)
+        """Its admission was not recorded: `Settlement.void`."""
+        self.settlement.void(flight)
 
     def settle(self, flight: Flight, command: Command) -> None:
-        """The request ended (`command`, its terminal): the predictor learns a completed
-        request's length, the views get what it did not use back and the router its KV."""
-        p = flight.progress
-        if (
-            flight.shape is not None
-            and self.predictor is not None
-            and isinstance(command, CompleteRequest)
-        ):
-            # Only a completed request's count is its natural length: a cancelled or failed
-            # one stopped short, and would teach the history and the coverage to expect less.
-            state = flight.state
-            reserved = state.reserved_output_tokens if state.predictor_version else None
-            self.predictor.observe(flight.shape, reserved, p.completion_tokens)
-        # Preempted: our decision, so the tenant's quota gets all of the reservation back.
-        preempted = isinstance(command, PreemptRequest)
-        used = 0 if preempted else p.prompt_tokens + p.completion_tokens
-        now = self.clock()
-        self.views.refund(flight.request_id, used, now, lambda: self._bill(flight, now, preempted))
-        self.fleet.release(flight.choice)
-
-    def _bill(self, flight: Flight, now: datetime, preempted: bool) -> tuple[int, int]:
-        """What the bill will say (amount, tool calls), for every level's true-up: the same
-        engine counts at the price in force at admission for its service tier
-        (`domain.requests`'s bill; a preempted request bills nothing), so the bill changes
-        nothing."""
-        p = flight.progress
-        state = flight.state
-        admitted_at = state.admitted_at or now
-        price = self.control.price(flight.model, admitted_at, state.service_tier)
-        amount = 0 if preempted else amount_micros(
-            price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
-        )  # fmt: skip
-        return amount, p.tool_calls
+        """The request ended (`command`, its terminal): `Settlement.settle`."""
+        self.settlement.settle(flight, command)
 
 
 def _say_routed(headers: dict[str, str], routed: Routed) -> None:

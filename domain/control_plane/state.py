@@ -186,6 +186,24 @@ class ControlView:
         at = recorded.occurred_at
         self._seq += 1
         seq = self._seq
+        folded = (
+            self._fold_tenancy(event, at, seq)
+            or self._fold_catalogue(event, at, seq)
+            or self._fold_policies(event, at)
+        )
+        if not folded:
+            if not isinstance(event, HIERARCHY_EVENTS):
+                return
+            self.hierarchy.apply(event, at)
+        self._seen.add(recorded.event_id)
+        self._current.clear()
+        self.position = max(self.position, recorded.position)
+        stream = recorded.stream_id
+        if recorded.stream_version > self._versions.get(stream, 0):
+            self._versions[stream] = recorded.stream_version
+
+    def _fold_tenancy(self, event: Event, at: datetime, seq: int) -> bool:
+        """Tenants, their plans, limits, keys and consented fallbacks; False: not one of these."""
         match event:
             case TenantRegistered():
                 self._tenants[event.tenant_id] = Tenant(
@@ -227,6 +245,38 @@ class ControlView:
                         revoked=True,
                         revoked_at=at,
                     )
+            case FallbackAllowed():
+                allowed = self._fallbacks.setdefault((event.tenant_id, event.from_model), [])
+                if event.to_model not in allowed:
+                    allowed.append(event.to_model)
+            case FallbackRevoked():
+                allowed = self._fallbacks.get((event.tenant_id, event.from_model), [])
+                if event.to_model in allowed:
+                    allowed.remove(event.to_model)
+            case _:
+                return False
+        return True
+
+    def _fold_policies(self, event: Event, at: datetime) -> bool:
+        """The tenants' consents and pins: the router's, residency and retention; False: none
+        of these."""
+        match event:
+            case RoutingAllowed():
+                self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
+                    event.tenant_id, event.project_id, event.models, event.quality_bar_ppm,
+                    event.exploration_ppm, event.on_capacity, at,
+                )  # fmt: skip
+            case RoutingRevoked():
+                self._routing.pop((event.tenant_id, event.project_id), None)
+            case _ if isinstance(event, DATA_POLICY_EVENTS):
+                self.data_policy.apply(event)
+            case _:
+                return False
+        return True
+
+    def _fold_catalogue(self, event: Event, at: datetime, seq: int) -> bool:
+        """Prices, flex discounts, replicas, model profiles, objectives; False: none of these."""
+        match event:
             case PriceSet():
                 price = Price(
                     event.model,
@@ -254,33 +304,9 @@ class ControlView:
                 slo = Slo(event.ttft_ms, event.tpot_us)
                 effective = max(event.effective_at, at)
                 _insort(self._slos.setdefault(event.tier, []), (effective, seq, slo))
-            case FallbackAllowed():
-                allowed = self._fallbacks.setdefault((event.tenant_id, event.from_model), [])
-                if event.to_model not in allowed:
-                    allowed.append(event.to_model)
-            case FallbackRevoked():
-                allowed = self._fallbacks.get((event.tenant_id, event.from_model), [])
-                if event.to_model in allowed:
-                    allowed.remove(event.to_model)
-            case RoutingAllowed():
-                self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
-                    event.tenant_id, event.project_id, event.models, event.quality_bar_ppm,
-                    event.exploration_ppm, event.on_capacity, at,
-                )  # fmt: skip
-            case RoutingRevoked():
-                self._routing.pop((event.tenant_id, event.project_id), None)
-            case _ if isinstance(event, HIERARCHY_EVENTS):
-                self.hierarchy.apply(event, at)
-            case _ if isinstance(event, DATA_POLICY_EVENTS):
-                self.data_policy.apply(event)
             case _:
-                return
-        self._seen.add(recorded.event_id)
-        self._current.clear()
-        self.position = max(self.position, recorded.position)
-        stream = recorded.stream_id
-        if recorded.stream_version > self._versions.get(stream, 0):
-            self._versions[stream] = recorded.stream_version
+                return False
+        return True
 
     # --- questions ----------------------------------------------------------------------------
 

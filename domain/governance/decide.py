@@ -161,32 +161,9 @@ def decide(
                 return ()
             return (KeyAssigned(tenant, command.key_id, command.project_id),)
         case SetLevelLimits():
-            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=False)
-            if not command.model or command.model.strip() != command.model:
-                raise DomainError("bad_model", f"model {command.model!r}", field="model")
-            values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
-            for name, value in values.items():
-                check_quantity(name, value)
-            if all(value is None for value in values.values()):
-                raise DomainError("empty_limits", "no limit given")
-            return (
-                LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),
-            )
+            return _set_level_limits(t, command, key_tenant)
         case SetBudget():
-            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
-            if command.period not in BUDGET_PERIODS:
-                raise DomainError(
-                    "bad_period",
-                    f"period {command.period!r} is not one of {BUDGET_PERIODS}",
-                    field="period",
-                )
-            amount = command.amount_micros
-            check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
-                           field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
-            current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
-            if current == amount:
-                return ()
-            return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
+            return _set_budget(t, command, key_tenant)
         case SetTimeZone():
             time_zone(command.time_zone)
             if t.zone_name == command.time_zone:
@@ -197,30 +174,7 @@ def decide(
             _check_run_limits(command.limits)
             return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
         case StartRun():
-            if not RUN_ID.fullmatch(command.run_id):
-                raise DomainError(
-                    "bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id"
-                )
-            if command.project_id is not None:
-                _require(t.projects, command.project_id, "project")
-            _check_run_limits(command.limits)
-            if command.run_id in t.runs:
-                raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
-            policy = h.run_policy(tenant, command.project_id)
-            merged = RunLimits(
-                *(
-                    getattr(command.limits, name)
-                    if getattr(command.limits, name) is not None
-                    else getattr(policy, name)
-                    for name in RUN_LIMIT_FIELDS
-                )
-            )
-            return (
-                RunStarted(
-                    tenant, command.run_id, command.project_id, **_run_fields(merged),
-                    implicit=command.implicit,
-                ),
-            )  # fmt: skip
+            return _start_run(h, t, command)
         case EndRun():
             run = t.runs.get(command.run_id)
             if run is None:
@@ -229,6 +183,65 @@ def decide(
                 return ()
             return (RunEnded(tenant, command.run_id),)
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _set_level_limits(
+    t: _Tenant, command: SetLevelLimits, key_tenant: str | None
+) -> tuple[Event, ...]:
+    tenant = command.tenant_id
+    _require_level(t, command.level, command.level_id, key_tenant, tenant, org=False)
+    if not command.model or command.model.strip() != command.model:
+        raise DomainError("bad_model", f"model {command.model!r}", field="model")
+    values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
+    for name, value in values.items():
+        check_quantity(name, value)
+    if all(value is None for value in values.values()):
+        raise DomainError("empty_limits", "no limit given")
+    return (LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),)
+
+
+def _set_budget(t: _Tenant, command: SetBudget, key_tenant: str | None) -> tuple[Event, ...]:
+    tenant = command.tenant_id
+    _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
+    if command.period not in BUDGET_PERIODS:
+        raise DomainError(
+            "bad_period",
+            f"period {command.period!r} is not one of {BUDGET_PERIODS}",
+            field="period",
+        )
+    amount = command.amount_micros
+    check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
+                   field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
+    current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
+    if current == amount:
+        return ()
+    return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
+
+
+def _start_run(h: Hierarchy, t: _Tenant, command: StartRun) -> tuple[Event, ...]:
+    tenant = command.tenant_id
+    if not RUN_ID.fullmatch(command.run_id):
+        raise DomainError("bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id")
+    if command.project_id is not None:
+        _require(t.projects, command.project_id, "project")
+    _check_run_limits(command.limits)
+    if command.run_id in t.runs:
+        raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
+    policy = h.run_policy(tenant, command.project_id)
+    merged = RunLimits(
+        *(
+            getattr(command.limits, name)
+            if getattr(command.limits, name) is not None
+            else getattr(policy, name)
+            for name in RUN_LIMIT_FIELDS
+        )
+    )
+    return (
+        RunStarted(
+            tenant, command.run_id, command.project_id, **_run_fields(merged),
+            implicit=command.implicit,
+        ),
+    )  # fmt: skip
 
 
 def _run_fields(limits: RunLimits) -> dict[str, int | None]:

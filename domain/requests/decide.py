@@ -244,116 +244,142 @@ def decide(state: RequestState, command: Command) -> tuple[Event, ...]:
         case RejectRequest():
             return _reject(state, command)
         case RouteRequest():
-            _require_live(state)
-            if state.status != "admitted":
-                raise DomainError("already_routed", f"request already routed to {state.replica_id}")
-            if not 0 <= command.occupancy_ppm <= 1_000_000:
-                raise DomainError("bad_occupancy", "occupancy_ppm must be within [0, 1e6]")
-            routed = RequestRouted(
-                state.request_id, command.replica_id, command.occupancy_ppm, command.region
-            )
-            return (routed,)
+            return _route(state, command)
         case RecordFirstToken():
-            _require_live(state)
-            if state.first_token:
-                raise DomainError("first_token_recorded", "the first token was already recorded")
-            if state.status != "routed":
-                raise DomainError("not_routed", "a first token needs a replica")
-            _non_negative(ttft_ms=command.ttft_ms)
-            _check_counts(command.prompt_tokens, 0, command.cached_tokens)
-            return (
-                FirstTokenStreamed(
-                    state.request_id, command.ttft_ms, command.prompt_tokens, command.cached_tokens
-                ),
-            )
+            return _first_token(state, command)
         case CompleteRequest():
-            _require_live(state)
-            if state.status not in ("routed", "streaming"):
-                raise DomainError("not_routed", "only a routed request can complete")
-            _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
-            _non_negative(ttft_ms=command.ttft_ms, tpot_us=command.tpot_us)
-            return _with_refund(
-                state,
-                RequestCompleted(
-                    state.request_id,
-                    command.prompt_tokens,
-                    command.completion_tokens,
-                    command.cached_tokens,
-                    command.finish_reason,
-                    command.ttft_ms,
-                    command.tpot_us,
-                ),
-                command.tool_calls,
-            )
+            return _complete(state, command)
         case CancelRequest():
-            _require_live(state)
-            if command.reason not in CANCEL_REASONS:
-                raise DomainError("bad_reason", f"cancel reason {command.reason!r}", field="reason")
-            _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
-            cancelled = RequestCancelled(
-                state.request_id,
-                command.prompt_tokens,
-                command.completion_tokens,
-                command.cached_tokens,
-                command.reason,
-                command.engine_reported,
-            )
-            ended = _with_refund(state, cancelled, command.tool_calls)
-            signal = implicit_signal(state, cancelled)
-            return ended if signal is None else (*ended, signal)
+            return _cancel(state, command)
         case FailRequest():
-            _require_live(state)
-            _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
-            return _with_refund(
-                state,
-                RequestFailed(
-                    state.request_id,
-                    command.prompt_tokens,
-                    command.completion_tokens,
-                    command.cached_tokens,
-                    command.error,
-                ),
-                command.tool_calls,
-            )
+            return _fail(state, command)
         case ExpireLease():
-            _require_live(state)
-            reported = (command.prompt_tokens, command.completion_tokens, command.cached_tokens)
-            _check_counts(*reported)
-            known = (0, 0, 0) if state.progress is None else _counts(state.progress)
-            # Counts only grow: each the larger of the sweeper's and the stream's own (the
-            # engine's prompt count from FirstTokenStreamed), taken count by count.
-            counts = (
-                max(reported[0], known[0]),
-                max(reported[1], known[1]),
-                min(max(reported[2], known[2]), max(reported[0], known[0])),
-            )
-            return _with_refund(
-                state, LeaseExpired(state.request_id, *counts, command.last_renewed_at)
-            )
+            return _expire(state, command)
         case PreemptRequest():
-            _require_live(state)
-            if state.service_tier != "flex":
-                raise DomainError(
-                    "not_preemptible", "only a flex request is preempted", field="service_tier"
-                )
-            _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
-            return _with_refund(
-                state,
-                RequestPreempted(
-                    state.request_id,
-                    command.prompt_tokens,
-                    command.completion_tokens,
-                    command.cached_tokens,
-                    command.replica_id,
-                    command.preempted_for,
-                ),
-                used=0,
-            )
+            return _preempt(state, command)
         case AskToPreempt():
             return _ask_to_preempt(state, command)
         case BillUsage():
             return (_bill(state, command),)
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _route(state: RequestState, command: RouteRequest) -> tuple[Event, ...]:
+    _require_live(state)
+    if state.status != "admitted":
+        raise DomainError("already_routed", f"request already routed to {state.replica_id}")
+    if not 0 <= command.occupancy_ppm <= 1_000_000:
+        raise DomainError("bad_occupancy", "occupancy_ppm must be within [0, 1e6]")
+    routed = RequestRouted(
+        state.request_id, command.replica_id, command.occupancy_ppm, command.region
+    )
+    return (routed,)
+
+
+def _first_token(state: RequestState, command: RecordFirstToken) -> tuple[Event, ...]:
+    _require_live(state)
+    if state.first_token:
+        raise DomainError("first_token_recorded", "the first token was already recorded")
+    if state.status != "routed":
+        raise DomainError("not_routed", "a first token needs a replica")
+    _non_negative(ttft_ms=command.ttft_ms)
+    _check_counts(command.prompt_tokens, 0, command.cached_tokens)
+    return (
+        FirstTokenStreamed(
+            state.request_id, command.ttft_ms, command.prompt_tokens, command.cached_tokens
+        ),
+    )
+
+
+def _complete(state: RequestState, command: CompleteRequest) -> tuple[Event, ...]:
+    _require_live(state)
+    if state.status not in ("routed", "streaming"):
+        raise DomainError("not_routed", "only a routed request can complete")
+    _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
+    _non_negative(ttft_ms=command.ttft_ms, tpot_us=command.tpot_us)
+    return _with_refund(
+        state,
+        RequestCompleted(
+            state.request_id,
+            command.prompt_tokens,
+            command.completion_tokens,
+            command.cached_tokens,
+            command.finish_reason,
+            command.ttft_ms,
+            command.tpot_us,
+        ),
+        command.tool_calls,
+    )
+
+
+def _cancel(state: RequestState, command: CancelRequest) -> tuple[Event, ...]:
+    _require_live(state)
+    if command.reason not in CANCEL_REASONS:
+        raise DomainError("bad_reason", f"cancel reason {command.reason!r}", field="reason")
+    _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
+    cancelled = RequestCancelled(
+        state.request_id,
+        command.prompt_tokens,
+        command.completion_tokens,
+        command.cached_tokens,
+        command.reason,
+        command.engine_reported,
+    )
+    ended = _with_refund(state, cancelled, command.tool_calls)
+    signal = implicit_signal(state, cancelled)
+    return ended if signal is None else (*ended, signal)
+
+
+def _fail(state: RequestState, command: FailRequest) -> tuple[Event, ...]:
+    _require_live(state)
+    _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
+    return _with_refund(
+        state,
+        RequestFailed(
+            state.request_id,
+            command.prompt_tokens,
+            command.completion_tokens,
+            command.cached_tokens,
+            command.error,
+        ),
+        command.tool_calls,
+    )
+
+
+def _expire(state: RequestState, command: ExpireLease) -> tuple[Event, ...]:
+    _require_live(state)
+    reported = (command.prompt_tokens, command.completion_tokens, command.cached_tokens)
+    _check_counts(*reported)
+    known = (0, 0, 0) if state.progress is None else _counts(state.progress)
+    # Counts only grow: each the larger of the sweeper's and the stream's own (the
+    # engine's prompt count from FirstTokenStreamed), taken count by count.
+    counts = (
+        max(reported[0], known[0]),
+        max(reported[1], known[1]),
+        min(max(reported[2], known[2]), max(reported[0], known[0])),
+    )
+    return _with_refund(state, LeaseExpired(state.request_id, *counts, command.last_renewed_at))
+
+
+def _preempt(state: RequestState, command: PreemptRequest) -> tuple[Event, ...]:
+    _require_live(state)
+    if state.service_tier != "flex":
+        raise DomainError(
+            "not_preemptible", "only a flex request is preempted", field="service_tier"
+        )
+    _check_counts(command.prompt_tokens, command.completion_tokens, command.cached_tokens)
+    return _with_refund(
+        state,
+        RequestPreempted(
+            state.request_id,
+            command.prompt_tokens,
+            command.completion_tokens,
+            command.cached_tokens,
+            command.replica_id,
+            command.preempted_for,
+        ),
+        used=0,
+    )
 
 
 def _ask_to_preempt(state: RequestState, command: AskToPreempt) -> tuple[Event, ...]:
@@ -385,29 +411,8 @@ def _ask_to_preempt(state: RequestState, command: AskToPreempt) -> tuple[Event, 
 
 def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
     if state.status != "new":
-        same = (
-            state.status != "rejected"
-            and state.tenant_id == command.tenant_id
-            and state.key_id == command.key_id
-            and state.model == command.model
-            and state.reserved_tokens == command.estimate.reserved_tokens
-            and state.kv_byte_seconds == command.estimate.kv_byte_seconds
-        )
-        if same:
-            return ()
-        raise DomainError("already_admitted", f"request {state.request_id} is {state.status}")
-    if command.tier not in TIERS:
-        raise DomainError("bad_tier", f"tier {command.tier!r} is not one of {TIERS}", field="tier")
-    if command.service_tier not in SERVICE_TIERS:
-        raise DomainError(
-            "bad_service_tier",
-            f"service tier {command.service_tier!r} is not one of {SERVICE_TIERS}",
-            field="service_tier",
-        )
-    if command.batch_item and command.service_tier != "flex":
-        raise DomainError(
-            "batch_not_flex", "a batch item runs in the flex class", field="batch_item"
-        )
+        return _admitted_again(state, command)
+    _check_classes(command)
     est = command.estimate
     _non_negative(
         prompt_tokens=est.prompt_tokens,
@@ -470,6 +475,37 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.request_id, command.downgraded_from, command.model, command.downgrade_reason
     )
     return (admitted, downgraded, estimated, *tail)
+
+
+def _admitted_again(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
+    """A repeated admission: () when it is the one recorded, else an error."""
+    same = (
+        state.status != "rejected"
+        and state.tenant_id == command.tenant_id
+        and state.key_id == command.key_id
+        and state.model == command.model
+        and state.reserved_tokens == command.estimate.reserved_tokens
+        and state.kv_byte_seconds == command.estimate.kv_byte_seconds
+    )
+    if same:
+        return ()
+    raise DomainError("already_admitted", f"request {state.request_id} is {state.status}")
+
+
+def _check_classes(command: AdmitRequest) -> None:
+    """The tier and service tier are known ones; a batch item runs in the flex class."""
+    if command.tier not in TIERS:
+        raise DomainError("bad_tier", f"tier {command.tier!r} is not one of {TIERS}", field="tier")
+    if command.service_tier not in SERVICE_TIERS:
+        raise DomainError(
+            "bad_service_tier",
+            f"service tier {command.service_tier!r} is not one of {SERVICE_TIERS}",
+            field="service_tier",
+        )
+    if command.batch_item and command.service_tier != "flex":
+        raise DomainError(
+            "batch_not_flex", "a batch item runs in the flex class", field="batch_item"
+        )
 
 
 def _reject(state: RequestState, command: RejectRequest) -> tuple[Event, ...]:

@@ -10,8 +10,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from engine_adapter.simulator.engine import SimConfig
 from engine_adapter.simulator.server import VLLM_VERSION, start_simulated_replica
+from engine_adapter.simulator.state import SimConfig
 
 
 def _arg_parser() -> argparse.ArgumentParser:

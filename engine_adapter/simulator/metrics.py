@@ -83,24 +83,35 @@ class SimMetrics:
     def __init__(
         self, model: str, *, block_size: int, enable_prefix_caching: bool, num_gpu_blocks: int
     ) -> None:
-        self.registry = reg = CollectorRegistry()
-        ln = ["model_name", "engine"]
-        lv = {"model_name": model, "engine": "0"}
+        self.registry = CollectorRegistry()
+        self._labels = ["model_name", "engine"]
+        self._values = {"model_name": model, "engine": "0"}
+        self._gauges()
+        self._counters()
+        self._histograms()
+        _cache_config_info(self.registry, block_size, enable_prefix_caching, num_gpu_blocks)
 
-        def g(name: str, doc: str) -> Any:
-            return Gauge(name, doc, ln, registry=reg).labels(**lv)
+    def _gauge(self, name: str, doc: str) -> Any:
+        return Gauge(name, doc, self._labels, registry=self.registry).labels(**self._values)
 
-        def c(name: str, doc: str) -> Any:
-            return Counter(name, doc, ln, registry=reg).labels(**lv)
+    def _counter(self, name: str, doc: str) -> Any:
+        return Counter(name, doc, self._labels, registry=self.registry).labels(**self._values)
 
-        def h(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(name, doc, ln, buckets=buckets, registry=reg).labels(**lv)
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Any:
+        return Histogram(name, doc, self._labels, buckets=buckets, registry=self.registry).labels(
+            **self._values
+        )
 
+    def _gauges(self) -> None:
+        g = self._gauge
         self.running = g(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
         self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+
+    def _counters(self) -> None:
+        c, reg, lv = self._counter, self.registry, self._values
         self.preemptions = c(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
@@ -122,7 +133,7 @@ class SimMetrics:
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*ln, "finished_reason"],
+            [*self._labels, "finished_reason"],
             registry=reg,
         )
         self.success = {
@@ -135,6 +146,9 @@ class SimMetrics:
             ["model_name", "reason"],
             registry=reg,
         )
+
+    def _histograms(self) -> None:
+        h = self._histogram
         self.ttft = h(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -160,33 +174,6 @@ class SimMetrics:
             "Number of generation tokens processed.",
             [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000],
         )
-        info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            [
-                "block_size",
-                "cache_dtype",
-                "enable_prefix_caching",
-                "gpu_memory_utilization",
-                "num_cpu_blocks",
-                "num_gpu_blocks",
-                "num_gpu_blocks_override",
-                "prefix_caching_hash_algo",
-                "engine",
-            ],
-            registry=reg,
-        )
-        info.labels(
-            block_size=str(block_size),
-            cache_dtype="auto",
-            enable_prefix_caching=str(enable_prefix_caching),
-            gpu_memory_utilization="0.9",
-            num_cpu_blocks="None",
-            num_gpu_blocks=str(num_gpu_blocks),
-            num_gpu_blocks_override="None",
-            prefix_caching_hash_algo="sha256",
-            engine="0",
-        ).set(1)
 
     def set_gauges(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
@@ -204,3 +191,36 @@ class SimMetrics:
         self.gen_per_req.observe(generated)
         if generated > 1 and first_token_at is not None and last_token_at is not None:
             self.tpot.observe((last_token_at - first_token_at) / (generated - 1))
+
+
+def _cache_config_info(
+    reg: CollectorRegistry, block_size: int, enable_prefix_caching: bool, num_gpu_blocks: int
+) -> None:
+    """vLLM's cache configuration as an info gauge: what the fleet reads the KV capacity from."""
+    info = Gauge(
+        "vllm:cache_config_info",
+        "Information of the LLMEngine CacheConfig",
+        [
+            "block_size",
+            "cache_dtype",
+            "enable_prefix_caching",
+            "gpu_memory_utilization",
+            "num_cpu_blocks",
+            "num_gpu_blocks",
+            "num_gpu_blocks_override",
+            "prefix_caching_hash_algo",
+            "engine",
+        ],
+        registry=reg,
+    )
+    info.labels(
+        block_size=str(block_size),
+        cache_dtype="auto",
+        enable_prefix_caching=str(enable_prefix_caching),
+        gpu_memory_utilization="0.9",
+        num_cpu_blocks="None",
+        num_gpu_blocks=str(num_gpu_blocks),
+        num_gpu_blocks_override="None",
+        prefix_caching_hash_algo="sha256",
+        engine="0",
+    ).set(1)

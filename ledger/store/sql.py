@@ -1,6 +1,6 @@
 """`SqlEventStore`: the event store on SQLite or PostgreSQL through SQLAlchemy Core (with
-PostgreSQL's COPY for large group commits, and SQLite's hot paths on the driver in
-ledger.store.sqlite)."""
+PostgreSQL's write path, COPY for large group commits, in ledger.store.postgres, and SQLite's
+hot paths on the driver in ledger.store.sqlite)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ledger import faults
 from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
 from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
 from ledger.schema import events as events_table
-from ledger.store import sqlite
+from ledger.store import postgres, sqlite
 from ledger.store.planning import (
     COLUMNS,
     IdsNeedChecking,
@@ -34,16 +34,6 @@ from ledger.store.planning import (
 from ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
 
 _SELECT = sa.select(*(events_table.c[name] for name in COLUMNS))
-_INSERT = events_table.insert()
-_PG_COPY = f"COPY events ({', '.join(COLUMNS)}) FROM STDIN"
-_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
-
-
-def _copy_text(value: str) -> str:
-    """A value in COPY's text format (backslash, tab, newline and CR escaped)."""
-    return value.translate(_COPY_ESCAPES) if "\\" in value or not value.isprintable() else value
-
-
 _VERSIONS = (
     sa.select(events_table.c.stream_id, sa.func.max(events_table.c.stream_version))
     .where(events_table.c.stream_id.in_(sa.bindparam("ids", expanding=True)))
@@ -57,14 +47,6 @@ _PG_VERSIONS = sa.text(
     "SELECT s.id, (SELECT max(e.stream_version) FROM events e WHERE e.stream_id = s.id) "
     "FROM unnest(:ids) AS s(id)"
 ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.String())))
-# setval(nextval + n - 1) reserves n contiguous positions in one round trip; contiguity holds
-# because appends run under the table lock.
-_PG_RESERVE = sa.text(
-    "SELECT setval(s::regclass, nextval(s::regclass) + :n - 1) "
-    "FROM pg_get_serial_sequence('events', 'position') AS s"
-)
-
-
 # Positions per query of a filtered tail (read_all with types or prefixes) on PostgreSQL.
 _TAIL_WINDOW = 20_000
 
@@ -222,44 +204,9 @@ class SqlEventStore(EventStore):
 
     def _insert(self, conn: sa.Connection, to_write: list[Stored]) -> int:
         """Write the rows at consecutive positions; returns the first position."""
-        n = len(to_write)
         if not self._pg:
-            return self._sqlite_insert(conn, to_write)
-        last = conn.execute(_PG_RESERVE, {"n": n}).scalar_one()
-        first = int(last) - n + 1
-        if n >= self._copy_min_rows:
-            self._copy(conn, to_write, first)
-        else:
-            conn.execute(
-                _INSERT,
-                [
-                    {
-                        "position": first + i,
-                        "event_id": s.row.event_id,
-                        "stream_id": s.row.stream_id,
-                        "stream_version": s.stream_version,
-                        "tenant_id": s.row.tenant_id,
-                        "occurred_at": s.row.occurred_at,
-                        "type": s.row.type,
-                        "version": s.row.version,
-                        "payload": s.row.payload,
-                    }
-                    for i, s in enumerate(to_write)
-                ],
-            )
-        return first
-
-    def _sqlite_insert(self, conn: sa.Connection, to_write: list[Stored]) -> int:
-        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        try:
-            return sqlite.insert_rows(cursor, to_write)
-        except sqlite3.IntegrityError as exc:
-            # The driver's own error, presented like SQLAlchemy's (the retry path catches it).
-            raise sa.exc.IntegrityError(sqlite.INSERT, None, exc) from exc
-        except sqlite3.OperationalError as exc:
-            raise sa.exc.OperationalError(sqlite.INSERT, None, exc) from exc
-        finally:
-            cursor.close()
+            return _sqlite_insert(conn, to_write)
+        return postgres.insert_rows(conn, to_write, copy_min_rows=self._copy_min_rows)
 
     def _sqlite_append(
         self,
@@ -295,28 +242,6 @@ class SqlEventStore(EventStore):
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
-
-    def _copy(self, conn: sa.Connection, to_write: list[Stored], first: int) -> None:
-        import psycopg
-
-        dbapi = conn.connection.driver_connection
-        assert isinstance(dbapi, psycopg.Connection)
-        # One text-format buffer written at once: several times faster than write_row per row,
-        # which adapts every value in Python.
-        lines = []
-        for i, s in enumerate(to_write):
-            row = s.row
-            lines.append(
-                f"{first + i}\t{_copy_text(row.event_id)}\t{_copy_text(row.stream_id)}\t"
-                f"{s.stream_version}\t{_copy_text(row.tenant_id)}\t{row.occurred_at.isoformat()}\t"
-                f"{_copy_text(row.type)}\t{row.version}\t{_copy_text(row.payload)}\n"
-            )
-        try:
-            with dbapi.cursor() as cursor, cursor.copy(_PG_COPY) as copy:
-                copy.write("".join(lines).encode())
-        except psycopg.errors.IntegrityError as exc:
-            # COPY runs on the driver directly; present its failure like SQLAlchemy's.
-            raise sa.exc.IntegrityError(_PG_COPY, None, exc) from exc
 
     # reads
 
@@ -441,6 +366,20 @@ class SqlEventStore(EventStore):
         return _Reading(self._engine)
 
 
+def _sqlite_insert(conn: sa.Connection, to_write: list[Stored]) -> int:
+    """The rows written on the driver (`sqlite.insert_rows`), its errors as SQLAlchemy's."""
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        return sqlite.insert_rows(cursor, to_write)
+    except sqlite3.IntegrityError as exc:
+        # The driver's own error, presented like SQLAlchemy's (the retry path catches it).
+        raise sa.exc.IntegrityError(sqlite.INSERT, None, exc) from exc
+    except sqlite3.OperationalError as exc:
+        raise sa.exc.OperationalError(sqlite.INSERT, None, exc) from exc
+    finally:
+        cursor.close()
+
+
 class _Reading:
     """A read connection whose connection errors surface as StoreUnavailable."""
 
@@ -496,4 +435,3 @@ def _first_line(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     text = str(orig).strip()
     return text.splitlines()[0] if text else type(orig).__name__
-

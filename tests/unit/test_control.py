@@ -235,8 +235,8 @@ def test_plan_defaults_are_ordered() -> None:
 
 
 def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() -> None:
-    # apply() returns before its match for any type outside CONTROL_EVENTS: a case added
-    # without adding its type there would never run.
+    # apply() returns before its matches (its own and its _fold_* steps') for any type outside
+    # CONTROL_EVENTS: a case added without adding its type there would never run.
     import ast
     import inspect
     import textwrap
@@ -245,7 +245,7 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     from domain.control_plane.state import CONTROL_EVENTS, ControlView
     from domain.governance.state import HIERARCHY_EVENTS
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(ControlView.apply)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ControlView)))
     cased = {
         case.pattern.cls.id
         for node in ast.walk(tree) if isinstance(node, ast.Match)

@@ -259,8 +259,8 @@ def test_serving_never_imports_torch() -> None:
 
 
 def test_the_simulated_model_answers_about_as_long_as_it_is_asked() -> None:
+    from engine_adapter.simulator.chat_body import _asked_length
     from engine_adapter.simulator.engine import SimConfig, SimEngine
-    from engine_adapter.simulator.server import _asked_length
 
     ask = "some text. Answer in about 120 words."
     assert _asked_length([{"role": "user", "content": ask}]) == 120
