@@ -16,8 +16,8 @@ from api.http.billing_routes import add_billing_routes
 from api.http.body_limits import bounded, read_body
 from api.http.deps import CUSTOMER, CustomerDep, authenticate, customer, json_response
 from api.http.error_handlers import add_error_handlers
-from api.http.openapi import install as install_openapi
 from api.http.feedback_routes import add_feedback_routes
+from api.http.openapi import install as install_openapi
 from api.http.ops_routes import add_ops_routes
 from api.http.run_routes import add_run_routes
 from api.http.schemas import ModelList, answers
