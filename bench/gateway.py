@@ -49,7 +49,7 @@ from bench.common import (
     machine,
     write_result,
 )
-from bench.gateway_children import open_loop, serve_upstream
+from bench.gateway_children import open_loop, serve_floor, serve_upstream
 from bench.harness import (
     MODEL,
     OUTPUT_TOKENS,
@@ -64,7 +64,9 @@ from bench.harness import (
     post,
     run_wrk,
     start_distributed,
+    start_floor,
     start_litellm,
+    start_nginx,
     start_tollgate,
     start_upstream,
     thread_cpu_s,
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, required=True)
     up.add_argument("--model", default=MODEL)
     up.add_argument("--gap-ms", type=float, default=1.0)
+    fl = sub.add_parser("floor", help="run the bare aiohttp pass-through")
+    fl.add_argument("--port", type=int, required=True)
+    fl.add_argument("--upstream", required=True)
     ol = sub.add_parser("openloop", help="one open-loop run; prints a JSON line")
     ol.add_argument("--url", required=True)
     ol.add_argument("--body", required=True)
@@ -340,10 +345,19 @@ def main(argv: list[str] | None = None) -> None:
         help="also serve the distributed mode (one `tollgate api` edge on a fresh PostgreSQL "
         "schema, the relay, one Kafka worker, the development broker) as target 'distributed'",
     )
+    ap.add_argument(
+        "--floors",
+        action="store_true",
+        help="also serve the two floors in front of the same upstream: Debian's nginx as a plain "
+        "reverse proxy (target 'nginx') and a bare aiohttp pass-through (target 'floor')",
+    )
     args = ap.parse_args(argv)
 
     if args.cmd == "upstream":
         serve_upstream(args.port, args.model, args.gap_ms)
+        return
+    if args.cmd == "floor":
+        serve_floor(args.port, args.upstream)
         return
     if args.cmd == "openloop":
         res = asyncio.run(
@@ -409,6 +423,13 @@ def main(argv: list[str] | None = None) -> None:
             bud, bud_url, _ = start_tollgate(up_url, work / "data-budgets", work, name="budgets")
             procs.append(bud)
             targets["budgets"] = (bud_url, add_budget_path(ROOT, work / "data-budgets"), bud.pid)
+        if args.floors:
+            nginx, nginx_url = start_nginx(up_url, work)
+            procs.append(nginx)
+            targets["nginx"] = (nginx_url, "", nginx.pid)
+            floor, floor_url = start_floor(up_url, work)
+            procs.append(floor)
+            targets["floor"] = (floor_url, "", floor.pid)
         if args.distributed:
             edge, edge_url, edge_key, _, pids = start_distributed(up_url, work, stack)
             procs.append(edge)  # the relay and worker stop with `stack`
