@@ -350,3 +350,10 @@ class FakePredictor(OutputPredictor):
         self, shape: RequestShape, reserved_output_tokens: int | None, output_tokens: int
     ) -> None:
         self.observed.append((shape, reserved_output_tokens, output_tokens))
+
+
+async def sse_events(first: bytes, frames: AsyncIterator[bytes]) -> list[bytes]:
+    """A streamed answer's SSE events, whatever writes carried them (the relay sends the frames
+    that are ready together, in one write)."""
+    data = first + b"".join([f async for f in frames])
+    return [event + b"\n\n" for event in data.split(b"\n\n") if event]
