@@ -262,15 +262,16 @@ class FakeSink(EventSink):
     def __init__(self, store: InMemoryEventStore | None = None) -> None:
         self.store = store or InMemoryEventStore()
         self.batches: list[AppendBatch] = []
-        # The next `later` calls that fail as a dropped database connection does: before the
-        # append ("refuse") or after it committed, its answer lost ("lose_answer").
+        # The next appends to a stream that has events already (a request's end, not its
+        # admission) that fail as a dropped database connection does: before the append
+        # ("refuse") or after it committed, its answer lost ("lose_answer").
         self.faults: list[str] = []
 
     def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        return self._append(batch)
+        return self.later(batch)
 
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        if self.faults:
+        if self.faults and batch.expected_version:
             fault = self.faults.pop(0)
             if fault == "lose_answer":
                 self.store.append_many([batch])
