@@ -5,6 +5,7 @@ each turning a script's figures into Markdown rows, its targets beside them and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 
@@ -919,4 +920,8 @@ def render_overhead(d: dict[str, Any]) -> list[str]:
                 f"({_fmt(v['distributed_edge_ms'], 3)} vs {_fmt(v['embedded_edge_ms'], 3)} ms; "
                 f"per round {runs}) | ≤ {target} | {_verdict(v['met'])} |"
             )
+    # The profile and the A/B of each change, written by hand beside the script.
+    notes = Path(__file__).with_name("overhead.md")
+    if notes.exists():
+        rows += ["", *notes.read_text().rstrip().splitlines()]
     return rows
