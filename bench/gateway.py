@@ -49,7 +49,7 @@ from bench.common import (
     machine,
     write_result,
 )
-from bench.gateway_children import open_loop, serve_otlp_sink, serve_upstream
+from bench.gateway_children import open_loop, serve_floor, serve_otlp_sink, serve_upstream
 from bench.harness import (
     MODEL,
     OUTPUT_TOKENS,
@@ -65,7 +65,9 @@ from bench.harness import (
     run_wrk,
     sink_counts,
     start_distributed,
+    start_floor,
     start_litellm,
+    start_nginx,
     start_otlp_sink,
     start_tollgate,
     start_upstream,
@@ -326,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--gap-ms", type=float, default=1.0)
     sink = sub.add_parser("otlp-sink", help="run the OTLP/HTTP sink of the tracing target")
     sink.add_argument("--port", type=int, required=True)
+    fl = sub.add_parser("floor", help="run the bare aiohttp pass-through")
+    fl.add_argument("--port", type=int, required=True)
+    fl.add_argument("--upstream", required=True)
     ol = sub.add_parser("openloop", help="one open-loop run; prints a JSON line")
     ol.add_argument("--url", required=True)
     ol.add_argument("--body", required=True)
@@ -380,6 +385,12 @@ def main(argv: list[str] | None = None) -> None:
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at a local OTLP sink that accepts every export and "
         "discards it; its CPU per request is paired with 'tollgate' (tracing off)",
     )
+    ap.add_argument(
+        "--floors",
+        action="store_true",
+        help="also serve the two floors in front of the same upstream: Debian's nginx as a plain "
+        "reverse proxy (target 'nginx') and a bare aiohttp pass-through (target 'floor')",
+    )
     args = ap.parse_args(argv)
 
     if args.cmd == "otlp-sink":
@@ -387,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.cmd == "upstream":
         serve_upstream(args.port, args.model, args.gap_ms)
+        return
+    if args.cmd == "floor":
+        serve_floor(args.port, args.upstream)
         return
     if args.cmd == "openloop":
         res = asyncio.run(
@@ -452,6 +466,13 @@ def main(argv: list[str] | None = None) -> None:
             bud, bud_url, _ = start_tollgate(up_url, work / "data-budgets", work, name="budgets")
             procs.append(bud)
             targets["budgets"] = (bud_url, add_budget_path(ROOT, work / "data-budgets"), bud.pid)
+        if args.floors:
+            nginx, nginx_url = start_nginx(up_url, work)
+            procs.append(nginx)
+            targets["nginx"] = (nginx_url, "", nginx.pid)
+            floor, floor_url = start_floor(up_url, work)
+            procs.append(floor)
+            targets["floor"] = (floor_url, "", floor.pid)
         if args.distributed:
             edge, edge_url, edge_key, _, pids = start_distributed(up_url, work, stack)
             procs.append(edge)  # the relay and worker stop with `stack`

@@ -1,7 +1,8 @@
 """The processes `python -m bench.gateway` starts as children of a run: the cheap upstream
-(`upstream`: vLLM's SSE shape from pre-rendered frames), the open-loop generator (`openloop`:
-sends on a fixed schedule, latency from the scheduled time) and the OTLP sink of the tracing
-target (`otlp-sink`: accepts every trace export, counts its spans, keeps nothing)."""
+(`upstream`: vLLM's SSE shape from pre-rendered frames), the bare aiohttp pass-through (`floor`:
+the least a Python proxy can do per request), the open-loop generator (`openloop`: sends on a
+fixed schedule, latency from the scheduled time) and the OTLP sink of the tracing target
+(`otlp-sink`: accepts every trace export, counts its spans, keeps nothing)."""
 
 from __future__ import annotations
 
@@ -213,6 +214,58 @@ def serve_otlp_sink(port: int) -> None:
     app.router.add_post("/v1/traces", traces)
     app.router.add_get("/stats", stats)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+# --- the aiohttp floor ------------------------------------------------------------------------
+
+
+def serve_floor(port: int, upstream: str) -> None:
+    """A bare aiohttp reverse proxy on uvloop: the body forwarded as it came, the answer relayed
+    as it arrives (a stream chunk by chunk), over a kept-alive connection pool; no parsing, no
+    authentication, no record. What a Python edge costs before it does any of its own work."""
+    import aiohttp
+    import uvloop
+    from aiohttp import web
+
+    target = upstream + "/v1/chat/completions"
+    forward = {"Content-Type": "application/json"}
+    sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    session: aiohttp.ClientSession | None = None
+
+    async def start(app: web.Application) -> None:
+        nonlocal session
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def stop(app: web.Application) -> None:
+        if session is not None:
+            await session.close()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        assert session is not None
+        body = await request.read()
+        async with session.post(target, data=body, headers=forward) as up:
+            if not up.content_type.startswith("text/event-stream"):
+                return web.Response(
+                    body=await up.read(), status=up.status, content_type=up.content_type
+                )
+            resp = web.StreamResponse(status=up.status, headers=sse)
+            await resp.prepare(request)
+            async for data in up.content.iter_any():
+                await resp.write(data)
+            await resp.write_eof()
+            return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(body=b"")
+
+    app = web.Application()
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    web.run_app(
+        app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop()
+    )
 
 
 # --- the open-loop generator ------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,6 +225,70 @@ def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
     return proc, url
 
 
+def start_floor(upstream: str, log_dir: Path) -> tuple[Proc, str]:
+    """The bare aiohttp pass-through (`python -m bench.gateway floor`) in front of `upstream`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.gateway", "floor", "--port", str(port),
+           "--upstream", upstream]  # fmt: skip
+    proc = Proc("floor", cmd, log_dir=log_dir)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 30, proc.p)
+    return proc, url
+
+
+NGINX_CONF = """\
+daemon off;
+worker_processes 1;
+{user}pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {work}/nginx-tmp/body;
+    proxy_temp_path {work}/nginx-tmp/proxy;
+    fastcgi_temp_path {work}/nginx-tmp/fastcgi;
+    uwsgi_temp_path {work}/nginx-tmp/uwsgi;
+    scgi_temp_path {work}/nginx-tmp/scgi;
+    upstream bench_upstream {{
+        server {upstream};
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://bench_upstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(upstream: str, log_dir: Path) -> tuple[Proc, str]:
+    """Debian's nginx as a plain reverse proxy in front of `upstream` (one worker process,
+    kept-alive upstream connections, responses unbuffered so that stream chunks pass as they
+    come): the compiled floor. Its configuration is generated under `log_dir`; it runs in the
+    foreground (`daemon off`), a child of this process, its worker a child of it."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        raise RuntimeError("nginx not found: apt-get update && apt-get install -y nginx")
+    port = free_port()
+    (log_dir / "nginx-tmp").mkdir(exist_ok=True)
+    conf = log_dir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(
+        work=log_dir, port=port, upstream=upstream.removeprefix("http://"),
+        # as root the worker would otherwise switch to `nobody` and lose the temp directories
+        user="user root;\n" if os.geteuid() == 0 else "",
+    ))  # fmt: skip
+    proc = Proc("nginx", [nginx, "-e", str(log_dir / "nginx-error.log"), "-p", str(log_dir),
+                          "-c", str(conf)], log_dir=log_dir)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 30, proc.p)
+    return proc, url
+
+
 def start_tollgate(
     upstream: str, data_dir: Path, log_dir: Path, tree: Path = ROOT, name: str = "tollgate",
     command: str = "serve", env_extra: dict[str, str] | None = None,
@@ -236,9 +301,10 @@ def start_tollgate(
     env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
     env.pop("TOLLGATE_DATABASE_URL", None)
     env.update(env_extra or {})
-    # Another tree must import its own code: `python -m bench` puts this checkout on PYTHONPATH,
-    # and the fold worker child (`python -m ...`) imports from its working directory.
-    env.pop("PYTHONPATH", None)
+    # Another tree must import its own code, and a worktree whose .venv is another checkout's
+    # (an editable install points there) too: the tree first on PYTHONPATH, which the fold
+    # worker child inherits.
+    env["PYTHONPATH"] = str(tree)
     bin_dir = tree / ".venv" / "bin"
     # extra serve flags for experiments, e.g. "--no-fold-worker"
     args = (*extra_args, *os.environ.get("TOLLGATE_BENCH_SERVE_ARGS", "").split())
@@ -303,7 +369,7 @@ def add_budget_path(tree: Path, data_dir: Path, tenant: str = "demo-enterprise")
     refuses). Returns the new key: its requests are admitted on the whole path."""
     env = {**os.environ, "TOLLGATE_DATA_DIR": str(data_dir)}
     env.pop("TOLLGATE_DATABASE_URL", None)
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(tree)
     tollgate = str(tree / ".venv" / "bin" / "tollgate")
 
     def cli(*args: str) -> str:

@@ -5,6 +5,7 @@ each turning a script's figures into Markdown rows, its targets beside them and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 
@@ -859,4 +860,86 @@ def render_edges(d: dict[str, Any]) -> list[str]:
             + " |"
         )
     rows += ["", f"Load before → after: {d.get('uptime_before')} → {d.get('uptime_after')}"]
+    return rows
+
+
+_OVERHEAD_LABELS = {
+    "direct": "direct",
+    "nginx": "nginx (C proxy, no work)",
+    "floor": "aiohttp floor",
+    "tollgate": "Tollgate embedded",
+    "distributed": "Tollgate distributed",
+    "litellm": "LiteLLM",
+}
+
+
+def render_overhead(d: dict[str, Any]) -> list[str]:
+    """The issue-31 table: every target behind one mock, added latency vs direct, CPU/request."""
+    up = d.get("upstream", {})
+    loads = d.get("load_average_per_run", [])
+    rows = [
+        f"Upstream: the cheap mock, {up.get('output_tokens')} chunks per stream, "
+        f"{up.get('gap_ms')} ms between chunks (it answers at once); "
+        f"{d.get('runs')} rounds × {d.get('duration_s')} s per cell, cells interleaved across "
+        "targets; medians. Added p50 / p99 = target − direct in the same round, median over "
+        "rounds. CPU ms/request = the target's own processes (Tollgate embedded: the edge and "
+        "its fold worker; distributed: the edge, then + its relay, Kafka worker and broker; "
+        "direct: the mock's own).",
+        "",
+        f"Load average (1, 5, 15 min) before each round: {'; '.join(map(str, loads)) or 'n/a'}; "
+        f"`uptime` before: `{d.get('uptime_before', '?')}`, after: "
+        f"`{d.get('uptime_after', '?')}`.",
+        "",
+        "| target | mode | conns | req/s | p50 ms | p99 ms | added p50 / p99 vs direct | "
+        "CPU ms/request | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    cells = d.get("cells", {})
+    for mode in ("json", "stream"):
+        for c in d.get("connections", []):
+            for name, label in _OVERHEAD_LABELS.items():
+                cell = cells.get(name, {}).get(mode, {}).get(str(c))
+                if cell is None:
+                    continue
+                added = (
+                    "—" if name == "direct"
+                    else f"{cell['added_p50_ms']:+.2f} / {cell['added_p99_ms']:+.2f}"
+                )  # fmt: skip
+                cpu = _fmt(cell["cpu_ms_per_req"], 3)
+                if name == "distributed":
+                    cpu = (
+                        f"{_fmt(cell['edge_cpu_ms_per_req'], 3)} "
+                        f"(+ {_fmt(cell['pipeline_cpu_ms_per_req'], 3)})"
+                    )
+                elif name == "tollgate":
+                    cpu += f" (edge {_fmt(cell['edge_cpu_ms_per_req'], 3)})"
+                rows.append(
+                    f"| {label} | {mode} | {c} | {_fmt(cell['rps'], 0)} | "
+                    f"{_fmt(cell['p50_ms'])} | {_fmt(cell['p99_ms'])} | {added} | {cpu} | "
+                    f"{cell['errors_total']} |"
+                )
+    rows += ["", "### Targets", "", "| figure | value | target | verdict |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for key, v in d.get("verdicts", {}).items():
+        target = v["target"].removeprefix("<= ")
+        if key.startswith("added_p99"):
+            rows.append(f"| added p99, Tollgate embedded, {key[10:]} | {_fmt(v['value_ms'])} ms "
+                        f"| ≤ {target} ms | {_verdict(v['met'])} |")  # fmt: skip
+        elif key.startswith("cpu_"):
+            rows.append(
+                f"| CPU/request, Tollgate embedded (edge + fold worker), {key[4:]} | "
+                f"{_fmt(v['value_ms'], 3)} ms ({v['over_floor']}× the aiohttp floor's "
+                f"{_fmt(v['floor_ms'], 3)} ms) | ≤ {target} ms | {_verdict(v['met'])} |"
+            )
+        elif key.startswith("distributed_"):
+            runs = ", ".join(f"{r:.3f}" for r in v["ratio_runs"])
+            rows.append(
+                f"| edge CPU/request, distributed ÷ embedded, {key[12:]} | {_fmt(v['ratio'], 3)} "
+                f"({_fmt(v['distributed_edge_ms'], 3)} vs {_fmt(v['embedded_edge_ms'], 3)} ms; "
+                f"per round {runs}) | ≤ {target} | {_verdict(v['met'])} |"
+            )
+    # The profile and the A/B of each change, written by hand beside the script.
+    notes = Path(__file__).with_name("overhead.md")
+    if notes.exists():
+        rows += ["", *notes.read_text().rstrip().splitlines()]
     return rows

@@ -121,6 +121,11 @@ BENCHES: tuple[Bench, ...] = (
         "distributed_ab", "bench.gateway", (*DISTRIBUTED_AB, "--runs", "5"),
         (*DISTRIBUTED_AB, "--quick"), render=r.render_gateway,
     ),
+    # Issue 31: direct, nginx, the aiohttp floor, Tollgate embedded and distributed (and
+    # LiteLLM) behind one mock that answers at once, at 1, 16 and 64 connections.
+    Bench(
+        "overhead", "bench.overhead", ("--runs", "3"), ("--quick",), render=r.render_overhead,
+    ),
     # The CPU the OpenTelemetry spans of a request cost on the edge's path
     # (api/services/tracing.py).
     Bench(

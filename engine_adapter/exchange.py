@@ -130,6 +130,12 @@ class ChatExchange(abc.ABC):
         it is not full); `now` from time.monotonic()."""
         return now - self._stall_from if self._paused and not self._ended else 0.0
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next read returns without waiting: a chunk is buffered, or the end is
+        known. A relay sends what is ready in one write instead of one write per chunk."""
+        return bool(self._chunks) or self._ended
+
     async def _wait(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)

@@ -270,15 +270,16 @@ class FakeSink(EventSink):
     def __init__(self, store: InMemoryEventStore | None = None) -> None:
         self.store = store or InMemoryEventStore()
         self.batches: list[AppendBatch] = []
-        # The next `later` calls that fail as a dropped database connection does: before the
-        # append ("refuse") or after it committed, its answer lost ("lose_answer").
+        # The next appends to a stream that has events already (a request's end, not its
+        # admission) that fail as a dropped database connection does: before the append
+        # ("refuse") or after it committed, its answer lost ("lose_answer").
         self.faults: list[str] = []
 
     def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        return self._append(batch)
+        return self.later(batch)
 
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        if self.faults:
+        if self.faults and batch.expected_version:
             fault = self.faults.pop(0)
             if fault == "lose_answer":
                 self.store.append_many([batch])
@@ -358,3 +359,10 @@ class FakePredictor(OutputPredictor):
         self, shape: RequestShape, reserved_output_tokens: int | None, output_tokens: int
     ) -> None:
         self.observed.append((shape, reserved_output_tokens, output_tokens))
+
+
+async def sse_events(first: bytes, frames: AsyncIterator[bytes]) -> list[bytes]:
+    """A streamed answer's SSE events, whatever writes carried them (the relay sends the frames
+    that are ready together, in one write)."""
+    data = first + b"".join([f async for f in frames])
+    return [event + b"\n\n" for event in data.split(b"\n\n") if event]

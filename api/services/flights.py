@@ -126,7 +126,9 @@ class Flights:
             cached_tokens=min(p.cached_tokens, p.prompt_tokens),
         )  # fmt: skip
         if stream:
-            flight.first_durable = self.recorder.record(flight, command)
+            # `now`: the first token waits for it, so it commits with this loop iteration's
+            # group; a lazy batch would hold every stream's first token up to its 5 ms delay.
+            flight.first_durable = self.recorder.record(flight, command, now=True)
         else:
             self.recorder.stage(flight, command)
 
@@ -153,7 +155,10 @@ class Flights:
         if isinstance(command, CompleteRequest) and p.tpot_us:
             self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
         try:
-            flight.ended = self.recorder.record(flight, command)
+            # `now`: the answer's end (the JSON body, the final usage, [DONE]) waits for this
+            # commit, so it goes with this loop iteration's group, not the lazy one (up to 5 ms
+            # more per answer: at one connection, most of the edge's added latency).
+            flight.ended = self.recorder.record(flight, command, now=True)
         finally:
             if flight.trace is not None:
                 flight.trace.ended(flight.progress, TERMINAL_LABEL[type(command)], flight.ended)

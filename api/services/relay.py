@@ -86,6 +86,9 @@ class StreamRelay:
         flights = self.flights
         transcript: list[bytes] | None = [] if flight.idempotency_key else None
         held: list[bytes] = []  # the answer's end, sent once its terminal event committed
+        # Frames taken while more were already buffered, sent together: one write (and one
+        # system call each side) for what arrived in one read, instead of one per chunk.
+        ready: list[bytes] = []
         # The engine is read in the exchange's own callbacks, not in this generator's task: a
         # client disconnect that cancels this task can never drop what the engine already sent.
         client_gone = False
@@ -110,9 +113,19 @@ class StreamRelay:
                     # ledger does not know.
                     held.append(frame)
                     continue
+                if exchange.ready:
+                    ready.append(frame)
+                    continue
+                if ready:
+                    ready.append(frame)
+                    frame = b"".join(ready)
+                    ready.clear()
                 yield frame
                 if flight.cancel_reason is not None:
                     flights.reading(flight)
+            if ready:
+                yield b"".join(ready)
+                ready.clear()
             async for frame in self._finish(flight, caller, transcript, held):
                 yield frame
         except PREEMPTED_ERRORS as exc:
@@ -120,6 +133,9 @@ class StreamRelay:
                 client_gone = True  # an in-process engine's task cancelled: as below
                 flights.background(self._cancel(flight, exchange, caller))
                 raise
+            if ready:  # what the engine sent before it broke
+                yield b"".join(ready)
+                ready.clear()
             async for frame in self._broken(flight, exchange, exc):
                 yield frame
         except BaseException:

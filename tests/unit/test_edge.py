@@ -46,6 +46,7 @@ from tests.fakes import (
     FakeSink,
     FixedTokens,
     Script,
+    sse_events,
 )
 
 MODEL = b.MODEL
@@ -211,9 +212,26 @@ def test_a_stream_relays_every_chunk_then_done_and_records_the_end() -> None:
     async def t(h: Harness) -> None:
         out = await h.chat(stream=True)
         assert isinstance(out, StreamOutcome)
-        frames = [out.first] + [f async for f in out.frames]
+        frames = await sse_events(out.first, out.frames)
         assert frames[-1] == b"data: [DONE]\n\n" and len(frames) == 4
         assert h.types() == ENDED
+
+    run(t)
+
+
+def test_chunks_that_arrived_together_reach_the_client_in_fewer_writes() -> None:
+    async def t(h: Harness) -> None:
+        out = await h.chat(stream=True)
+        assert isinstance(out, StreamOutcome)
+        # The fake engine delivers its three chunks at once: what is ready is sent in one write
+        # (the first still alone: it answers the status), the same events in the same order.
+        writes = [out.first] + [f async for f in out.frames]
+        events = [e for e in b"".join(writes).split(b"\n\n") if e]
+        assert len(writes) < len(events) == 4
+        assert [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:3]] == [
+            "t1 ", "t2 ", "t3 "
+        ]
+        assert events[3] == b"data: [DONE]"
 
     run(t)
 

@@ -19,7 +19,7 @@ from domain.requests.events import (
     RequestPreempted,
     RequestRejected,
 )
-from tests.fakes import FakeIdempotency, Script
+from tests.fakes import FakeIdempotency, Script, sse_events
 from tests.unit.test_edge import CALLER, OTHER, Harness, run
 
 
@@ -51,7 +51,7 @@ def test_every_streamed_chunk_names_the_service_tier() -> None:
     async def t(h: Harness) -> None:
         out = await h.chat(service_tier="flex", stream=True)
         assert isinstance(out, StreamOutcome)
-        frames = [out.first] + [f async for f in out.frames]
+        frames = await sse_events(out.first, out.frames)
         chunks = [orjson.loads(f[6:]) for f in frames[:-1]]
         assert chunks and all(c["service_tier"] == "flex" for c in chunks)
 
