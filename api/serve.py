@@ -25,7 +25,7 @@ from api.config import DEFAULT_MODELS, Settings
 from api.http.app import create_app
 from api.logs import setup_logging
 from api.runtime import Runtime
-from api.services.control_service import ControlService
+from api.services.control_service import SYSTEM, ControlService
 from api.services.scaling import Actuator
 from engine_adapter.fleet import Fleet
 
@@ -55,7 +55,7 @@ def seed_demo(settings: Settings) -> dict[str, Any]:
     if path.exists():
         return dict(json.loads(path.read_text()))
     keys: dict[str, Any] = {}
-    with ControlService.open(settings.database_url) as service:
+    with ControlService.open(settings.database_url, SYSTEM) as service:
         existing = {t.tenant_id for t in service.list_tenants()}
         for name, plan in DEMO_TENANTS:
             if name not in existing:
@@ -78,7 +78,7 @@ def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
 
     from domain.cost import base_model
 
-    with ControlService.open(settings.database_url) as service:
+    with ControlService.open(settings.database_url, SYSTEM) as service:
         for model in models:
             if not service.view.has_price(model, datetime.now(UTC) + timedelta(days=3650)):
                 prices = DEMO_PRICES.get(base_model(model), (500_000, 1_500_000, 250_000))

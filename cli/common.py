@@ -14,8 +14,10 @@ from typing import Any, TypeVar
 import click
 
 from api.config import Settings
-from cli.options import settings_options
-from domain.errors import MAX_AMOUNT_MICROS
+from api.services.control_service import operator
+from cli.options import SettingsProblem, settings_options
+from domain.audit.events import Actor
+from domain.errors import MAX_AMOUNT_MICROS, DomainError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,6 +30,22 @@ def database_option(fn: F) -> F:
         return fn(*args, database_url=settings.store_url(), **kwargs)
 
     return settings_options("database_url")(typing.cast(F, with_url))
+
+
+def control_options(fn: F) -> F:
+    """--database-url, --actor and --config, for a command that changes the control plane: it is
+    called with the store's URL as `database_url` and who the change is recorded as made by as
+    `actor` (--actor, TOLLGATE_ACTOR, else the OS user@host, unless `require_actor` is set)."""
+
+    @functools.wraps(fn)
+    def with_actor(*args: Any, settings: Settings, **kwargs: Any) -> Any:
+        try:
+            actor: Actor = operator(settings.actor, required=settings.require_actor)
+        except DomainError as exc:
+            raise SettingsProblem(exc.message) from None
+        return fn(*args, database_url=settings.store_url(), actor=actor, **kwargs)
+
+    return settings_options("database_url", "actor")(typing.cast(F, with_actor))
 
 
 def one_line_errors(fn: F) -> F:

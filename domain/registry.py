@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeAlias, get_type_hints
 
+from domain.audit.events import AuditedChange, ChangeAudited
 from domain.batches.events import (
     BatchCancelRequested,
     BatchCreated,
@@ -119,6 +120,7 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         BatchFinalizing,
         BatchEnded,
         BatchFailed,
+        ChangeAudited,
     )
 }
 
@@ -246,6 +248,8 @@ def _decoders(cls: type) -> dict[str, Callable[[Any], Any] | None]:
                 plan[f.name] = parse_instant
             elif hint == tuple[LeaseProgress, ...]:
                 plan[f.name] = _progress
+            elif hint == tuple[AuditedChange, ...]:
+                plan[f.name] = _changes
             else:
                 plan[f.name] = None
         _DECODERS[cls] = plan
@@ -267,6 +271,10 @@ def _converters(
 
 def _progress(items: Any) -> tuple[LeaseProgress, ...]:
     return tuple(LeaseProgress(**item) for item in items)
+
+
+def _changes(items: Any) -> tuple[AuditedChange, ...]:
+    return tuple(AuditedChange(**item) for item in items)
 
 
 def parse_instant(text: str) -> datetime:

@@ -1,11 +1,16 @@
 """Control-plane commands (tenants, keys, limits, prices) run against the event store: fold the
-control view, decide, append with the stream's expected version. Used by the CLI and by
-`tollgate serve` when it seeds the demo."""
+control view, decide, append with the stream's expected version, each command closed by its
+sealed audit record (domain/audit/). The one command handler of the CLI, of the admin API
+(api/services/admin_service.py) and of `tollgate serve` when it seeds the demo."""
 
 from __future__ import annotations
 
+import getpass
 import hashlib
+import os
 import secrets
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -15,6 +20,9 @@ from typing import Any
 
 import orjson
 
+from domain.audit.chain import AuditRow
+from domain.audit.events import Actor, ChangeAudited
+from domain.audit.record import Append, audit_record
 from domain.control_plane.decide import (
     AllowFallback,
     ChangePlan,
@@ -31,6 +39,7 @@ from domain.control_plane.decide import (
     decide_control,
 )
 from domain.control_plane.state import (
+    ControlView,
     Tenant,
     model_stream,
     price_stream,
@@ -52,9 +61,11 @@ from domain.governance.decide import (
 )
 from domain.projections import PROJECTIONS_BY_NAME
 from domain.runs.state import RunLimits
+from ledger.audit import stream_rows
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
 from ledger.engine import create_engine_from_url
+from ledger.ids import new_event_id
 from ledger.projections import ProjectionRunner
 from ledger.schema import upgrade as schema_upgrade
 from ledger.store import SqlEventStore
@@ -114,40 +125,90 @@ def open_backoffice(database_url: str) -> Iterator[Any]:
         engine.dispose()
 
 
+def operator(name: str | None, *, required: bool) -> Actor:
+    """The CLI's actor: `name` (--actor, TOLLGATE_ACTOR), else the OS user at this host, unless
+    the setting `require_actor` says a name must be given."""
+    if name:
+        return Actor("operator", name)
+    if required:
+        raise DomainError(
+            "no_actor", "this deployment requires an actor for control-plane changes: give "
+            "--actor NAME (or TOLLGATE_ACTOR)", field="actor",
+        )  # fmt: skip
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for this uid (a container)
+        user = f"uid{os.getuid()}"
+    return Actor("operator", f"{user}@{socket.gethostname()}"[:200])
+
+
+# Tollgate itself, when `tollgate serve` seeds the demo tenants, keys and prices.
+SYSTEM = Actor("system", "tollgate serve")
+
+
 class ControlService:
-    def __init__(self, store: SqlEventStore) -> None:
+    """`actor`: who the changes are recorded as made by (None: a reader, whose changes are
+    refused). `log` and `lock`: a control log kept by a long-lived process (the admin API) and
+    the lock every command on it takes; by default its own, folded now."""
+
+    def __init__(
+        self, store: SqlEventStore, actor: Actor | None = None, *, log: ControlLog | None = None,
+        lock: threading.Lock | None = None,
+    ) -> None:  # fmt: skip
         self.store = store
-        self.log = ControlLog(store)
+        self.actor = actor
+        self.log = log or ControlLog(store)
         self.view = self.log.view
         self.commands = CommandHandler(store)
+        self.lock = lock or threading.Lock()
 
     @classmethod
     @contextmanager
-    def open(cls, database_url: str) -> Iterator[ControlService]:
+    def open(cls, database_url: str, actor: Actor | None = None) -> Iterator[ControlService]:
         url = database_url
         upgrade(url)
         engine = create_engine_from_url(url)
         try:
-            yield cls(SqlEventStore(engine))
+            yield cls(SqlEventStore(engine), actor)
         finally:
             engine.dispose()
 
     def execute(
         self, stream_id: str, command: ControlCommand, now: datetime | None = None
     ) -> list[Event]:
-        """One command, one append: all of its events or none, decided on the control plane as
-        folded and appended at the version folded (a concurrent change makes it decide again)."""
+        """One command, one append: its facts and their sealed audit record, or nothing; decided
+        on the control plane as folded and appended at the version folded (a concurrent change
+        makes it decide again). Answers the facts (none when the command changed nothing)."""
+        actor = self.actor
+        if actor is None:
+            raise DomainError("no_actor", "a control-plane change needs an actor", field="actor")
         tenant_id = getattr(command, "tenant_id", None) or getattr(command, "name", "") or ""
-        handled = self.commands.handle(
-            stream_id,
-            lambda view: decide_control(view, command),
-            self.log.loader(stream_id),
-            tenant_id=tenant_id,
-            at=now,
-        )
-        for record in handled.records:
-            self.view.apply(record)
-        return list(handled.events)
+        at = now or datetime.now(UTC)
+        ids: dict[int, str] = {}
+
+        def event_id(i: int) -> str:  # the same on a retry: the record seals these ids
+            return ids.setdefault(i, new_event_id())
+
+        def load() -> tuple[tuple[ControlView, int, list[AuditRow]], int]:
+            view, version = self.log.loader(stream_id)()
+            return (view, version, stream_rows(self.store.engine, stream_id, version)), version
+
+        def decide(state: tuple[ControlView, int, list[AuditRow]]) -> tuple[Event, ...]:
+            view, version, stored = state
+            facts = decide_control(view, command)
+            if not facts:
+                return ()
+            ids_ = tuple(event_id(i) for i in range(len(facts) + 1))
+            where = Append(stream_id, tenant_id, version, ids_, at)
+            return (*facts, audit_record(where, stored, facts, actor, type(command).__name__))
+
+        with self.lock:
+            handled = self.commands.handle(
+                stream_id, decide, load, tenant_id=tenant_id, at=at, event_id=event_id
+            )
+            for record in handled.records:
+                self.view.apply(record)
+        return [e for e in handled.events if not isinstance(e, ChangeAudited)]
 
     def create_tenant(self, name: str, plan: str) -> None:
         command = RegisterTenant(name=name, plan=plan, cache_salt=secrets.token_hex(16))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar
 
+from domain.audit.events import ChangeAudited
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -139,7 +140,7 @@ class _Dated:
 CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
     TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
     FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
-    FallbackRevoked, *HIERARCHY_EVENTS,
+    FallbackRevoked, ChangeAudited, *HIERARCHY_EVENTS,
 })  # fmt: skip
 
 
@@ -254,6 +255,8 @@ class ControlView:
                 allowed = self._fallbacks.get((event.tenant_id, event.from_model), [])
                 if event.to_model in allowed:
                     allowed.remove(event.to_model)
+            case ChangeAudited():
+                pass  # the audit trail's (domain/audit/): counted in the stream's version only
             case _ if isinstance(event, HIERARCHY_EVENTS):
                 self.hierarchy.apply(event, at)
             case _:
