@@ -65,6 +65,7 @@ def seed_demo(settings: Settings) -> dict[str, Any]:
             service.create_tenant("tollgate-ops", "enterprise")
         keys["finance"] = service.issue_key("tollgate-ops", "finance")[1]
         keys["support"] = service.issue_key("tollgate-ops", "support")[1]
+        keys["admin"] = service.issue_key("tollgate-ops", "admin")[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(keys, indent=2))
     os.chmod(path, 0o600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cli import billing, config, db, dev, models, pipeline, serve, support, tenants
+from cli import audit, billing, config, db, dev, models, pipeline, serve, support, tenants
 from cli.common import LazyCommand
 
 
@@ -13,7 +13,7 @@ def main() -> None:
     """Tollgate: admission, quota, routing and exact billing in front of vLLM replicas."""
 
 
-for _module in (db, tenants, billing, models, support, serve, pipeline, config, dev):
+for _module in (db, tenants, billing, models, support, serve, pipeline, config, dev, audit):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 

@@ -17,6 +17,7 @@ from cli.common import (
     one_line_errors,
 )
 from domain.audit.events import Actor
+from domain.errors import DomainError
 
 # --- tenants, keys, limits, prices ---------------------------------------------------------------
 
@@ -124,13 +125,10 @@ def _level(
     tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
 ) -> tuple[str, str] | None:
     """The one level named by --workspace / --project / --key (None: the organization)."""
-    given = [(kind, value) for kind, value in
-             (("workspace", workspace), ("project", project), ("key", key)) if value]  # fmt: skip
-    if len(given) > 1:
-        raise click.UsageError("give at most one of --workspace, --project, --key")
-    if given:
-        return given[0]
-    return ("org", tenant) if org else None
+    try:
+        return control.level_of(tenant, workspace, project, key, org=org)
+    except DomainError:
+        raise click.UsageError("give at most one of --workspace, --project, --key") from None
 
 
 level_options = [
@@ -186,28 +184,18 @@ def limits_set(
     """Limits of the organization (no level option) or of one workspace, project or key; a
     request is admitted only if every level on its path has room."""
     level = _level(tenant, workspace, project, key_id, org=False)
-    if level is not None:
-        if reserved_kv_seconds is not None:
-            raise click.UsageError("--reserved-kv-seconds is an organization's limit")
-        with control.ControlService.open(database_url, actor) as service:
-            service.set_level_limits(
-                tenant, *level, model, rpm=rpm, tpm=tpm, max_context=max_context,
-                max_output=max_output, kv_gib_seconds=kv_seconds,
-            )  # fmt: skip
-        click.echo(f"limits for {level[0]} {level[1]} of {tenant} on {model} recorded")
-        return
+    if level is not None and reserved_kv_seconds is not None:
+        raise click.UsageError("--reserved-kv-seconds is an organization's limit")
     with control.ControlService.open(database_url, actor) as service:
-        service.set_limits(
-            tenant,
-            model,
-            rpm=rpm,
-            tpm=tpm,
-            max_context=max_context,
-            max_output=max_output,
-            kv_gib_seconds=kv_seconds,
+        service.set_limits_at(
+            tenant, level, model, rpm=rpm, tpm=tpm, max_context=max_context,
+            max_output=max_output, kv_gib_seconds=kv_seconds,
             reserved_kv_gib_seconds=reserved_kv_seconds,
-        )
-    click.echo(f"limits for {tenant} on {model} recorded")
+        )  # fmt: skip
+    if level is not None:
+        click.echo(f"limits for {level[0]} {level[1]} of {tenant} on {model} recorded")
+    else:
+        click.echo(f"limits for {tenant} on {model} recorded")
 
 
 @limits.command("show")

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
+from api.http.admin_routes import add_admin_routes
 from api.http.batch_routes import add_batch_routes
 from api.http.body_limits import bounded, read_body
 from api.http.openapi import install as install_openapi
@@ -497,6 +498,10 @@ def create_app(runtime: Runtime) -> FastAPI:
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_batch_routes(app, runtime.batches, customer, json_response)
+    add_admin_routes(
+        app, runtime.admin, runtime.audit, key_caller, json_response,
+        currency=runtime.settings.currency,
+    )  # fmt: skip
 
     from api.http.web import add_web_routes  # the /ui pages (issue 4)
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from domain.control_plane.state import (
 )
 from domain.cost import ModelProfile, profile_from_hf_config
 from domain.envelope import Event
-from domain.errors import DomainError
+from domain.errors import MAX_AMOUNT_MICROS, DomainError
 from domain.governance.decide import (
     AssignKey,
     CreateProject,
@@ -84,6 +85,46 @@ def new_secret() -> str:
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def usd_micros(text: str, field: str) -> int:
+    """A decimal amount of dollars (`25`, `0.50`) as micro-dollars, or a DomainError naming
+    `field`: the one rule of the CLI's amounts and the admin API's."""
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        value = Decimal("NaN")
+    if not value.is_finite():
+        raise DomainError("bad_amount", f"{text!r} is not a decimal amount", field=field)
+    if value < 0:
+        raise DomainError("bad_amount", f"{text} is negative", field=field)
+    if value > MAX_AMOUNT_MICROS // 1_000_000:  # before any arithmetic: 1e999999999 overflows
+        raise DomainError(
+            "too_large", f"{text} is over {MAX_AMOUNT_MICROS // 1_000_000:,} dollars",
+            field=field,
+        )
+    micros = value * 1_000_000
+    if micros != micros.to_integral_value():
+        raise DomainError(
+            "bad_amount", f"{text} has more precision than a micro-dollar", field=field
+        )
+    return int(micros)
+
+
+def level_of(
+    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
+) -> tuple[str, str] | None:
+    """The one level named by a workspace, a project or a key (none: the organization's own when
+    `org`, else None)."""
+    given = [(kind, value) for kind, value in
+             (("workspace", workspace), ("project", project), ("key", key)) if value]  # fmt: skip
+    if len(given) > 1:
+        raise DomainError(
+            "bad_level", "give at most one of workspace, project, key", field=given[1][0]
+        )
+    if given:
+        return given[0]
+    return ("org", tenant) if org else None
 
 
 def rebuild_projections(
@@ -237,6 +278,20 @@ class ControlService:
 
     def set_limits(self, tenant: str, model: str, **limits: int | None) -> None:
         self.execute(tenant_stream(tenant), SetLimits(tenant_id=tenant, model=model, **limits))
+
+    def set_limits_at(
+        self, tenant: str, level: tuple[str, str] | None, model: str, **limits: int | None
+    ) -> None:
+        """Limits of the organization (`level` None) or of one workspace, project or key."""
+        if level is None:
+            self.set_limits(tenant, model, **limits)
+            return
+        if limits.pop("reserved_kv_gib_seconds", None) is not None:
+            raise DomainError(
+                "bad_level", "reserved_kv_gib_seconds is an organization's limit",
+                field="reserved_kv_gib_seconds",
+            )  # fmt: skip
+        self.set_level_limits(tenant, *level, model, **limits)
 
     def limits_in_force(self, tenant: str, model: str, at: datetime | None) -> dict[str, Any]:
         limits = self.view.limits(tenant, model, at)
