@@ -267,7 +267,8 @@ def add_admin_routes(
         return done(request, found)
 
     @app.get(
-        "/v1/admin/models/{model}", operation_id="admin_show_model",
+        # `:path`: a model name may hold a slash (`org/model`), which a client sends as %2F.
+        "/v1/admin/models/{model:path}", operation_id="admin_show_model",
         summary="A model's KV profile in force, and its history (`tollgate models show`)",
         response_model=AdminModelProfile, responses=answers(*AUTHENTICATED, 404),
     )  # fmt: skip

@@ -449,13 +449,15 @@ def create_app(runtime: Runtime) -> FastAPI:
         summary="Every replica as the router sees it, and the autoscaling signal (admin keys)",
         response_model=Fleet, responses=answers(*AUTHENTICATED, 503),
     )  # fmt: skip
-    async def fleet(caller: AnyKeyDep) -> Response:
+    async def fleet(request: Request, caller: AnyKeyDep) -> Response:
         if caller.scope != "admin":
             raise ApiError(403, "the fleet view is for admin keys", type="permission_error",
                            code="insufficient_scope")
         if runtime.scaling is None:
             raise ApiError(503, "the fleet is starting", type="server_error", code="starting")
-        return json_response(200, runtime.scaling.view())
+        return json_response(
+            200, runtime.scaling.view(), {"X-Request-Id": request.state.request_id}
+        )
 
     @app.get(
         "/healthz", summary="Liveness", response_model=Health,

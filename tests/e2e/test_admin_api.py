@@ -152,7 +152,7 @@ def test_an_admin_key_runs_a_tenant_from_creation_to_revoked_key(
 
 def test_prices_and_models_over_http(server: Server, admin: dict[str, str]) -> None:
     key = admin["secret"]
-    model = f"tiny-{uuid.uuid4().hex[:6]}-2026-05"
+    model = f"org/tiny-{uuid.uuid4().hex[:6]}-2026-05"  # a slash: the GET path holds it
     registered = ok(server, "POST", "/v1/admin/models", key, {
         "model": model, "layers": 2, "kv_heads": 2, "head_dim": 16, "dtype_bytes": 2,
         "max_model_len": 2048,
