@@ -4,14 +4,14 @@ prices and models, for an admin key, which is recorded as the actor of every cha
 It validates nothing of its own beyond the shape the routes' models already checked: each call
 goes through the CLI's command handler (`ControlService`: the same decisions, the same events,
 the same audit record) and the CLI's parsing rules (`usd_micros`, `level_of`, `profile_shape`).
-A `DomainError` becomes a 400 naming the request's field (404 for what does not exist, 409 for
-a duplicate or a change that kept racing)."""
+A `DomainError` becomes a 400 naming the request's field (404 for a tenant or key the path names
+that does not exist, 409 for a duplicate or a change that kept racing)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -53,15 +53,22 @@ def _usd(micros: int | None) -> str | None:
     return None if micros is None else str(Decimal(micros) / 1_000_000)
 
 
-def api_error(exc: DomainError) -> ApiError:
-    """A refused command as the API answers it."""
-    if exc.rule.startswith("unknown_"):
+# What the admin routes' paths name: an unknown one is a 404; an unknown workspace, project or
+# key a body names is that field's 400 (the path's resource exists).
+PATH_PARAMS: Final = frozenset({"tenant", "key_id"})
+
+
+def api_error(exc: DomainError, renames: Mapping[str, str] | None = None) -> ApiError:
+    """A refused command as the API answers it; `renames`: the domain's field names this
+    route calls otherwise."""
+    field = exc.field or ""
+    param = (renames or {}).get(field) or PARAMS.get(field, exc.field)
+    if exc.rule.startswith("unknown_") and param in PATH_PARAMS:
         status = 404
     elif exc.rule.startswith("duplicate_") or exc.rule == "concurrent_change":
         status = 409
     else:
         status = 400
-    param = PARAMS.get(exc.field or "", exc.field)
     return ApiError(status, exc.message, param=param, code=exc.rule)
 
 
@@ -75,7 +82,9 @@ class AdminService:
         self._log: ControlLog | None = None
 
     @contextmanager
-    def _control(self, key_id: str | None) -> Iterator[ControlService]:
+    def _control(
+        self, key_id: str | None, renames: Mapping[str, str] | None = None
+    ) -> Iterator[ControlService]:
         with self._lock:
             if self._log is None:
                 self._log = ControlLog(self.store)
@@ -84,7 +93,7 @@ class AdminService:
             try:
                 yield ControlService(self.store, actor, log=self._log, lock=self._lock)
             except DomainError as exc:
-                raise api_error(exc) from None
+                raise api_error(exc, renames) from None
 
     def _read(self, fn: Callable[[ControlView], T]) -> T:
         with self._control(None) as service:
@@ -134,7 +143,7 @@ class AdminService:
                 "project": None, "revoked": key.revoked}  # fmt: skip
 
     def assign_key(self, key_id: str, tenant: str, assigned: str, project: str) -> dict[str, Any]:
-        with self._control(key_id) as service:
+        with self._control(key_id, {"key": "key_id"}) as service:  # the key is the path's
             service.assign_key(tenant, assigned, project)
             key = service.view.key(assigned)
         assert key is not None
