@@ -100,7 +100,7 @@ class ProjectCreate(_Body):
 
 class BudgetSet(_Level):
     period: Literal["day", "month"]
-    usd: Usd | None = Field(description="the budget, e.g. \"25.00\"; null removes it")
+    usd: Usd | None = Field(description='the budget, e.g. "25.00"; null removes it')
 
 
 class TimeZoneSet(_Body):

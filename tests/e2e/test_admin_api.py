@@ -194,8 +194,9 @@ def test_bad_requests_name_their_field_and_record_nothing(
     error(call(server, "POST", limits, key, {"model": "*"}), 400, None)  # sets nothing
     error(call(server, "POST", limits, key, {"model": "*", "project": "p", "key": "k", "rpm": 1}),
           400, "key")  # fmt: skip
+    # The path's tenant exists: the body's project is the fault
     error(call(server, "POST", limits, key, {"model": "*", "project": "nope", "rpm": 1}),
-          400, "project")  # the path's tenant exists: the body's project is the fault
+          400, "project")  # fmt: skip
     budgets = f"/v1/admin/tenants/{tenant}/budgets"
     error(call(server, "POST", budgets, key, {"period": "week", "usd": "1"}), 400, "period")
     detail = error(call(server, "POST", budgets, key, {"period": "day", "usd": "2000000000"}),
