@@ -366,6 +366,20 @@ class Settings(BaseSettings):
         json_schema_extra=cli(option=False),
     )
 
+    # --- the control plane's audit trail -------------------------------------------------------
+    # Who a command-line change is recorded as made by (the admin API records the key's id).
+    actor: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="who the control-plane changes of this command are recorded as made by, in "
+        "the audit trail (default: the OS user@host)",
+    )  # fmt: skip
+    require_actor: bool = Field(
+        False,
+        description="refuse a control-plane change from the command line that does not name its "
+        "actor (--actor or TOLLGATE_ACTOR)",
+        json_schema_extra=cli(option=False),
+    )
+
     # --- every process -------------------------------------------------------------------------
     log_format: Literal["plain", "json"] = Field(
         "plain",

@@ -25,6 +25,8 @@ import aiohttp
 from api.config import Settings
 from api.http.sessions import Sessions, load_secret
 from api.metrics import Metrics
+from api.services.admin_service import AdminService
+from api.services.audit_service import AuditTrail
 from api.services.backoffice import Backoffice
 from api.services.batch_service import BatchService
 from api.services.edge import Edge
@@ -113,6 +115,9 @@ class Runtime:
         self.feedback = FeedbackService(
             self.store, CommandHandler(self.store), self.quality_log.view
         )
+        # The admin API's commands (their own control log, folded on first use) and the trail.
+        self.admin = AdminService(self.store)
+        self.audit = AuditTrail(self.engine)
         # The web pages' sessions (api/http/sessions.py): signed with a secret every edge shares.
         self.sessions = Sessions(
             load_secret(self.settings.data_path(), self.settings.session_secret)

@@ -26,7 +26,7 @@ from api.http.app import create_app
 from api.logs import setup_logging
 from api.replica_regions import simulated_region, split_region
 from api.runtime import Runtime
-from api.services.control_service import ControlService
+from api.services.control_service import SYSTEM, ControlService
 from api.services.scaling import Actuator
 from engine_adapter.fleet import Fleet
 
@@ -56,7 +56,7 @@ def seed_demo(settings: Settings) -> dict[str, Any]:
     if path.exists():
         return dict(json.loads(path.read_text()))
     keys: dict[str, Any] = {}
-    with ControlService.open(settings.database_url) as service:
+    with ControlService.open(settings.database_url, SYSTEM) as service:
         existing = {t.tenant_id for t in service.list_tenants()}
         for name, plan in DEMO_TENANTS:
             if name not in existing:
@@ -66,6 +66,7 @@ def seed_demo(settings: Settings) -> dict[str, Any]:
             service.create_tenant("tollgate-ops", "enterprise")
         keys["finance"] = service.issue_key("tollgate-ops", "finance")[1]
         keys["support"] = service.issue_key("tollgate-ops", "support")[1]
+        keys["admin"] = service.issue_key("tollgate-ops", "admin")[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(keys, indent=2))
     os.chmod(path, 0o600)
@@ -79,7 +80,7 @@ def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
 
     from domain.cost import base_model
 
-    with ControlService.open(settings.database_url) as service:
+    with ControlService.open(settings.database_url, SYSTEM) as service:
         for model in models:
             if not service.view.has_price(model, datetime.now(UTC) + timedelta(days=3650)):
                 prices = DEMO_PRICES.get(base_model(model), (500_000, 1_500_000, 250_000))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cli import (
+    audit,
     billing,
     config,
     data_policy,
@@ -27,6 +28,7 @@ def main() -> None:
 
 for _module in (
     db, tenants, data_policy, billing, models, support, serve, pipeline, config, dev, routing,
+    audit,
 ):
     for _command in _module.COMMANDS:
         main.add_command(_command)

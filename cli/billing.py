@@ -12,12 +12,14 @@ from api.config import Settings
 from api.services import control_service as control
 from cli.common import (
     F,
+    control_options,
     database_option,
     instant,
     micros,
     one_line_errors,
 )
 from cli.options import settings_options
+from domain.audit.events import Actor
 
 
 @click.group()
@@ -31,7 +33,7 @@ def prices() -> None:
 @click.option("--completion", required=True, help="price per 1M completion tokens")
 @click.option("--cached", required=True, help="price per 1M cached prompt tokens")
 @click.option("--effective-at", default=None, help="ISO 8601 (default: now)")
-@settings_options("database_url", "currency")
+@settings_options("database_url", "currency", "actor")
 @one_line_errors
 def prices_set(
     model: str,
@@ -42,7 +44,8 @@ def prices_set(
     settings: Settings,
 ) -> None:
     at = instant(effective_at) if effective_at else None
-    with control.ControlService.open(settings.store_url()) as service:
+    actor = control.operator(settings.actor, required=settings.require_actor)
+    with control.ControlService.open(settings.store_url(), actor) as service:
         at = service.set_price(
             model, micros(prompt_, "--prompt"), micros(completion, "--completion"),
             micros(cached, "--cached"), at, currency=settings.currency,
@@ -57,14 +60,14 @@ def prices_set(
     help="the flex class's discount on the model's price, e.g. 50",
 )
 @click.option("--effective-at", default=None, help="ISO 8601 (default: now)")
-@database_option
+@control_options
 @one_line_errors
 def prices_flex_discount(
-    model: str, percent: float, effective_at: str | None, database_url: str
+    model: str, percent: float, effective_at: str | None, database_url: str, actor: Actor
 ) -> None:
     """The flex class's (and the Batch API's) discount on a model's price, effective-dated."""
     at = instant(effective_at) if effective_at else None
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         at = service.set_flex_discount(model, round(percent * 10_000), at)
     click.echo(f"flex discount for {model}: {percent:g} % effective {at.isoformat()}")
 

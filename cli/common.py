@@ -8,14 +8,15 @@ import sys
 import typing
 from collections.abc import Callable
 from datetime import UTC, datetime
-from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
 import click
 
 from api.config import Settings
-from cli.options import settings_options
-from domain.errors import MAX_AMOUNT_MICROS
+from api.services.control_service import operator, usd_micros
+from cli.options import SettingsProblem, settings_options
+from domain.audit.events import Actor
+from domain.errors import DomainError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,6 +29,22 @@ def database_option(fn: F) -> F:
         return fn(*args, database_url=settings.store_url(), **kwargs)
 
     return settings_options("database_url")(typing.cast(F, with_url))
+
+
+def control_options(fn: F) -> F:
+    """--database-url, --actor and --config, for a command that changes the control plane: it is
+    called with the store's URL as `database_url` and who the change is recorded as made by as
+    `actor` (--actor, TOLLGATE_ACTOR, else the OS user@host, unless `require_actor` is set)."""
+
+    @functools.wraps(fn)
+    def with_actor(*args: Any, settings: Settings, **kwargs: Any) -> Any:
+        try:
+            actor: Actor = operator(settings.actor, required=settings.require_actor)
+        except DomainError as exc:
+            raise SettingsProblem(exc.message) from None
+        return fn(*args, database_url=settings.store_url(), actor=actor, **kwargs)
+
+    return settings_options("database_url", "actor")(typing.cast(F, with_actor))
 
 
 def one_line_errors(fn: F) -> F:
@@ -54,25 +71,12 @@ def one_line_errors(fn: F) -> F:
 
 
 def micros(text: str, option: str) -> int:
-    """A decimal amount of dollars as micro-dollars, or a usage error naming `option`."""
+    """A decimal amount of dollars as micro-dollars, or a usage error naming `option` (the rule
+    is the admin API's too: control_service.usd_micros)."""
     try:
-        value = Decimal(text)
-    except InvalidOperation:
-        value = Decimal("NaN")
-    if not value.is_finite():
-        raise click.BadParameter(f"{text!r} is not a decimal amount", param_hint=option)
-    if value < 0:
-        raise click.BadParameter(f"{text} is negative", param_hint=option)
-    if value > MAX_AMOUNT_MICROS // 1_000_000:  # before any arithmetic: 1e999999999 overflows
-        raise click.BadParameter(
-            f"{text} is over {MAX_AMOUNT_MICROS // 1_000_000:,} dollars", param_hint=option
-        )
-    micros = value * 1_000_000
-    if micros != micros.to_integral_value():
-        raise click.BadParameter(
-            f"{text} has more precision than a micro-dollar", param_hint=option
-        )
-    return int(micros)
+        return usd_micros(text, option)
+    except DomainError as exc:
+        raise click.BadParameter(exc.message, param_hint=option) from None
 
 
 def instant(text: str) -> datetime:

@@ -9,7 +9,8 @@ import click
 
 from api.services import control_service as control
 from api.services import data_policy_service as policy
-from cli.common import database_option, one_line_errors
+from cli.common import control_options, database_option, one_line_errors
+from domain.audit.events import Actor
 
 
 @click.group()
@@ -21,10 +22,12 @@ def residency() -> None:
 @click.option("--tenant", required=True)
 @click.option("--project", default=None, help="pin one project (within the tenant's regions)")
 @click.option("--regions", required=True, help="comma-separated, e.g. eu-west,eu-central")
-@database_option
+@control_options
 @one_line_errors
-def residency_set(tenant: str, project: str | None, regions: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def residency_set(
+    tenant: str, project: str | None, regions: str, database_url: str, actor: Actor
+) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         changed = policy.set_residency(service, tenant, regions, project)
         pinned = service.view.data_policy.pinned(tenant, project)
     where = ", ".join(sorted(pinned or ()))
@@ -35,10 +38,10 @@ def residency_set(tenant: str, project: str | None, regions: str, database_url: 
 @residency.command("clear")
 @click.option("--tenant", required=True)
 @click.option("--project", default=None)
-@database_option
+@control_options
 @one_line_errors
-def residency_clear(tenant: str, project: str | None, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def residency_clear(tenant: str, project: str | None, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         changed = policy.clear_residency(service, tenant, project)
     state = "no longer pinned" if changed else "was not pinned"
     click.echo(f"{_level(tenant, project)} {state}")
@@ -55,12 +58,14 @@ def retention() -> None:
 @click.option("--project", default=None)
 @click.option("--zero", "tier", flag_value="zero", help="keep no content at all")
 @click.option("--standard", "tier", flag_value="standard", help="the default tier")
-@database_option
+@control_options
 @one_line_errors
-def retention_set(tenant: str, project: str | None, tier: str | None, database_url: str) -> None:
+def retention_set(
+    tenant: str, project: str | None, tier: str | None, database_url: str, actor: Actor
+) -> None:
     if tier is None:
         raise click.UsageError("give --zero or --standard")
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         changed = policy.set_retention(service, tenant, tier, project)
     state = "is now" if changed else "was already"
     click.echo(f"{_level(tenant, project)} {state} on {tier} retention")

@@ -8,10 +8,12 @@ import click
 
 from api.services import control_service as control
 from cli.common import (
+    control_options,
     database_option,
     instant,
     one_line_errors,
 )
+from domain.audit.events import Actor
 
 # --- model profiles ------------------------------------------------------------------------------
 
@@ -41,7 +43,7 @@ def models() -> None:
     help="default: config.json's max_position_embeddings; a replica's own /v1/models wins",
 )
 @click.option("--effective-at", default=None, help="ISO 8601 (default: now)")
-@database_option
+@control_options
 @one_line_errors
 def models_register(
     model: str,
@@ -55,6 +57,7 @@ def models_register(
     max_model_len: int | None,
     effective_at: str | None,
     database_url: str,
+    actor: Actor,
 ) -> None:
     """Record a model's KV profile. Flags given with --hf-config override what it says."""
     shape = control.profile_shape(
@@ -63,7 +66,7 @@ def models_register(
         max_model_len=max_model_len,
     )  # fmt: skip
     at = instant(effective_at) if effective_at else None
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         profile, at = service.register_model(model, shape, at)
     click.echo(
         f"model profile for {model} effective {at.isoformat()}: "
@@ -108,13 +111,14 @@ def slo() -> None:
     "--tpot-ms", required=True, type=click.FloatRange(min=0.001), help="TPOT target, ms"
 )
 @click.option("--effective-at", default=None, help="ISO 8601 (default: 5 s from now)")
-@database_option
+@control_options
 @one_line_errors
 def slo_set(
-    tier: str, ttft_ms: int, tpot_ms: float, effective_at: str | None, database_url: str
+    tier: str, ttft_ms: int, tpot_ms: float, effective_at: str | None, database_url: str,
+    actor: Actor,
 ) -> None:
     at = instant(effective_at) if effective_at else None
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         at = service.set_slo(tier, ttft_ms, round(tpot_ms * 1000), at)
     click.echo(
         f"SLO for {tier}: TTFT <= {ttft_ms} ms, TPOT <= {tpot_ms:g} ms from {at.isoformat()}"

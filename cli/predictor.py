@@ -214,7 +214,8 @@ def generate(
     from predictor.generate import TENANT_KINDS, drive
 
     keys: dict[str, list[str]] = {}
-    with control.ControlService.open(settings.store_url()) as service:
+    actor = control.operator(settings.actor, required=settings.require_actor)
+    with control.ControlService.open(settings.store_url(), actor) as service:
         known = {t.name for t in service.list_tenants()}
         for kind in TENANT_KINDS:
             tenant = f"{prefix}-{kind}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import click
 
 from api.services import control_service as control
-from cli.common import database_option, one_line_errors
+from cli.common import control_options, database_option, one_line_errors
+from domain.audit.events import Actor
 from domain.control_plane.decide import AllowRouting
 from domain.routing import DEFAULT_EXPLORATION_PPM, ON_CAPACITY
 
@@ -41,7 +42,7 @@ def routing() -> None:
     help="when the chosen model has no room: serve the reference model, or refuse",
 )
 @click.option("--reset-drift", is_flag=True, help="forget the classes latched for drift")
-@database_option
+@control_options
 @one_line_errors
 def routing_allow(
     tenant: str,
@@ -52,6 +53,7 @@ def routing_allow(
     on_capacity: str,
     reset_drift: bool,
     database_url: str,
+    actor: Actor,
 ) -> None:
     command = AllowRouting(
         tenant,
@@ -62,7 +64,7 @@ def routing_allow(
         project,
         reset_drift,
     )
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         changed = service.allow_routing(command)
     where = f"{tenant}/{project}" if project else tenant
     state = "allowed" if changed else "was already allowed, unchanged"
@@ -72,10 +74,10 @@ def routing_allow(
 @routing.command("revoke")
 @click.option("--tenant", required=True)
 @click.option("--project", default="")
-@database_option
+@control_options
 @one_line_errors
-def routing_revoke(tenant: str, project: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def routing_revoke(tenant: str, project: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         changed = service.revoke_routing(tenant, project)
     where = f"{tenant}/{project}" if project else tenant
     click.echo(f"{where}: routing {'revoked' if changed else 'was not allowed'}")

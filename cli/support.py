@@ -115,7 +115,7 @@ def requests_list(
     from api.services.backoffice import parse_range
 
     now = datetime.now(UTC)
-    start = _since(since, now)
+    start = since_instant(since, now)
     with control.open_backoffice(database_url) as bo:
         bo.requests_tenant("support", "", tenant)
         lo, hi = parse_range(start, None, now)
@@ -145,7 +145,7 @@ def requests_list(
         click.echo(f"more: --after {page['last_id']}")
 
 
-def _since(text: str | None, now: datetime) -> str | None:
+def since_instant(text: str | None, now: datetime) -> str | None:
     """An ISO instant as it is given, or `90m`/`6h`/`2d` as the instant that long ago."""
     if text is None:
         return None

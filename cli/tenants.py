@@ -10,11 +10,14 @@ import click
 from api.services import control_service as control
 from cli.common import (
     F,
+    control_options,
     database_option,
     instant,
     micros,
     one_line_errors,
 )
+from domain.audit.events import Actor
+from domain.errors import DomainError
 
 # --- tenants, keys, limits, prices ---------------------------------------------------------------
 
@@ -29,10 +32,10 @@ def tenants() -> None:
 @click.option(
     "--plan", type=str, default="standard", show_default=True, help="free | standard | enterprise"
 )
-@database_option
+@control_options
 @one_line_errors
-def tenants_create(name: str, plan: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def tenants_create(name: str, plan: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.create_tenant(name, plan)
     click.echo(f"tenant {name} created on the {plan} plan")
 
@@ -40,10 +43,10 @@ def tenants_create(name: str, plan: str, database_url: str) -> None:
 @tenants.command("plan")
 @click.argument("name")
 @click.option("--plan", required=True, help="free | standard | enterprise")
-@database_option
+@control_options
 @one_line_errors
-def tenants_plan(name: str, plan: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def tenants_plan(name: str, plan: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.change_plan(name, plan)
     click.echo(f"tenant {name} moved to the {plan} plan")
 
@@ -71,11 +74,13 @@ def keys() -> None:
     show_default=True,
 )
 @click.option("--project", default=None, help="its project (default: the organization)")
-@database_option
+@control_options
 @one_line_errors
-def keys_issue(tenant: str, scope: str, project: str | None, database_url: str) -> None:
+def keys_issue(
+    tenant: str, scope: str, project: str | None, database_url: str, actor: Actor
+) -> None:
     """Print a new key: its id, then the secret alone on the last line (shown once)."""
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         key_id, secret = service.issue_key(tenant, scope, project)
     click.echo(f"issued {scope} key {key_id} for tenant {tenant}; store it now, it is not kept:")
     click.echo(secret)
@@ -85,11 +90,11 @@ def keys_issue(tenant: str, scope: str, project: str | None, database_url: str) 
 @click.argument("key_id")
 @click.option("--tenant", required=True)
 @click.option("--project", required=True)
-@database_option
+@control_options
 @one_line_errors
-def keys_assign(key_id: str, tenant: str, project: str, database_url: str) -> None:
+def keys_assign(key_id: str, tenant: str, project: str, database_url: str, actor: Actor) -> None:
     """Move a key into a project (its requests are then bounded by the project's levels)."""
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         service.assign_key(tenant, key_id, project)
     click.echo(f"key {key_id} belongs to project {project}")
 
@@ -97,10 +102,10 @@ def keys_assign(key_id: str, tenant: str, project: str, database_url: str) -> No
 @keys.command("revoke")
 @click.argument("key_id")
 @click.option("--tenant", required=True)
-@database_option
+@control_options
 @one_line_errors
-def keys_revoke(key_id: str, tenant: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def keys_revoke(key_id: str, tenant: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.revoke_key(tenant, key_id)
     click.echo(f"key {key_id} revoked")
 
@@ -120,13 +125,10 @@ def _level(
     tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
 ) -> tuple[str, str] | None:
     """The one level named by --workspace / --project / --key (None: the organization)."""
-    given = [(kind, value) for kind, value in
-             (("workspace", workspace), ("project", project), ("key", key)) if value]  # fmt: skip
-    if len(given) > 1:
-        raise click.UsageError("give at most one of --workspace, --project, --key")
-    if given:
-        return given[0]
-    return ("org", tenant) if org else None
+    try:
+        return control.level_of(tenant, workspace, project, key, org=org)
+    except DomainError:
+        raise click.UsageError("give at most one of --workspace, --project, --key") from None
 
 
 level_options = [
@@ -162,7 +164,7 @@ def with_level(fn: F) -> F:
     callback=_non_negative,
     help="enterprise reserved floor, KV GiB-seconds",
 )
-@database_option
+@control_options
 @one_line_errors
 def limits_set(
     tenant: str,
@@ -177,32 +179,23 @@ def limits_set(
     kv_seconds: int | None,
     reserved_kv_seconds: int | None,
     database_url: str,
+    actor: Actor,
 ) -> None:
     """Limits of the organization (no level option) or of one workspace, project or key; a
     request is admitted only if every level on its path has room."""
     level = _level(tenant, workspace, project, key_id, org=False)
-    if level is not None:
-        if reserved_kv_seconds is not None:
-            raise click.UsageError("--reserved-kv-seconds is an organization's limit")
-        with control.ControlService.open(database_url) as service:
-            service.set_level_limits(
-                tenant, *level, model, rpm=rpm, tpm=tpm, max_context=max_context,
-                max_output=max_output, kv_gib_seconds=kv_seconds,
-            )  # fmt: skip
-        click.echo(f"limits for {level[0]} {level[1]} of {tenant} on {model} recorded")
-        return
-    with control.ControlService.open(database_url) as service:
-        service.set_limits(
-            tenant,
-            model,
-            rpm=rpm,
-            tpm=tpm,
-            max_context=max_context,
-            max_output=max_output,
-            kv_gib_seconds=kv_seconds,
+    if level is not None and reserved_kv_seconds is not None:
+        raise click.UsageError("--reserved-kv-seconds is an organization's limit")
+    with control.ControlService.open(database_url, actor) as service:
+        service.set_limits_at(
+            tenant, level, model, rpm=rpm, tpm=tpm, max_context=max_context,
+            max_output=max_output, kv_gib_seconds=kv_seconds,
             reserved_kv_gib_seconds=reserved_kv_seconds,
-        )
-    click.echo(f"limits for {tenant} on {model} recorded")
+        )  # fmt: skip
+    if level is not None:
+        click.echo(f"limits for {level[0]} {level[1]} of {tenant} on {model} recorded")
+    else:
+        click.echo(f"limits for {tenant} on {model} recorded")
 
 
 @limits.command("show")
@@ -231,10 +224,10 @@ def workspaces() -> None:
 @workspaces.command("create")
 @click.argument("name")
 @click.option("--tenant", required=True)
-@database_option
+@control_options
 @one_line_errors
-def workspaces_create(name: str, tenant: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def workspaces_create(name: str, tenant: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.create_workspace(tenant, name)
     click.echo(f"workspace {name} created in {tenant}")
 
@@ -262,10 +255,12 @@ def projects() -> None:
 @click.argument("name")
 @click.option("--tenant", required=True)
 @click.option("--workspace", required=True)
-@database_option
+@control_options
 @one_line_errors
-def projects_create(name: str, tenant: str, workspace: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def projects_create(
+    name: str, tenant: str, workspace: str, database_url: str, actor: Actor
+) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.create_project(tenant, name, workspace)
     click.echo(f"project {name} created in workspace {workspace} of {tenant}")
 
@@ -274,10 +269,10 @@ def projects_create(name: str, tenant: str, workspace: str, database_url: str) -
 @click.argument("name")
 @click.option("--tenant", required=True)
 @click.option("--workspace", required=True, help="the workspace it belongs to from now on")
-@database_option
+@control_options
 @one_line_errors
-def projects_move(name: str, tenant: str, workspace: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def projects_move(name: str, tenant: str, workspace: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.move_project(tenant, name, workspace)
     click.echo(f"project {name} is in workspace {workspace}")
 
@@ -293,11 +288,11 @@ def budgets() -> None:
 @click.option("--period", required=True, type=click.Choice(["day", "month"]))
 @click.option("--usd", default=None, help="the budget, e.g. 25.00")
 @click.option("--clear", is_flag=True, help="remove the budget of that level and period")
-@database_option
+@control_options
 @one_line_errors
 def budgets_set(
     tenant: str, workspace: str | None, project: str | None, key_id: str | None, period: str,
-    usd: str | None, clear: bool, database_url: str,
+    usd: str | None, clear: bool, database_url: str, actor: Actor,
 ) -> None:  # fmt: skip
     """Periods are calendar days and months in the organization's time zone (UTC unless set
     with `tollgate budgets timezone`); a new one starts from zero at its first instant."""
@@ -306,7 +301,7 @@ def budgets_set(
     level = _level(tenant, workspace, project, key_id, org=True)
     assert level is not None
     amount = None if clear else micros(usd or "", "--usd")
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         service.set_budget(tenant, *level, period, amount)
     shown = "cleared" if amount is None else f"{usd} USD"
     periodly = {"day": "daily", "month": "monthly"}[period]
@@ -316,10 +311,10 @@ def budgets_set(
 @budgets.command("timezone")
 @click.option("--tenant", required=True)
 @click.option("--zone", required=True, help="an IANA time zone, e.g. Europe/Paris")
-@database_option
+@control_options
 @one_line_errors
-def budgets_timezone(tenant: str, zone: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def budgets_timezone(tenant: str, zone: str, database_url: str, actor: Actor) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         service.set_time_zone(tenant, zone)
     click.echo(f"budget periods of {tenant} begin at midnight {zone}")
 
@@ -363,11 +358,11 @@ def runs() -> None:
 @click.option("--tenant", required=True)
 @click.option("--project", required=True)
 @with_run_limits
-@database_option
+@control_options
 @one_line_errors
-def runs_policy(tenant: str, project: str, database_url: str, **limits: Any) -> None:
+def runs_policy(tenant: str, project: str, database_url: str, actor: Actor, **limits: Any) -> None:
     """The run budget a project's runs get where their creator gives none."""
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         service.set_run_policy(tenant, project, run_limits(**limits))
     click.echo(f"run policy of project {project} recorded")
 
@@ -381,10 +376,12 @@ def fallbacks() -> None:
 @click.option("--tenant", required=True)
 @click.option("--from", "from_model", required=True, help="the model asked for (name or version)")
 @click.option("--to", "to_model", required=True, help="the model that may serve it instead")
-@database_option
+@control_options
 @one_line_errors
-def fallbacks_allow(tenant: str, from_model: str, to_model: str, database_url: str) -> None:
-    with control.ControlService.open(database_url) as service:
+def fallbacks_allow(
+    tenant: str, from_model: str, to_model: str, database_url: str, actor: Actor
+) -> None:
+    with control.ControlService.open(database_url, actor) as service:
         changed = service.allow_fallback(tenant, from_model, to_model)
     state = "allowed" if changed else "was already allowed"
     click.echo(f"{tenant}: {from_model} -> {to_model} {state}")
@@ -394,12 +391,12 @@ def fallbacks_allow(tenant: str, from_model: str, to_model: str, database_url: s
 @click.option("--tenant", required=True)
 @click.option("--from", "from_model", required=True)
 @click.option("--to", "to_model", required=True)
-@database_option
+@control_options
 @one_line_errors
 def fallbacks_revoke(
-    tenant: str, from_model: str, to_model: str, database_url: str
+    tenant: str, from_model: str, to_model: str, database_url: str, actor: Actor
 ) -> None:
-    with control.ControlService.open(database_url) as service:
+    with control.ControlService.open(database_url, actor) as service:
         changed = service.revoke_fallback(tenant, from_model, to_model)
     state = "revoked" if changed else "was not allowed"
     click.echo(f"{tenant}: {from_model} -> {to_model} {state}")

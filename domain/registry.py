@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeAlias, get_type_hints
 
+from domain.audit.events import AuditedChange, ChangeAudited
 from domain.batches.events import (
     BatchCancelRequested,
     BatchCreated,
@@ -131,6 +132,7 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         ResidencySet,
         ResidencyCleared,
         RetentionSet,
+        ChangeAudited,
     )
 }
 
@@ -260,6 +262,8 @@ def _decoders(cls: type) -> dict[str, Callable[[Any], Any] | None]:
                 plan[f.name] = _progress
             elif hint == tuple[str, ...]:  # JSON has lists only
                 plan[f.name] = tuple
+            elif hint == tuple[AuditedChange, ...]:
+                plan[f.name] = _changes
             else:
                 plan[f.name] = None
         _DECODERS[cls] = plan
@@ -281,6 +285,10 @@ def _converters(
 
 def _progress(items: Any) -> tuple[LeaseProgress, ...]:
     return tuple(LeaseProgress(**item) for item in items)
+
+
+def _changes(items: Any) -> tuple[AuditedChange, ...]:
+    return tuple(AuditedChange(**item) for item in items)
 
 
 def parse_instant(text: str) -> datetime:

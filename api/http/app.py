@@ -11,10 +11,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api.http.admin_routes import add_admin_routes
 from api.http.batch_routes import add_batch_routes
 from api.http.billing_routes import add_billing_routes
 from api.http.body_limits import bounded, read_body
-from api.http.deps import CUSTOMER, CustomerDep, authenticate, customer, json_response
+from api.http.deps import (
+    CUSTOMER,
+    CustomerDep,
+    authenticate,
+    customer,
+    json_response,
+    key_caller,
+)
 from api.http.error_handlers import add_error_handlers
 from api.http.feedback_routes import add_feedback_routes
 from api.http.openapi import install as install_openapi
@@ -64,6 +72,10 @@ def create_app(runtime: Runtime) -> FastAPI:
     add_run_routes(app, runtime)
     add_ops_routes(app, runtime)
     add_batch_routes(app, runtime.batches, customer, json_response)
+    add_admin_routes(
+        app, runtime.admin, runtime.audit, key_caller, json_response,
+        currency=runtime.settings.currency,
+    )  # fmt: skip
 
     from api.http.web import add_web_routes  # the /ui pages (issue 4)
 

@@ -46,7 +46,7 @@ def add_ops_routes(app: FastAPI, runtime: Runtime) -> None:
         summary="Every replica as the router sees it, and the autoscaling signal (admin keys)",
         response_model=Fleet, responses=answers(*AUTHENTICATED, 503),
     )  # fmt: skip
-    async def fleet(caller: AnyKeyDep) -> Response:
+    async def fleet(request: Request, caller: AnyKeyDep) -> Response:
         if caller.scope != "admin":
             raise ApiError(
                 403,
@@ -56,7 +56,9 @@ def add_ops_routes(app: FastAPI, runtime: Runtime) -> None:
             )
         if runtime.scaling is None:
             raise ApiError(503, "the fleet is starting", type="server_error", code="starting")
-        return json_response(200, runtime.scaling.view())
+        return json_response(
+            200, runtime.scaling.view(), {"X-Request-Id": request.state.request_id}
+        )
 
     @app.get(
         "/healthz", summary="Liveness", response_model=Health,

@@ -1,20 +1,29 @@
 """Control-plane commands (tenants, keys, limits, prices) run against the event store: fold the
-control view, decide, append with the stream's expected version. Used by the CLI and by
-`tollgate serve` when it seeds the demo."""
+control view, decide, append with the stream's expected version, each command closed by its
+sealed audit record (domain/audit/). The one command handler of the CLI, of the admin API
+(api/services/admin_service.py) and of `tollgate serve` when it seeds the demo."""
 
 from __future__ import annotations
 
+import getpass
 import hashlib
+import os
 import secrets
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from domain.audit.chain import AuditRow
+from domain.audit.events import Actor, ChangeAudited
+from domain.audit.record import Append, audit_record
 from domain.control_plane.decide import (
     AllowFallback,
     AllowRouting,
@@ -33,6 +42,7 @@ from domain.control_plane.decide import (
     decide_control,
 )
 from domain.control_plane.state import (
+    ControlView,
     Tenant,
     model_stream,
     price_stream,
@@ -41,7 +51,7 @@ from domain.control_plane.state import (
 )
 from domain.cost import ModelProfile, profile_from_hf_config
 from domain.envelope import Event
-from domain.errors import DomainError
+from domain.errors import MAX_AMOUNT_MICROS, DomainError
 from domain.governance.decide import (
     AssignKey,
     CreateProject,
@@ -54,9 +64,11 @@ from domain.governance.decide import (
 )
 from domain.projections import PROJECTIONS_BY_NAME
 from domain.runs.state import RunLimits
+from ledger.audit import stream_rows
 from ledger.commands import CommandHandler
 from ledger.control import ControlLog
 from ledger.engine import create_engine_from_url
+from ledger.ids import new_event_id
 from ledger.projections import ProjectionRunner
 from ledger.schema import upgrade as schema_upgrade
 from ledger.store import SqlEventStore
@@ -75,6 +87,46 @@ def new_secret() -> str:
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def usd_micros(text: str, field: str) -> int:
+    """A decimal amount of dollars (`25`, `0.50`) as micro-dollars, or a DomainError naming
+    `field`: the one rule of the CLI's amounts and the admin API's."""
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        value = Decimal("NaN")
+    if not value.is_finite():
+        raise DomainError("bad_amount", f"{text!r} is not a decimal amount", field=field)
+    if value < 0:
+        raise DomainError("bad_amount", f"{text} is negative", field=field)
+    if value > MAX_AMOUNT_MICROS // 1_000_000:  # before any arithmetic: 1e999999999 overflows
+        raise DomainError(
+            "too_large", f"{text} is over {MAX_AMOUNT_MICROS // 1_000_000:,} dollars",
+            field=field,
+        )
+    micros = value * 1_000_000
+    if micros != micros.to_integral_value():
+        raise DomainError(
+            "bad_amount", f"{text} has more precision than a micro-dollar", field=field
+        )
+    return int(micros)
+
+
+def level_of(
+    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
+) -> tuple[str, str] | None:
+    """The one level named by a workspace, a project or a key (none: the organization's own when
+    `org`, else None)."""
+    given = [(kind, value) for kind, value in
+             (("workspace", workspace), ("project", project), ("key", key)) if value]  # fmt: skip
+    if len(given) > 1:
+        raise DomainError(
+            "bad_level", "give at most one of workspace, project, key", field=given[1][0]
+        )
+    if given:
+        return given[0]
+    return ("org", tenant) if org else None
 
 
 def rebuild_projections(
@@ -116,40 +168,90 @@ def open_backoffice(database_url: str) -> Iterator[Any]:
         engine.dispose()
 
 
+def operator(name: str | None, *, required: bool) -> Actor:
+    """The CLI's actor: `name` (--actor, TOLLGATE_ACTOR), else the OS user at this host, unless
+    the setting `require_actor` says a name must be given."""
+    if name:
+        return Actor("operator", name)
+    if required:
+        raise DomainError(
+            "no_actor", "this deployment requires an actor for control-plane changes: give "
+            "--actor NAME (or TOLLGATE_ACTOR)", field="actor",
+        )  # fmt: skip
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for this uid (a container)
+        user = f"uid{os.getuid()}"
+    return Actor("operator", f"{user}@{socket.gethostname()}"[:200])
+
+
+# Tollgate itself, when `tollgate serve` seeds the demo tenants, keys and prices.
+SYSTEM = Actor("system", "tollgate serve")
+
+
 class ControlService:
-    def __init__(self, store: SqlEventStore) -> None:
+    """`actor`: who the changes are recorded as made by (None: a reader, whose changes are
+    refused). `log` and `lock`: a control log kept by a long-lived process (the admin API) and
+    the lock every command on it takes; by default its own, folded now."""
+
+    def __init__(
+        self, store: SqlEventStore, actor: Actor | None = None, *, log: ControlLog | None = None,
+        lock: threading.Lock | None = None,
+    ) -> None:  # fmt: skip
         self.store = store
-        self.log = ControlLog(store)
+        self.actor = actor
+        self.log = log or ControlLog(store)
         self.view = self.log.view
         self.commands = CommandHandler(store)
+        self.lock = lock or threading.Lock()
 
     @classmethod
     @contextmanager
-    def open(cls, database_url: str) -> Iterator[ControlService]:
+    def open(cls, database_url: str, actor: Actor | None = None) -> Iterator[ControlService]:
         url = database_url
         upgrade(url)
         engine = create_engine_from_url(url)
         try:
-            yield cls(SqlEventStore(engine))
+            yield cls(SqlEventStore(engine), actor)
         finally:
             engine.dispose()
 
     def execute(
         self, stream_id: str, command: ControlCommand, now: datetime | None = None
     ) -> list[Event]:
-        """One command, one append: all of its events or none, decided on the control plane as
-        folded and appended at the version folded (a concurrent change makes it decide again)."""
+        """One command, one append: its facts and their sealed audit record, or nothing; decided
+        on the control plane as folded and appended at the version folded (a concurrent change
+        makes it decide again). Answers the facts (none when the command changed nothing)."""
+        actor = self.actor
+        if actor is None:
+            raise DomainError("no_actor", "a control-plane change needs an actor", field="actor")
         tenant_id = getattr(command, "tenant_id", None) or getattr(command, "name", "") or ""
-        handled = self.commands.handle(
-            stream_id,
-            lambda view: decide_control(view, command),
-            self.log.loader(stream_id),
-            tenant_id=tenant_id,
-            at=now,
-        )
-        for record in handled.records:
-            self.view.apply(record)
-        return list(handled.events)
+        at = now or datetime.now(UTC)
+        ids: dict[int, str] = {}
+
+        def event_id(i: int) -> str:  # the same on a retry: the record seals these ids
+            return ids.setdefault(i, new_event_id())
+
+        def load() -> tuple[tuple[ControlView, int, list[AuditRow]], int]:
+            view, version = self.log.loader(stream_id)()
+            return (view, version, stream_rows(self.store.engine, stream_id, version)), version
+
+        def decide(state: tuple[ControlView, int, list[AuditRow]]) -> tuple[Event, ...]:
+            view, version, stored = state
+            facts = decide_control(view, command)
+            if not facts:
+                return ()
+            ids_ = tuple(event_id(i) for i in range(len(facts) + 1))
+            where = Append(stream_id, tenant_id, version, ids_, at)
+            return (*facts, audit_record(where, stored, facts, actor, type(command).__name__))
+
+        with self.lock:
+            handled = self.commands.handle(
+                stream_id, decide, load, tenant_id=tenant_id, at=at, event_id=event_id
+            )
+            for record in handled.records:
+                self.view.apply(record)
+        return [e for e in handled.events if not isinstance(e, ChangeAudited)]
 
     def create_tenant(self, name: str, plan: str) -> None:
         command = RegisterTenant(name=name, plan=plan, cache_salt=secrets.token_hex(16))
@@ -178,6 +280,20 @@ class ControlService:
 
     def set_limits(self, tenant: str, model: str, **limits: int | None) -> None:
         self.execute(tenant_stream(tenant), SetLimits(tenant_id=tenant, model=model, **limits))
+
+    def set_limits_at(
+        self, tenant: str, level: tuple[str, str] | None, model: str, **limits: int | None
+    ) -> None:
+        """Limits of the organization (`level` None) or of one workspace, project or key."""
+        if level is None:
+            self.set_limits(tenant, model, **limits)
+            return
+        if limits.pop("reserved_kv_gib_seconds", None) is not None:
+            raise DomainError(
+                "bad_level", "reserved_kv_gib_seconds is an organization's limit",
+                field="reserved_kv_gib_seconds",
+            )  # fmt: skip
+        self.set_level_limits(tenant, *level, model, **limits)
 
     def limits_in_force(self, tenant: str, model: str, at: datetime | None) -> dict[str, Any]:
         limits = self.view.limits(tenant, model, at)

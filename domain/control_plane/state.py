@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar
 
+from domain.audit.events import ChangeAudited
 from domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
 from domain.control_plane.events import (
     ApiKeyIssued,
@@ -143,7 +144,8 @@ class _Dated:
 CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
     TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
     FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
-    FallbackRevoked, RoutingAllowed, RoutingRevoked, *HIERARCHY_EVENTS, *DATA_POLICY_EVENTS,
+    FallbackRevoked, RoutingAllowed, RoutingRevoked, ChangeAudited, *HIERARCHY_EVENTS,
+    *DATA_POLICY_EVENTS,
 })  # fmt: skip
 
 
@@ -192,9 +194,12 @@ class ControlView:
             or self._fold_policies(event, at)
         )
         if not folded:
-            if not isinstance(event, HIERARCHY_EVENTS):
+            if isinstance(event, HIERARCHY_EVENTS):
+                self.hierarchy.apply(event, at)
+            elif not isinstance(event, ChangeAudited):
                 return
-            self.hierarchy.apply(event, at)
+            # A ChangeAudited is the audit trail's (domain/audit/): it counts in the stream's
+            # version only.
         self._seen.add(recorded.event_id)
         self._current.clear()
         self.position = max(self.position, recorded.position)

@@ -59,7 +59,7 @@ def time_zone(name: str) -> tzinfo:
         pass
     try:
         zone = ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a name too long
         raise DomainError(
             "bad_time_zone", f"unknown time zone {name!r}", field="time_zone"
         ) from exc

@@ -5,6 +5,7 @@ hot paths on the driver in ledger.store.sqlite)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -49,6 +50,22 @@ _PG_VERSIONS = sa.text(
 ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.String())))
 # Positions per query of a filtered tail (read_all with types or prefixes) on PostgreSQL.
 _TAIL_WINDOW = 20_000
+
+
+class _ConflictHandled(logging.Filter):
+    """Drops psycopg's warning that a pipeline aborted by an error was closed with that error
+    ignored, and keeps every other record. An append's first attempt lets UNIQUE find a conflict
+    (a multi-row insert runs in a pipeline) and the store answers it (WrongExpectedVersion, or
+    the stored records), so the note is no news: a CLI refused for a race printed it as a second
+    line beside its one-line error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "error ignored terminating %r: %s" and args
+                    and type(args[0]).__name__ == "Pipeline")  # fmt: skip
+
+
+_CONFLICT_HANDLED = _ConflictHandled()
 
 
 def _prefixed(prefixes: Sequence[str]) -> sa.ColumnElement[bool]:
@@ -97,6 +114,9 @@ class SqlEventStore(EventStore):
         self._copy_min_rows = copy_min_rows
         self.before_commit: list[Callable[[sa.Connection, list[Recorded]], None]] = []
         self._appenders = threading.local()  # SQLite: each thread's append connection
+        psycopg_log = logging.getLogger("psycopg")
+        if self._pg and _CONFLICT_HANDLED not in psycopg_log.filters:
+            psycopg_log.addFilter(_CONFLICT_HANDLED)
 
     @property
     def engine(self) -> sa.Engine:

@@ -1,7 +1,8 @@
 """Issue 14, the "bad input and API fuzz" row: schemathesis against a running `tollgate serve`,
-every phase (examples, coverage, fuzzing, stateful), with a customer key, a finance key and an
-invalid key. The published schema is the contract: 0 server errors, 0 responses that break it,
-0 schema-violating requests accepted; afterwards every admitted request still has one end, one
+every phase (examples, coverage, fuzzing, stateful), with a customer key, a finance key, an
+invalid key and an admin key (last: its run changes the control plane through the admin API).
+The published schema is the contract: 0 server errors, 0 responses that break it, 0
+schema-violating requests accepted; afterwards every admitted request still has one end, one
 refund and one bill.
 
 `positive_data_acceptance` is left out: the schema cannot state every rule that spans fields (a
@@ -24,8 +25,8 @@ from tests.e2e.conftest import FAST, MODEL, Server, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# Examples per operation and phase. With 25 operations and 3 keys this is ~3,000 requests in
-# about a minute and a half here (2 cores): the bound that keeps the test in CI's fast tier.
+# Examples per operation and phase. With 43 operations and 4 keys this is ~9,000 requests in
+# a few minutes here (2 cores): the bound that keeps the test in CI's fast tier.
 MAX_EXAMPLES = 20
 SEED = 14
 ST = Path(sys.executable).parent / "st"
@@ -62,12 +63,13 @@ def run_schemathesis(server: Server, key: str, report: Path) -> dict:
     return result
 
 
-@pytest.mark.parametrize("who", ["customer", "finance", "invalid"])
+@pytest.mark.parametrize("who", ["customer", "finance", "invalid", "admin"])
 def test_schemathesis_finds_nothing(fuzz_server: Server, tmp_path: Path, who: str) -> None:
     key = {
         "customer": fuzz_server.keys["demo-enterprise"],  # 3,000 rpm: the refusal budget too
         "finance": fuzz_server.keys["finance"],
         "invalid": "tg_" + "x" * 40,
+        "admin": fuzz_server.keys["admin"],
     }[who]
     result = run_schemathesis(fuzz_server, key, tmp_path / f"{who}.json")
     cases = result["test_cases"]
@@ -78,7 +80,7 @@ def test_schemathesis_finds_nothing(fuzz_server: Server, tmp_path: Path, who: st
         f"{len(failures)} unique failures, {len(result['errors'])} errors, phases {phases}"
     )
     assert result["complete"], result["stop_reason"]
-    assert result["operations"]["tested"] == result["operations"]["total"] == 25
+    assert result["operations"]["tested"] == result["operations"]["total"] == 43
     assert cases["generated"] > 300
     assert failures == [] and cases["with_failures"] == 0, result["output"][-6000:]
     assert result["errors"] == [], result["errors"]

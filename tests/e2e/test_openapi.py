@@ -41,6 +41,25 @@ OPERATIONS = {
     ("/v1/batches/{batch_id}", "get"),
     ("/v1/batches/{batch_id}/cancel", "post"),
     ("/v1/feedback", "post"),
+    # The admin API and the audit trail (admin keys)
+    ("/v1/admin/tenants", "get"),
+    ("/v1/admin/tenants", "post"),
+    ("/v1/admin/tenants/{tenant}/plan", "post"),
+    ("/v1/admin/tenants/{tenant}/keys", "post"),
+    ("/v1/admin/tenants/{tenant}/keys/{key_id}/revoke", "post"),
+    ("/v1/admin/tenants/{tenant}/keys/{key_id}/project", "post"),
+    ("/v1/admin/tenants/{tenant}/limits", "post"),
+    ("/v1/admin/tenants/{tenant}/limits", "get"),
+    ("/v1/admin/tenants/{tenant}/workspaces", "post"),
+    ("/v1/admin/tenants/{tenant}/projects", "post"),
+    ("/v1/admin/tenants/{tenant}/budgets", "post"),
+    ("/v1/admin/tenants/{tenant}/time-zone", "post"),
+    ("/v1/admin/prices", "post"),
+    ("/v1/admin/prices/flex-discount", "post"),
+    ("/v1/admin/models", "post"),
+    ("/v1/admin/models/{model}", "get"),
+    ("/v1/audit", "get"),
+    ("/v1/audit/verify", "get"),
 }
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
 QUERY_PARAMETERS: dict[Any, set[str]] = {
@@ -51,6 +70,9 @@ QUERY_PARAMETERS: dict[Any, set[str]] = {
     "/v1/billing/reconciliation": {"from", "to"},
     "/v1/billing/goodput": {"tenant", "from", "to", "group_by", "format"},
     "/v1/requests": {"tenant", "from", "to", "status", "key_id", "model", "limit", "after"},
+    ("/v1/admin/tenants/{tenant}/limits", "get"): {"model", "at"},
+    "/v1/admin/models/{model}": {"at"},
+    "/v1/audit": {"tenant", "since", "actor", "limit", "after"},
 }
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from domain.audit.events import ChangeAudited
 from domain.control_plane.events import TenantRegistered
 from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade
@@ -70,4 +71,7 @@ def test_concurrent_creates_register_one_tenant(url: str, tmp_path: Path) -> Non
     finally:
         engine.dispose()
     registered = [r for r in stream if isinstance(r.event, TenantRegistered)]
-    assert len(registered) == 1 and len(stream) == 1
+    # The one registration and its audit record, appended together.
+    assert len(registered) == 1 and [type(r.event) for r in stream] == [
+        TenantRegistered, ChangeAudited
+    ]

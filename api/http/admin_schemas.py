@@ -1,0 +1,315 @@
+"""What the admin routes (api/http/admin_routes.py) and the audit route read and answer, as
+pydantic models FastAPI validates the bodies with and describes in `/openapi.json`.
+
+Bodies are strict (a number is not a string of digits, a flag not 0/1: what the published schema
+says is all that is accepted) and closed (an unknown field is a 400 naming it). The rules that
+span fields or need the control plane are the command handler's (api/services/admin_service.py),
+the same as the CLI's."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from api.http.schemas import Usd
+from domain.control_plane.state import MAX_MODEL_CHARS, TENANT_NAME
+from domain.governance.state import LEVEL_NAME
+from domain.types import SCOPES, TIERS
+
+# RFC 3339, as `format: date-time` means it (a date alone or an instant without its offset is not
+# one): checked before pydantic's own, laxer parsing.
+RFC3339 = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?"
+                     r"([Zz]|[+-][0-9]{2}:[0-9]{2})")  # fmt: skip
+
+
+def _rfc3339(value: Any) -> Any:
+    if not isinstance(value, str) or not RFC3339.fullmatch(value):
+        raise ValueError("must be an RFC 3339 instant, e.g. 2026-12-01T00:00:00Z")
+    return value
+
+
+Instant = Annotated[datetime, BeforeValidator(_rfc3339), Field(strict=False)]
+Quantity = Annotated[int, Field(ge=0, le=10**12)]
+Dimension = Annotated[int, Field(ge=1, le=1_000_000)]
+Name = Annotated[str, Field(pattern=LEVEL_NAME.pattern, max_length=63)]
+ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_CHARS)]
+Plan = Literal[TIERS]  # type: ignore[valid-type]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Level(_Body):
+    """At most one level below the organization (none: the organization's own)."""
+
+    workspace: Name | None = Field(None, description="a workspace of the tenant")
+    project: Name | None = Field(None, description="a project of the tenant")
+    key: Annotated[str, Field(max_length=64)] | None = Field(
+        None, description="an API key id of the tenant"
+    )
+
+
+class TenantCreate(_Body):
+    name: Annotated[str, Field(pattern=TENANT_NAME.pattern, max_length=63)] = Field(
+        description="becomes the tenant's id"
+    )
+    plan: Plan = "standard"
+
+
+class PlanChange(_Body):
+    plan: Plan
+
+
+class KeyCreate(_Body):
+    scope: Literal[SCOPES] = "customer"  # type: ignore[valid-type]
+    project: Name | None = Field(None, description="its project (default: the organization)")
+
+
+class KeyProject(_Body):
+    project: Name
+
+
+class LimitsSet(_Level):
+    """Unset limits keep what is in force (the plan's default, or an earlier value)."""
+
+    model: ModelName = Field(description="a model name, version, or * for every model")
+    rpm: Quantity | None = Field(None, description="requests per minute")
+    tpm: Quantity | None = Field(None, description="tokens per minute")
+    max_context: Quantity | None = Field(None, description="max prompt tokens")
+    max_output: Quantity | None = Field(None, description="max completion tokens")
+    kv_gib_seconds: Quantity | None = Field(
+        None, description="cap on concurrent estimated KV GiB-seconds in flight"
+    )
+    reserved_kv_gib_seconds: Quantity | None = Field(
+        None, description="enterprise reserved floor (the organization's only)"
+    )
+
+
+class WorkspaceCreate(_Body):
+    name: Name
+
+
+class ProjectCreate(_Body):
+    name: Name
+    workspace: Name
+
+
+class BudgetSet(_Level):
+    period: Literal["day", "month"]
+    usd: Usd | None = Field(description='the budget, e.g. "25.00"; null removes it')
+
+
+class TimeZoneSet(_Body):
+    zone: Annotated[str, Field(min_length=1, max_length=64)] = Field(
+        description="an IANA time zone, e.g. Europe/Paris: where budget days and months begin"
+    )
+
+
+class PriceSet(_Body):
+    """Per million tokens, in the deployment's currency (the setting `currency`)."""
+
+    model: ModelName
+    prompt: Usd
+    completion: Usd
+    cached: Usd
+    effective_at: Instant | None = Field(None, description="default: now")
+
+
+class FlexDiscountSet(_Body):
+    model: ModelName
+    percent: Annotated[float, Field(ge=0, le=100)] = Field(
+        description="the flex class's discount on the model's price, e.g. 50"
+    )
+    effective_at: Instant | None = Field(None, description="default: now")
+
+
+class ModelRegister(_Body):
+    """A model's KV shape: dense/GQA (layers, kv_heads, head_dim, dtype_bytes) or MLA (layers,
+    mla_rank, rope_dim, dtype_bytes)."""
+
+    model: ModelName
+    layers: Dimension | None = None
+    kv_heads: Dimension | None = None
+    head_dim: Dimension | None = None
+    dtype_bytes: Dimension | None = Field(None, description="bytes per KV element (bf16: 2)")
+    mla_rank: Dimension | None = Field(None, description="MLA: kv_lora_rank (then rope_dim)")
+    rope_dim: Dimension | None = None
+    max_model_len: Dimension | None = None
+    effective_at: Instant | None = Field(None, description="default: now")
+
+
+# --- answers -----------------------------------------------------------------------------------
+
+
+class AdminTenant(BaseModel):
+    object: Literal["tenant"]
+    id: str
+    plan: str
+    registered_at: str
+
+
+class AdminTenantList(BaseModel):
+    object: Literal["list"]
+    data: list[AdminTenant]
+
+
+class AdminKey(BaseModel):
+    object: Literal["api_key"]
+    id: str
+    tenant: str
+    scope: str
+    project: str | None
+    revoked: bool
+
+
+class IssuedKey(AdminKey):
+    secret: str = Field(description="the key: shown in this answer only, never stored")
+
+
+class LimitsRecorded(BaseModel):
+    object: Literal["limits"]
+    tenant: str
+    level: Literal["org", "workspace", "project", "key"]
+    level_id: str
+    model: str
+    recorded: dict[str, int]
+
+
+class LimitsInForce(BaseModel):
+    object: Literal["limits_in_force"]
+    tenant: str
+    model: str
+    at: str | None
+    plan: str
+    rpm: int
+    tpm: int
+    max_context: int
+    max_output: int
+    kv_gib_seconds: int
+    reserved_kv_gib_seconds: int
+
+
+class AdminWorkspace(BaseModel):
+    object: Literal["workspace"]
+    id: str
+    tenant: str
+
+
+class AdminProject(BaseModel):
+    object: Literal["project"]
+    id: str
+    tenant: str
+    workspace: str
+
+
+class AdminBudget(BaseModel):
+    object: Literal["budget"]
+    tenant: str
+    level: Literal["org", "workspace", "project", "key"]
+    level_id: str
+    period: Literal["day", "month"]
+    amount_micros: int | None
+    usd: str | None
+    changed: bool = Field(description="false: it was already so (nothing recorded)")
+
+
+class AdminTimeZone(BaseModel):
+    object: Literal["time_zone"]
+    tenant: str
+    zone: str
+    changed: bool
+
+
+class AdminPrice(BaseModel):
+    object: Literal["price"]
+    model: str
+    currency: str
+    prompt_micros_per_mtok: int
+    completion_micros_per_mtok: int
+    cached_micros_per_mtok: int
+    effective_at: str
+
+
+class AdminFlexDiscount(BaseModel):
+    object: Literal["flex_discount"]
+    model: str
+    discount_ppm: int
+    effective_at: str
+
+
+class ProfileShape(BaseModel):
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    attention: Literal["gqa", "mla"]
+    kv_lora_rank: int
+    rope_dim: int
+    max_model_len: int
+
+
+class ProfileVersion(ProfileShape):
+    effective_at: str
+
+
+class AdminModelProfile(ProfileShape):
+    object: Literal["model_profile"]
+    model: str
+    kv_bytes_per_token: int
+    history: list[ProfileVersion]
+
+
+# --- the audit trail ---------------------------------------------------------------------------
+
+
+class AuditChange(BaseModel):
+    subject: str = Field(description="what was changed, e.g. `limits model=*`, `key key_1`")
+    field: str
+    old: str | None = Field(description="null: none before (a new thing, or the default)")
+    new: str | None
+
+
+class AuditRecord(BaseModel):
+    id: str
+    position: int
+    stream: str
+    stream_version: int
+    tenant: str | None = Field(description="null: a change of no one tenant (prices, models)")
+    at: str
+    actor: str | None = Field(description="an admin key's id, or the CLI's --actor / user@host")
+    actor_kind: Literal["key", "operator", "system"] | None
+    command: str | None
+    changes: list[AuditChange]
+
+
+class AuditPage(BaseModel):
+    object: Literal["list"]
+    data: list[AuditRecord]
+    has_more: bool
+    last_id: int | None = Field(None, description="pass as `after` for the next page, older")
+
+
+class AuditProblem(BaseModel):
+    stream: str
+    problem: str
+
+
+class AuditHead(BaseModel):
+    stream: str
+    sealed_through: int
+    seal: str
+
+
+class AuditReport(BaseModel):
+    ok: bool
+    streams: int
+    events: int
+    problems: list[AuditProblem]
+    heads: list[AuditHead] = Field(
+        description="each stream's last seal: a copy kept elsewhere pins the history up to it"
+    )

@@ -1,0 +1,335 @@
+"""Issue 30, items 4 and 5 over real HTTP: the admin API (`/v1/admin/...`) does what the CLI does
+to tenants, keys, limits, budgets, prices and models, through the same command handler (the same
+events, the same validation), with the calling admin key as the actor of every change; the audit
+trail (`GET /v1/audit`, `tollgate audit`) names it, with each value's old and new. On a SQLite
+`tollgate serve` and on one over PostgreSQL."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.conftest import POSTGRES_URL
+from tests.e2e.conftest import FAST, MODEL, Server, auth, poll, running_server, start_replica
+from tests.e2e.test_budgets_postgres import PostgresServer
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Server]:  # fmt: skip
+    if request.param == "sqlite":
+        with running_server(tmp_path_factory, "admin", [(MODEL, FAST)]) as s:
+            yield s
+        return
+    base = make_url(POSTGRES_URL)
+    conninfo = base.set(drivername="postgresql").render_as_string(hide_password=False)
+    schema = f"t_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is required and unreachable at {POSTGRES_URL}: {exc}")
+    url = base.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False
+    )
+    with admin:
+        admin.execute(f'CREATE SCHEMA "{schema}"')
+        tmp = tmp_path_factory.mktemp("admin-pg")
+        pg = PostgresServer(tmp, [start_replica(tmp, MODEL, seed=11, **FAST)],
+                            serve_args=["--database-url", url], url=url)  # fmt: skip
+        try:
+            yield pg.start()
+        finally:
+            pg.stop()
+            for r in pg.replicas:
+                r.stop()
+            admin.execute("SET lock_timeout = '10s'")
+            admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def call(server: Server, method: str, path: str, key: str, body: Any = None,
+         **params: Any) -> httpx.Response:  # fmt: skip
+    return httpx.request(method, server.base + path, headers=auth(key), json=body,
+                         params=params or None, timeout=30)  # fmt: skip
+
+
+def ok(server: Server, method: str, path: str, key: str, body: Any = None,
+       **params: Any) -> dict[str, Any]:  # fmt: skip
+    r = call(server, method, path, key, body, **params)
+    assert r.status_code == 200, (method, path, r.status_code, r.text)
+    assert r.headers["x-request-id"]
+    return dict(r.json())
+
+
+def error(r: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    detail = dict(r.json()["error"])
+    assert detail["param"] == param, detail
+    return detail
+
+
+def name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def admin(server: Server) -> dict[str, str]:
+    """An admin key issued through the admin API itself by the demo's: its id is the actor."""
+    issued = ok(server, "POST", "/v1/admin/tenants/tollgate-ops/keys", server.keys["admin"],
+                {"scope": "admin"})  # fmt: skip
+    poll(
+        "the new admin key to be known",
+        lambda: call(server, "GET", "/v1/admin/tenants", issued["secret"]).status_code == 200,
+    )
+    return {"id": issued["id"], "secret": issued["secret"]}
+
+
+def test_an_admin_key_runs_a_tenant_from_creation_to_revoked_key(
+    server: Server, admin: dict[str, str]
+) -> None:
+    key = admin["secret"]
+    tenant = name("adm")
+    # Given a tenant created over HTTP
+    created = ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant, "plan": "free"})
+    assert created == {**created, "object": "tenant", "id": tenant, "plan": "free"}
+    assert tenant in {t["id"] for t in ok(server, "GET", "/v1/admin/tenants", key)["data"]}
+    assert ok(server, "POST", f"/v1/admin/tenants/{tenant}/plan", key,
+              {"plan": "standard"})["plan"] == "standard"  # fmt: skip
+    # When it gets a customer key, shown once
+    issued = ok(server, "POST", f"/v1/admin/tenants/{tenant}/keys", key, {})
+    secret = issued["secret"]
+    assert issued["scope"] == "customer" and secret.startswith("tg_")
+    # Then the key works, and only its hash is stored: the secret is in no event
+    server.wait_key(secret)
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    stored = server.query("SELECT payload FROM events WHERE stream_id = ?", (f"tenant-{tenant}",))
+    payloads = " ".join(r["payload"] for r in stored)
+    assert digest in payloads and secret not in payloads
+    # And its limits, hierarchy and budgets are set like the CLI sets them
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/limits", key, {"model": "*", "rpm": 7})
+    shown = ok(server, "GET", f"/v1/admin/tenants/{tenant}/limits", key, model=MODEL)
+    assert (shown["rpm"], shown["plan"]) == (7, "standard")
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/workspaces", key, {"name": "research"})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/projects", key,
+       {"name": "bot", "workspace": "research"})  # fmt: skip
+    moved = ok(server, "POST", f"/v1/admin/tenants/{tenant}/keys/{issued['id']}/project", key,
+               {"project": "bot"})  # fmt: skip
+    assert moved["project"] == "bot"
+    recorded = ok(server, "POST", f"/v1/admin/tenants/{tenant}/limits", key,
+                  {"model": "*", "project": "bot", "tpm": 1000})  # fmt: skip
+    assert (recorded["level"], recorded["level_id"], recorded["recorded"]) == (
+        "project",
+        "bot",
+        {"tpm": 1000},
+    )
+    budget = ok(server, "POST", f"/v1/admin/tenants/{tenant}/budgets", key,
+                {"period": "month", "usd": "25.50", "project": "bot"})  # fmt: skip
+    assert (budget["amount_micros"], budget["changed"]) == (25_500_000, True)
+    again = ok(server, "POST", f"/v1/admin/tenants/{tenant}/budgets", key,
+               {"period": "month", "usd": "25.5", "project": "bot"})  # fmt: skip
+    assert again["changed"] is False
+    zone = ok(
+        server, "POST", f"/v1/admin/tenants/{tenant}/time-zone", key, {"zone": "Europe/Paris"}
+    )
+    assert zone["changed"] is True
+    # When the key is revoked, every edge refuses it
+    revoked = ok(server, "POST", f"/v1/admin/tenants/{tenant}/keys/{issued['id']}/revoke", key)
+    assert revoked["revoked"] is True
+    server.wait_key(secret, valid=False)
+
+
+def test_prices_and_models_over_http(server: Server, admin: dict[str, str]) -> None:
+    key = admin["secret"]
+    model = f"org/tiny-{uuid.uuid4().hex[:6]}-2026-05"  # a slash: the GET path holds it
+    registered = ok(server, "POST", "/v1/admin/models", key, {
+        "model": model, "layers": 2, "kv_heads": 2, "head_dim": 16, "dtype_bytes": 2,
+        "max_model_len": 2048,
+    })  # fmt: skip
+    assert registered["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert ok(server, "GET", f"/v1/admin/models/{model}", key)["layers"] == 2
+    prices = {"model": model, "prompt": "0.15", "completion": "0.6", "cached": "0.075"}
+    price = ok(server, "POST", "/v1/admin/prices", key, prices)
+    assert (price["prompt_micros_per_mtok"], price["currency"]) == (150_000, "USD")
+    flex = ok(
+        server, "POST", "/v1/admin/prices/flex-discount", key, {"model": model, "percent": 50}
+    )
+    assert flex["discount_ppm"] == 500_000
+    # A profile without its dimensions is refused naming what lacks, as the CLI's is
+    r = call(server, "POST", "/v1/admin/models", key, {"model": model, "layers": 2})
+    assert r.status_code == 400 and "--kv-heads" in r.json()["error"]["message"]
+
+
+def test_other_keys_and_no_key_are_refused(server: Server) -> None:
+    for who in ("finance", "support", "demo-standard"):
+        r = call(server, "POST", "/v1/admin/tenants", server.keys[who], {"name": name("no")})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope", who
+        assert call(server, "GET", "/v1/audit", server.keys[who]).status_code == 403
+    assert httpx.get(server.base + "/v1/admin/tenants", timeout=10).status_code == 401
+
+
+def test_bad_requests_name_their_field_and_record_nothing(
+    server: Server, admin: dict[str, str]
+) -> None:
+    key = admin["secret"]
+    tenant = name("bad")
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant})
+    before = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                          (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
+    limits = f"/v1/admin/tenants/{tenant}/limits"
+    error(call(server, "POST", limits, key, {"model": "*", "rpm": -1}), 400, "rpm")
+    error(call(server, "POST", limits, key, {"model": "*", "rpm": "7"}), 400, "rpm")
+    error(call(server, "POST", limits, key, {"model": "*", "rpms": 7}), 400, "rpms")
+    error(call(server, "POST", limits, key, {"model": "*"}), 400, None)  # sets nothing
+    error(call(server, "POST", limits, key, {"model": "*", "project": "p", "key": "k", "rpm": 1}),
+          400, "key")  # fmt: skip
+    # The path's tenant exists: the body's project is the fault
+    error(call(server, "POST", limits, key, {"model": "*", "project": "nope", "rpm": 1}),
+          400, "project")  # fmt: skip
+    budgets = f"/v1/admin/tenants/{tenant}/budgets"
+    error(call(server, "POST", budgets, key, {"period": "week", "usd": "1"}), 400, "period")
+    detail = error(call(server, "POST", budgets, key, {"period": "day", "usd": "2000000000"}),
+                   400, "usd")  # fmt: skip
+    assert "over 1,000,000,000 dollars" in detail["message"]
+    error(call(server, "POST", f"/v1/admin/tenants/{tenant}/time-zone", key, {"zone": "Mars/Base"}),
+          400, "zone")  # fmt: skip
+    error(call(server, "POST", "/v1/admin/tenants", key, {"name": tenant}), 409, "name")
+    error(call(server, "POST", "/v1/admin/tenants", key, {"name": "Not A Name"}), 400, "name")
+    error(call(server, "POST", "/v1/admin/tenants/nobody-here/plan", key, {"plan": "free"}),
+          404, "tenant")  # fmt: skip
+    error(call(server, "POST", f"/v1/admin/tenants/{tenant}/keys/key_nope/revoke", key),
+          404, "key_id")  # fmt: skip
+    error(call(server, "POST", "/v1/admin/prices", key,
+               {"model": MODEL, "prompt": "1", "completion": "1", "cached": "1",
+                "effective_at": "2020-01-01T00:00:00Z"}), 400, "effective_at")  # fmt: skip
+    error(call(server, "POST", "/v1/admin/prices", key,
+               {"model": MODEL, "prompt": "1", "completion": "1", "cached": "1",
+                "effective_at": "2030-01-01"}), 400, "effective_at")  # fmt: skip
+    after = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                         (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
+    assert after == before
+    # The CLI refuses the same amount with the same words
+    done = server_cli_error(server, "budgets", "set", "--tenant", tenant, "--period", "day",
+                            "--usd", "2000000000")  # fmt: skip
+    assert "over 1,000,000,000 dollars" in done
+
+
+def server_cli_error(server: Server, *args: str) -> str:
+    import subprocess
+
+    from tests.e2e.conftest import REPO, TOLLGATE
+
+    done = subprocess.run([*TOLLGATE, *args, "--database-url", server.db_url], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0, done.stdout
+    return done.stderr
+
+
+def _shape(rows: list[Any], tenant: str) -> list[tuple[str, dict[str, Any]]]:
+    """A stream's events with what differs between two tenants' (ids, instants, salts, hashes,
+    the actor and the seal) blanked."""
+    out = []
+    for row in rows:
+        payload = json.loads(row["payload"])
+        for field in ("cache_salt", "key_hash", "key_id", "seal", "actor", "actor_kind"):
+            payload.pop(field, None)
+        text = json.dumps(payload, sort_keys=True).replace(tenant, "T")
+        out.append((row["type"], json.loads(text)))
+    return out
+
+
+def test_the_cli_and_the_api_record_the_same_events(server: Server, admin: dict[str, str]) -> None:
+    key = admin["secret"]
+    by_cli, by_api = name("cli"), name("api")
+    server.cli("tenants", "create", by_cli, "--plan", "free", "--actor", "alice")
+    server.cli("limits", "set", "--tenant", by_cli, "--model", "*", "--rpm", "9", "--tpm", "900",
+               "--actor", "alice")  # fmt: skip
+    server.cli("budgets", "set", "--tenant", by_cli, "--period", "day", "--usd", "3",
+               "--actor", "alice")  # fmt: skip
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": by_api, "plan": "free"})
+    ok(server, "POST", f"/v1/admin/tenants/{by_api}/limits", key,
+       {"model": "*", "rpm": 9, "tpm": 900})  # fmt: skip
+    ok(server, "POST", f"/v1/admin/tenants/{by_api}/budgets", key, {"period": "day", "usd": "3"})
+    read = "SELECT type, payload FROM events WHERE stream_id = ? ORDER BY stream_version"
+    cli_rows = server.query(read, (f"tenant-{by_cli}",))
+    api_rows = server.query(read, (f"tenant-{by_api}",))
+    assert _shape(cli_rows, by_cli) == _shape(api_rows, by_api)
+    assert [r["type"] for r in api_rows] == [
+        "TenantRegistered", "ChangeAudited", "LimitsSet", "ChangeAudited", "BudgetSet",
+        "ChangeAudited",
+    ]  # fmt: skip
+    actors = {json.loads(r["payload"])["actor"] for r in api_rows if r["type"] == "ChangeAudited"}
+    assert actors == {admin["id"]}
+
+
+def test_the_audit_trail_names_the_actor_and_each_old_and_new_value(
+    server: Server, admin: dict[str, str]
+) -> None:
+    key = admin["secret"]
+    tenant = name("aud")
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/limits", key, {"model": "*", "rpm": 100})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/limits", key, {"model": "*", "rpm": 50})
+    server.cli("tenants", "plan", tenant, "--plan", "enterprise", "--actor", "bob")
+    # The API's view: newest first, the key's id as the actor
+    page = ok(server, "GET", "/v1/audit", key, tenant=tenant)
+    records = page["data"]
+    assert [r["command"] for r in records] == [
+        "ChangePlan",
+        "SetLimits",
+        "SetLimits",
+        "RegisterTenant",
+    ]
+    assert [(r["actor_kind"], r["actor"]) for r in records] == [
+        ("operator", "bob"),
+        *[("key", admin["id"])] * 3,
+    ]
+    assert records[0]["changes"] == [
+        {"subject": "tenant", "field": "plan", "old": "standard", "new": "enterprise"}
+    ]
+    assert records[1]["changes"] == [
+        {"subject": "limits model=*", "field": "rpm", "old": "100", "new": "50"}
+    ]
+    assert {r["tenant"] for r in records} == {tenant}
+    # Filters: by actor, by instant, and pages
+    by_bob = ok(server, "GET", "/v1/audit", key, tenant=tenant, actor="bob")["data"]
+    assert [r["command"] for r in by_bob] == ["ChangePlan"]
+    later = ok(server, "GET", "/v1/audit", key, tenant=tenant, since=records[1]["at"])["data"]
+    assert [r["command"] for r in later] == ["ChangePlan", "SetLimits"]
+    first = ok(server, "GET", "/v1/audit", key, tenant=tenant, limit=3)
+    assert first["has_more"] and len(first["data"]) == 3
+    rest = ok(server, "GET", "/v1/audit", key, tenant=tenant, after=first["last_id"])
+    assert [r["command"] for r in rest["data"]] == ["RegisterTenant"] and not rest["has_more"]
+    # The CLI's view is the same trail
+    out = server.cli("audit", "--tenant", tenant, "--actor", admin["id"], "--format", "json")
+    assert [r["id"] for r in json.loads(out)["data"]] == [r["id"] for r in records[1:]]
+    # And the chain holds
+    report = ok(server, "GET", "/v1/audit/verify", key)
+    assert report["ok"] and report["problems"] == []
+    assert f"tenant-{tenant}" in {h["stream"] for h in report["heads"]}
+
+
+def test_openapi_describes_the_admin_routes(server: Server) -> None:
+    document = httpx.get(server.base + "/openapi.json", timeout=10).json()
+    paths = document["paths"]
+    assert {"/v1/admin/tenants", "/v1/admin/tenants/{tenant}/keys", "/v1/admin/prices",
+            "/v1/admin/models", "/v1/audit", "/v1/audit/verify"} <= set(paths)  # fmt: skip
+    issue = paths["/v1/admin/tenants/{tenant}/keys"]["post"]
+    assert issue["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/IssuedKey"
+    )
+    audit = {p["name"] for p in paths["/v1/audit"]["get"]["parameters"]}
+    assert {"tenant", "since", "actor", "limit", "after"} <= audit
+    limits = document["components"]["schemas"]["LimitsSet"]
+    assert limits["additionalProperties"] is False and "rpm" in limits["properties"]
