@@ -194,12 +194,9 @@ class ControlView:
             or self._fold_policies(event, at)
         )
         if not folded:
-            if isinstance(event, HIERARCHY_EVENTS):
-                self.hierarchy.apply(event, at)
-            elif not isinstance(event, ChangeAudited):
+            if not isinstance(event, HIERARCHY_EVENTS):
                 return
-            # A ChangeAudited is the audit trail's (domain/audit/): it counts in the stream's
-            # version only.
+            self.hierarchy.apply(event, at)
         self._seen.add(recorded.event_id)
         self._current.clear()
         self.position = max(self.position, recorded.position)
@@ -263,8 +260,8 @@ class ControlView:
         return True
 
     def _fold_policies(self, event: Event, at: datetime) -> bool:
-        """The tenants' consents and pins: the router's, residency and retention; False: none
-        of these."""
+        """The tenants' consents and pins (the router's, residency, retention) and the audit
+        trail's records; False: none of these."""
         match event:
             case RoutingAllowed():
                 self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
@@ -275,6 +272,8 @@ class ControlView:
                 self._routing.pop((event.tenant_id, event.project_id), None)
             case _ if isinstance(event, DATA_POLICY_EVENTS):
                 self.data_policy.apply(event)
+            case ChangeAudited():
+                pass  # the audit trail's (domain/audit/): counted in the stream's version only
             case _:
                 return False
         return True
