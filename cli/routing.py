@@ -40,6 +40,11 @@ def routing() -> None:
     show_default=True,
     help="when the chosen model has no room: serve the reference model, or refuse",
 )
+@click.option(
+    "--route-reference",
+    is_flag=True,
+    help="route requests that name the most expensive of --models too, as `auto` is",
+)
 @click.option("--reset-drift", is_flag=True, help="forget the classes latched for drift")
 @database_option
 @one_line_errors
@@ -50,6 +55,7 @@ def routing_allow(
     quality_bar: float,
     exploration: float,
     on_capacity: str,
+    route_reference: bool,
     reset_drift: bool,
     database_url: str,
 ) -> None:
@@ -61,6 +67,7 @@ def routing_allow(
         on_capacity,
         project,
         reset_drift,
+        route_reference,
     )
     with control.ControlService.open(database_url) as service:
         changed = service.allow_routing(command)
@@ -94,7 +101,8 @@ def routing_show(tenant: str, database_url: str) -> None:
         click.echo(
             f"{tenant}/{p.project_id or '*'}: {', '.join(p.models)} bar "
             f"{p.quality_bar_ppm / 1e6:g} exploration {p.exploration_ppm / 1e6:g} on capacity "
-            f"{p.on_capacity}, since {p.since.isoformat()}"
+            f"{p.on_capacity}{', the reference routed too' if p.route_reference else ''}, "
+            f"since {p.since.isoformat()}"
         )
 
 

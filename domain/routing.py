@@ -39,8 +39,9 @@ Z: Final = 1.645
 # Less evidence than this at a level (the class, then its shape without the system-prompt
 # bucket) says nothing: the model's bound there is 0 and it is not routed to, only explored.
 MIN_EVIDENCE: Final = 10.0
-# A client leaving a stream is a weaker sign than a customer's own score (it may have had what it
-# needed): it counts as half a score of 0.
+# A signal seen without content (a client leaving a stream, asking again on a larger model, a run
+# that ran out of budget: domain.feedback) is a weaker sign than a customer's own score (it may
+# have had what it needed): it counts as half a score of 0.
 IMPLICIT_WEIGHT: Final = 0.5
 # Exploration is bounded: at most 20 % of a class's traffic may go where the bar is not yet met.
 EXPLORATION_PPM_MAX: Final = 200_000
@@ -100,6 +101,7 @@ class RoutingPolicy:
     exploration_ppm: int
     on_capacity: str  # asked: shed to the reference model | refuse: 503
     since: datetime  # when this consent was recorded: drift latches before it are forgotten
+    route_reference: bool = False  # a request naming the reference model is routed too
 
 
 @dataclass(slots=True)

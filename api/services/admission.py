@@ -1,8 +1,9 @@
 """Admission, as the one service the edge asks: `admit` answers `Admitted` (the request's flight
 and the commands that record its admission) or `Refused` (the error the client gets, already
 recorded). Quota and hierarchy budgets (`domain.admission` over `domain.views.AdmissionViews`),
-runs, capacity (`Fleet.choose`, `domain.capacity`), fallbacks to consented models and flex
-preemption are its steps, applied in that order; each rule is a pure decision in `domain/`
+runs, the router (`RoutingStep`, api/services/routing_step.py), capacity (`Fleet.choose`,
+`domain.capacity`), fallbacks to consented models and flex preemption are its steps, applied in
+that order; each rule is a pure decision in `domain/`
 (`domain.admission_steps` beside the quota's). `settle` gives an ended request's reservations
 back, `void` one whose admission was not recorded.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from api.services.auth import Caller
 from api.services.chat_request import ChatRequest
 from api.services.errors import ApiError
 from api.services.recorder import Flight, Recorder
+from api.services.routing_step import Routing, RoutingStep, request_task_class
 from domain import admission
 from domain.admission import AdmissionPolicy
 from domain.admission_steps import (
@@ -38,7 +40,8 @@ from domain.admission_steps import (
 )
 from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control_plane.state import ControlView
-from domain.cost import Estimate, Price, amount_micros, base_model, tpot_estimate_us
+from domain.cost import Estimate, amount_micros, base_model, tpot_estimate_us
+from domain.feedback import ImplicitSignals
 from domain.governance.decide import StartRun
 from domain.governance.decide import decide as hierarchy_decide
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
@@ -50,8 +53,7 @@ from domain.requests.decide import (
     PreemptRequest,
     RouteRequest,
 )
-from domain.requests.events import RequestModelRouted
-from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
+from domain.routing import AUTO, QualityView
 from domain.runs.events import RunBudgetExhausted
 from domain.runs.state import Run, run_stream
 from domain.views import AdmissionViews
@@ -107,6 +109,7 @@ class Admission:
         predictor: OutputPredictor | None,
         tpot_target_us: int,
         quality: QualityView | None = None,
+        signals: ImplicitSignals | None = None,
     ) -> None:
         self.control = control
         self.views = views
@@ -122,8 +125,13 @@ class Admission:
         self.policy = policy
         self.predictor = predictor
         self.tpot_target_us = tpot_target_us
-        # The tenants' feedback folded (ledger/quality.py keeps it current): the router's evidence.
-        self.quality = quality or QualityView()
+        # The router's step; `quality` is the tenants' feedback folded (ledger/quality.py keeps
+        # it current), `signals` what this edge remembers for the implicit feedback.
+        self.router = RoutingStep(
+            control=control, quality=quality or QualityView(), tokens=tokens,
+            resolve=self.resolve_model, reject=reject, fact=recorder.fact, metrics=metrics,
+            rng=rng, clock=clock, signals=signals,
+        )  # fmt: skip
 
     # --- the models on sale --------------------------------------------------------------------
 
@@ -162,12 +170,11 @@ class Admission:
         run = None if run_id is None else resolve_run(
             tree, self.views.paths, caller.tenant_id, caller.key_id, run_id, self.clock()
         )  # fmt: skip
-        routed: tuple[Routed, RoutingPolicy] | None = None
-        if model == AUTO:
-            chosen = self._choose_model(caller, req, request_id, is_retry, bucket, run)
-            if isinstance(chosen, Refused):
-                return chosen
-            routed, model = chosen, chosen[0].served_model
+        routing = self.router.route(caller, req, model, request_id, is_retry, bucket, run)
+        if isinstance(routing, ApiError):
+            return Refused(routing)
+        if routing is not None:
+            model = routing.routed.served_model
         decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
         if trace is not None:
             trace.quota_decided(decision)
@@ -184,20 +191,32 @@ class Admission:
             model, caller.tier, decision.estimate, req.service_tier, request_id, trace
         )
         if isinstance(choice, Choice):
-            if routed is not None:
-                _say_routed(headers, routed[0])
+            if routing is not None:
+                self.router.label(headers, routing)
             return self._admitted(
                 caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                shape, choice, model, routed=routed and routed[0],
+                shape, choice, model, routing=routing,
             )  # fmt: skip
         if not may_fall_back(req.service_tier):
             return self._flex_refused(caller, model, request_id, is_retry, headers, choice)
-        reason = capacity_detail(choice)
         self.views.void(request_id)
-        if routed is not None:
+        return self._no_room(
+            caller, req, model, request_id, idempotency_key, is_retry, headers, bucket, run,
+            trace, routing, capacity_detail(choice),
+        )  # fmt: skip
+
+    def _no_room(
+        self, caller: Caller, req: ChatRequest, model: str, request_id: str,
+        idempotency_key: str | None, is_retry: bool, headers: dict[str, str], bucket: int,
+        run: Run | None, trace: RequestTrace | None, routing: Routing | None, reason: str,
+    ) -> Admitted | Refused:  # fmt: skip
+        """No replica of `model` takes the request: a routed one sheds to its reference model
+        (per policy); another goes to a model the tenant consented to (`tollgate fallbacks
+        allow`), else it is the capacity refusal."""
+        if routing is not None:
             return self._shed(
                 caller, req, request_id, idempotency_key, is_retry, headers, bucket, run, trace,
-                routed, reason,
+                routing, reason,
             )  # fmt: skip
         fallback = self._fall_back(
             caller, req, model, request_id, is_retry, headers, bucket, run, trace
@@ -265,7 +284,7 @@ class Admission:
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
         is_retry: bool, bucket: int, run: Run | None, decision: admission.Admitted,
         shape: RequestShape | None, choice: Choice[Replica], served: str, *,
-        downgraded_from: str | None = None, reason: str = "", routed: Routed | None = None,
+        downgraded_from: str | None = None, reason: str = "", routing: Routing | None = None,
     ) -> Admitted:  # fmt: skip
         """The admitted request's flight; the flex work its replica gives up is preempted, and
         the run it starts is recorded."""
@@ -284,14 +303,12 @@ class Admission:
             self.metrics.preemptions_of(served, caller.tier).inc()
         if decision.starts_run and run is not None and run.implicit:
             self._start_run(run)
-        cls = _task_class(req, bucket, decision.estimate.prompt_tokens, run)
+        cls = request_task_class(req, bucket, decision.estimate.prompt_tokens, run)
         model_routed = None
-        if routed is not None:
-            cls = routed.task_class  # as the router saw it, so feedback lands where it looked
-            model_routed = RequestModelRouted(
-                request_id, AUTO, routed.reference_model, served, cls, routed.estimate_ppm,
-                routed.bar_ppm, routed.reason, routed.alternatives,
-            )  # fmt: skip
+        if routing is not None:
+            cls = routing.routed.task_class  # as the router saw it: feedback lands where it looked
+            model_routed = routing.event(request_id)
+        self.router.admitted(caller, req, request_id, served, cls, routing, run)
         return Admitted(flight, (
             AdmitRequest(
                 request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
@@ -313,61 +330,27 @@ class Admission:
             ),
         ))  # fmt: skip
 
-    # --- the router ----------------------------------------------------------------------------
-
-    def _choose_model(
-        self, caller: Caller, req: ChatRequest, request_id: str, is_retry: bool, bucket: int,
-        run: Run | None,
-    ) -> tuple[Routed, RoutingPolicy] | Refused:  # fmt: skip
-        """`auto`: the model the tenant's routing consent serves it with (domain.routing.choose),
-        or, without consent (or none of its models on sale), the answer an unknown model gets:
-        nothing is routed for a tenant that did not ask for it."""
-        project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
-        policy = self.control.routing(caller.tenant_id, project)
-        now = self.clock()
-        on_sale = [] if policy is None else [
-            m for m in dict.fromkeys(self.resolve_model(name) for name in policy.models) if m
-        ]  # fmt: skip
-        if policy is None or not on_sale:
-            detail = "no routing consent" if policy is None else "no routed model on sale"
-            self.reject(request_id, caller, AUTO, "invalid", 0, detail, is_retry)
-            return Refused(ApiError(
-                404, f"The model `{AUTO}` does not exist or you do not have access to it.",
-                param="model", code="model_not_found",
-            ))  # fmt: skip
-        on_sale.sort(key=lambda m: (_unit_price(self.control.price(m, now)), m))
-        reference = on_sale[-1]
-        tokens = self.tokens(reference).prompt_tokens(req.messages, req.upstream.get("tools"))
-        cls = _task_class(req, bucket, tokens, run)
-        return choose(policy, on_sale, self.quality, cls, self.rng.random()), policy
-
     def _shed(
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
         is_retry: bool, headers: dict[str, str], bucket: int, run: Run | None,
-        trace: RequestTrace | None, routed: tuple[Routed, RoutingPolicy], reason: str,
+        trace: RequestTrace | None, routing: Routing, reason: str,
     ) -> Admitted | Refused:  # fmt: skip
         """The routed model had no room: the reference model serves it, through its own quota
         and capacity like any request, when the policy says so (`on_capacity` "asked"); else,
         or when it has no room either, the capacity refusal any request gets."""
-        choice, policy = routed
-        served = choice.served_model
-        if policy.on_capacity == "asked" and served != choice.reference_model:
+        served, reference = routing.routed.served_model, routing.routed.reference_model
+        if routing.policy.on_capacity == "asked" and served != reference:
             shed = self._fall_back(
                 caller, req, served, request_id, is_retry, headers, bucket, run, trace,
-                alternatives=[choice.reference_model],
+                alternatives=[reference],
             )  # fmt: skip
             if shed is not None:
                 model, decision, shape, replica = shed
-                shed_choice = replace(
-                    choice, served_model=model, reason="shed_capacity",
-                    estimate_ppm=self.quality.estimate(
-                        caller.tenant_id, model, choice.task_class
-                    )[0],
-                )  # fmt: skip
-                _say_routed(headers, shed_choice)
+                routing = self.router.shed(routing, caller.tenant_id)
+                self.router.label(headers, routing)
                 return self._admitted(
                     caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                    shape, replica, model, routed=shed_choice,
+                    shape, replica, model, routing=routing,
                 )  # fmt: skip
         retry_after = self.policy.backoff.retry_after_s(self.rng.random())
         self.reject(request_id, caller, served, "capacity", retry_after, reason, is_retry)
@@ -442,6 +425,7 @@ class Admission:
             self.recorder.fact(
                 run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None
             )
+            self.router.run_exhausted(run)
 
     # --- capacity ------------------------------------------------------------------------------
 
@@ -482,6 +466,7 @@ class Admission:
         reservation are given back."""
         self.views.void(flight.request_id)
         self.fleet.release(flight.choice)
+        self.router.ended(flight.request_id, completed=False)
 
     def settle(self, flight: Flight, command: Command) -> None:
         """The request ended (`command`, its terminal): the predictor learns a completed
@@ -503,6 +488,7 @@ class Admission:
         now = self.clock()
         self.views.refund(flight.request_id, used, now, lambda: self._bill(flight, now, preempted))
         self.fleet.release(flight.choice)
+        self.router.ended(flight.request_id, completed=isinstance(command, CompleteRequest))
 
     def _bill(self, flight: Flight, now: datetime, preempted: bool) -> tuple[int, int]:
         """What the bill will say (amount, tool calls), for every level's true-up: the same
@@ -517,26 +503,6 @@ class Admission:
             price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
         )  # fmt: skip
         return amount, p.tool_calls
-
-
-def _say_routed(headers: dict[str, str], routed: Routed) -> None:
-    """A routed answer says where it went and why (its `model` field names the model too)."""
-    headers["X-Tollgate-Routed-To"] = routed.served_model
-    headers["X-Tollgate-Routing-Reason"] = routed.reason
-
-
-def _unit_price(price: Price) -> int:
-    """What the router orders models by: a million prompt and a million completion tokens."""
-    return price.prompt_micros_per_mtok + price.completion_micros_per_mtok
-
-
-def _task_class(req: ChatRequest, bucket: int, prompt_tokens: int, run: Run | None) -> str:
-    """The request's task class (domain.routing): what the router's statistics are kept by."""
-    fmt = req.upstream.get("response_format")
-    return task_class(
-        bucket, prompt_tokens, bool(req.upstream.get("tools")),
-        fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
-    )  # fmt: skip
 
 
 def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
