@@ -149,4 +149,65 @@ def routing_savings(tenant: str | None, month: str, database_url: str) -> None:
         )
 
 
-COMMANDS = (routing,)
+@routing.command("evaluate")
+@click.option("--requests", default=30_000, show_default=True, type=click.IntRange(min=100))
+@click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="arrivals per simulated second")  # fmt: skip
+@click.option("--seed", default=1, show_default=True, type=int)
+@click.option("--drift-at", default=0.7, show_default=True, type=click.FloatRange(0, 1),
+              help="from this share of the traffic on, one task kind gets harder for the small "
+              "model (1: never)")  # fmt: skip
+@click.option("--quality-bar", default=0.8, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True))  # fmt: skip
+@click.option("--exploration", default=DEFAULT_EXPLORATION_PPM / 1e6, show_default=True,
+              type=click.FloatRange(0, 0.2))  # fmt: skip
+@click.option("--feedback-share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
+              help="share of answers the customers score")  # fmt: skip
+@click.option("--on-capacity", type=click.Choice(ON_CAPACITY), default="asked", show_default=True)
+@click.option("--inference-calls", default=0, show_default=True, type=click.IntRange(min=0),
+              help="also time the routing step at admission, this many calls (3 runs)")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="the whole result as JSON")
+def routing_evaluate(
+    requests: int, rate: float, seed: int, drift_at: float, quality_bar: float,
+    exploration: float, feedback_share: float, on_capacity: str, inference_calls: int,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Judge the router on generated traffic with a known ground truth per task kind, replayed
+    through the real admission in simulated time: `auto` with consent against always the
+    reference model and an oracle (api/router_evaluation/). Needs no database or server."""
+    import asyncio
+    import json
+
+    from api.router_evaluation.replay import Setup, evaluate, inference
+    from api.router_evaluation.traffic import generate
+
+    setup = Setup(quality_bar, exploration, on_capacity, feedback_share, seed=seed)
+    traffic = generate(requests, rate, seed, drift_at if drift_at < 1 else None)
+    result = asyncio.run(evaluate(traffic, setup))
+    world = result.pop("router_world")
+    if inference_calls:
+        result["inference"] = inference(world, traffic, inference_calls, runs=3)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo("policy,admitted,capacity_refusals,saving_vs_asked,cost_vs_oracle,"
+               "bar_attainment,share_routed_away,reasons")  # fmt: skip
+    for name, p in result["policies"].items():
+        reasons = " ".join(f"{k}={v}" for k, v in p["reasons"].items())
+        click.echo(
+            f"{name},{p['admitted']},{p['capacity_refusals']},{p['saving_vs_asked']},"
+            f"{p['cost_vs_oracle']},{p['bar_attainment']},{p['share_routed_away']},{reasons}"
+        )
+    if inference_calls:
+        t = result["inference"]
+        click.echo(f"routing step at admission: p50 {t['route_p50_us']} us, p99 "
+                   f"{t['route_p99_us']} us (CPU p99 {t['route_cpu_p99_us']} us)")  # fmt: skip
+
+
+# `tollgate router evaluate`, as the issue names it: the same command.
+router = click.Group(
+    "router", commands={"evaluate": routing_evaluate},
+    help="The router's evaluation (also `tollgate routing evaluate`).",
+)  # fmt: skip
+
+COMMANDS = (routing, router)

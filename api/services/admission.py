@@ -165,7 +165,7 @@ class Admission:
         When no replica of the model can take the request and the tenant consented to another
         model (`tollgate fallbacks allow`), that one is tried, under its own quota; without
         consent no other model is ever served."""
-        bucket = _system_prompt_bucket(caller, req)
+        bucket = system_prompt_bucket(caller, req)
         tree = self.control.hierarchy
         run = None if run_id is None else resolve_run(
             tree, self.views.paths, caller.tenant_id, caller.key_id, run_id, self.clock()
@@ -175,7 +175,10 @@ class Admission:
             return Refused(routing)
         if routing is not None:
             model = routing.routed.served_model
-        decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
+        decision, shape = self._reserve(
+            caller, req, model, request_id, is_retry, bucket, run,
+            counted=None if routing is None else routing.counted,
+        )  # fmt: skip
         if trace is not None:
             trace.quota_decided(decision)
         headers.update(refusal_errors.rate_limit_headers(decision.rate_limits))
@@ -362,12 +365,18 @@ class Admission:
     def _reserve(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
         system_prompt_bucket: int, run: Run | None = None,
+        counted: tuple[TokenEstimator, int] | None = None,
     ) -> tuple[_Decision, RequestShape | None]:
         """The quota decision for serving `req` with `model` (charged to the views if
-        admitted), and what the output predictor was asked about it."""
+        admitted), and what the output predictor was asked about it. `counted`: the prompt
+        already counted (by the router), taken when `model`'s estimator is the one that did."""
         measured = self.fleet.tpot_p95(model)
         limits = self.control.limits(caller.tenant_id, model)
-        prompt_tokens = self.tokens(model).prompt_tokens(req.messages, req.upstream.get("tools"))
+        estimator = self.tokens(model)
+        prompt_tokens = (
+            counted[1] if counted is not None and counted[0] is estimator
+            else estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
+        )  # fmt: skip
         now = self.clock()
         shape = predicted = None
         if self.predictor is not None:
@@ -505,7 +514,7 @@ class Admission:
         return amount, p.tool_calls
 
 
-def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
+def system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
     """The system prompt as a number the predictor may learn from: a hash keyed by the tenant,
     modulo 64, so it says nothing of the text and one tenant's bucket 7 is unrelated to
     another's. -1 when the chat has no system (or developer) message first."""

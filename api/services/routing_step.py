@@ -13,7 +13,7 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import orjson
 
@@ -34,6 +34,8 @@ __all__ = ["Routing", "RoutingStep", "request_task_class", "unit_price"]
 
 # How a refusal is recorded (`Edge._reject`), as Admission has it.
 Reject = Callable[[str, Caller, str, str, int, str, bool], None]
+# How long the models on sale of a policy, in price order, are taken as known (`_ladder`).
+LADDER_TTL = timedelta(seconds=1)
 # How a fact of another stream is recorded without waiting (`Recorder.fact`): (stream id,
 # tenant, event, expected version).
 Fact = Callable[[str, str, Event, int | None], None]
@@ -46,6 +48,9 @@ class Routing:
     routed: Routed
     policy: RoutingPolicy
     asked: str  # "auto", or the reference model the request named
+    # The prompt as counted for the task class, and by which estimator: admission counts it
+    # once (`Admission._reserve` takes it when the served model's estimator is the same one).
+    counted: tuple[TokenEstimator, int] | None = None
 
     def event(self, request_id: str) -> RequestModelRouted:
         r = self.routed
@@ -74,6 +79,8 @@ class RoutingStep:
         self.rng = rng
         self.clock = clock
         self.signals = signals or ImplicitSignals()
+        # (tenant, project) -> (the policy, valid until, its models on sale cheapest first)
+        self._ladders: dict[tuple[str, str], tuple[RoutingPolicy, datetime, list[str]]] = {}
 
     def policy(self, caller: Caller) -> RoutingPolicy | None:
         project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
@@ -90,12 +97,9 @@ class RoutingStep:
         policy = self.policy(caller)
         if model != AUTO and (policy is None or not policy.route_reference):
             return None
-        now = self.clock()
-        on_sale = [] if policy is None else [
-            m for m in dict.fromkeys(self.resolve(name) for name in policy.models) if m
-        ]  # fmt: skip
+        on_sale = [] if policy is None else self._ladder(policy)
         if model != AUTO:
-            if not on_sale or model != max(on_sale, key=lambda m: self._order(m, now)):
+            if not on_sale or model != on_sale[-1]:
                 return None
         elif policy is None or not on_sale:
             detail = "no routing consent" if policy is None else "no routed model on sale"
@@ -105,10 +109,11 @@ class RoutingStep:
                 param="model", code="model_not_found",
             )  # fmt: skip
         assert policy is not None
-        on_sale.sort(key=lambda m: self._order(m, now))
-        tokens = self.tokens(on_sale[-1]).prompt_tokens(req.messages, req.upstream.get("tools"))
+        estimator = self.tokens(on_sale[-1])
+        tokens = estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
         cls = request_task_class(req, bucket, tokens, run)
-        return Routing(choose(policy, on_sale, self.quality, cls, self.rng.random()), policy, model)
+        routed = choose(policy, on_sale, self.quality, cls, self.rng.random())
+        return Routing(routed, policy, model, (estimator, tokens))
 
     def shed(self, routing: Routing, tenant_id: str) -> Routing:
         """The reference model serves what the routed one had no room for."""
@@ -127,8 +132,18 @@ class RoutingStep:
         headers["X-Tollgate-Routing-Reason"] = r.reason
         self.metrics.routed_of(routing.asked, r.served_model, r.reason).inc()
 
-    def _order(self, model: str, now: datetime) -> tuple[int, str]:
-        return unit_price(self.control.price(model, now)), model
+    def _ladder(self, policy: RoutingPolicy) -> list[str]:
+        """The policy's models on sale, cheapest first, as of at most LADDER_TTL ago: resolving
+        and pricing them was most of the step's cost, and they change when an operator acts."""
+        now = self.clock()
+        key = (policy.tenant_id, policy.project_id)
+        kept = self._ladders.get(key)
+        if kept is not None and kept[0] is policy and now < kept[1]:
+            return kept[2]
+        on_sale = [m for m in dict.fromkeys(self.resolve(name) for name in policy.models) if m]
+        on_sale.sort(key=lambda m: (unit_price(self.control.price(m, now)), m))
+        self._ladders[key] = (policy, now + LADDER_TTL, on_sale)
+        return on_sale
 
     # --- implicit feedback ---------------------------------------------------------------------
 
