@@ -114,39 +114,17 @@ def routing_show(tenant: str, database_url: str) -> None:
 def routing_savings(tenant: str | None, month: str, database_url: str) -> None:
     """Per tenant: what routed requests were billed, what the reference model would have
     billed for the same tokens, the saving, and the customers' mean score of each side."""
-    from datetime import UTC, datetime, timedelta
+    from api.services.errors import ApiError
+    from api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
 
-    from domain.requests.events import RequestModelRouted
-    from domain.routing_savings import savings
-
-    try:
-        start = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
-    except ValueError:
-        raise click.BadParameter("YYYY-MM", param_hint="--month") from None
-    end = (start + timedelta(days=32)).replace(day=1)
     with control.ControlService.open(database_url) as service:
-        # A request admitted in the month's last seconds may be billed in the next one: its
-        # RequestModelRouted is looked up a day either side, and the bill's month decides.
-        ids = service.store.streams_with(
-            RequestModelRouted.EVENT_TYPE, start - timedelta(days=1), end + timedelta(days=1)
-        )
-        streams = service.store.read_streams(ids).values() if ids else []
-        rows = [
-            r
-            for r in savings(streams, service.view.price)
-            if r.month == month and (tenant is None or r.tenant_id == tenant)
-        ]
-    click.echo(
-        "tenant,month,currency,routed_requests,routed_away,billed_micros,"
-        "reference_micros,saving_micros,mean_score_routed_away,mean_score_reference"
-    )
+        try:
+            rows = routing_savings(service.store, service.view, tenant, month)
+        except ApiError:
+            raise click.BadParameter("YYYY-MM", param_hint="--month") from None
+    click.echo(",".join(SAVINGS_COLUMNS))
     for r in rows:
-        away = r.score_routed_away_ppm / r.scored_routed_away / 1e6 if r.scored_routed_away else ""
-        ref = r.score_reference_ppm / r.scored_reference / 1e6 if r.scored_reference else ""
-        click.echo(
-            f"{r.tenant_id},{r.month},{r.currency},{r.routed_requests},{r.routed_away},"
-            f"{r.billed_micros},{r.reference_micros},{r.saving_micros},{away},{ref}"
-        )
+        click.echo(",".join("" if r[c] is None else str(r[c]) for c in SAVINGS_COLUMNS))
 
 
 @routing.command("evaluate")

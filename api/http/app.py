@@ -38,6 +38,7 @@ from api.http.schemas import (
     Reconciliation,
     RequestList,
     RequestTimeline,
+    RoutingSavingsRows,
     Run,
     RunCreate,
     UsageRows,
@@ -66,6 +67,7 @@ from api.services.backoffice import (
 from api.services.edge import JsonOutcome
 from api.services.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
 from api.services.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
+from api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
 from domain.projections import REQUEST_LOG_STATUSES
 from domain.runs.state import RUN_ID
 from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
@@ -424,6 +426,25 @@ def create_app(runtime: Runtime) -> FastAPI:
             runtime.feedback.record, caller, body.request_id, body.score, body.label or ""
         )
         return json_response(200, answer, {"X-Request-Id": request.state.request_id})
+
+    @app.get(
+        "/v1/routing/savings",
+        summary="What the router saved in a month against the reference model, per tenant",
+        response_model=RoutingSavingsRows, responses=answers(*AUTHENTICATED, 404, csv=True),
+    )  # fmt: skip
+    async def routing_savings_rows(
+        request: Request, caller: AnyKeyDep, tenant: TenantQuery = None,
+        month: Annotated[
+            str | None, Query(pattern=PERIOD, description="YYYY-MM, UTC (default: this month)")
+        ] = None,
+        fmt: FormatQuery = "json",
+    ) -> Response:  # fmt: skip
+        tenant = runtime.backoffice.billing_tenant(caller.scope, caller.tenant_id, tenant)
+        rows = await asyncio.to_thread(
+            routing_savings, runtime.store, runtime.control, tenant,
+            month or utcnow().strftime("%Y-%m"),
+        )  # fmt: skip
+        return render_rows(rows, fmt, SAVINGS_COLUMNS, request.state.request_id)
 
     @app.post(
         "/v1/runs",

@@ -41,6 +41,7 @@ OPERATIONS = {
     ("/v1/batches/{batch_id}", "get"),
     ("/v1/batches/{batch_id}/cancel", "post"),
     ("/v1/feedback", "post"),
+    ("/v1/routing/savings", "get"),
 }
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
 QUERY_PARAMETERS: dict[Any, set[str]] = {
@@ -50,6 +51,7 @@ QUERY_PARAMETERS: dict[Any, set[str]] = {
     "/v1/billing/invoices/{tenant}": {"period", "format"},
     "/v1/billing/reconciliation": {"from", "to"},
     "/v1/billing/goodput": {"tenant", "from", "to", "group_by", "format"},
+    "/v1/routing/savings": {"tenant", "month", "format"},
     "/v1/requests": {"tenant", "from", "to", "status", "key_id", "model", "limit", "after"},
 }
 

@@ -129,3 +129,34 @@ def test_without_consent_no_implicit_signal_is_kept() -> None:
     assert not router.edge.admission.router.signals.live
     events = router.sink.store.read_stream(f"req_{1:032x}")
     assert not any(isinstance(r.event, FeedbackRecorded) for r in events)
+
+
+# --- drift: only the model the router relies on latches a class ------------------------------
+
+
+def test_exploring_a_model_that_scores_badly_does_not_latch_the_class() -> None:
+    from domain.routing import DRIFT_MIN, QualityView, choose
+    from tests.unit.test_routing import CLS, policy
+
+    view = QualityView()
+    scores(view, SMALL, *[0.0] * DRIFT_MIN, routed_from=LARGE)  # explored, and bad
+    routed = choose(policy(exploration_ppm=200_000), [SMALL, LARGE], view, CLS, 0.99)
+    assert routed.reason == "below_bar"  # not "latched": its upper bound rules it out instead
+    assert choose(policy(exploration_ppm=200_000), [SMALL, LARGE], view, CLS, 0.0).reason \
+        == "below_bar"  # fmt: skip
+
+
+def test_a_proven_model_whose_recent_routed_answers_fall_below_the_bar_latches_the_class() -> None:
+    from domain.routing import DRIFT_MIN, QualityView, choose
+    from tests.unit.test_routing import CLS, policy
+
+    view = QualityView()
+    scores(view, SMALL, *[1.0] * 300)
+    assert choose(policy(), [SMALL, LARGE], view, CLS, 0.99).reason == "meets_bar"
+    scores(view, SMALL, *[0.4] * DRIFT_MIN, routed_from=LARGE, at=b.at(5))
+    assert choose(policy(), [SMALL, LARGE], view, CLS, 0.99).reason == "latched"
+    # Another model's window is its own: the large model's routed scores never latch the small.
+    other = QualityView()
+    scores(other, SMALL, *[1.0] * 300)
+    scores(other, LARGE, *[0.0] * DRIFT_MIN, routed_from=LARGE, at=b.at(5))
+    assert choose(policy(), [SMALL, LARGE], other, CLS, 0.99).reason == "meets_bar"
