@@ -108,6 +108,17 @@ class Metrics:
             ["requested", "served"],
             registry=r,
         )
+        self.routed = Counter(
+            "tollgate_requests_routed",
+            "Requests the router served (with the tenant's consent, `tollgate routing allow`), by "
+            "the model asked (auto, or the policy's reference model), the model that served them "
+            "and why: meets_bar, explore, below_bar, latched (drift), shed_capacity.",
+            ["asked", "served", "reason"],
+            registry=r,
+        )
+        # `asked` is auto or a model on sale, `served` a model on sale, `reason` one of five:
+        # bounded; the served model goes through the fleet's names all the same.
+        self.routed_of = Children(self.routed, models, model_at=1)
         self.in_flight = Gauge("tollgate_in_flight", "Requests in flight on this edge.", registry=r)
         self.slow_readers = Counter(
             "tollgate_slow_readers_cancelled",

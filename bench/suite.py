@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import quality_startup, router_evaluation
 from bench import render as r
 from bench.common import RESULTS_DIR, ROOT, machine
 
@@ -110,6 +111,14 @@ BENCHES: tuple[Bench, ...] = (
     Bench(
         "output_prediction", "bench.output_prediction", quick_args=("--quick",),
         render=r.render_output_prediction,
+    ),
+    Bench(
+        "router_evaluation", "bench.router_evaluation", quick_args=("--quick",),
+        render=router_evaluation.render,
+    ),
+    Bench(
+        "quality_startup", "bench.quality_startup", quick_args=("--quick",),
+        render=quality_startup.render,
     ),
     Bench(
         "edges", "bench.edges", quick_args=("--runs", "1", "--duration", "5"),

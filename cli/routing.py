@@ -41,6 +41,11 @@ def routing() -> None:
     show_default=True,
     help="when the chosen model has no room: serve the reference model, or refuse",
 )
+@click.option(
+    "--route-reference",
+    is_flag=True,
+    help="route requests that name the most expensive of --models too, as `auto` is",
+)
 @click.option("--reset-drift", is_flag=True, help="forget the classes latched for drift")
 @control_options
 @one_line_errors
@@ -51,6 +56,7 @@ def routing_allow(
     quality_bar: float,
     exploration: float,
     on_capacity: str,
+    route_reference: bool,
     reset_drift: bool,
     database_url: str,
     actor: Actor,
@@ -63,6 +69,7 @@ def routing_allow(
         on_capacity,
         project,
         reset_drift,
+        route_reference,
     )
     with control.ControlService.open(database_url, actor) as service:
         changed = service.allow_routing(command)
@@ -96,7 +103,8 @@ def routing_show(tenant: str, database_url: str) -> None:
         click.echo(
             f"{tenant}/{p.project_id or '*'}: {', '.join(p.models)} bar "
             f"{p.quality_bar_ppm / 1e6:g} exploration {p.exploration_ppm / 1e6:g} on capacity "
-            f"{p.on_capacity}, since {p.since.isoformat()}"
+            f"{p.on_capacity}{', the reference routed too' if p.route_reference else ''}, "
+            f"since {p.since.isoformat()}"
         )
 
 
@@ -108,39 +116,78 @@ def routing_show(tenant: str, database_url: str) -> None:
 def routing_savings(tenant: str | None, month: str, database_url: str) -> None:
     """Per tenant: what routed requests were billed, what the reference model would have
     billed for the same tokens, the saving, and the customers' mean score of each side."""
-    from datetime import UTC, datetime, timedelta
+    from api.services.errors import ApiError
+    from api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
 
-    from domain.requests.events import RequestModelRouted
-    from domain.routing_savings import savings
-
-    try:
-        start = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
-    except ValueError:
-        raise click.BadParameter("YYYY-MM", param_hint="--month") from None
-    end = (start + timedelta(days=32)).replace(day=1)
     with control.ControlService.open(database_url) as service:
-        # A request admitted in the month's last seconds may be billed in the next one: its
-        # RequestModelRouted is looked up a day either side, and the bill's month decides.
-        ids = service.store.streams_with(
-            RequestModelRouted.EVENT_TYPE, start - timedelta(days=1), end + timedelta(days=1)
-        )
-        streams = service.store.read_streams(ids).values() if ids else []
-        rows = [
-            r
-            for r in savings(streams, service.view.price)
-            if r.month == month and (tenant is None or r.tenant_id == tenant)
-        ]
-    click.echo(
-        "tenant,month,currency,routed_requests,routed_away,billed_micros,"
-        "reference_micros,saving_micros,mean_score_routed_away,mean_score_reference"
-    )
+        try:
+            rows = routing_savings(service.store, service.view, tenant, month)
+        except ApiError:
+            raise click.BadParameter("YYYY-MM", param_hint="--month") from None
+    click.echo(",".join(SAVINGS_COLUMNS))
     for r in rows:
-        away = r.score_routed_away_ppm / r.scored_routed_away / 1e6 if r.scored_routed_away else ""
-        ref = r.score_reference_ppm / r.scored_reference / 1e6 if r.scored_reference else ""
+        click.echo(",".join("" if r[c] is None else str(r[c]) for c in SAVINGS_COLUMNS))
+
+
+@routing.command("evaluate")
+@click.option("--requests", default=30_000, show_default=True, type=click.IntRange(min=100))
+@click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="arrivals per simulated second")  # fmt: skip
+@click.option("--seed", default=1, show_default=True, type=int)
+@click.option("--drift-at", default=0.7, show_default=True, type=click.FloatRange(0, 1),
+              help="from this share of the traffic on, one task kind gets harder for the small "
+              "model (1: never)")  # fmt: skip
+@click.option("--quality-bar", default=0.8, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True))  # fmt: skip
+@click.option("--exploration", default=DEFAULT_EXPLORATION_PPM / 1e6, show_default=True,
+              type=click.FloatRange(0, 0.2))  # fmt: skip
+@click.option("--feedback-share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
+              help="share of answers the customers score")  # fmt: skip
+@click.option("--on-capacity", type=click.Choice(ON_CAPACITY), default="asked", show_default=True)
+@click.option("--inference-calls", default=0, show_default=True, type=click.IntRange(min=0),
+              help="also time the routing step at admission, this many calls (3 runs)")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="the whole result as JSON")
+def routing_evaluate(
+    requests: int, rate: float, seed: int, drift_at: float, quality_bar: float,
+    exploration: float, feedback_share: float, on_capacity: str, inference_calls: int,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Judge the router on generated traffic with a known ground truth per task kind, replayed
+    through the real admission in simulated time: `auto` with consent against always the
+    reference model and an oracle (api/router_evaluation/). Needs no database or server."""
+    import asyncio
+    import json
+
+    from api.router_evaluation.replay import Setup, evaluate, inference
+    from api.router_evaluation.traffic import generate
+
+    setup = Setup(quality_bar, exploration, on_capacity, feedback_share, seed=seed)
+    traffic = generate(requests, rate, seed, drift_at if drift_at < 1 else None)
+    result = asyncio.run(evaluate(traffic, setup))
+    world = result.pop("router_world")
+    if inference_calls:
+        result["inference"] = inference(world, traffic, inference_calls, runs=3)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo("policy,admitted,capacity_refusals,saving_vs_asked,cost_vs_oracle,"
+               "bar_attainment,share_routed_away,reasons")  # fmt: skip
+    for name, p in result["policies"].items():
+        reasons = " ".join(f"{k}={v}" for k, v in p["reasons"].items())
         click.echo(
-            f"{r.tenant_id},{r.month},{r.currency},{r.routed_requests},{r.routed_away},"
-            f"{r.billed_micros},{r.reference_micros},{r.saving_micros},{away},{ref}"
+            f"{name},{p['admitted']},{p['capacity_refusals']},{p['saving_vs_asked']},"
+            f"{p['cost_vs_oracle']},{p['bar_attainment']},{p['share_routed_away']},{reasons}"
         )
+    if inference_calls:
+        t = result["inference"]
+        click.echo(f"routing step at admission: p50 {t['route_p50_us']} us, p99 "
+                   f"{t['route_p99_us']} us (CPU p99 {t['route_cpu_p99_us']} us)")  # fmt: skip
 
 
-COMMANDS = (routing,)
+# `tollgate router evaluate`, as the issue names it: the same command.
+router = click.Group(
+    "router", commands={"evaluate": routing_evaluate},
+    help="The router's evaluation (also `tollgate routing evaluate`).",
+)  # fmt: skip
+
+COMMANDS = (routing, router)

@@ -2,8 +2,8 @@
 tenant's consent (`RoutingPolicy`, `tollgate routing allow`). The cheapest allowed model whose
 quality for the request's task class meets the bar by a lower confidence bound on the tenant's
 own feedback (`QualityView`, folded from `FeedbackRecorded`); a bounded share explores; a class
-whose routed traffic scores below the bar is latched to the reference model (drift) until the
-policy is given again. Task classes are admission-time features only, never text.
+whose routed model's recent answers score below the bar is latched to the reference model
+(drift) until the policy is given again. Task classes are admission-time features only, never text.
 """
 
 from __future__ import annotations
@@ -39,15 +39,17 @@ Z: Final = 1.645
 # Less evidence than this at a level (the class, then its shape without the system-prompt
 # bucket) says nothing: the model's bound there is 0 and it is not routed to, only explored.
 MIN_EVIDENCE: Final = 10.0
-# A client leaving a stream is a weaker sign than a customer's own score (it may have had what it
-# needed): it counts as half a score of 0.
+# A signal seen without content (a client leaving a stream, asking again on a larger model, a run
+# that ran out of budget: domain.feedback) is a weaker sign than a customer's own score (it may
+# have had what it needed): it counts as half a score of 0.
 IMPLICIT_WEIGHT: Final = 0.5
 # Exploration is bounded: at most 20 % of a class's traffic may go where the bar is not yet met.
 EXPLORATION_PPM_MAX: Final = 200_000
 DEFAULT_EXPLORATION_PPM: Final = 50_000
-# Drift: the last DRIFT_WINDOW routed feedbacks of a class; once DRIFT_MIN of them are in and
-# their mean is below the bar, the class goes to the reference model until the policy is given
-# again (`tollgate routing allow`), which is the router's "retrain".
+# Drift: the last DRIFT_WINDOW routed feedbacks of a model on a class; once DRIFT_MIN of them are
+# in and their mean is below the bar while the model's whole history still meets it, the class
+# goes to the reference model until the policy is given again (`tollgate routing allow`), which
+# is the router's "retrain".
 DRIFT_WINDOW: Final = 50
 DRIFT_MIN: Final = 20
 ON_CAPACITY: Final = ("asked", "refuse")
@@ -100,16 +102,44 @@ class RoutingPolicy:
     exploration_ppm: int
     on_capacity: str  # asked: shed to the reference model | refuse: 503
     since: datetime  # when this consent was recorded: drift latches before it are forgotten
+    route_reference: bool = False  # a request naming the reference model is routed too
 
 
 @dataclass(slots=True)
 class _Tally:
     score_sum: float = 0.0
     weight: float = 0.0
+    # Its bounds, computed once per change rather than at every admission that reads them.
+    bounds: tuple[int, int] | None = None
 
     def add(self, score: float, weight: float) -> None:
         self.score_sum += score * weight
         self.weight += weight
+        self.bounds = None
+
+    def bounds_ppm(self) -> tuple[int, int]:
+        if self.bounds is None:
+            self.bounds = (
+                lower_bound_ppm(self.score_sum, self.weight),
+                upper_bound_ppm(self.score_sum, self.weight),
+            )
+        return self.bounds
+
+
+@dataclass(slots=True)
+class _Window:
+    """A class's last DRIFT_WINDOW routed scores, with their sum kept as they come and go."""
+
+    scores: deque[tuple[datetime, float]] = field(
+        default_factory=lambda: deque(maxlen=DRIFT_WINDOW)
+    )
+    total: float = 0.0
+
+    def append(self, at: datetime, score: float) -> None:
+        if len(self.scores) == DRIFT_WINDOW:
+            self.total -= self.scores[0][1]
+        self.scores.append((at, score))
+        self.total += score
 
 
 @dataclass(slots=True)
@@ -119,7 +149,8 @@ class QualityView:
 
     classes: dict[tuple[str, str, str], _Tally] = field(default_factory=dict)
     shapes: dict[tuple[str, str, str], _Tally] = field(default_factory=dict)
-    recent: dict[tuple[str, str], deque[tuple[datetime, float]]] = field(default_factory=dict)
+    # (tenant, model, class) -> the scores of its routed answers, latest last
+    recent: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     position: int = 0
 
@@ -137,8 +168,10 @@ class QualityView:
         self.classes.setdefault((tenant, model, cls), _Tally()).add(score, weight)
         self.shapes.setdefault((tenant, model, shape_of(cls)), _Tally()).add(score, weight)
         if event.routed_from and event.source == "client":
-            window = self.recent.setdefault((tenant, cls), deque(maxlen=DRIFT_WINDOW))
-            window.append((recorded.occurred_at, score))
+            window = self.recent.get((tenant, model, cls))
+            if window is None:
+                window = self.recent[(tenant, model, cls)] = _Window()
+            window.append(recorded.occurred_at, score)
 
     def estimate(self, tenant_id: str, model: str, cls: str) -> tuple[int, int, float]:
         """(lower bound ppm, upper bound ppm, evidence) of `model` for `cls`: at the class when
@@ -146,20 +179,21 @@ class QualityView:
         for level, key in ((self.classes, cls), (self.shapes, shape_of(cls))):
             tally = level.get((tenant_id, model, key))
             if tally is not None and tally.weight >= MIN_EVIDENCE:
-                return (
-                    lower_bound_ppm(tally.score_sum, tally.weight),
-                    upper_bound_ppm(tally.score_sum, tally.weight),
-                    tally.weight,
-                )
+                return (*tally.bounds_ppm(), tally.weight)
         tally = self.classes.get((tenant_id, model, cls))
         return 0, 1_000_000, 0.0 if tally is None else tally.weight
 
-    def drifted(self, tenant_id: str, cls: str, bar_ppm: int, since: datetime) -> bool:
-        """The class's routed feedback since `since` scores below the bar (DRIFT_MIN at least)."""
-        window = self.recent.get((tenant_id, cls))
-        if not window:
+    def drifted(
+        self, tenant_id: str, model: str, cls: str, bar_ppm: int, since: datetime
+    ) -> bool:
+        """`model`'s routed answers of the class since `since` score below the bar (DRIFT_MIN
+        of them at least): what its estimate, all of its history, does not show yet."""
+        window = self.recent.get((tenant_id, model, cls))
+        if window is None or len(window.scores) < DRIFT_MIN:
             return False
-        scores = [score for at, score in window if at >= since]
+        if window.scores[0][0] >= since:  # all since the consent: the sum kept
+            return window.total / len(window.scores) * 1_000_000 < bar_ppm
+        scores = [score for at, score in window.scores if at >= since]
         return len(scores) >= DRIFT_MIN and sum(scores) / len(scores) * 1_000_000 < bar_ppm
 
 
@@ -183,7 +217,10 @@ def choose(
     """The model for a request of class `cls`: the cheapest of `cheapest_first` (the policy's
     models on sale, by price) whose lower bound meets the bar; with probability
     `exploration_ppm` (`draw` uniform in [0, 1)) the cheapest not ruled out by its upper bound;
-    else the reference (the most expensive). A drifted class is latched to the reference."""
+    else the reference (the most expensive). When the model that meets the bar has drifted (its
+    recent routed answers score under the bar), the class is latched to the reference; a drifted
+    model is not explored either. Only a model the router relies on can latch a class: the low
+    scores of a model tried by exploration rule it out by its upper bound, not by drift."""
     reference = cheapest_first[-1]
     tenant, bar = policy.tenant_id, policy.quality_bar_ppm
     estimates = {m: quality.estimate(tenant, m, cls) for m in cheapest_first}
@@ -192,13 +229,14 @@ def choose(
     def answer(model: str, reason: str) -> Routed:
         return Routed(model, reference, cls, estimates[model][0], bar, reason, alternatives)
 
-    if quality.drifted(tenant, cls, bar, policy.since):
-        return answer(reference, "latched")
+    since = policy.since
     for model in cheapest_first[:-1]:
         if estimates[model][0] >= bar:
+            if quality.drifted(tenant, model, cls, bar, since):
+                return answer(reference, "latched")
             return answer(model, "meets_bar")
     if draw * 1_000_000 < policy.exploration_ppm:
         for model in cheapest_first[:-1]:
-            if estimates[model][1] >= bar:
+            if estimates[model][1] >= bar and not quality.drifted(tenant, model, cls, bar, since):
                 return answer(model, "explore")
     return answer(reference, "below_bar")

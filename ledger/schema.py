@@ -77,6 +77,8 @@ events = sa.Table(
     ),
     sa.UniqueConstraint("stream_id", "stream_version"),
     sa.Index(None, "tenant_id", "position"),
+    # A fold of one event type reads its events only (migration 0022).
+    sa.Index(None, "type", "position"),
 )
 
 projection_checkpoints = sa.Table(

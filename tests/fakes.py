@@ -113,13 +113,15 @@ class InMemoryEventStore(EventStore):
             ]
 
     def streams_with(
-        self, event_type: str, occurred_from: datetime, occurred_to: datetime
-    ) -> list[str]:
+        self, event_type: str, occurred_from: datetime, occurred_to: datetime,
+        tenant_id: str | None = None,
+    ) -> list[str]:  # fmt: skip
         with self._lock:
             found = (
                 s.row.stream_id
                 for s in self._log
                 if s.row.type == event_type and occurred_from <= s.row.occurred_at < occurred_to
+                and (tenant_id is None or s.row.tenant_id == tenant_id)
             )
             return list(dict.fromkeys(found))
 

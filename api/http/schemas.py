@@ -286,6 +286,25 @@ class GoodputRows(BaseModel):
     data: list[GoodputRow]
 
 
+class RoutingSavingsRow(BaseModel):
+    tenant: str
+    month: str = Field(description="YYYY-MM (UTC), the bills' month")
+    currency: str
+    routed_requests: Count = Field(description="requests the router served, billed")
+    routed_away: Count = Field(description="... by a cheaper model than the reference")
+    billed_micros: Count
+    reference_micros: Count = Field(
+        description="what the reference model would have billed for the same engine counts"
+    )
+    saving_micros: int
+    mean_score_routed_away: float | None = Field(description="the customers' mean score")
+    mean_score_reference: float | None
+
+
+class RoutingSavingsRows(BaseModel):
+    data: list[RoutingSavingsRow]
+
+
 # --- operations --------------------------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """Admission, as the one service the edge asks: `admit` answers `Admitted` (the request's flight
 and the commands that record its admission) or `Refused` (the error the client gets, already
 recorded). Quota and hierarchy budgets (`domain.admission` over `domain.views.AdmissionViews`),
-runs, capacity (`Fleet.choose`, `domain.capacity`), fallbacks to consented models and flex
-preemption are its steps, applied in that order; each rule is a pure decision in `domain/`
+runs, the router (`RoutingStep`, api/services/routing_step.py), capacity (`Fleet.choose`,
+`domain.capacity`), fallbacks to consented models and flex preemption are its steps, applied in
+that order; each rule is a pure decision in `domain/`
 (`domain.admission_steps` beside the quota's). `settle` gives an ended request's reservations
 back, `void` one whose admission was not recorded (both in `settlement.py`).
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
@@ -27,6 +28,7 @@ from api.services.chat_request import ChatRequest
 from api.services.errors import ApiError
 from api.services.recorder import Flight, Recorder
 from api.services.retention import RETENTION_HEADER
+from api.services.routing_step import Routing, RoutingStep, request_task_class
 from api.services.run_steps import RunSteps
 from api.services.settlement import Settlement
 from domain import admission
@@ -40,17 +42,18 @@ from domain.admission_steps import (
 from domain.capacity import Choice, Refusal, UnknownModel
 from domain.control_plane.data_policy import ZERO
 from domain.control_plane.state import ControlView
-from domain.cost import Estimate, Price, base_model, tpot_estimate_us
+from domain.cost import Estimate, base_model, tpot_estimate_us
+from domain.feedback import ImplicitSignals
 from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
 from domain.requests.decide import (
     AdmitRequest,
     AskToPreempt,
     Command,
+    CompleteRequest,
     RouteRequest,
 )
-from domain.requests.events import RequestModelRouted
 from domain.residency import refusal_detail
-from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
+from domain.routing import AUTO, QualityView
 from domain.runs.state import Run
 from domain.views import AdmissionViews
 from engine_adapter.usage import Progress
@@ -105,6 +108,7 @@ class Admission:
         predictor: OutputPredictor | None,
         tpot_target_us: int,
         quality: QualityView | None = None,
+        signals: ImplicitSignals | None = None,
     ) -> None:
         self.control = control
         self.views = views
@@ -119,8 +123,13 @@ class Admission:
         self.clock = clock
         self.policy = policy
         self.tpot_target_us = tpot_target_us
-        # The tenants' feedback folded (ledger/quality.py keeps it current): the router's evidence.
-        self.quality = quality or QualityView()
+        # The router's step; `quality` is the tenants' feedback folded (ledger/quality.py keeps
+        # it current), `signals` what this edge remembers for the implicit feedback.
+        self.router = RoutingStep(
+            control=control, quality=quality or QualityView(), tokens=tokens,
+            resolve=self.resolve_model, reject=reject, fact=recorder.fact, metrics=metrics,
+            rng=rng, clock=clock, signals=signals,
+        )  # fmt: skip
         self.runs = RunSteps(control=control, views=views, recorder=recorder, clock=clock)
         self.settlement = Settlement(
             control=control, views=views, fleet=fleet, predictor=predictor, clock=clock
@@ -176,15 +185,17 @@ class Admission:
         retention = self.control.retention(caller.tenant_id, caller.key_id)
         if retention == ZERO:
             headers[RETENTION_HEADER] = ZERO
-        bucket = _system_prompt_bucket(caller, req)
+        bucket = system_prompt_bucket(caller, req)
         run = None if run_id is None else self.runs.resolve(caller, run_id)
-        routed: tuple[Routed, RoutingPolicy] | None = None
-        if model == AUTO:
-            chosen = self._choose_model(caller, req, request_id, is_retry, bucket, run)
-            if isinstance(chosen, Refused):
-                return chosen
-            routed, model = chosen, chosen[0].served_model
-        decision, shape = self._reserve(caller, req, model, request_id, is_retry, bucket, run)
+        routing = self.router.route(caller, req, model, request_id, is_retry, bucket, run)
+        if isinstance(routing, ApiError):
+            return Refused(routing)
+        if routing is not None:
+            model = routing.routed.served_model
+        decision, shape = self._reserve(
+            caller, req, model, request_id, is_retry, bucket, run,
+            counted=None if routing is None else routing.counted,
+        )  # fmt: skip
         if trace is not None:
             trace.quota_decided(decision)
         headers.update(refusal_errors.rate_limit_headers(decision.rate_limits))
@@ -193,18 +204,19 @@ class Admission:
                 request_id, caller, model, decision.reason, decision.retry_after_s,
                 decision.detail, is_retry,
             )
-            if decision.reason == "run_budget" and run is not None:
-                self.runs.exhausted(run, decision.dimension or "", request_id)
+            exhausted = decision.reason == "run_budget" and run is not None
+            if exhausted and self.runs.exhausted(run, decision.dimension or "", request_id):
+                self.router.run_exhausted(run)
             return Refused(refusal_errors.refusal(decision, headers))
         choice = self._route(
             model, caller.tier, decision.estimate, req.service_tier, request_id, trace, regions
         )
         if isinstance(choice, Choice):
-            if routed is not None:
-                _say_routed(headers, routed[0])
+            if routing is not None:
+                self.router.label(headers, routing)
             return self._admitted(
                 caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                shape, choice, model, routed=routed and routed[0], retention=retention,
+                shape, choice, model, routing=routing, retention=retention,
             )  # fmt: skip
         if not may_fall_back(req.service_tier):
             if regions is None:
@@ -212,12 +224,25 @@ class Admission:
             # A pinned tenant's flex refusal says, like its other ones, that its regions had
             # no room: what it must know is that nothing ran elsewhere.
             self.metrics.flex_of(model, caller.tier, "refused").inc()
-        reason = capacity_detail(choice)
         self.views.void(request_id)
-        if routed is not None:
+        return self._no_room(
+            caller, req, model, request_id, idempotency_key, is_retry, headers, bucket, run,
+            trace, routing, capacity_detail(choice), regions, retention,
+        )  # fmt: skip
+
+    def _no_room(
+        self, caller: Caller, req: ChatRequest, model: str, request_id: str,
+        idempotency_key: str | None, is_retry: bool, headers: dict[str, str], bucket: int,
+        run: Run | None, trace: RequestTrace | None, routing: Routing | None, reason: str,
+        regions: frozenset[str] | None, retention: str,
+    ) -> Admitted | Refused:  # fmt: skip
+        """No replica of `model` takes the request: a routed one sheds to its reference model
+        (per policy); another goes to a model the tenant consented to (`tollgate fallbacks
+        allow`), else it is the capacity refusal (`region_unavailable` for a pinned tenant)."""
+        if routing is not None:
             return self._shed(
                 caller, req, request_id, idempotency_key, is_retry, headers, bucket, run, trace,
-                routed, reason, regions, retention,
+                routing, reason, regions, retention,
             )  # fmt: skip
         fallback = None if not may_fall_back(req.service_tier) else self._fall_back(
             caller, req, model, request_id, is_retry, headers, bucket, run, trace, regions=regions
@@ -291,7 +316,7 @@ class Admission:
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
         is_retry: bool, bucket: int, run: Run | None, decision: admission.Admitted,
         shape: RequestShape | None, choice: Choice[Replica], served: str, *,
-        downgraded_from: str | None = None, reason: str = "", routed: Routed | None = None,
+        downgraded_from: str | None = None, reason: str = "", routing: Routing | None = None,
         retention: str = "",
     ) -> Admitted:  # fmt: skip
         """The admitted request's flight; the flex work its replica gives up is preempted, and
@@ -312,14 +337,12 @@ class Admission:
             self.metrics.preemptions_of(served, caller.tier).inc()
         if decision.starts_run and run is not None and run.implicit:
             self.runs.started(run)
-        cls = _task_class(req, bucket, decision.estimate.prompt_tokens, run)
+        cls = request_task_class(req, bucket, decision.estimate.prompt_tokens, run)
         model_routed = None
-        if routed is not None:
-            cls = routed.task_class  # as the router saw it, so feedback lands where it looked
-            model_routed = RequestModelRouted(
-                request_id, AUTO, routed.reference_model, served, cls, routed.estimate_ppm,
-                routed.bar_ppm, routed.reason, routed.alternatives,
-            )  # fmt: skip
+        if routing is not None:
+            cls = routing.routed.task_class  # as the router saw it: feedback lands where it looked
+            model_routed = routing.event(request_id)
+        self.router.admitted(caller, req, request_id, served, cls, routing, run)
         return Admitted(flight, (
             AdmitRequest(
                 request_id=request_id, tenant_id=caller.tenant_id, key_id=caller.key_id,
@@ -342,62 +365,29 @@ class Admission:
             ),
         ))  # fmt: skip
 
-    # --- the router ----------------------------------------------------------------------------
-
-    def _choose_model(
-        self, caller: Caller, req: ChatRequest, request_id: str, is_retry: bool, bucket: int,
-        run: Run | None,
-    ) -> tuple[Routed, RoutingPolicy] | Refused:  # fmt: skip
-        """`auto`: the model the tenant's routing consent serves it with (domain.routing.choose),
-        or, without consent (or none of its models on sale), the answer an unknown model gets:
-        nothing is routed for a tenant that did not ask for it."""
-        project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
-        policy = self.control.routing(caller.tenant_id, project)
-        now = self.clock()
-        on_sale = [] if policy is None else [
-            m for m in dict.fromkeys(self.resolve_model(name) for name in policy.models) if m
-        ]  # fmt: skip
-        if policy is None or not on_sale:
-            detail = "no routing consent" if policy is None else "no routed model on sale"
-            self.reject(request_id, caller, AUTO, "invalid", 0, detail, is_retry)
-            return Refused(ApiError(
-                404, f"The model `{AUTO}` does not exist or you do not have access to it.",
-                param="model", code="model_not_found",
-            ))  # fmt: skip
-        on_sale.sort(key=lambda m: (_unit_price(self.control.price(m, now)), m))
-        reference = on_sale[-1]
-        tokens = self.tokens(reference).prompt_tokens(req.messages, req.upstream.get("tools"))
-        cls = _task_class(req, bucket, tokens, run)
-        return choose(policy, on_sale, self.quality, cls, self.rng.random()), policy
-
     def _shed(
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
         is_retry: bool, headers: dict[str, str], bucket: int, run: Run | None,
-        trace: RequestTrace | None, routed: tuple[Routed, RoutingPolicy], reason: str,
+        trace: RequestTrace | None, routing: Routing, reason: str,
         regions: frozenset[str] | None, retention: str,
     ) -> Admitted | Refused:  # fmt: skip
         """The routed model had no room: the reference model serves it, through its own quota
-        and capacity like any request, when the policy says so (`on_capacity` "asked"); else,
-        or when it has no room either, the capacity refusal any request gets."""
-        choice, policy = routed
-        served = choice.served_model
-        if policy.on_capacity == "asked" and served != choice.reference_model:
+        and capacity like any request (in the tenant's regions), when the policy says so
+        (`on_capacity` "asked"); else, or when it has no room either, the capacity refusal any
+        request gets."""
+        served, reference = routing.routed.served_model, routing.routed.reference_model
+        if routing.policy.on_capacity == "asked" and served != reference:
             shed = self._fall_back(
                 caller, req, served, request_id, is_retry, headers, bucket, run, trace,
-                alternatives=[choice.reference_model], regions=regions,
+                alternatives=[reference], regions=regions,
             )  # fmt: skip
             if shed is not None:
                 model, decision, shape, replica = shed
-                shed_choice = replace(
-                    choice, served_model=model, reason="shed_capacity",
-                    estimate_ppm=self.quality.estimate(
-                        caller.tenant_id, model, choice.task_class
-                    )[0],
-                )  # fmt: skip
-                _say_routed(headers, shed_choice)
+                routing = self.router.shed(routing, caller.tenant_id)
+                self.router.label(headers, routing)
                 return self._admitted(
                     caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                    shape, replica, model, routed=shed_choice, retention=retention,
+                    shape, replica, model, routing=routing, retention=retention,
                 )  # fmt: skip
         retry_after = self.policy.backoff.retry_after_s(self.rng.random())
         detail = refusal_detail(reason, regions)
@@ -412,12 +402,18 @@ class Admission:
     def _reserve(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
         system_prompt_bucket: int, run: Run | None = None,
+        counted: tuple[TokenEstimator, int] | None = None,
     ) -> tuple[_Decision, RequestShape | None]:
         """The quota decision for serving `req` with `model` (charged to the views if
-        admitted), and what the output predictor was asked about it."""
+        admitted), and what the output predictor was asked about it. `counted`: the prompt
+        already counted (by the router), taken when `model`'s estimator is the one that did."""
         measured = self.fleet.tpot_p95(model)
         limits = self.control.limits(caller.tenant_id, model)
-        prompt_tokens = self.tokens(model).prompt_tokens(req.messages, req.upstream.get("tools"))
+        estimator = self.tokens(model)
+        prompt_tokens = (
+            counted[1] if counted is not None and counted[0] is estimator
+            else estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
+        )  # fmt: skip
         now = self.clock()
         shape = predicted = None
         if self.predictor is not None:
@@ -494,33 +490,15 @@ class Admission:
     def void(self, flight: Flight) -> None:
         """Its admission was not recorded: `Settlement.void`."""
         self.settlement.void(flight)
+        self.router.ended(flight.request_id, completed=False)
 
     def settle(self, flight: Flight, command: Command) -> None:
         """The request ended (`command`, its terminal): `Settlement.settle`."""
         self.settlement.settle(flight, command)
+        self.router.ended(flight.request_id, completed=isinstance(command, CompleteRequest))
 
 
-def _say_routed(headers: dict[str, str], routed: Routed) -> None:
-    """A routed answer says where it went and why (its `model` field names the model too)."""
-    headers["X-Tollgate-Routed-To"] = routed.served_model
-    headers["X-Tollgate-Routing-Reason"] = routed.reason
-
-
-def _unit_price(price: Price) -> int:
-    """What the router orders models by: a million prompt and a million completion tokens."""
-    return price.prompt_micros_per_mtok + price.completion_micros_per_mtok
-
-
-def _task_class(req: ChatRequest, bucket: int, prompt_tokens: int, run: Run | None) -> str:
-    """The request's task class (domain.routing): what the router's statistics are kept by."""
-    fmt = req.upstream.get("response_format")
-    return task_class(
-        bucket, prompt_tokens, bool(req.upstream.get("tools")),
-        fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
-    )  # fmt: skip
-
-
-def _system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
+def system_prompt_bucket(caller: Caller, req: ChatRequest) -> int:
     """The system prompt as a number the predictor may learn from: a hash keyed by the tenant,
     modulo 64, so it says nothing of the text and one tenant's bucket 7 is unrelated to
     another's. -1 when the chat has no system (or developer) message first."""

@@ -45,8 +45,10 @@ class RunSteps:
         self.recorder.fact(run_stream(run.tenant_id, run.run_id), run.tenant_id,
                            event, 0, run.started_at)  # fmt: skip
 
-    def exhausted(self, run: Run, dimension: str, request_id: str) -> None:
-        """Record RunBudgetExhausted on the first refusal of `dimension` only."""
-        if self.views.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
-            event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
-            self.recorder.fact(run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None)
+    def exhausted(self, run: Run, dimension: str, request_id: str) -> bool:
+        """Record RunBudgetExhausted on the first refusal of `dimension` only (True then)."""
+        if not self.views.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
+            return False
+        event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
+        self.recorder.fact(run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None)
+        return True

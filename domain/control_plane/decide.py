@@ -168,6 +168,7 @@ class AllowRouting:
     on_capacity: str = "asked"
     project_id: str = ""
     reset_drift: bool = False  # record it even unchanged: forget the latched classes
+    route_reference: bool = False  # route requests naming the most expensive model too
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,12 +435,16 @@ def _decide_routing(view: ControlView, command: AllowRouting) -> tuple[Event, ..
                           field="on_capacity")  # fmt: skip
     event = RoutingAllowed(
         command.tenant_id, command.project_id, tuple(models), command.quality_bar_ppm,
-        command.exploration_ppm, command.on_capacity,
+        command.exploration_ppm, command.on_capacity, command.route_reference,
     )  # fmt: skip
     current = view._routing.get((command.tenant_id, command.project_id))
     same = current is not None and (
-        current.models, current.quality_bar_ppm, current.exploration_ppm, current.on_capacity
-    ) == (event.models, event.quality_bar_ppm, event.exploration_ppm, event.on_capacity)
+        current.models, current.quality_bar_ppm, current.exploration_ppm, current.on_capacity,
+        current.route_reference,
+    ) == (
+        event.models, event.quality_bar_ppm, event.exploration_ppm, event.on_capacity,
+        event.route_reference,
+    )  # fmt: skip
     if same and not command.reset_drift:
         return ()
     return (event,)

@@ -154,7 +154,9 @@ class RoutingAllowed(Event):
     for `auto` may be served by any of `models`, the cheapest whose quality for the request's
     task class meets `quality_bar_ppm` by a lower confidence bound on the tenant's own feedback.
     Recorded again (even unchanged, with `tollgate routing allow --reset-drift`) it forgets the
-    classes the drift monitor had latched: the router's "retrain". Without it nothing is routed."""
+    classes the drift monitor had latched: the router's "retrain". Without it nothing is routed.
+    `route_reference`: requests that name the reference model (the policy's most expensive) are
+    routed too, as `auto` is (recorded before it existed: False, nothing changes)."""
 
     EVENT_TYPE: ClassVar[str] = "RoutingAllowed"
     tenant_id: str
@@ -163,6 +165,7 @@ class RoutingAllowed(Event):
     quality_bar_ppm: int
     exploration_ppm: int
     on_capacity: str  # asked: shed to the reference model | refuse: 503
+    route_reference: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -266,7 +266,7 @@ class ControlView:
             case RoutingAllowed():
                 self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
                     event.tenant_id, event.project_id, event.models, event.quality_bar_ppm,
-                    event.exploration_ppm, event.on_capacity, at,
+                    event.exploration_ppm, event.on_capacity, at, event.route_reference,
                 )  # fmt: skip
             case RoutingRevoked():
                 self._routing.pop((event.tenant_id, event.project_id), None)

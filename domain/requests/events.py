@@ -348,9 +348,11 @@ class RequestModelRouted(Event):
 @dataclass(frozen=True, slots=True)
 class FeedbackRecorded(Event):
     """A quality signal on a served request, on its stream: the customer's own
-    (`POST /v1/feedback`, source "client") or one seen without content (source "cancelled": the
-    client left a stream it had started reading). It carries what the router's statistics are
-    kept by (tenant, serving model, task class), so they fold from these events alone."""
+    (`POST /v1/feedback`, source "client") or one seen without content ("cancelled": the client
+    left a stream it had started reading; "reasked": it asked the same again soon on a larger
+    model; "exhausted": the run it belonged to ran out of budget). It carries what the router's
+    statistics are kept by (tenant, serving model, task class), so they fold from these events
+    alone."""
 
     EVENT_TYPE: ClassVar[str] = "FeedbackRecorded"
     request_id: str
@@ -358,6 +360,6 @@ class FeedbackRecorded(Event):
     model: str  # the model version that served the request
     task_class: str
     score_ppm: int  # 0..1,000,000
-    source: str  # client | cancelled
+    source: str  # client | cancelled | reasked | exhausted (domain.feedback.SOURCES)
     label: str = ""  # the customer's own word for it, at most domain.routing.MAX_LABEL_CHARS
     routed_from: str = ""  # the reference model when the router chose `model` (drift reads these)

@@ -85,7 +85,7 @@ class EventStore(Protocol):
       long stream, e.g. an edge's renewals during one request).
     - `streams_with(event_type, occurred_from, occurred_to)` returns the ids of the streams
       holding an event of that type that occurred in [occurred_from, occurred_to), in position
-      order (finance: the requests admitted in a period).
+      order (finance: the requests admitted in a period); with `tenant_id`, that tenant's only.
     - `last_position()` is the position a tailing reader can reach now (0 for an empty store);
       `stream_version(stream_id)` is 0 for a missing stream.
     - Events are never updated or deleted.
@@ -113,8 +113,9 @@ class EventStore(Protocol):
     ) -> list[Recorded]: ...
 
     def streams_with(
-        self, event_type: str, occurred_from: datetime, occurred_to: datetime
-    ) -> list[str]: ...
+        self, event_type: str, occurred_from: datetime, occurred_to: datetime,
+        tenant_id: str | None = None,
+    ) -> list[str]: ...  # fmt: skip
 
     def last_position(self) -> int: ...
 

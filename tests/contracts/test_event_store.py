@@ -364,3 +364,13 @@ def test_streams_with_finds_the_streams_of_an_event_type_in_a_period(store: Even
     found = store.streams_with("FirstTokenStreamed", T0, T0 + timedelta(hours=1))
     assert found == [inside]
     assert store.streams_with("RequestRouted", T0, T0 + timedelta(hours=1)) == []
+
+
+def test_streams_with_a_tenant_finds_that_tenant_s_streams_only(store: EventStore) -> None:
+    mine, theirs = stream(), stream()
+    store.append(mine, 0, [new(mine, tenant_id="acme")])
+    store.append(theirs, 0, [new(theirs, tenant_id="globex")])
+    window = (T0, T0 + timedelta(hours=1))
+    assert store.streams_with("FirstTokenStreamed", *window, tenant_id="acme") == [mine]
+    assert store.streams_with("FirstTokenStreamed", *window, tenant_id="nobody") == []
+    assert set(store.streams_with("FirstTokenStreamed", *window)) >= {mine, theirs}

@@ -60,6 +60,7 @@ OPERATIONS = {
     ("/v1/admin/models/{model}", "get"),
     ("/v1/audit", "get"),
     ("/v1/audit/verify", "get"),
+    ("/v1/routing/savings", "get"),
 }
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
 QUERY_PARAMETERS: dict[Any, set[str]] = {
@@ -69,6 +70,7 @@ QUERY_PARAMETERS: dict[Any, set[str]] = {
     "/v1/billing/invoices/{tenant}": {"period", "format"},
     "/v1/billing/reconciliation": {"from", "to"},
     "/v1/billing/goodput": {"tenant", "from", "to", "group_by", "format"},
+    "/v1/routing/savings": {"tenant", "month", "format"},
     "/v1/requests": {"tenant", "from", "to", "status", "key_id", "model", "limit", "after"},
     ("/v1/admin/tenants/{tenant}/limits", "get"): {"model", "at"},
     "/v1/admin/models/{model}": {"at"},

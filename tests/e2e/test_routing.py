@@ -134,3 +134,76 @@ def test_another_tenant_s_feedback_never_routes_this_one(fleet: Server) -> None:
     answers = [ask(server, cautious.secret) for _ in range(50)]
     served = [a.headers.get("x-tollgate-routed-to") for a in answers if a.status_code == 200]
     assert served and set(served) == {SLOW_MODEL}
+
+
+def test_the_reference_model_routed_by_policy_the_savings_over_http_and_the_counter(
+    fleet: Server,
+) -> None:
+    server = fleet
+    tenant, other = server.new_tenant("saver"), server.new_tenant("onlooker")
+    server.cli(
+        "routing", "allow", "--tenant", tenant.name, "--models", "llama-3.1-8b,llama-3.1-70b",
+        "--quality-bar", "0.8", "--exploration", "0", "--route-reference",
+    )  # fmt: skip
+    for _ in range(40):
+        r = ask(server, tenant.secret, MODEL)
+        score(server, tenant.secret, r.headers["x-request-id"], 0.95)
+
+    def routed() -> httpx.Response | None:
+        r = ask(server, tenant.secret, SLOW_MODEL)  # the reference model, named
+        assert r.status_code == 200, r.text
+        return r if r.headers.get("x-tollgate-routed-to") == MODEL else None
+
+    answer = next((r for r in (routed() for _ in range(50)) if r is not None), None)
+    assert answer is not None and answer.json()["model"] == MODEL
+    rid = answer.headers["x-request-id"]
+    decision = next(p for kind, p in server.events(rid) if kind == "RequestModelRouted")
+    assert (decision["asked_model"], decision["served_model"]) == (SLOW_MODEL, MODEL)
+    server.wait_billed(rid)
+
+    month = datetime.now(UTC).strftime("%Y-%m")
+    url = f"{server.base}/v1/routing/savings"
+    mine = httpx.get(url, params={"month": month}, headers=auth(tenant.secret), timeout=30)
+    assert mine.status_code == 200, mine.text
+    (row,) = mine.json()["data"]
+    assert row["tenant"] == tenant.name and row["routed_away"] >= 1
+    assert row["saving_micros"] == row["reference_micros"] - row["billed_micros"] > 0
+    # A customer reads its own tenant only; finance reads any, as the other billing routes.
+    theirs = httpx.get(url, params={"month": month, "tenant": tenant.name},
+                       headers=auth(other.secret), timeout=30)  # fmt: skip
+    assert theirs.status_code == 403 and theirs.json()["error"]["param"] == "tenant"
+    assert httpx.get(url, params={"month": month}, headers=auth(other.secret),
+                     timeout=30).json()["data"] == []  # fmt: skip
+    finance = httpx.get(url, params={"month": month, "tenant": tenant.name},
+                        headers=auth(server.keys["finance"]), timeout=30)  # fmt: skip
+    assert finance.json()["data"] == [row]
+    bad = httpx.get(url, params={"month": "2026-13"}, headers=auth(tenant.secret), timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "month"
+
+    metrics = httpx.get(f"{server.base}/metrics", timeout=30).text
+    counted = (f'tollgate_requests_routed_total{{asked="{SLOW_MODEL}",reason="meets_bar",'
+               f'served="{MODEL}"}}')  # fmt: skip
+    assert counted in metrics
+
+
+def test_asking_the_same_again_on_the_large_model_scores_the_small_model_s_answer(
+    fleet: Server,
+) -> None:
+    server = fleet
+    tenant = server.new_tenant("reasker")
+    server.cli(
+        "routing", "allow", "--tenant", tenant.name, "--models", "llama-3.1-8b,llama-3.1-70b",
+        "--quality-bar", "0.8", "--exploration", "0",
+    )  # fmt: skip
+    for _ in range(40):
+        r = ask(server, tenant.secret, MODEL)
+        score(server, tenant.secret, r.headers["x-request-id"], 0.95)
+    first = next(
+        r for r in (ask(server, tenant.secret) for _ in range(50))
+        if r.status_code == 200 and r.headers["x-tollgate-routed-to"] == MODEL
+    )  # fmt: skip
+    again = ask(server, tenant.secret, SLOW_MODEL)  # the same messages, by name, at once
+    assert again.status_code == 200 and "x-tollgate-routed-to" not in again.headers
+    signal = server.wait_event(first.headers["x-request-id"], "FeedbackRecorded")
+    assert (signal["source"], signal["score_ppm"], signal["model"]) == ("reasked", 0, MODEL)
+    assert signal["routed_from"] == SLOW_MODEL

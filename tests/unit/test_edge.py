@@ -423,7 +423,7 @@ def test_a_skipped_prediction_reserves_the_cap_and_is_counted_by_reason() -> Non
 
 
 def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
-    from api.services.admission import _system_prompt_bucket
+    from api.services.admission import system_prompt_bucket
     from api.services.chat_request import parse_chat_request
 
     prompts = [f"You are assistant number {i}." for i in range(40)]
@@ -433,9 +433,9 @@ def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
         for p in prompts
     ]
     other = Caller(b.KEY, "globex", "customer", "standard", "salt-globex")
-    mine = [_system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
-    theirs = [_system_prompt_bucket(other, parse_chat_request(r)) for r in raws]
-    assert mine == [_system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
+    mine = [system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
+    theirs = [system_prompt_bucket(other, parse_chat_request(r)) for r in raws]
+    assert mine == [system_prompt_bucket(CALLER, parse_chat_request(r)) for r in raws]
     assert mine != theirs  # the same prompt, another tenant: another bucket
 
 

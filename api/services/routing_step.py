@@ -1,0 +1,200 @@
+"""The router's step of admission (`domain.routing`): which model serves a request that asked for
+`auto` (or named the policy's most expensive model, when the policy says so), with the tenant's
+consent; what the answer says of it and what is recorded; and the implicit feedback an edge sees
+without content (`domain.feedback.ImplicitSignals`), for the tenants that consented.
+
+Admission (api/services/admission.py) calls it before quota and capacity, which the chosen model
+then goes through like any request. Nothing here waits on anything remote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+import orjson
+
+from api.metrics import Metrics
+from api.ports import Clock, TokenEstimator
+from api.services.auth import Caller
+from api.services.chat_request import ChatRequest
+from api.services.errors import ApiError
+from domain.control_plane.state import ControlView
+from domain.cost import Price
+from domain.envelope import Event
+from domain.feedback import Asked, ImplicitSignals
+from domain.requests.events import FeedbackRecorded, RequestModelRouted
+from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
+from domain.runs.state import Run
+
+__all__ = ["Routing", "RoutingStep", "request_task_class", "unit_price"]
+
+# How a refusal is recorded (`Edge._reject`), as Admission has it.
+Reject = Callable[[str, Caller, str, str, int, str, bool], None]
+# How long the models on sale of a policy, in price order, are taken as known (`_ladder`).
+LADDER_TTL = timedelta(seconds=1)
+# How a fact of another stream is recorded without waiting (`Recorder.fact`): (stream id,
+# tenant, event, expected version).
+Fact = Callable[[str, str, Event, int | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """The router's answer for one request, and the consent it was given under."""
+
+    routed: Routed
+    policy: RoutingPolicy
+    asked: str  # "auto", or the reference model the request named
+    # The prompt as counted for the task class, and by which estimator: admission counts it
+    # once (`Admission._reserve` takes it when the served model's estimator is the same one).
+    counted: tuple[TokenEstimator, int] | None = None
+
+    def event(self, request_id: str) -> RequestModelRouted:
+        r = self.routed
+        return RequestModelRouted(
+            request_id, self.asked, r.reference_model, r.served_model, r.task_class,
+            r.estimate_ppm, r.bar_ppm, r.reason, r.alternatives,
+        )  # fmt: skip
+
+
+class RoutingStep:
+    def __init__(
+        self, *, control: ControlView, quality: QualityView,
+        tokens: Callable[[str], TokenEstimator], resolve: Callable[[str], str | None],
+        reject: Reject, fact: Fact, metrics: Metrics, rng: random.Random, clock: Clock,
+        signals: ImplicitSignals | None = None,
+    ) -> None:  # fmt: skip
+        """`resolve`: a model name as admission resolves it (on sale, else None); `quality`:
+        the tenants' feedback folded (ledger/quality.py keeps it current)."""
+        self.control = control
+        self.quality = quality
+        self.tokens = tokens
+        self.resolve = resolve
+        self.reject = reject
+        self.fact = fact
+        self.metrics = metrics
+        self.rng = rng
+        self.clock = clock
+        self.signals = signals or ImplicitSignals()
+        # (tenant, project) -> (the policy, valid until, its models on sale cheapest first)
+        self._ladders: dict[tuple[str, str], tuple[RoutingPolicy, datetime, list[str]]] = {}
+
+    def policy(self, caller: Caller) -> RoutingPolicy | None:
+        project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
+        return self.control.routing(caller.tenant_id, project)
+
+    def route(
+        self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
+        bucket: int, run: Run | None,
+    ) -> Routing | ApiError | None:  # fmt: skip
+        """The router's answer for a request of `model`: None when it is served as asked (not
+        `auto`, or the tenant's policy does not route its reference model); for `auto` without
+        consent (or none of its models on sale), the error an unknown model gets, recorded:
+        nothing is routed for a tenant that did not ask for it."""
+        policy = self.policy(caller)
+        if model != AUTO and (policy is None or not policy.route_reference):
+            return None
+        on_sale = [] if policy is None else self._ladder(policy)
+        if model != AUTO:
+            if not on_sale or model != on_sale[-1]:
+                return None
+        elif policy is None or not on_sale:
+            detail = "no routing consent" if policy is None else "no routed model on sale"
+            self.reject(request_id, caller, AUTO, "invalid", 0, detail, is_retry)
+            return ApiError(
+                404, f"The model `{AUTO}` does not exist or you do not have access to it.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        assert policy is not None
+        estimator = self.tokens(on_sale[-1])
+        tokens = estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
+        cls = request_task_class(req, bucket, tokens, run)
+        routed = choose(policy, on_sale, self.quality, cls, self.rng.random())
+        return Routing(routed, policy, model, (estimator, tokens))
+
+    def shed(self, routing: Routing, tenant_id: str) -> Routing:
+        """The reference model serves what the routed one had no room for."""
+        r = routing.routed
+        estimate = self.quality.estimate(tenant_id, r.reference_model, r.task_class)[0]
+        shed = replace(
+            r, served_model=r.reference_model, reason="shed_capacity", estimate_ppm=estimate
+        )
+        return replace(routing, routed=shed)
+
+    def label(self, headers: dict[str, str], routing: Routing) -> None:
+        """A routed answer says where it went and why (its `model` field names the model too);
+        counted by model asked, model served and reason."""
+        r = routing.routed
+        headers["X-Tollgate-Routed-To"] = r.served_model
+        headers["X-Tollgate-Routing-Reason"] = r.reason
+        self.metrics.routed_of(routing.asked, r.served_model, r.reason).inc()
+
+    def _ladder(self, policy: RoutingPolicy) -> list[str]:
+        """The policy's models on sale, cheapest first, as of at most LADDER_TTL ago: resolving
+        and pricing them was most of the step's cost, and they change when an operator acts."""
+        now = self.clock()
+        key = (policy.tenant_id, policy.project_id)
+        kept = self._ladders.get(key)
+        if kept is not None and kept[0] is policy and now < kept[1]:
+            return kept[2]
+        on_sale = [m for m in dict.fromkeys(self.resolve(name) for name in policy.models) if m]
+        on_sale.sort(key=lambda m: (unit_price(self.control.price(m, now)), m))
+        self._ladders[key] = (policy, now + LADDER_TTL, on_sale)
+        return on_sale
+
+    # --- implicit feedback ---------------------------------------------------------------------
+
+    def admitted(
+        self, caller: Caller, req: ChatRequest, request_id: str, model: str, cls: str,
+        routing: Routing | None, run: Run | None,
+    ) -> None:  # fmt: skip
+        """Remember an admitted request of a consenting tenant, and record the "reasked" signal
+        on the one it asks again, if it does (domain.feedback.ImplicitSignals)."""
+        if routing is None and self.policy(caller) is None:
+            return
+        now = self.clock()
+        asked = Asked(
+            request_id, caller.tenant_id, model, unit_price(self.control.price(model, now)), cls,
+            routing.routed.reference_model if routing is not None
+            and routing.routed.served_model != routing.routed.reference_model else "",
+            (caller.tenant_id, caller.key_id, _messages_digest(caller.tenant_id, req)),
+            None if run is None else (run.tenant_id, run.run_id),
+            routed=routing is not None,
+        )  # fmt: skip
+        self._record(self.signals.admitted(asked, now))
+
+    def ended(self, request_id: str, completed: bool) -> None:
+        self.signals.ended(request_id, completed, self.clock())
+
+    def run_exhausted(self, run: Run) -> None:
+        self._record(self.signals.run_exhausted(run.tenant_id, run.run_id))
+
+    def _record(self, signal: FeedbackRecorded | None) -> None:
+        if signal is not None:
+            # On the earlier request's stream, after its terminal, at whatever version it has.
+            self.fact(signal.request_id, signal.tenant_id, signal, None)
+
+
+def unit_price(price: Price) -> int:
+    """What the router orders models by: a million prompt and a million completion tokens."""
+    return price.prompt_micros_per_mtok + price.completion_micros_per_mtok
+
+
+def request_task_class(req: ChatRequest, bucket: int, prompt_tokens: int, run: Run | None) -> str:
+    """The request's task class (domain.routing): what the router's statistics are kept by."""
+    fmt = req.upstream.get("response_format")
+    return task_class(
+        bucket, prompt_tokens, bool(req.upstream.get("tools")),
+        fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
+    )  # fmt: skip
+
+
+def _messages_digest(tenant_id: str, req: ChatRequest) -> bytes:
+    """The messages as 16 bytes keyed by the tenant: equal for the same messages from the same
+    tenant, nothing of the text, held in the edge's memory for the re-ask window only."""
+    return hashlib.blake2b(
+        orjson.dumps(req.messages), digest_size=16, key=tenant_id.encode()[:64]
+    ).digest()
