@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cli import (
+    adapters,
     billing,
     config,
     data_policy,
@@ -26,7 +27,8 @@ def main() -> None:
 
 
 for _module in (
-    db, tenants, data_policy, billing, models, support, serve, pipeline, config, dev, routing,
+    db, tenants, data_policy, adapters, billing, models, support, serve, pipeline, config, dev,
+    routing,
 ):
     for _command in _module.COMMANDS:
         main.add_command(_command)

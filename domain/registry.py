@@ -19,6 +19,7 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
+from domain.control_plane.adapters import AdapterRegistered, AdapterRevoked
 from domain.control_plane.data_policy import ResidencyCleared, ResidencySet, RetentionSet
 from domain.control_plane.events import (
     ApiKeyIssued,
@@ -131,6 +132,8 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         ResidencySet,
         ResidencyCleared,
         RetentionSet,
+        AdapterRegistered,
+        AdapterRevoked,
     )
 }
 

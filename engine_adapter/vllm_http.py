@@ -330,7 +330,8 @@ class VLLMReplica:
     @faults.seam("engine.send", lambda: ReplicaUnavailable("connection reset (fault)"))
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None,
+        traceparent: str | None = None, served_as: str | None = None,
+        answer_as: str | None = None,
     ) -> ChatExchange:  # fmt: skip
         """POST the chat request, streamed, and return its exchange (chunks up to `[DONE]`).
 
@@ -342,10 +343,12 @@ class VLLMReplica:
         drops the connection. Raises ReplicaUnavailable when the replica can not be reached;
         a status other than 200 ends the exchange with ReplicaHTTPError. A W3C `traceparent`
         (the gateway's engine span) is sent as the header of that name: vLLM started with
-        `--otlp-traces-endpoint` continues the trace.
+        `--otlp-traces-endpoint` continues the trace. `served_as`: ask the engine for this
+        model instead (a LoRA adapter it holds, `engine_adapter.lora`), and name `answer_as` in
+        every chunk.
         """
         payload = dict(body)
-        payload["model"] = self.served_model
+        payload["model"] = served_as or self.served_model
         self.fit_output_limit(payload)
         payload["stream"] = True
         payload["stream_options"] = _STREAM_OPTIONS
@@ -358,7 +361,7 @@ class VLLMReplica:
             conn = await self._pool.acquire()
         except (TimeoutError, OSError) as e:
             raise ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}") from e
-        rename = self.model if self.served_model != self.model else None
+        rename = answer_as or (self.model if self.served_model != self.model else None)
         exchange = _HttpExchange(
             self.replica_id, self._pool, request, self._read_timeout_s, rename
         )
@@ -412,6 +415,8 @@ class ReplicaMetrics:
     tpot_count: int = 0
     tpot_sum_s: float = 0.0
     engines: int = 0
+    # vLLM's --max-loras (vllm:lora_requests_info's max_lora label); 0: LoRA is not enabled
+    max_loras: int = 0
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -434,6 +439,7 @@ _WAIT = b"vllm:num_requests_waiting{"
 _PRE = b"vllm:num_preemptions_total{"
 _INFO = b"vllm:cache_config_info{"
 _TPOT = b"vllm:request_time_per_output_token_seconds_"
+_LORA = b"vllm:lora_requests_info{"
 
 
 def parse_metrics(text: bytes) -> ReplicaMetrics:
@@ -473,6 +479,10 @@ def parse_metrics(text: bytes) -> ReplicaMetrics:
                 m.tpot_count += int(float(value))
             elif head.startswith(b"sum{", len(_TPOT)):
                 m.tpot_sum_s += float(value)
+        elif line.startswith(_LORA):
+            lb = _labels(line.rpartition(b" ")[0][len(_LORA) : -1])
+            with contextlib.suppress(KeyError, ValueError):
+                m.max_loras = max(m.max_loras, int(lb[b"max_lora"]))
         elif line.startswith(_INFO):
             head = line.rpartition(b" ")[0]
             lb = _labels(head[len(_INFO) : -1])

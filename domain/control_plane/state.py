@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar
 
+from domain.control_plane.adapters import ADAPTER_EVENTS, Adapter, AdapterBook
 from domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
 from domain.control_plane.events import (
     ApiKeyIssued,
@@ -144,6 +145,7 @@ CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
     TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
     FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
     FallbackRevoked, RoutingAllowed, RoutingRevoked, *HIERARCHY_EVENTS, *DATA_POLICY_EVENTS,
+    *ADAPTER_EVENTS,
 })  # fmt: skip
 
 
@@ -170,6 +172,8 @@ class ControlView:
         self.hierarchy = Hierarchy()
         # Residency pins and retention tiers (domain/control_plane/data_policy.py).
         self.data_policy = DataPolicy()
+        # The tenants' LoRA adapters (domain/control_plane/adapters.py).
+        self.adapters = AdapterBook()
         self._seen: set[str] = set()
         self._versions: dict[str, int] = {}
         self._seq = 0
@@ -258,8 +262,8 @@ class ControlView:
         return True
 
     def _fold_policies(self, event: Event, at: datetime) -> bool:
-        """The tenants' consents and pins: the router's, residency and retention; False: none
-        of these."""
+        """The tenants' consents, pins and adapters: the router's, residency, retention and
+        LoRA adapters; False: none of these."""
         match event:
             case RoutingAllowed():
                 self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
@@ -270,6 +274,8 @@ class ControlView:
                 self._routing.pop((event.tenant_id, event.project_id), None)
             case _ if isinstance(event, DATA_POLICY_EVENTS):
                 self.data_policy.apply(event)
+            case _ if isinstance(event, ADAPTER_EVENTS):
+                self.adapters.apply(event, at)
             case _:
                 return False
         return True
@@ -373,10 +379,13 @@ class ControlView:
             self._current[(tenant_id, model)] = resolved
         return resolved
 
-    def price(self, model: str, at: datetime, service_tier: str = "default") -> Price:
+    def price(
+        self, model: str, at: datetime, service_tier: str = "default", adapter: str = ""
+    ) -> Price:
         """The price in force for a model (exact version first, else its base name) at `at`;
-        for the flex class, that price less the flex discount in force at `at`."""
-        for name in (model, base_model(model)):
+        for the flex class, that price less the flex discount in force at `at`. `adapter` (a
+        LoRA adapter's price key, `Adapter.price_key`): its own price first, where one was set."""
+        for name in (adapter, model, base_model(model)) if adapter else (model, base_model(model)):
             found = _in_force(self._prices.get(name), at)
             if found is not None:
                 if service_tier == "flex":
@@ -467,6 +476,12 @@ class ControlView:
         """The retention tier of a key's requests: `zero` when its tenant or project says so."""
         project = self.hierarchy.project_of_key(tenant_id, key_id)
         return self.data_policy.retention(tenant_id, project)
+
+    def adapter(self, tenant_id: str, key_id: str, name: str) -> Adapter | None:
+        """The LoRA adapter a key asks for by `name`: its tenant's, live, and open to the key's
+        project; None otherwise, exactly as for a name never registered."""
+        project = self.hierarchy.project_of_key(tenant_id, key_id)
+        return self.adapters.visible(tenant_id, name, project)
 
     def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
         return [r for r in self._replicas.values() if model is None or r.model == model]
