@@ -134,7 +134,7 @@ class ReplicaState:
         """A scrape asked for at `scrape_started_at` and read at `now` (monotonic seconds)."""
         self.metrics = m
         self.scraped_at = now
-        self.loras.max_loras = m.max_loras
+        self.loras.reported = m.max_loras
         self.slow = False
         self.scraped_occupancy_ppm = max(0, min(PPM, round(m.kv_cache_usage * PPM)))
         cap = m.kv_capacity_tokens
@@ -320,7 +320,7 @@ class Fleet:
                     check_health(self._session, url, timeout_s=self.scrape_timeout_s),
                 )
                 s.health_ok = ok
-                if m.max_loras:
+                if s.loras.max_loras:
                     served = getattr(s.replica, "served_model", s.replica.model)
                     s.loras.sync(await fetch_adapters(self._session, url, served))
             else:

@@ -36,6 +36,11 @@ class AdapterLoadFailed(ReplicaUnavailable):
     the engine's words, which may name the path, go to the log only."""
 
 
+class LoraDisabled(AdapterLoadFailed):
+    """The replica has no LoRA endpoints: vLLM started without `--enable-lora` (or without
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) answers FastAPI's own 404, `{"detail": "Not Found"}`."""
+
+
 async def load_adapter(session: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
     """POST /v1/load_lora_adapter. One that is loaded already (vLLM's 400 "has already been
     loaded": another edge, or an earlier life of this one, loaded it) counts as loaded."""
@@ -43,6 +48,8 @@ async def load_adapter(session: aiohttp.ClientSession, url: str, name: str, path
     status, text = await _post(session, url + "/v1/load_lora_adapter", body)
     if status == 200 or (status == 400 and "already been loaded" in text):
         return
+    if status == 404 and text.startswith('{"detail":'):
+        raise LoraDisabled(f"{url}: no LoRA endpoints (loading {name} answered 404)")
     raise AdapterLoadFailed(f"{url}: loading adapter {name} answered {status}: {text[:300]}")
 
 
@@ -82,13 +89,25 @@ class ReplicaLoras:
     """One replica's adapters as this router keeps them."""
 
     def __init__(self) -> None:
-        self.max_loras = 0  # from /metrics (vllm:lora_requests_info's max_lora); 0: LoRA off
+        # vLLM's --max-loras from /metrics (vllm:lora_requests_info); None until reported.
+        self.reported: int | None = None
+        self.disabled = False  # a load found no LoRA endpoints there
         # engine name -> requests in flight on it here, least recently used first
         self.held: OrderedDict[str, int] = OrderedDict()
         # Decided by the router, not loaded yet: engine name -> (path, adapter to unload first)
         self._pending: dict[str, tuple[str, str | None]] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._by_dispatch: dict[int, str] = {}
+
+    @property
+    def max_loras(self) -> int:
+        """The slots the router counts. vLLM reports them only once it has run a step, so a
+        replica that has served nothing yet is taken to have vLLM's default, one, until it
+        reports its own or a load finds LoRA off (then none, for good: a restart with LoRA on
+        reports it)."""
+        if self.reported is not None:
+            return self.reported
+        return 0 if self.disabled else 1
 
     def slots(self) -> AdapterSlots:
         busy = frozenset(name for name, n in self.held.items() if n > 0 or name in self._pending)
@@ -136,8 +155,9 @@ class ReplicaLoras:
             task.add_done_callback(lambda _: self._loading.pop(name, None))
         try:
             await asyncio.shield(task)
-        except ReplicaUnavailable:
+        except ReplicaUnavailable as exc:
             self.held.pop(name, None)
+            self.disabled = self.disabled or isinstance(exc, LoraDisabled)
             raise
 
     async def _load(

@@ -415,8 +415,10 @@ class ReplicaMetrics:
     tpot_count: int = 0
     tpot_sum_s: float = 0.0
     engines: int = 0
-    # vLLM's --max-loras (vllm:lora_requests_info's max_lora label); 0: LoRA is not enabled
-    max_loras: int = 0
+    # vLLM's --max-loras (vllm:lora_requests_info's max_lora label). None: not reported, which
+    # is both a replica without LoRA and one with LoRA that has not run a step since it started
+    # (vLLM sets the series on its first step).
+    max_loras: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -482,7 +484,7 @@ def parse_metrics(text: bytes) -> ReplicaMetrics:
         elif line.startswith(_LORA):
             lb = _labels(line.rpartition(b" ")[0][len(_LORA) : -1])
             with contextlib.suppress(KeyError, ValueError):
-                m.max_loras = max(m.max_loras, int(lb[b"max_lora"]))
+                m.max_loras = max(m.max_loras or 0, int(lb[b"max_lora"]))
         elif line.startswith(_INFO):
             head = line.rpartition(b" ")[0]
             lb = _labels(head[len(_INFO) : -1])
