@@ -60,8 +60,10 @@ def test_an_adapter_is_its_tenants_alone_and_billed_as_its_own(
     out = register(server, acme.name, "support", build(tmp_path / "support", rank=8))
     assert "rank 8" in out  # read from the adapter's own adapter_config.json
 
-    served = poll("the edge to follow the registration",
-                  lambda: (r := chat(server, acme.secret, "support")).status_code == 200 and r)
+    served = poll(
+        "the edge to follow the registration",
+        lambda: (r := chat(server, acme.secret, "support")).status_code == 200 and r,
+    )
     assert served.json()["model"] == "support"
     rid = served.headers["x-request-id"]
     admitted = server.wait_event(rid, "RequestAdmitted")
@@ -114,7 +116,8 @@ def test_an_adapter_is_its_tenants_alone_and_billed_as_its_own(
         f"{server.base}/v1/billing/invoices/{acme.name}", headers=finance, timeout=10
     ).json()
     prices = {(line["adapter"], line["prompt_micros_per_mtok"]) for line in invoice["lines"]}
-    assert ("support", 7_000_000) in prices and (None, base_entry["prompt_micros_per_mtok"]) in prices
+    assert ("support", 7_000_000) in prices
+    assert (None, base_entry["prompt_micros_per_mtok"]) in prices
     listed = httpx.get(
         f"{server.base}/v1/requests", params={"tenant": acme.name},
         headers=auth(server.keys["support"]), timeout=10,
@@ -124,8 +127,10 @@ def test_an_adapter_is_its_tenants_alone_and_billed_as_its_own(
 
     # Revoked: an unknown model again, for its own tenant too.
     server.cli("adapters", "revoke", "--tenant", acme.name, "--name", "support")
-    gone = poll("the edge to follow the revocation",
-                lambda: (r := chat(server, acme.secret, "support")).status_code == 404 and r)
+    gone = poll(
+        "the edge to follow the revocation",
+        lambda: (r := chat(server, acme.secret, "support")).status_code == 404 and r,
+    )
     assert gone.json()["error"]["code"] == "model_not_found"
     server.assert_lifecycle()
 
@@ -138,8 +143,10 @@ def test_routing_keeps_an_adapter_where_it_is_loaded_within_the_slots(
     names = ("alpha", "beta", "gamma")
     for seed, name in enumerate(names):
         register(server, tenant.name, name, build(tmp_path / name, seed=seed))
-    poll("the edge to follow the registrations",
-         lambda: chat(server, tenant.secret, names[-1]).status_code == 200)
+    poll(
+        "the edge to follow the registrations",
+        lambda: chat(server, tenant.secret, names[-1]).status_code == 200,
+    )
     for name in names:
         first = chat(server, tenant.secret, name)
         assert first.status_code == 200, first.text
