@@ -424,10 +424,11 @@ def _decide_adapter(view: ControlView, command: AdapterCommand) -> tuple[Event, 
         view.model_profile(command.base_model)
     except DomainError as exc:
         raise DomainError(exc.rule, exc.message, field="base") from None
-    name = command.name
-    if name in view._profiles or name in view._prices or name in PROFILES:
+    catalogue = (view._profiles, view._prices, PROFILES)
+    if any(n in names for n in (command.name, base_model(command.name)) for names in catalogue):
         raise DomainError(
-            "name_taken", f"{name!r} is a model's name; give the adapter its own", field="name"
+            "name_taken", f"{command.name!r} is a model's name; give the adapter its own",
+            field="name",
         )
     unknown = tuple(
         p for p in command.projects if view.hierarchy.project(command.tenant_id, p) is None
