@@ -110,7 +110,7 @@ class ReplicaLoras:
         return 0 if self.disabled else 1
 
     def slots(self) -> AdapterSlots:
-        busy = frozenset(name for name, n in self.held.items() if n > 0 or name in self._pending)
+        busy = frozenset(name for name, n in self.held.items() if n > 0 or name in self._loading)
         return AdapterSlots(self.max_loras, tuple(self.held), busy)
 
     def take(self, ref: AdapterRef, plan: SlotPlan, dispatch_id: int) -> None:
@@ -127,8 +127,13 @@ class ReplicaLoras:
 
     def release(self, dispatch_id: int) -> None:
         name = self._by_dispatch.pop(dispatch_id, None)
-        if name is not None and self.held.get(name, 0) > 0:
-            self.held[name] -= 1
+        if name is None or self.held.get(name, 0) <= 0:
+            return
+        self.held[name] -= 1
+        if self.held[name] == 0 and self._pending.pop(name, None) is not None:
+            # Placed but never opened (its admission was not recorded, or it was preempted
+            # first): never loaded, so its slot is free again.
+            del self.held[name]
 
     def sync(self, listed: set[str]) -> None:
         """What the engine lists: adapters another router loaded take slots here too; those
