@@ -49,6 +49,7 @@ from engine_adapter.vllm_http import (
     ReplicaMetrics,
     ReplicaSlow,
     ReplicaUnavailable,
+    Served,
     check_health,
     fetch_metrics,
 )
@@ -75,8 +76,7 @@ class ScrapedReplica(Protocol):
 
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None, served_as: str | None = None,
-        answer_as: str | None = None,
+        traceparent: str | None = None, adapter: Served | None = None,
     ) -> ChatExchange: ...  # fmt: skip
 
 
@@ -504,7 +504,10 @@ def _bind(
     assert plan is not None  # adapter_rounds offered only replicas with a slot
     s.loras.take(adapter, plan, dispatch_id)
     url, name = s.replica.url, adapter.engine_name
-    return AdapterBound(s.replica, adapter, lambda: s.loras.ready(name, session, url))
+    return AdapterBound(
+        s.replica, adapter, lambda: s.loras.ready(name, session, url),
+        lambda: s.loras.gone(name),
+    )  # fmt: skip
 
 
 def _with_others_flex(

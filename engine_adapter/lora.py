@@ -23,7 +23,7 @@ import orjson
 
 from domain.capacity import AdapterRef, AdapterSlots, SlotPlan
 from engine_adapter.exchange import ChatExchange
-from engine_adapter.vllm_http import ReplicaUnavailable
+from engine_adapter.vllm_http import ReplicaUnavailable, Served
 
 log = logging.getLogger("tollgate.lora")
 
@@ -135,6 +135,13 @@ class ReplicaLoras:
             # first): never loaded, so its slot is free again.
             del self.held[name]
 
+    def gone(self, name: str) -> None:
+        """The engine answered that it does not have `name` (restarted, or unloaded by another
+        router): not held any more, so the next request for it loads it again."""
+        if name not in self._loading:
+            self.held.pop(name, None)
+            self._pending.pop(name, None)
+
     def sync(self, listed: set[str]) -> None:
         """What the engine lists: adapters another router loaded take slots here too; those
         unloaded elsewhere are gone (unless a request of this router runs on one, or it is
@@ -192,8 +199,7 @@ class BaseReplica(Protocol):
 
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None, served_as: str | None = None,
-        answer_as: str | None = None,
+        traceparent: str | None = None, adapter: Served | None = None,
     ) -> ChatExchange: ...  # fmt: skip
 
 
@@ -202,14 +208,16 @@ class AdapterBound:
     be loaded there (`ready`), then ask the engine for it by its engine name, and answer with
     the name the client asked for."""
 
-    __slots__ = ("inner", "ref", "_ready")
+    __slots__ = ("inner", "ref", "_ready", "_served")
 
     def __init__(
-        self, inner: BaseReplica, ref: AdapterRef, ready: Callable[[], Awaitable[None]]
-    ) -> None:
+        self, inner: BaseReplica, ref: AdapterRef, ready: Callable[[], Awaitable[None]],
+        gone: Callable[[], None],
+    ) -> None:  # fmt: skip
         self.inner = inner
         self.ref = ref
         self._ready = ready
+        self._served = Served(ref.engine_name, ref.answer_as, gone)
 
     @property
     def replica_id(self) -> str:
@@ -232,11 +240,10 @@ class AdapterBound:
 
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None, served_as: str | None = None,
-        answer_as: str | None = None,
+        traceparent: str | None = None, adapter: Served | None = None,
     ) -> ChatExchange:  # fmt: skip
         await self._ready()
         return await self.inner.open_chat(
             body, request_id=request_id, cache_salt=cache_salt, traceparent=traceparent,
-            served_as=self.ref.engine_name, answer_as=self.ref.answer_as,
+            adapter=self._served,
         )  # fmt: skip

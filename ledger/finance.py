@@ -369,8 +369,9 @@ class FinanceQueries:
 
     def invoice(self, tenant: str, period: str) -> dict[str, Any]:
         """One tenant's invoice for a calendar month: a line per model, LoRA adapter (null: the
-        base model) and price in force (a price is in one currency), and a total per currency (`totals`): a month in which the
-        currency setting changed is never summed across currencies. `currency`, `amount_micros`
+        base model) and price in force (a price is in one currency), and a total per currency
+        (`totals`): a month in which the currency setting changed is never summed across
+        currencies. `currency`, `amount_micros`
         and `amount` are that total's when the month has one currency (none: 0, no currency);
         null when it has more than one."""
         start, end = month_bounds(period)

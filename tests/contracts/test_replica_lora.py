@@ -28,7 +28,7 @@ from engine_adapter.lora import (
 )
 from engine_adapter.simulator.engine import SimConfig
 from engine_adapter.simulator.server import start_simulated_replica
-from engine_adapter.vllm_http import parse_metrics
+from engine_adapter.vllm_http import AdapterNotLoaded, Served, VLLMReplica, parse_metrics
 from tests.contracts.test_replica import FAST, MODEL, Target, engine, run_on
 from tests.vllm.tiny_adapter import build
 
@@ -193,6 +193,33 @@ def test_the_gateway_client_loads_lists_and_unloads(
         with pytest.raises(AdapterLoadFailed) as refused:
             await load_adapter(s, h.url, n, str(adapters["wide"]))
         assert not isinstance(refused.value, LoraDisabled)
+
+    run_lora(lora_engine, t)
+
+
+def test_a_chat_through_an_adapter_the_engine_lost_fails_as_unavailable_and_says_so(
+    lora_engine: Any, adapters: dict[str, Path]
+) -> None:
+    """A replica restarted (or another router unloaded the adapter) between two health checks:
+    the engine's 404 becomes a replica-unavailable error (a 503 to retry, the engine name never
+    shown), and the router is told to forget it there; once loaded, the same call is served."""
+
+    async def t(h: Target, s: aiohttp.ClientSession) -> None:
+        n, lost = name(), []
+        replica = VLLMReplica("r0", h.url, h.model)
+        served = Served(n, "support", lambda: lost.append(n))
+        exchange = await replica.open_chat(h.body(), request_id="req-lost", cache_salt="s",
+                                           adapter=served)  # fmt: skip
+        with pytest.raises(AdapterNotLoaded):
+            await exchange.run(lambda chunk: None)
+        assert lost == [n]
+        await load_adapter(s, h.url, n, str(adapters["a"]))
+        exchange = await replica.open_chat(h.body(), request_id="req-found", cache_salt="s",
+                                           adapter=served)  # fmt: skip
+        models = []
+        await exchange.run(lambda chunk: models.append(chunk.get("model")))
+        assert models and set(models) == {"support"} and lost == [n]
+        replica.close()
 
     run_lora(lora_engine, t)
 

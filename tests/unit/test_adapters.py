@@ -232,13 +232,13 @@ class LoraReplica(PlacedReplica):
 
     def __init__(self, replica_id: str, model: str) -> None:
         super().__init__(replica_id, model)
-        self.asked: list[tuple[str | None, str | None]] = []  # (served_as, answer_as)
+        self.asked: list[tuple[str, str]] = []  # (engine name, answer's name)
 
     async def open_chat(  # type: ignore[override]
-        self, body: dict[str, Any], *, served_as: str | None = None,
-        answer_as: str | None = None, **kw: Any,
+        self, body: dict[str, Any], *, adapter: Any = None, **kw: Any,
     ) -> Any:  # fmt: skip
-        self.asked.append((served_as, answer_as))
+        if adapter is not None:
+            self.asked.append((adapter.engine_name, adapter.answer_as))
         return await super().open_chat(body, **kw)
 
 
@@ -345,7 +345,7 @@ def test_a_bound_replica_asks_the_engine_for_the_adapter_and_answers_with_its_na
         ready.append(True)
 
     inner = LoraReplica("r0", MODEL)
-    bound = AdapterBound(inner, REF, loaded)
+    bound = AdapterBound(inner, REF, loaded, lambda: None)
     asyncio.run(bound.open_chat({}, request_id="req", cache_salt="salt"))
     assert ready == [True] and inner.asked == [(REF.engine_name, "support")]
     assert (bound.replica_id, bound.model) == ("r0", MODEL)
