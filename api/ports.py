@@ -17,7 +17,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from domain.capacity import Choice, Refusal, TpotEstimate, UnknownModel
+from domain.capacity import AdapterRef, Choice, Refusal, TpotEstimate, UnknownModel
 from domain.prediction import Prediction, RequestShape, Skip
 from engine_adapter.exchange import ChatExchange
 from ledger.idempotency import StoredResponse
@@ -94,13 +94,15 @@ class Fleet(Protocol):
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
-        regions: frozenset[str] | None = None,
+        regions: frozenset[str] | None = None, adapter: AdapterRef | None = None,
     ) -> Choice[Replica] | Refusal | UnknownModel:
         """A replica for the request (its estimate is counted against it until `release`), or
         why none may take it. A flex request is placed only into idle capacity; an interactive
         one may be placed by preempting flex requests, named in `Choice.preempt`, which the
         caller must then abort. `regions` (None: anywhere): only a replica in one of them may
-        be chosen, by any step, and `Choice.region` says which."""
+        be chosen, by any step, and `Choice.region` says which. `adapter` (a LoRA adapter of
+        `model`): only a replica with a slot for it, and the chosen one's `open_chat` loads it
+        there first where it is not held yet, then serves it."""
         ...
 
     def release(self, choice: Choice[Replica]) -> None: ...

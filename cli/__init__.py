@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cli import (
+    adapters,
     audit,
     billing,
     config,
@@ -27,8 +28,8 @@ def main() -> None:
 
 
 for _module in (
-    db, tenants, data_policy, billing, models, support, serve, pipeline, config, dev, routing,
-    audit,
+    db, tenants, data_policy, adapters, billing, models, support, serve, pipeline, config, dev,
+    routing, audit,
 ):
     for _command in _module.COMMANDS:
         main.add_command(_command)

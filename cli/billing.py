@@ -127,7 +127,9 @@ def ledger() -> None:
 @click.option("--model", default=None)
 @click.option(
     "--group-by",
-    type=click.Choice(["hour", "day", "model", "key", "workspace", "project", "run", "region"]),
+    type=click.Choice(
+        ["hour", "day", "model", "key", "workspace", "project", "run", "region", "adapter"]
+    ),
     default="hour",
     show_default=True,
 )

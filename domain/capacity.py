@@ -265,3 +265,75 @@ def place(
                 return Placement(other.replica_id, other.occupancy_ppm)
     best = min(c.occupancy_ppm for c in eligible)
     return CapacityRefusal(detail="over_ceiling", ceiling_ppm=ceiling, best_occupancy_ppm=best)
+
+
+# --- LoRA adapter slots ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """A request for a LoRA adapter, as the router and the replica need it: the engine's name
+    for this registration (`domain.control_plane.adapters.engine_name`), the directory a replica
+    loads it from, and the name the client asked for (what its answer says it was served)."""
+
+    engine_name: str
+    path: str
+    answer_as: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSlots:
+    """A replica's LoRA slots as the router sees them. `max_loras` is vLLM's `--max-loras` (0:
+    LoRA is not enabled there, so it serves no adapter); `held` the adapters registered there,
+    least recently used first; `busy` those of them with a request in flight.
+
+    The router keeps at most `max_loras` adapters registered on a replica, so that every one it
+    holds can run in the same batch: vLLM would register more, but a request whose adapter finds
+    the batch's slots taken waits in its queue (`waiting_by_reason="deferred"`) however empty
+    the KV cache is, which is a queue the router could not see."""
+
+    max_loras: int
+    held: tuple[str, ...] = ()
+    busy: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """What placing an adapter's request on a replica takes: `load` it first (it is not held
+    there), after unloading `evict` (the least recently used idle adapter) to free its slot."""
+
+    load: bool = False
+    evict: str | None = None
+
+
+def slot_plan(adapter: str, slots: AdapterSlots) -> SlotPlan | None:
+    """How a replica could serve `adapter`: as it is (held), by loading it into a free slot or
+    into the slot of its least recently used idle adapter; None when it cannot (LoRA off, or
+    every slot held by an adapter with a request in flight)."""
+    if slots.max_loras <= 0:
+        return None
+    if adapter in slots.held:
+        return SlotPlan()
+    if len(slots.held) < slots.max_loras:
+        return SlotPlan(load=True)
+    idle = [name for name in slots.held if name not in slots.busy]
+    return SlotPlan(load=True, evict=idle[0]) if idle else None
+
+
+L = TypeVar("L", bound=ReplicaLoad)
+
+
+def adapter_rounds(
+    adapter: str, loads: Sequence[L], slots_of: Callable[[str], AdapterSlots]
+) -> tuple[list[L], list[L]]:
+    """The replicas an adapter's request may be placed on, in two rounds: those that hold it
+    (tried first: no load, and the engine's LoRA cache is warm), then those with a slot for it.
+    A replica in neither has no slot: it is not capacity for this request, however empty."""
+    holding: list[L] = []
+    loadable: list[L] = []
+    for load in loads:
+        plan = slot_plan(adapter, slots_of(load.replica_id))
+        if plan is None:
+            continue
+        (loadable if plan.load else holding).append(load)
+    return holding, loadable

@@ -75,6 +75,7 @@ REQUEST_LOG_COLUMNS: Final = (
     "refusals",  # a RefusalsCounted row: how many refusals it stands for (else NULL: one)
     "region",  # the replica's region (RequestRouted); NULL before regions, "" for none given
     "retention",  # the tier it ran under (RequestAdmitted): standard | zero
+    "adapter",  # the tenant's LoRA adapter it was served through (RequestAdmitted); NULL: none
 )
 _LOGGED: Final = (
     RequestAdmitted,
@@ -118,6 +119,7 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
                 admitted_at=at,
                 service_tier=event.service_tier,
                 retention=event.retention or "standard",
+                adapter=event.adapter or None,
             )
             _advance(new, "admitted")
         case RequestRejected():
@@ -300,6 +302,7 @@ LEDGER_ENTRIES_COLUMNS: Final = (
     "project_id",
     "run_id",
     "currency",
+    "adapter",
 )
 
 
@@ -337,6 +340,7 @@ def project_ledger_entry(row: Row | None, recorded: Recorded) -> Row | None:
         "project_id": event.project_id,
         "run_id": event.run_id,
         "currency": event.currency,
+        "adapter": event.adapter or None,
     }
 
 

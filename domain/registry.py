@@ -20,6 +20,7 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
+from domain.control_plane.adapters import AdapterRegistered, AdapterRevoked
 from domain.control_plane.data_policy import ResidencyCleared, ResidencySet, RetentionSet
 from domain.control_plane.events import (
     ApiKeyIssued,
@@ -133,6 +134,8 @@ EVENT_CLASSES: dict[str, type[Event]] = {
         ResidencyCleared,
         RetentionSet,
         ChangeAudited,
+        AdapterRegistered,
+        AdapterRevoked,
     )
 }
 

@@ -23,6 +23,7 @@ import aiohttp
 from domain.capacity import (
     DEFAULT_FLEX,
     PPM,
+    AdapterRef,
     CapacityRefusal,
     Choice,
     FlexPolicy,
@@ -33,17 +34,22 @@ from domain.capacity import (
     ReplicaLoad,
     TpotEstimate,
     UnknownModel,
+    adapter_rounds,
     effective_occupancy_ppm,
     place,
     place_flex,
     preemption_plan,
+    slot_plan,
+    tier_ceiling_ppm,
 )
 from domain.residency import REGION_UNAVAILABLE, in_region
 from engine_adapter.exchange import ChatExchange
+from engine_adapter.lora import AdapterBound, ReplicaLoras, fetch_adapters
 from engine_adapter.vllm_http import (
     ReplicaMetrics,
     ReplicaSlow,
     ReplicaUnavailable,
+    Served,
     check_health,
     fetch_metrics,
 )
@@ -70,7 +76,7 @@ class ScrapedReplica(Protocol):
 
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None,
+        traceparent: str | None = None, adapter: Served | None = None,
     ) -> ChatExchange: ...  # fmt: skip
 
 
@@ -101,6 +107,8 @@ class ReplicaState:
     draining: bool = False  # takes no new request; removed once what it serves has ended
     # (scraped_at, cumulative TPOT bucket counts) within the TPOT window
     tpot_samples: deque[tuple[float, tuple[tuple[float, int], ...]]] = field(default_factory=deque)
+    # Its LoRA slots and the adapters it holds (engine_adapter/lora.py).
+    loras: ReplicaLoras = field(default_factory=ReplicaLoras)
 
     @property
     def replica_id(self) -> str:
@@ -126,6 +134,7 @@ class ReplicaState:
         """A scrape asked for at `scrape_started_at` and read at `now` (monotonic seconds)."""
         self.metrics = m
         self.scraped_at = now
+        self.loras.reported = m.max_loras
         self.slow = False
         self.scraped_occupancy_ppm = max(0, min(PPM, round(m.kv_cache_usage * PPM)))
         cap = m.kv_capacity_tokens
@@ -151,6 +160,15 @@ class ReplicaState:
         window.append((now, m.tpot_buckets))
         while len(window) > 1 and window[1][0] <= now - TPOT_WINDOW_S:
             window.popleft()
+
+    def free(self, victims: set[str], now: float) -> None:
+        """Stop counting the victims as flex work here, and count their KV as free until a
+        scrape that started after their abort shows it."""
+        for dispatch_id, (rid, tokens) in list(self.flex.items()):
+            if rid in victims:
+                del self.flex[dispatch_id]
+                self.freed.append((now, tokens))
+                self.freed_tokens += tokens
 
     def load(self) -> ReplicaLoad:
         cap = self.capacity_tokens
@@ -302,6 +320,9 @@ class Fleet:
                     check_health(self._session, url, timeout_s=self.scrape_timeout_s),
                 )
                 s.health_ok = ok
+                if s.loras.max_loras:
+                    served = getattr(s.replica, "served_model", s.replica.model)
+                    s.loras.sync(await fetch_adapters(self._session, url, served))
             else:
                 m = await fetch_metrics(self._session, url, timeout_s=self.scrape_timeout_s)
         except ReplicaSlow as e:
@@ -347,14 +368,16 @@ class Fleet:
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
-        regions: frozenset[str] | None = None,
-    ) -> Choice[ScrapedReplica] | Refusal | UnknownModel:
+        regions: frozenset[str] | None = None, adapter: AdapterRef | None = None,
+    ) -> Choice[ScrapedReplica] | Refusal | UnknownModel:  # fmt: skip
         """Pick a replica of `model` for a request of `tier` by p2c, under the tier's ceiling
         (a flex request: under the flex ceiling).
 
         `regions` (a pinned tenant's): only replicas in them are considered, for every step
         below (placement, preemption, other edges' flex work), so none elsewhere is ever chosen
         (`domain.residency`); with none of the model there, the refusal is `region_unavailable`.
+
+        `adapter`: only replicas with a slot for it, those holding it first (`_bind`).
 
         An interactive request that no replica has room for, where some replica would have room
         without flex work this router runs there, is placed there and its `Choice.preempt` names
@@ -373,33 +396,23 @@ class Fleet:
         routable = {s.replica_id: s for s in states if self._is_routable(s, now)}
         loads = [s.load() for s in routable.values()]
         flex = service_tier == "flex"
-        decision = (
-            place_flex(loads, rng.sample, self.flex_policy)
-            if flex
-            else place(tier, loads, rng.sample)
-        )
+        rounds = [loads] if adapter is None else adapter_rounds(
+            adapter.engine_name, loads, lambda rid: routable[rid].loras.slots()
+        )  # fmt: skip
+        ceiling = self.flex_policy.ceiling_ppm if flex else tier_ceiling_ppm(tier)
+        decision: Placement | CapacityRefusal = CapacityRefusal("no_adapter_slot", ceiling)
         victims: tuple[str, ...] = ()
         remote: tuple[str, ...] = ()
-        if isinstance(decision, CapacityRefusal) and not flex:
-            plan = preemption_plan(tier, loads)
-            if plan is None and self.others_flex is not None:
-                decision, plan = _with_others_flex(self.others_flex, tier, routable, rng, decision)
-            if plan is not None:
-                victims = plan.victims
-                s = routable[plan.replica_id]
-                own = {rid for rid, _ in s.flex.values()}
-                remote = tuple(v for v in victims if v not in own)
-                self._free(s, own.intersection(victims), now)
-                decision = Placement(plan.replica_id, plan.occupancy_ppm)
+        for candidates in rounds:
+            if candidates or adapter is None:
+                decision, victims, remote = _place(self, tier, candidates, routable, rng, flex, now)
+            if isinstance(decision, Placement):
+                break
         if isinstance(decision, CapacityRefusal):
             return Refusal(
-                model,
-                decision.detail,
-                decision.ceiling_ppm,
-                decision.best_occupancy_ppm,
+                model, decision.detail, decision.ceiling_ppm, decision.best_occupancy_ppm,
                 decision.reason,
-            )
-        assert isinstance(decision, Placement)
+            )  # fmt: skip
         s = routable[decision.replica_id]
         dispatch_id = next(self._ids)
         tokens = max(0, est_kv_tokens)
@@ -407,24 +420,18 @@ class Fleet:
         s.inflight_tokens += tokens
         if flex:
             s.flex[dispatch_id] = (request_id, tokens)
-        return Choice(
-            s.replica, decision.occupancy_ppm, tokens, dispatch_id, victims, remote, s.region
-        )
-
-    def _free(self, s: ReplicaState, victims: set[str], now: float) -> None:
-        """Stop counting the victims as flex work there, and count their KV as free until a
-        scrape that started after their abort shows it."""
-        for dispatch_id, (rid, tokens) in list(s.flex.items()):
-            if rid in victims:
-                del s.flex[dispatch_id]
-                s.freed.append((now, tokens))
-                s.freed_tokens += tokens
+        replica: ScrapedReplica = s.replica
+        if adapter is not None:
+            replica = _bind(s, adapter, dispatch_id, self._session)
+        return Choice(replica, decision.occupancy_ppm, tokens, dispatch_id, victims, remote,
+                      s.region)  # fmt: skip
 
     def release(self, choice: Choice[Placed]) -> None:
         """The request ended. If no scrape has absorbed it yet, stop counting its KV."""
         s = self._by_id.get(choice.replica_id)
         if s is None:
             return
+        s.loras.release(choice.dispatch_id)
         s.flex.pop(choice.dispatch_id, None)
         entry = s.inflight.pop(choice.dispatch_id, None)
         if entry is not None:
@@ -454,6 +461,53 @@ class Fleet:
             return None
         p95_us, samples, at = got
         return TpotEstimate(p95_us, samples, time.monotonic() - at)
+
+
+def _place(
+    fleet: Fleet, tier: str, loads: list[ReplicaLoad], routable: dict[str, ReplicaState],
+    rng: random.Random, flex: bool, now: float,
+) -> tuple[Placement | CapacityRefusal, tuple[str, ...], tuple[str, ...]]:  # fmt: skip
+    """The placement among `loads` (p2c under the ceiling, then flex preemption: this
+    router's flex work, then other edges'), the flex requests it preempts, and those of
+    them that other edges serve."""
+    decision = (
+        place_flex(loads, rng.sample, fleet.flex_policy)
+        if flex
+        else place(tier, loads, rng.sample)
+    )
+    if not isinstance(decision, CapacityRefusal) or flex:
+        return decision, (), ()
+    plan = preemption_plan(tier, loads)
+    if plan is None and fleet.others_flex is not None:
+        among = {load.replica_id: routable[load.replica_id] for load in loads}
+        decision, plan = _with_others_flex(fleet.others_flex, tier, among, rng, decision)
+    if plan is None:
+        return decision, (), ()
+    s = routable[plan.replica_id]
+    own = {rid for rid, _ in s.flex.values()}
+    remote = tuple(v for v in plan.victims if v not in own)
+    s.free(own.intersection(plan.victims), now)
+    return Placement(plan.replica_id, plan.occupancy_ppm), plan.victims, remote
+
+
+def _bind(
+    s: ReplicaState, adapter: AdapterRef, dispatch_id: int, session: aiohttp.ClientSession
+) -> AdapterBound:
+    """Hold the adapter's slot on the chosen replica for this request, and the replica as
+    the request will open it: loading the adapter first where it is not held yet.
+
+    `Fleet.choose` offers an adapter's request only the replicas with a slot for it, in two
+    rounds (`domain.capacity.adapter_rounds`): those that hold it, then those that would load
+    it (into a free slot, or the slot of their least recently used idle adapter). With no slot
+    on any replica of the model the refusal is `no_adapter_slot` (a 503, like any capacity)."""
+    plan = slot_plan(adapter.engine_name, s.loras.slots())
+    assert plan is not None  # adapter_rounds offered only replicas with a slot
+    s.loras.take(adapter, plan, dispatch_id)
+    url, name = s.replica.url, adapter.engine_name
+    return AdapterBound(
+        s.replica, adapter, lambda: s.loras.ready(name, session, url),
+        lambda: s.loras.gone(name),
+    )  # fmt: skip
 
 
 def _with_others_flex(

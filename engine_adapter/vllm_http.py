@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +43,23 @@ class ReplicaUnavailable(ReplicaError):
 class ReplicaSlow(ReplicaUnavailable):
     """The replica took the connection but did not answer a probe in time: busy or frozen, not
     (yet) known dead. A refused or reset connection is plain `ReplicaUnavailable`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A chat served through a LoRA adapter the replica holds (`engine_adapter.lora`): the
+    engine's name for it, the name the answer says, and what to call when the engine answers
+    that it does not have it (restarted, or another router unloaded it): the request then fails
+    as a replica that is unavailable (a 503 to retry), never with the engine's 404, which would
+    name the adapter's engine name to the client."""
+
+    engine_name: str
+    answer_as: str
+    gone: Callable[[], None]
+
+
+class AdapterNotLoaded(ReplicaUnavailable):
+    """The engine did not have the adapter asked for (see `Served`)."""
 
 
 class ReplicaHTTPError(ReplicaError):
@@ -93,7 +110,7 @@ class _HttpExchange(ChatExchange):
 
     __slots__ = ("replica_id", "_pool", "_request", "_conn", "_buf", "_status", "_error_body",
                  "_done", "_last_read", "_read_timeout_s", "_timer", "_resend",
-                 "_model")  # fmt: skip
+                 "_model", "_adapter_gone")  # fmt: skip
 
     def __init__(
         self,
@@ -102,8 +119,10 @@ class _HttpExchange(ChatExchange):
         request: bytes,
         read_timeout_s: float,
         model: str | None = None,
+        adapter_gone: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
+        self._adapter_gone = adapter_gone
         self.replica_id = replica_id
         # The model version the gateway serves, written over the engine's served name in every
         # chunk when the two differ (None: they are the same, nothing to do per chunk).
@@ -171,6 +190,10 @@ class _HttpExchange(ChatExchange):
                 err = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 err = {"error": {"message": raw[:500].decode(errors="replace")}}
+            if self._status == 404 and self._adapter_gone is not None:
+                self._adapter_gone()
+                self._finish(AdapterNotLoaded(f"{self.replica_id}: the adapter is not loaded"))
+                return
             self._finish(ReplicaHTTPError(self._status, err if isinstance(err, dict) else {}))
         elif self._done:
             self._finish(None)
@@ -330,7 +353,7 @@ class VLLMReplica:
     @faults.seam("engine.send", lambda: ReplicaUnavailable("connection reset (fault)"))
     async def open_chat(
         self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None,
+        traceparent: str | None = None, adapter: Served | None = None,
     ) -> ChatExchange:  # fmt: skip
         """POST the chat request, streamed, and return its exchange (chunks up to `[DONE]`).
 
@@ -342,10 +365,11 @@ class VLLMReplica:
         drops the connection. Raises ReplicaUnavailable when the replica can not be reached;
         a status other than 200 ends the exchange with ReplicaHTTPError. A W3C `traceparent`
         (the gateway's engine span) is sent as the header of that name: vLLM started with
-        `--otlp-traces-endpoint` continues the trace.
+        `--otlp-traces-endpoint` continues the trace. `adapter`: ask the engine for that LoRA
+        adapter of the model instead (`engine_adapter.lora`).
         """
         payload = dict(body)
-        payload["model"] = self.served_model
+        payload["model"] = adapter.engine_name if adapter else self.served_model
         self.fit_output_limit(payload)
         payload["stream"] = True
         payload["stream_options"] = _STREAM_OPTIONS
@@ -358,10 +382,13 @@ class VLLMReplica:
             conn = await self._pool.acquire()
         except (TimeoutError, OSError) as e:
             raise ReplicaUnavailable(f"{self.replica_id}: {type(e).__name__}: {e}") from e
-        rename = self.model if self.served_model != self.model else None
+        rename = adapter.answer_as if adapter else (
+            self.model if self.served_model != self.model else None
+        )  # fmt: skip
         exchange = _HttpExchange(
-            self.replica_id, self._pool, request, self._read_timeout_s, rename
-        )
+            self.replica_id, self._pool, request, self._read_timeout_s, rename,
+            adapter.gone if adapter else None,
+        )  # fmt: skip
         exchange.send_on(conn)
         return exchange
 
@@ -412,6 +439,10 @@ class ReplicaMetrics:
     tpot_count: int = 0
     tpot_sum_s: float = 0.0
     engines: int = 0
+    # vLLM's --max-loras (vllm:lora_requests_info's max_lora label). None: not reported, which
+    # is both a replica without LoRA and one with LoRA that has not run a step since it started
+    # (vLLM sets the series on its first step).
+    max_loras: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -434,6 +465,7 @@ _WAIT = b"vllm:num_requests_waiting{"
 _PRE = b"vllm:num_preemptions_total{"
 _INFO = b"vllm:cache_config_info{"
 _TPOT = b"vllm:request_time_per_output_token_seconds_"
+_LORA = b"vllm:lora_requests_info{"
 
 
 def parse_metrics(text: bytes) -> ReplicaMetrics:
@@ -473,6 +505,10 @@ def parse_metrics(text: bytes) -> ReplicaMetrics:
                 m.tpot_count += int(float(value))
             elif head.startswith(b"sum{", len(_TPOT)):
                 m.tpot_sum_s += float(value)
+        elif line.startswith(_LORA):
+            lb = _labels(line.rpartition(b" ")[0][len(_LORA) : -1])
+            with contextlib.suppress(KeyError, ValueError):
+                m.max_loras = max(m.max_loras or 0, int(lb[b"max_lora"]))
         elif line.startswith(_INFO):
             head = line.rpartition(b" ")[0]
             lb = _labels(head[len(_INFO) : -1])

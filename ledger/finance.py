@@ -48,6 +48,7 @@ def _model_filter(column: Any, model: str | None) -> Any:
 # usage group_by values read from the ledger entries (not the hourly rollup), and their column.
 ENTRY_GROUPS: Final = {
     "key": "key_id", "workspace": "workspace_id", "project": "project_id", "run": "run_id",
+    "adapter": "adapter",
 }  # fmt: skip
 # usage group_by values read from the request log joined to the entries (where a request ran).
 LOG_GROUPS: Final = {"region": "region"}
@@ -276,6 +277,7 @@ class FinanceQueries:
                 r.c.request_id, r.c.status, r.c.model, r.c.tier, r.c.key_id, r.c.admitted_at,
                 r.c.finished_at, r.c.prompt_tokens, r.c.completion_tokens, r.c.cached_tokens,
                 r.c.reject_reason, r.c.replica_id, r.c.refusals, r.c.region, r.c.retention,
+                r.c.adapter,
             )
             .where(
                 r.c.tenant_id == tenant, r.c.admitted_at >= start, r.c.admitted_at < end,
@@ -366,9 +368,10 @@ class FinanceQueries:
         return out
 
     def invoice(self, tenant: str, period: str) -> dict[str, Any]:
-        """One tenant's invoice for a calendar month: a line per model and price in force (a
-        price is in one currency), and a total per currency (`totals`): a month in which the
-        currency setting changed is never summed across currencies. `currency`, `amount_micros`
+        """One tenant's invoice for a calendar month: a line per model, LoRA adapter (null: the
+        base model) and price in force (a price is in one currency), and a total per currency
+        (`totals`): a month in which the currency setting changed is never summed across
+        currencies. `currency`, `amount_micros`
         and `amount` are that total's when the month has one currency (none: 0, no currency);
         null when it has more than one."""
         start, end = month_bounds(period)
@@ -376,6 +379,7 @@ class FinanceQueries:
         query = (
             sa.select(
                 e.c.model,
+                e.c.adapter,
                 e.c.prompt_micros_per_mtok,
                 e.c.completion_micros_per_mtok,
                 e.c.cached_micros_per_mtok,
@@ -389,18 +393,20 @@ class FinanceQueries:
             .where(e.c.tenant_id == tenant, e.c.finished_at >= start, e.c.finished_at < end)
             .group_by(
                 e.c.model,
+                e.c.adapter,
                 e.c.prompt_micros_per_mtok,
                 e.c.completion_micros_per_mtok,
                 e.c.cached_micros_per_mtok,
                 e.c.currency,
             )
-            .order_by(e.c.currency, e.c.model, e.c.prompt_micros_per_mtok)
+            .order_by(e.c.currency, e.c.model, e.c.adapter, e.c.prompt_micros_per_mtok)
         )
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         # PostgreSQL sums bigints as NUMERIC: every figure comes back as an exact int.
         lines = [
-            {str(k): (v if isinstance(v, str) else int(v)) for k, v in r.items()} for r in rows
+            {str(k): (v if isinstance(v, str) or v is None else int(v)) for k, v in r.items()}
+            for r in rows
         ]
         totals = currency_totals(lines)
         single = totals[0] if len(totals) == 1 else None
@@ -549,6 +555,7 @@ def _entry(row: dict[str, Any]) -> dict[str, Any]:
         "project_id": row.get("project_id"),
         "run_id": row.get("run_id"),
         "currency": row["currency"],
+        "adapter": row.get("adapter"),
     }
     return out
 
@@ -572,6 +579,7 @@ def _logged_request(row: Any) -> dict[str, Any]:
         "replica": row["replica_id"],
         "region": row["region"],
         "retention": row["retention"],
+        "adapter": row["adapter"],
         # A row of counted refusals (domain.refusals) stands for this many; else NULL, one.
         "refusals": row["refusals"],
     }

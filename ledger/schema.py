@@ -113,6 +113,7 @@ request_log = sa.Table(
     sa.Column("refusals", sa.BigInteger),  # a row of counted refusals: how many (domain.refusals)
     sa.Column("region", sa.String(32)),  # the replica's region (RequestRouted), migration 0021
     sa.Column("retention", sa.String(16)),  # the tier it ran under (RequestAdmitted)
+    sa.Column("adapter", sa.String(64)),  # its tenant's LoRA adapter, by name (migration 0023)
     sa.Index(None, "tenant_id", "admitted_at"),
 )
 
@@ -157,6 +158,7 @@ ledger_entries = sa.Table(
     sa.Column("run_id", sa.String(128)),
     # ISO 4217 of the entry's prices and amount (migration 0020; 'USD' for every earlier bill).
     sa.Column("currency", sa.String(3), nullable=False, server_default="USD"),
+    sa.Column("adapter", sa.String(64)),  # the LoRA adapter it was served through (0023)
     # When the row was written (the database's clock; migration 0014): the billing lag's end.
     # Not a projection column, so rebuilds and digests ignore it.
     sa.Column(
@@ -169,7 +171,7 @@ ledger_entries = sa.Table(
         "ix_ledger_entries_invoice", "tenant_id", "finished_at",
         postgresql_include=["model", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                             "cached_micros_per_mtok", "prompt_tokens", "completion_tokens",
-                            "cached_tokens", "amount_micros", "currency"],
+                            "cached_tokens", "amount_micros", "currency", "adapter"],
     ),
 )
 

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 
 from domain.billing import Bill, bill_terminal
+from domain.control_plane.adapters import price_key_of
 from domain.control_plane.state import ControlView
 from domain.envelope import Event, Recorded
 from domain.errors import DomainError
@@ -166,7 +167,8 @@ class BillingFold:
         if state.finished_at is None or state.billed:
             return
         price = self.control.price(
-            state.model, state.admitted_at, state.service_tier  # type: ignore[arg-type]
+            state.model, state.admitted_at, state.service_tier,  # type: ignore[arg-type]
+            price_key_of(state.tenant_id, state.adapter),
         )
         bill = bill_terminal(state, price)
         if bill is None:
@@ -209,7 +211,8 @@ class BillingFold:
     ) -> Bill | None:
         try:
             price = self.control.price(
-                state.model, state.admitted_at, state.service_tier  # type: ignore[arg-type]
+                state.model, state.admitted_at, state.service_tier,  # type: ignore[arg-type]
+                price_key_of(state.tenant_id, state.adapter),
             )
             return bill_terminal(state, price)
         except DomainError as exc:

@@ -89,11 +89,31 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def vllm_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A second `vllm serve` on the tiny model, with LoRA on (tests/vllm/engine.py LORA_ARGS):
+    the adapters' tier. Its own engine, so the session's keeps the configuration every other
+    test measured (LoRA turns vLLM's compilation off and adds its kernels to every step)."""
+    from tests.vllm.engine import LORA_ARGS, LORA_ENV, VllmServer, engine_python, tiny_model
+
+    python = engine_python()
+    server = VllmServer(
+        python, tiny_model(python), tmp_path_factory.mktemp("vllm-lora") / "vllm.log",
+        extra_args=LORA_ARGS, extra_env=LORA_ENV,
+    )  # fmt: skip
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Every test on the real engine carries the `vllm` marker (`-m "not vllm"` for a quick local
     # run; CI runs them all and a skipped one fails it).
     for item in items:
-        if "vllm_server" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "vllm_server" in names or "vllm_lora_server" in names:
             item.add_marker(pytest.mark.vllm)
 
 

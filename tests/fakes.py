@@ -24,7 +24,7 @@ from api.ports import (
     Replica,
     TokenEstimator,
 )
-from domain.capacity import Choice, Refusal, TpotEstimate, UnknownModel
+from domain.capacity import AdapterRef, Choice, Refusal, TpotEstimate, UnknownModel
 from domain.envelope import Recorded
 from domain.prediction import Prediction, RequestShape, Skip
 from domain.registry import from_payload
@@ -225,6 +225,7 @@ class FakeFleet(Fleet):
         self.preempt_remote_next: tuple[str, ...] = ()  # ... of which another edge serves these
         self.released: list[Choice[Replica]] = []
         self.contexts: dict[str, int] = {}  # a model's max_model_len, where a test sets one
+        self.adapters: list[AdapterRef | None] = []  # the adapter each choice was asked for
         self._ids = itertools.count(1)
 
     @property
@@ -237,8 +238,9 @@ class FakeFleet(Fleet):
     def choose(
         self, model: str, tier: str, est_kv_tokens: int, rng: random.Random, *,
         service_tier: str = "default", request_id: str = "",
-        regions: frozenset[str] | None = None,
+        regions: frozenset[str] | None = None, adapter: AdapterRef | None = None,
     ) -> Choice[Replica] | Refusal | UnknownModel:
+        self.adapters.append(adapter)
         replica = self.replicas.get(model)
         if replica is None:
             return UnknownModel(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -153,7 +154,8 @@ class TollgateApp:
             if raw is None:
                 return  # the client left while sending the body: nothing was admitted
             wait_s = limits.over_budget(caller.key_id, caller.tenant_id)
-            if wait_s and refused_before_admission(raw, runtime.edge.resolve_model):
+            resolve = functools.partial(runtime.edge.resolve_model, caller=caller)
+            if wait_s and refused_before_admission(raw, resolve):
                 caller = None  # answered without being counted again, or recorded
                 runtime.metrics.rejected.labels("refusals", "any").inc()
                 raise limits.throttled(wait_s)

@@ -174,6 +174,9 @@ class UsageRow(BaseModel):
     region: str | None = Field(
         None, description="with group_by=region: where the requests ran ('' for no region)"
     )
+    adapter: str | None = Field(
+        None, description="with group_by=adapter: the LoRA adapter (null: the base model)"
+    )
 
 
 class UsageRows(BaseModel):
@@ -203,6 +206,7 @@ class LedgerEntry(Prices):
     workspace_id: str | None = None
     project_id: str | None = None
     run_id: str | None = None
+    adapter: str | None = Field(None, description="the tenant's LoRA adapter that served it")
 
 
 class LedgerEntries(BaseModel):
@@ -211,6 +215,7 @@ class LedgerEntries(BaseModel):
 
 class InvoiceLine(Prices):
     model: str
+    adapter: str | None = Field(None, description="the LoRA adapter (null: the base model)")
     requests: Count
     uncached_prompt_tokens: int
     cached_tokens: Count
@@ -352,6 +357,7 @@ class RequestTimeline(BaseModel):
     tenant: str | None = None
     key_id: str | None = None
     model: str | None = None
+    adapter: str | None = Field(None, description="the tenant's LoRA adapter that served it")
     tier: str | None = None
     trace_id: str | None = None
     downgraded_from: str | None = None
@@ -397,6 +403,7 @@ class RequestSummary(BaseModel):
     replica: str | None = None
     region: str | None = None
     retention: str | None = None
+    adapter: str | None = None
     refusals: Count | None = Field(
         None, description="a row of counted refusals stands for this many (null: one request)"
     )

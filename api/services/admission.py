@@ -23,6 +23,7 @@ import orjson
 from api.metrics import Metrics
 from api.ports import Clock, Fleet, OutputPredictor, Replica, TokenEstimator
 from api.services import refusal_errors
+from api.services.adapter_steps import LoraRequest, lora_request
 from api.services.auth import Caller
 from api.services.chat_request import ChatRequest
 from api.services.errors import ApiError
@@ -39,7 +40,8 @@ from domain.admission_steps import (
     kv_tokens,
     may_fall_back,
 )
-from domain.capacity import Choice, Refusal, UnknownModel
+from domain.capacity import AdapterRef, Choice, Refusal, UnknownModel
+from domain.control_plane.adapters import adapter_tpot_us
 from domain.control_plane.data_policy import ZERO
 from domain.control_plane.state import ControlView
 from domain.cost import Estimate, base_model, tpot_estimate_us
@@ -153,15 +155,20 @@ class Admission:
         now = self.clock()
         return [m for m in self.fleet.models() if self.control.has_price(m, now)]
 
-    def resolve_model(self, requested: str) -> str | None:
+    def resolve_model(self, requested: str, caller: Caller | None = None) -> str | None:
         """A pinned version is served as is (if on sale); a base name goes to its newest
-        version on sale; `auto` is the router's, decided with the caller's consent in `admit`."""
+        version on sale; `auto` is the router's, decided with the caller's consent in `admit`;
+        the name of one of the caller's LoRA adapters is itself (`adapter_steps`)."""
         if requested == AUTO:
             return AUTO
         if requested in self.fleet.serves:  # a version: no need to list every model on sale
             return requested if self.control.has_price(requested, self.clock()) else None
         versions = [m for m in self.models() if base_model(m) == requested]
-        return max(versions) if versions else None
+        if versions:
+            return max(versions)
+        if caller is not None and lora_request(self.control, caller, requested, self.resolve_model):
+            return requested
+        return None
 
     # --- the one question ----------------------------------------------------------------------
 
@@ -187,6 +194,12 @@ class Admission:
             headers[RETENTION_HEADER] = ZERO
         bucket = system_prompt_bucket(caller, req)
         run = None if run_id is None else self.runs.resolve(caller, run_id)
+        lora: LoraRequest | None = None
+        if model != AUTO and model not in self.fleet.serves:  # one of the caller's adapters
+            lora = lora_request(self.control, caller, model, self.resolve_model)
+            if lora is None:  # revoked since the edge resolved it
+                return self._unknown(caller, model, request_id, is_retry)
+            model = lora.model
         routing = self.router.route(caller, req, model, request_id, is_retry, bucket, run)
         if isinstance(routing, ApiError):
             return Refused(routing)
@@ -195,6 +208,7 @@ class Admission:
         decision, shape = self._reserve(
             caller, req, model, request_id, is_retry, bucket, run,
             counted=None if routing is None else routing.counted,
+            lora_rank=lora and lora.adapter.rank,
         )  # fmt: skip
         if trace is not None:
             trace.quota_decided(decision)
@@ -209,14 +223,16 @@ class Admission:
                 self.router.run_exhausted(run)
             return Refused(refusal_errors.refusal(decision, headers))
         choice = self._route(
-            model, caller.tier, decision.estimate, req.service_tier, request_id, trace, regions
-        )
+            model, caller.tier, decision.estimate, req.service_tier, request_id, trace, regions,
+            lora and lora.ref,
+        )  # fmt: skip
         if isinstance(choice, Choice):
             if routing is not None:
                 self.router.label(headers, routing)
             return self._admitted(
                 caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
                 shape, choice, model, routing=routing, retention=retention,
+                adapter=lora.adapter.name if lora else "",
             )  # fmt: skip
         if not may_fall_back(req.service_tier):
             if regions is None:
@@ -228,24 +244,26 @@ class Admission:
         return self._no_room(
             caller, req, model, request_id, idempotency_key, is_retry, headers, bucket, run,
             trace, routing, capacity_detail(choice), regions, retention,
+            lora.adapter.name if lora else model,
         )  # fmt: skip
 
     def _no_room(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str,
         idempotency_key: str | None, is_retry: bool, headers: dict[str, str], bucket: int,
         run: Run | None, trace: RequestTrace | None, routing: Routing | None, reason: str,
-        regions: frozenset[str] | None, retention: str,
+        regions: frozenset[str] | None, retention: str, asked: str,
     ) -> Admitted | Refused:  # fmt: skip
         """No replica of `model` takes the request: a routed one sheds to its reference model
         (per policy); another goes to a model the tenant consented to (`tollgate fallbacks
-        allow`), else it is the capacity refusal (`region_unavailable` for a pinned tenant)."""
+        allow`) from `asked` (an adapter's name: its base model without the adapter is another
+        model), else it is the capacity refusal (`region_unavailable` for a pinned tenant)."""
         if routing is not None:
             return self._shed(
                 caller, req, request_id, idempotency_key, is_retry, headers, bucket, run, trace,
                 routing, reason, regions, retention,
             )  # fmt: skip
         fallback = None if not may_fall_back(req.service_tier) else self._fall_back(
-            caller, req, model, request_id, is_retry, headers, bucket, run, trace, regions=regions
+            caller, req, asked, request_id, is_retry, headers, bucket, run, trace, regions=regions
         )  # fmt: skip
         if fallback is None:
             retry_after = self.policy.backoff.retry_after_s(self.rng.random())
@@ -261,8 +279,17 @@ class Admission:
         served, decision, shape, choice = fallback
         return self._admitted(
             caller, req, request_id, idempotency_key, is_retry, bucket, run, decision, shape,
-            choice, served, downgraded_from=model, reason=reason, retention=retention,
+            choice, served, downgraded_from=asked, reason=reason, retention=retention,
         )  # fmt: skip
+
+    def _unknown(self, caller: Caller, model: str, request_id: str, is_retry: bool) -> Refused:
+        """The answer a model that does not exist gets (the edge's own, for a name it could
+        not resolve): one word for every reason, so that nothing tells whose a name is."""
+        self.reject(request_id, caller, model, "invalid", 0, "unknown model", is_retry)
+        return Refused(ApiError(
+            404, f"The model `{model}` does not exist or you do not have access to it.",
+            param="model", code="model_not_found",
+        ))  # fmt: skip
 
     def _flex_refused(
         self, caller: Caller, model: str, request_id: str, is_retry: bool,
@@ -317,7 +344,7 @@ class Admission:
         is_retry: bool, bucket: int, run: Run | None, decision: admission.Admitted,
         shape: RequestShape | None, choice: Choice[Replica], served: str, *,
         downgraded_from: str | None = None, reason: str = "", routing: Routing | None = None,
-        retention: str = "",
+        retention: str = "", adapter: str = "",
     ) -> Admitted:  # fmt: skip
         """The admitted request's flight; the flex work its replica gives up is preempted, and
         the run it starts is recorded."""
@@ -358,6 +385,7 @@ class Admission:
                 task_class=cls,
                 routed=model_routed,
                 retention=retention,
+                adapter=adapter,
             ),
             RouteRequest(
                 request_id=request_id, replica_id=choice.replica_id,
@@ -402,11 +430,13 @@ class Admission:
     def _reserve(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
         system_prompt_bucket: int, run: Run | None = None,
-        counted: tuple[TokenEstimator, int] | None = None,
+        counted: tuple[TokenEstimator, int] | None = None, lora_rank: int | None = None,
     ) -> tuple[_Decision, RequestShape | None]:
         """The quota decision for serving `req` with `model` (charged to the views if
         admitted), and what the output predictor was asked about it. `counted`: the prompt
-        already counted (by the router), taken when `model`'s estimator is the one that did."""
+        already counted (by the router), taken when `model`'s estimator is the one that did.
+        `lora_rank`: served through an adapter of that rank, whose matrices stretch each decode
+        step (`adapter_tpot_us`): the base model's KV is held that much longer."""
         measured = self.fleet.tpot_p95(model)
         limits = self.control.limits(caller.tenant_id, model)
         estimator = self.tokens(model)
@@ -437,11 +467,11 @@ class Admission:
                 max_tokens=req.max_tokens,
                 min_tokens=req.upstream.get("min_tokens"),
                 kv_bytes_per_token=self.control.model_profile(model).kv_bytes_per_token,
-                tpot_us=tpot_estimate_us(
+                tpot_us=adapter_tpot_us(tpot_estimate_us(
                     measured.p95_us if measured else None,
                     measured.age_s if measured else None,
                     self.tpot_target_us,
-                ),
+                ), lora_rank or 0),
                 now=now,
                 jitter=self.rng.random(),
                 is_retry=is_retry,
@@ -458,11 +488,12 @@ class Admission:
     def _route(
         self, model: str, tier: str, estimate: Estimate, service_tier: str, request_id: str,
         trace: RequestTrace | None = None, regions: frozenset[str] | None = None,
+        adapter: AdapterRef | None = None,
     ) -> _Routed:  # fmt: skip
         started = 0 if trace is None else trace.now()
         choice = self.fleet.choose(
             model, tier, kv_tokens(estimate), self.rng, service_tier=service_tier,
-            request_id=request_id, regions=regions,
+            request_id=request_id, regions=regions, adapter=adapter,
         )
         if trace is not None:
             trace.routed(started, model, choice)

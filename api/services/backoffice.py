@@ -26,7 +26,7 @@ from ledger.finance import FinanceQueries, month_bounds
 from ledger.store import EventStore
 
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
-GROUP_BY = ("hour", "day", "model", "key", "workspace", "project", "run", "region")
+GROUP_BY = ("hour", "day", "model", "key", "workspace", "project", "run", "region", "adapter")
 FORMATS = ("json", "csv")
 MAX_RANGE = timedelta(days=366)
 DEFAULT_RANGE = timedelta(days=30)
@@ -306,6 +306,8 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "tenant": state.tenant_id or None,
         "key_id": state.key_id or None,
         "model": state.model or None,
+        # The tenant's LoRA adapter of `model` that served it (tollgate adapters register).
+        "adapter": state.adapter or None,
         "tier": state.tier or None,
         # The edge's trace of it (OpenTelemetry, when tracing was on), from its admission.
         "trace_id": next(
@@ -379,13 +381,13 @@ USAGE_COLUMNS = ("tenant", "model", "period_start", "requests", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "amount_micros", "currency")
 # The column a usage row grouped by one of these adds (finance reads them from the ledger).
 GROUP_COLUMNS = {"key": "key_id", "workspace": "workspace_id", "project": "project_id",
-                 "run": "run_id", "region": "region"}  # fmt: skip
+                 "run": "run_id", "region": "region", "adapter": "adapter"}  # fmt: skip
 ENTRY_COLUMNS = ("request_id", "tenant", "key_id", "model", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                  "cached_micros_per_mtok", "amount_micros", "currency", "terminal_reason",
                  "admitted_at",
-                 "finished_at", "billed_at", "workspace_id", "project_id", "run_id")
-INVOICE_COLUMNS = ("model", "prompt_micros_per_mtok", "completion_micros_per_mtok",
+                 "finished_at", "billed_at", "workspace_id", "project_id", "run_id", "adapter")
+INVOICE_COLUMNS = ("model", "adapter", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                    "cached_micros_per_mtok", "requests", "uncached_prompt_tokens",
                    "cached_tokens", "completion_tokens", "amount_micros", "currency")
 

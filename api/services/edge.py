@@ -208,8 +208,8 @@ class Edge:
     def models(self) -> list[str]:
         return self.admission.models()
 
-    def resolve_model(self, requested: str) -> str | None:
-        return self.admission.resolve_model(requested)
+    def resolve_model(self, requested: str, caller: Caller | None = None) -> str | None:
+        return self.admission.resolve_model(requested, caller)
 
     # --- completions ---------------------------------------------------------------------------
 
@@ -236,7 +236,7 @@ class Edge:
             raise
         if batch_item:
             req.service_tier, req.batch_item = "flex", batch_item
-        model = self.resolve_model(req.model)
+        model = self.resolve_model(req.model, caller)
         if model is None:
             self.outcomes.reject(
                 request_id, caller, req.model, "invalid", 0, "unknown model", False

@@ -8,6 +8,7 @@ from datetime import datetime
 
 from api.ports import Clock, Fleet, OutputPredictor
 from api.services.recorder import Flight
+from domain.control_plane.adapters import price_key_of
 from domain.control_plane.state import ControlView
 from domain.cost import amount_micros
 from domain.requests.decide import Command, CompleteRequest, PreemptRequest
@@ -69,7 +70,10 @@ class Settlement:
         p = flight.progress
         state = flight.state
         admitted_at = state.admitted_at or now
-        price = self.control.price(flight.model, admitted_at, state.service_tier)
+        price = self.control.price(
+            flight.model, admitted_at, state.service_tier,
+            price_key_of(state.tenant_id, state.adapter),
+        )  # fmt: skip
         amount = 0 if preempted else amount_micros(
             price, p.prompt_tokens, p.completion_tokens, min(p.cached_tokens, p.prompt_tokens)
         )  # fmt: skip

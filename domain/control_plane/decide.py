@@ -7,6 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from domain.control_plane.adapters import (
+    ADAPTER_COMMANDS,
+    AdapterCommand,
+    RegisterAdapter,
+    decide_adapter,
+)
 from domain.control_plane.data_policy import (
     DATA_POLICY_COMMANDS,
     DataPolicyCommand,
@@ -38,7 +44,7 @@ from domain.control_plane.state import (
     ControlView,
     _profile_of,
 )
-from domain.cost import CURRENCY_CODE, base_model, check_profile
+from domain.cost import CURRENCY_CODE, PROFILES, base_model, check_profile
 from domain.envelope import Event
 from domain.errors import DomainError, check_quantity
 from domain.governance.decide import HIERARCHY_COMMANDS, AssignKey, HierarchyCommand
@@ -198,6 +204,7 @@ ControlCommand = (
     | RevokeRouting
     | HierarchyCommand
     | DataPolicyCommand
+    | AdapterCommand
 )
 
 
@@ -392,6 +399,8 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
         project = command.project_id
         exists = project is not None and view.hierarchy.project(command.tenant_id, project)
         return decide_data_policy(view.data_policy, command, project_exists=bool(exists))
+    if isinstance(command, ADAPTER_COMMANDS):
+        return _decide_adapter(view, command)
     if isinstance(command, HIERARCHY_COMMANDS):
         view._tenant_or_error(command.tenant_id)
         key_id = getattr(command, "key_id", None) or (
@@ -402,6 +411,30 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
             view.hierarchy, command, key_tenant=key.tenant_id if key is not None else None
         )
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _decide_adapter(view: ControlView, command: AdapterCommand) -> tuple[Event, ...]:
+    """An adapter command, after what only the whole view knows: the tenant, the base model's
+    KV profile (what admission charges an adapter's requests by), that the name is no catalogue
+    model's (a tenant's adapter never hides a model) and the projects named."""
+    view._tenant_or_error(command.tenant_id)
+    if not isinstance(command, RegisterAdapter):
+        return decide_adapter(view.adapters, command)
+    _check_model(command.base_model, "base")
+    try:
+        view.model_profile(command.base_model)
+    except DomainError as exc:
+        raise DomainError(exc.rule, exc.message, field="base") from None
+    catalogue = (view._profiles, view._prices, PROFILES)
+    if any(n in names for n in (command.name, base_model(command.name)) for names in catalogue):
+        raise DomainError(
+            "name_taken", f"{command.name!r} is a model's name; give the adapter its own",
+            field="name",
+        )
+    unknown = tuple(
+        p for p in command.projects if view.hierarchy.project(command.tenant_id, p) is None
+    )
+    return decide_adapter(view.adapters, command, unknown_projects=unknown)
 
 
 def _decide_routing(view: ControlView, command: AllowRouting) -> tuple[Event, ...]:

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Final, TypeVar
 
 from domain.audit.events import ChangeAudited
+from domain.control_plane.adapters import ADAPTER_EVENTS, Adapter, AdapterBook
 from domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
 from domain.control_plane.events import (
     ApiKeyIssued,
@@ -145,7 +146,7 @@ CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
     TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
     FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
     FallbackRevoked, RoutingAllowed, RoutingRevoked, ChangeAudited, *HIERARCHY_EVENTS,
-    *DATA_POLICY_EVENTS,
+    *DATA_POLICY_EVENTS, *ADAPTER_EVENTS,
 })  # fmt: skip
 
 
@@ -172,6 +173,8 @@ class ControlView:
         self.hierarchy = Hierarchy()
         # Residency pins and retention tiers (domain/control_plane/data_policy.py).
         self.data_policy = DataPolicy()
+        # The tenants' LoRA adapters (domain/control_plane/adapters.py).
+        self.adapters = AdapterBook()
         self._seen: set[str] = set()
         self._versions: dict[str, int] = {}
         self._seq = 0
@@ -260,8 +263,8 @@ class ControlView:
         return True
 
     def _fold_policies(self, event: Event, at: datetime) -> bool:
-        """The tenants' consents and pins (the router's, residency, retention) and the audit
-        trail's records; False: none of these."""
+        """The tenants' consents, pins and adapters (the router's, residency, retention, LoRA
+        adapters) and the audit trail's records; False: none of these."""
         match event:
             case RoutingAllowed():
                 self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
@@ -274,6 +277,8 @@ class ControlView:
                 self.data_policy.apply(event)
             case ChangeAudited():
                 pass  # the audit trail's (domain/audit/): counted in the stream's version only
+            case _ if isinstance(event, ADAPTER_EVENTS):
+                self.adapters.apply(event, at)
             case _:
                 return False
         return True
@@ -377,10 +382,13 @@ class ControlView:
             self._current[(tenant_id, model)] = resolved
         return resolved
 
-    def price(self, model: str, at: datetime, service_tier: str = "default") -> Price:
+    def price(
+        self, model: str, at: datetime, service_tier: str = "default", adapter: str = ""
+    ) -> Price:
         """The price in force for a model (exact version first, else its base name) at `at`;
-        for the flex class, that price less the flex discount in force at `at`."""
-        for name in (model, base_model(model)):
+        for the flex class, that price less the flex discount in force at `at`. `adapter` (a
+        LoRA adapter's price key, `Adapter.price_key`): its own price first, where one was set."""
+        for name in (adapter, model, base_model(model)) if adapter else (model, base_model(model)):
             found = _in_force(self._prices.get(name), at)
             if found is not None:
                 if service_tier == "flex":
@@ -471,6 +479,12 @@ class ControlView:
         """The retention tier of a key's requests: `zero` when its tenant or project says so."""
         project = self.hierarchy.project_of_key(tenant_id, key_id)
         return self.data_policy.retention(tenant_id, project)
+
+    def adapter(self, tenant_id: str, key_id: str, name: str) -> Adapter | None:
+        """The LoRA adapter a key asks for by `name`: its tenant's, live, and open to the key's
+        project; None otherwise, exactly as for a name never registered."""
+        project = self.hierarchy.project_of_key(tenant_id, key_id)
+        return self.adapters.visible(tenant_id, name, project)
 
     def replicas(self, model: str | None = None) -> list[ReplicaRegistered]:
         return [r for r in self._replicas.values() if model is None or r.model == model]

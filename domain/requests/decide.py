@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from domain.control_plane.adapters import price_key as adapter_price_key
 from domain.cost import Estimate, Price, amount_micros, base_model
 from domain.envelope import Event
 from domain.errors import DomainError
@@ -76,6 +77,7 @@ class AdmitRequest:
     task_class: str = ""
     routed: RequestModelRouted | None = None
     retention: str = ""  # its retention tier: "zero" | "standard" (control_plane.data_policy)
+    adapter: str = ""  # the tenant's LoRA adapter of `model` it is served through, by name
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +436,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.batch_item,
         command.trace_id,
         command.retention,
+        command.adapter,
     )
     if est.output_cap_tokens and est.output_cap_tokens < est.reserved_output_tokens:
         raise DomainError(
@@ -484,6 +487,7 @@ def _admitted_again(state: RequestState, command: AdmitRequest) -> tuple[Event, 
         and state.tenant_id == command.tenant_id
         and state.key_id == command.key_id
         and state.model == command.model
+        and state.adapter == command.adapter
         and state.reserved_tokens == command.estimate.reserved_tokens
         and state.kv_byte_seconds == command.estimate.kv_byte_seconds
     )
@@ -539,7 +543,8 @@ def _bill(state: RequestState, command: BillUsage) -> UsageBilled:
     if state.terminal is None or state.finished_at is None or state.admitted_at is None:
         raise DomainError("not_terminal", "a request is billed after its terminal event")
     price = command.price
-    if base_model(price.model) != base_model(state.model):
+    own = state.adapter and price.model == adapter_price_key(state.tenant_id, state.adapter)
+    if not own and base_model(price.model) != base_model(state.model):
         raise DomainError("price_model_mismatch", f"price for {price.model}, request {state.model}")
     _non_negative(
         prompt_micros_per_mtok=price.prompt_micros_per_mtok,
@@ -567,6 +572,7 @@ def _bill(state: RequestState, command: BillUsage) -> UsageBilled:
         project_id=state.project_id,
         run_id=state.run_id,
         currency=price.currency,
+        adapter=state.adapter,
     )
 
 

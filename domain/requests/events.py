@@ -37,6 +37,10 @@ class RequestAdmitted(Event):
     # The retention tier it ran under (domain/control_plane/data_policy.py): "zero" kept no
     # response for a replay. "" in events recorded before tiers existed, which were standard.
     retention: str = ""
+    # The tenant's LoRA adapter `model` served it through (domain/control_plane/adapters.py),
+    # by the name the client asked for; "" for the base model, and in events recorded before
+    # adapters existed (an optional field, so the version stays 1).
+    adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +252,7 @@ class UsageBilled(Event):
     # ISO 4217 code of the prices and amount above: the price's (PriceSet.currency). USD for a
     # bill recorded before currencies were recorded, the only currency there was.
     currency: str = "USD"
+    adapter: str = ""  # the LoRA adapter it was served through (RequestAdmitted.adapter)
 
 
 # A request stream ends with exactly one of these (DESIGN §3), each with the status it leaves.

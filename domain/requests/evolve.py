@@ -102,6 +102,7 @@ def _admitted(state: RequestState, event: Any, version: int, at: datetime) -> Re
         admitted_at=at,
         service_tier=event.service_tier,
         batch_item=event.batch_item,
+        adapter=event.adapter,
     )
 
 

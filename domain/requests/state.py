@@ -55,6 +55,7 @@ class RequestState:
     tool_calls: int = 0
     service_tier: str = "default"  # default (interactive) | flex
     batch_item: str = ""  # "<batch id>/<custom_id>" when a batch runs it
+    adapter: str = ""  # the tenant's LoRA adapter it was served through (RequestAdmitted)
     # Another edge asked for this flex request's preemption (PreemptionRequested): its edge id,
     # and the interactive request that needs the room. The first ask stands.
     preemption_requested_by: str = ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,15 +57,19 @@ class Parsed:
     logprobs: bool = False
     top_logprobs: int = 0
     tool: str | None = None  # the function a natural stop calls (the request offered tools)
+    adapter: str = ""  # the LoRA adapter asked for (its name is the answer's `model`)
 
 
 def parse_chat(
-    cfg: SimConfig, content_type: str, priority_header: str | None, raw: bytes
+    cfg: SimConfig, content_type: str, priority_header: str | None, raw: bytes,
+    adapters: Container[str] = (),
 ) -> Parsed:
-    """The request as the engine runs it, or the `HTTPError` vLLM answers (the first it finds)."""
+    """The request as the engine runs it, or the `HTTPError` vLLM answers (the first it finds).
+    `adapters`: the LoRA adapters loaded, which a request may name as its model."""
     body = _json_object(content_type, raw)
     model = body.get("model")
-    if model is not None and model != cfg.model:
+    adapter = model if isinstance(model, str) and model in adapters else ""
+    if model is not None and model != cfg.model and not adapter:
         raise HTTPError(
             404,
             f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
@@ -101,6 +106,7 @@ def parse_chat(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         tool=tool,
+        adapter=adapter,
     )
 
 

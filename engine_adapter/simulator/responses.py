@@ -61,7 +61,7 @@ def full_body(
         "id": response_id,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": cfg.model,
+        "model": p.adapter or cfg.model,
         "choices": [
             {
                 "index": 0,
@@ -116,7 +116,7 @@ class StreamFrames:
             + b',"object":"chat.completion.chunk","created":'
             + str(int(time.time())).encode()
             + b',"model":'
-            + orjson.dumps(cfg.model)
+            + orjson.dumps(p.adapter or cfg.model)
             + b',"choices":'
         )
 

@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 
 from engine_adapter.simulator.chat_body import HTTPError, Parsed, parse_chat, schema_error
 from engine_adapter.simulator.engine import QueueFull, SimEngine
+from engine_adapter.simulator.lora import SimLoras
 from engine_adapter.simulator.responses import (
     DONE,
     StreamFrames,
@@ -40,6 +41,7 @@ class SimulatedReplica:
     def __init__(self, config: SimConfig) -> None:
         self.cfg = config
         self.engine = SimEngine(config)
+        self.loras = SimLoras(config)
         self.created = int(time.time())
         digest = hashlib.sha256(f"{config.model}:{config.seed}".encode()).hexdigest()[:8]
         self.fingerprint = f"vllm-{VLLM_VERSION}-{digest}"
@@ -48,6 +50,8 @@ class SimulatedReplica:
             [
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.post("/v1/load_lora_adapter", self.loras.load),
+                web.post("/v1/unload_lora_adapter", self.loras.unload),
                 web.get("/health", self.health),
                 web.get("/version", self.version),
                 web.post("/tokenize", self.tokenize),
@@ -91,7 +95,8 @@ class SimulatedReplica:
                 }
             ],
         }
-        return json_response(200, {"object": "list", "data": [card]})
+        cards = [card, *self.loras.cards(card)]
+        return json_response(200, {"object": "list", "data": cards})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -117,7 +122,9 @@ class SimulatedReplica:
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.engine.publish_gauges()
+        running = {r.record.adapter for r in self.engine.running if r.record.adapter}
         body = generate_latest(self.engine.metrics.registry)
+        body += self.loras.metrics_text(sorted(running))
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def sim_request(self, request: web.Request) -> web.Response:
@@ -140,6 +147,7 @@ class SimulatedReplica:
                 request.headers.get("Content-Type", ""),
                 request.headers.get("X-Vllm-Priority"),
                 raw,
+                self.loras.adapters,
             )
         except HTTPError as e:
             return error_response(e)
@@ -159,6 +167,8 @@ class SimulatedReplica:
                 asked_length=p.asked_length,
             )
             r.record.traceparent = request.headers.get("traceparent", "")
+            r.record.adapter = p.adapter
+            self.loras.stepped = True
         except QueueFull:
             e = HTTPError(
                 503,

@@ -60,6 +60,11 @@ class SimConfig:
     # N with this sigma), as an instruction-following model roughly does: traffic generators
     # (`tollgate predictor generate`) give each tenant's answers their own length that way.
     length_follow_sigma: float = 0.15
+    # LoRA (engine_adapter/simulator/lora.py), as vLLM's --enable-lora, --max-loras (its
+    # default: 1) and --max-lora-rank (its default: 16).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -92,6 +97,7 @@ class SimRecord:
     finished_s: float | None = None
     priority: int = 0  # the scheduling priority it ran at (0 under fcfs, which ignores it)
     traceparent: str = ""  # the W3C traceparent it was sent with (vLLM continues that trace)
+    adapter: str = ""  # the LoRA adapter it was asked for by name ("": the base model)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -164,7 +164,11 @@ def start_replica(tmp: Path, model: str, seed: int, **config: Any) -> Replica:
     args = [sys.executable, "-m", "engine_adapter.simulator", "--port", str(port),
             "--model", model, "--seed", str(seed)]
     for name, value in config.items():
-        args += ["--" + name.replace("_", "-"), str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):  # the simulator's on/off flags: --x / --no-x
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args += ["--" + flag, str(value)]
     proc = spawn(args, log)
     wait_http(f"http://127.0.0.1:{port}/health", proc, log)
     return Replica(model, port, proc, log)

@@ -15,7 +15,8 @@ from tests.e2e.conftest import MODEL, Server, Tenant, auth, poll, short_body
 pytestmark = pytest.mark.e2e
 
 ROW_FIELDS = {"request_id", "status", "model", "tier", "key_id", "admitted_at", "finished_at",
-              "tokens", "reject_reason", "replica", "refusals"}  # fmt: skip
+              "tokens", "reject_reason", "replica", "refusals", "region", "retention",
+              "adapter"}  # fmt: skip
 
 
 def get(server: Server, path: str, secret: str, **params: str) -> httpx.Response:

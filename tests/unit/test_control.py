@@ -241,6 +241,7 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     import inspect
     import textwrap
 
+    from domain.control_plane.adapters import ADAPTER_EVENTS
     from domain.control_plane.data_policy import DATA_POLICY_EVENTS
     from domain.control_plane.state import CONTROL_EVENTS, ControlView
     from domain.governance.state import HIERARCHY_EVENTS
@@ -253,5 +254,5 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     }
     assert cased, "the view folds by a match on the event's class"
     assert {cls.__name__ for cls in CONTROL_EVENTS} == cased | {
-        cls.__name__ for cls in (*HIERARCHY_EVENTS, *DATA_POLICY_EVENTS)
+        cls.__name__ for cls in (*HIERARCHY_EVENTS, *DATA_POLICY_EVENTS, *ADAPTER_EVENTS)
     }

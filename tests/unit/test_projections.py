@@ -65,6 +65,7 @@ def test_request_log_follows_a_request_to_its_end() -> None:
         "refusals": None,
         "region": "",  # routed to a replica given no region
         "retention": "standard",
+        "adapter": None,
     }
 
 
@@ -76,6 +77,14 @@ def test_request_log_keeps_the_region_and_the_retention_tier() -> None:
                           for e in events[1:])]  # fmt: skip
     row = run(REQUEST_LOG, b.stream(*events))[(b.RID,)]
     assert (row["region"], row["retention"]) == ("eu-west", "zero")
+
+
+def test_the_request_log_and_the_ledger_carry_the_adapter() -> None:
+    events = list(b.happy_path())
+    events[0] = dataclasses.replace(events[0], adapter="support")
+    assert run(REQUEST_LOG, b.stream(*events))[(b.RID,)]["adapter"] == "support"
+    billed = b.record(b.billed(adapter="support"), position=1)
+    assert run(LEDGER_ENTRIES, [billed])[(b.RID,)]["adapter"] == "support"
 
 
 def test_request_log_keeps_the_model_a_downgraded_request_asked_for() -> None:

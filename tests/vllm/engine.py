@@ -34,6 +34,10 @@ API_SERVER_NICENESS = 10
 ENGINE_CORE_NICENESS = 19
 # A cold start was measured at 20-50 s on 2 shared cores; the limit only bounds a hung start.
 STARTUP_LIMIT_S = 300.0
+# The LoRA tier's engine (tests/conftest.py `vllm_lora_server`): two slots, ranks up to 16, and
+# the runtime load/unload endpoints, which vLLM serves only with the variable set.
+LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def cache_dir() -> Path:
