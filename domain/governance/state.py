@@ -217,8 +217,8 @@ class PathPolicy(NamedTuple):
     # The tightest level's (below the organization), None where no level sets one.
     max_context: int | None = None
     max_output: int | None = None
-    # The checks of `levels`, precomputed (None: `domain.governance.budgets.reserve` works them
-    # out).
+    # The checks of `levels`, precomputed (None: `domain.governance.path_admission.reserve`
+    # works them out).
     plan: PathPlan | None = None
 
     def level(self, kind: str) -> Level | None:
