@@ -311,6 +311,7 @@ def decide_on_path(
         paths, path, cmd.request_id, cmd.model, est.reserved_tokens, est.kv_byte_seconds,
         max_cost_micros(price, est.prompt_tokens, est.max_output_tokens), cmd.now,
         cmd.jitter, now_s=now_s, requests_left=requests_left, tokens_left=tokens_left,
+        currency=price.currency,
     )  # fmt: skip
     rate_limits = _tightest(rpm, tpm, requests_left, tokens_left, outcome.requests, outcome.tokens)
     if isinstance(outcome, PathRefused):

@@ -435,7 +435,9 @@ class Run(BaseModel):
     implicit: bool
     limits: RunLimits
     usage: RunUsage
-    exhausted: Literal["calls", "tool_calls", "wall_clock", "cost", "in_flight", "ended"] | None
+    exhausted: (
+        Literal["calls", "tool_calls", "wall_clock", "cost", "in_flight", "ended", "currency"] | None
+    )
 
 
 # --- files and batches -------------------------------------------------------------------------

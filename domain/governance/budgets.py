@@ -63,6 +63,9 @@ class RunUsage:
     posted_micros: int = 0
     tool_calls: int = 0
     exhausted: str | None = None  # the first dimension a call was refused for
+    # The currency of the micro-units above: a run is billed in one currency, its first
+    # call's (`path_admission` refuses a call priced in another).
+    currency: str | None = None
 
     @property
     def cost_micros(self) -> int:
@@ -85,7 +88,7 @@ _Cells = tuple[SpendEntry, ...]
 class _Req(Hold[_RateKey]):
     """A request's hold at every level of its path, and its money and run beside it."""
 
-    __slots__ = ("periods", "cells", "run", "reserved_micros", "posted", "tools")
+    __slots__ = ("periods", "cells", "run", "run_money", "reserved_micros", "posted", "tools")
 
     def __init__(
         self, event: BudgetReserved, rate_keys: tuple[_RateKey, ...],
@@ -98,26 +101,30 @@ class _Req(Hold[_RateKey]):
         self.periods = periods
         self.cells: tuple[SpendEntry, ...] = ()
         self.run = (event.tenant_id, event.run_id) if event.run_id else None
+        self.run_money = False  # its money counted in its run (priced in the run's currency)
         self.reserved_micros = event.reserved_micros
         self.posted = False
         self.tools = False
 
 
 class PathState:
-    """What a path's checks read in one view, for one model and one day: each check of its
-    plan with its own buckets, the KV·s key and the spend entries of its budgets (the
-    period's), and the keys and spend entries a charge updates. Looked up once per decision
+    """What a path's checks read in one view, for one model, currency and day: each check of
+    its plan with its own buckets, the KV·s key and the spend entries of its budgets in that
+    currency (the period's; a budget in another currency does not count this request), and
+    the keys and spend entries a charge updates. Looked up once per decision
     instead of one dict lookup (and key tuple) per level, dimension and budget."""
 
-    __slots__ = ("plan", "model", "day", "month", "periods", "checks", "rate_keys", "kv_keys",
-                 "cells", "rpms", "tpms", "buckets_seen", "rated", "kv_caps", "spends",
+    __slots__ = ("plan", "model", "currency", "day", "month", "periods", "checks", "rate_keys",
+                 "kv_keys", "cells", "rpms", "tpms", "buckets_seen", "rated", "kv_caps", "spends",
                  "amount_min")  # fmt: skip
 
     def __init__(
-        self, view: PathView, plan: PathPlan, path: PathPolicy, model: str, now_s: float
-    ) -> None:
+        self, view: PathView, plan: PathPlan, path: PathPolicy, model: str, currency: str,
+        now_s: float,
+    ) -> None:  # fmt: skip
         self.plan = plan
         self.model = model
+        self.currency = currency
         self.day, self.month = day, month = path.day, path.month
         self.periods = (day, month)
         # Buckets and spend entries made now rather than at their first check are the same:
@@ -132,9 +139,11 @@ class PathState:
                 None if tpm is None else view._found_bucket(view._tpm, key, tpm, now_s),
                 key,
                 tuple(
-                    (budget.amount_micros, view._spend_entry(rule.key, day if daily else month),
+                    (budget.amount_micros,
+                     view._spend_entry(rule.key, day if daily else month, currency),
                      day if daily else month, budget)
                     for budget, daily in budgets
+                    if budget.currency == currency
                 ),
             ))  # fmt: skip
         self.checks = tuple(checks)
@@ -155,7 +164,7 @@ class PathState:
         self.amount_min = min((amount for amount, _ in self.spends), default=None)
         self.rate_keys = tuple((level, model) for level in path.level_keys)
         self.kv_keys = tuple((level, model) for level in path.kv_keys)
-        self.cells = view._path_cells(path.level_keys, self.periods)
+        self.cells = view._path_cells(path.level_keys, self.periods, currency)
         self.rpms: tuple[Bucket, ...] = ()
         self.tpms: tuple[Bucket, ...] = ()
         self.buckets_seen = -1
@@ -183,9 +192,9 @@ class PathView(Reservations[_RateKey, _Req]):
         # when it folds another edge's admission there. Without it, only buckets this view
         # already has are charged from the log.
         self._rates_for = rates_for
-        self._spend: dict[tuple[_LevelKey, str], SpendEntry] = {}
-        # (path's level keys, periods) -> their spend entries (`_path_cells`)
-        self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str]], _Cells] = {}
+        self._spend: dict[tuple[_LevelKey, str, str], SpendEntry] = {}  # level, period, currency
+        # (path's level keys, periods, currency) -> their spend entries (`_path_cells`)
+        self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str], str], _Cells] = {}
         # plan -> its state for the model and day last decided (`state`): rebuilt on demand.
         self._states: dict[PathPlan, PathState] = {}
         self._runs: dict[tuple[str, str], RunUsage] = {}
@@ -210,21 +219,25 @@ class PathView(Reservations[_RateKey, _Req]):
         """KV byte-seconds in flight per (level, model)."""
         return self._kv
 
-    def state(self, path: PathPolicy, model: str, now_s: float) -> PathState:
-        """The state of a path's checks for this model and day (kept while it holds)."""
+    def state(self, path: PathPolicy, model: str, currency: str, now_s: float) -> PathState:
+        """The state of a path's checks for this model, currency and day (kept while it
+        holds)."""
         plan = path.plan
         if plan is None:  # a policy not built by `Hierarchy.policy`: worked out, not kept
-            return PathState(self, PathPlan(path.levels), path, model, now_s)
+            return PathState(self, PathPlan(path.levels), path, model, currency, now_s)
         state = self._states.get(plan)
         if state is None or not (
             state.day == path.day and state.month == path.month and state.model == model
-        ):
-            state = self._states[plan] = PathState(self, plan, path, model, now_s)
+            and state.currency == currency
+        ):  # fmt: skip
+            state = self._states[plan] = PathState(self, plan, path, model, currency, now_s)
         return state
 
-    def spend(self, tenant_id: str, kind: str, level_id: str, period_key: str) -> tuple[int, int]:
-        """(reserved, posted) micro-units at one level in one period."""
-        found = self._spend.get(((tenant_id, kind, level_id), period_key))
+    def spend(
+        self, tenant_id: str, kind: str, level_id: str, period_key: str, currency: str = "USD"
+    ) -> tuple[int, int]:
+        """(reserved, posted) micro-units of `currency` at one level in one period."""
+        found = self._spend.get(((tenant_id, kind, level_id), period_key, currency))
         return (0, 0) if found is None else (found.reserved, found.posted)
 
     def run_usage(self, tenant_id: str, run_id: str) -> RunUsage:
@@ -284,7 +297,7 @@ class PathView(Reservations[_RateKey, _Req]):
             tokens = event.reserved_tokens
             for tpm in state.tpms:
                 tpm.level -= tokens
-        self._hold_money(req, state.cells)
+        self._hold_money(req, state.cells, state.currency)
 
     def finish(
         self, request_id: str, used_tokens: int, amount_micros: int, tool_calls: int, at: datetime
@@ -403,10 +416,12 @@ class PathView(Reservations[_RateKey, _Req]):
                 tpm = self._tpm.get(key)
                 if tpm is not None:
                     tpm.level -= event.reserved_tokens
-        self._hold_money(req, self._path_cells(levels, periods))
+        cells = self._path_cells(levels, periods, event.currency)
+        self._hold_money(req, cells, event.currency)
 
-    def _hold_money(self, req: _Req, cells: tuple[SpendEntry, ...]) -> None:
-        """Reserve an admission's money in its spend entries and count it in its run."""
+    def _hold_money(self, req: _Req, cells: _Cells, currency: str) -> None:
+        """Reserve an admission's money in its spend entries (its currency's) and count it in
+        its run (its money only in the run's currency, the first call's)."""
         req.cells = cells
         micros = req.reserved_micros
         for entry in cells:
@@ -417,34 +432,38 @@ class PathView(Reservations[_RateKey, _Req]):
                 run = self._runs[req.run] = RunUsage()
             run.calls += 1
             run.in_flight += 1
-            run.reserved_micros += micros
+            if run.currency is None:
+                run.currency = currency
+            if run.currency == currency:
+                req.run_money = True
+                run.reserved_micros += micros
 
     def _path_cells(
-        self, levels: tuple[_LevelKey, ...], periods: tuple[str, str]
-    ) -> tuple[SpendEntry, ...]:
-        """The spend entries of a path and period pair, found once: every request of the path
-        that day updates the same few objects."""
-        cells_key = (levels, periods)
+        self, levels: tuple[_LevelKey, ...], periods: tuple[str, str], currency: str
+    ) -> _Cells:
+        """The spend entries of a path, period pair and currency, found once: every request of
+        the path that day updates the same few objects."""
+        cells_key = (levels, periods, currency)
         cells = self._cells.get(cells_key)
         if cells is None:
             cells = self._cells[cells_key] = tuple(
-                self._spend_entry(level, period) for level in levels for period in periods
-            )
+                self._spend_entry(level, period, currency)
+                for level in levels for period in periods
+            )  # fmt: skip
         return cells
 
-    def _spend_entry(self, level: _LevelKey, period: str) -> SpendEntry:
-        entry = self._spend.get((level, period))
+    def _spend_entry(self, level: _LevelKey, period: str, currency: str) -> SpendEntry:
+        entry = self._spend.get((level, period, currency))
         if entry is None:
-            entry = self._spend[(level, period)] = SpendEntry()
+            entry = self._spend[(level, period, currency)] = SpendEntry()
         return entry
 
     def _unreserve(self, req: _Req) -> None:
         micros = req.reserved_micros
         for entry in req.cells:
             entry.reserved -= micros
-        run = self._runs.get(req.run) if req.run else None
-        if run is not None:
-            run.reserved_micros -= req.reserved_micros
+        if req.run_money:
+            self._run_of(req).reserved_micros -= micros
 
     def _post(self, req: _Req, amount_micros: int) -> None:
         if req.posted or req.voided:
@@ -453,9 +472,12 @@ class PathView(Reservations[_RateKey, _Req]):
         self._unreserve(req)
         for entry in req.cells:
             entry.posted += amount_micros
-        run = self._runs.get(req.run) if req.run else None
-        if run is not None:
-            run.posted_micros += amount_micros
+        if req.run_money:
+            self._run_of(req).posted_micros += amount_micros
+
+    def _run_of(self, req: _Req) -> RunUsage:
+        assert req.run is not None  # (a request counted in a run)
+        return self._runs[req.run]
 
     def _count_tools(self, req: _Req, tool_calls: int) -> None:
         if req.tools or req.run is None or tool_calls <= 0:

@@ -5,8 +5,9 @@ and end) and its `decide`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
+from domain.cost import CURRENCY_CODE
 from domain.envelope import Event
 from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
 from domain.governance.events import (
@@ -80,6 +81,7 @@ class SetBudget:
     level_id: str  # the tenant id for org
     period: str  # day | month
     amount_micros: int | None  # None: remove it
+    currency: str = "USD"  # ISO 4217 of the amount: the deployment's setting unless given
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +183,21 @@ def decide(
                     field="period",
                 )
             amount = command.amount_micros
-            check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
-                           field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
+            check_quantity("the budget in micro-units", amount, negative="negative_budget",
+                           field="amount", most=MAX_AMOUNT_MICROS)  # fmt: skip
+            check_currency(command.currency)
             current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
-            if current == amount:
+            if (current is None and amount is None) or (
+                current is not None and (current.amount_micros, current.currency)
+                == (amount, command.currency)
+            ):  # fmt: skip
                 return ()
-            return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
+            return (
+                BudgetSet(
+                    tenant, command.level, command.level_id, command.period, amount,
+                    command.currency,
+                ),
+            )  # fmt: skip
         case SetTimeZone():
             time_zone(command.time_zone)
             if t.zone_name == command.time_zone:
@@ -207,17 +218,20 @@ def decide(
             if command.run_id in t.runs:
                 raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
             policy = h.run_policy(tenant, command.project_id)
-            merged = RunLimits(
-                *(
-                    getattr(command.limits, name)
-                    if getattr(command.limits, name) is not None
-                    else getattr(policy, name)
-                    for name in RUN_LIMIT_FIELDS
-                )
-            )
+            given = command.limits
+            merged: dict[str, Any] = {
+                name: getattr(given, name) if getattr(given, name) is not None
+                else getattr(policy, name)
+                for name in RUN_LIMIT_FIELDS
+            }  # fmt: skip
+            # The currency goes with the cost limit it is the unit of.
+            if given.max_cost_micros is None and policy.max_cost_micros is not None:
+                merged["currency"] = policy.currency
+            else:
+                merged["currency"] = given.currency
             return (
                 RunStarted(
-                    tenant, command.run_id, command.project_id, **_run_fields(merged),
+                    tenant, command.run_id, command.project_id, **merged,
                     implicit=command.implicit,
                 ),
             )  # fmt: skip
@@ -231,14 +245,26 @@ def decide(
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
 
 
-def _run_fields(limits: RunLimits) -> dict[str, int | None]:
-    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS}
+def _run_fields(limits: RunLimits) -> dict[str, Any]:
+    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS} | {
+        "currency": limits.currency
+    }
 
 
 def _check_run_limits(limits: RunLimits) -> None:
     for name in RUN_LIMIT_FIELDS:
         value = getattr(limits, name)
         check_quantity(name, value)
+    check_currency(limits.currency)
+
+
+def check_currency(code: str) -> None:
+    """An amount's unit is an ISO 4217 code (three capitals), as a price's is."""
+    if not isinstance(code, str) or not CURRENCY_CODE.fullmatch(code):
+        raise DomainError(
+            "bad_currency", f"currency {code!r} is not an ISO 4217 code ({CURRENCY_CODE.pattern})",
+            field="currency",
+        )  # fmt: skip
 
 
 def _check_name(name: str) -> None:

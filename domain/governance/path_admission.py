@@ -79,9 +79,11 @@ def reserve(
     view: PathView, path: PathPolicy, request_id: str, model: str, reserved_tokens: int,
     kv_byte_seconds: int, micros: int, now: datetime, jitter: float, *,
     now_s: float | None = None, requests_left: int | None = None, tokens_left: int | None = None,
+    currency: str = "USD",
 ) -> PathAdmitted | PathRefused:  # fmt: skip
     """Admit a request (already admitted by the organization's limits, with `reserved_tokens`
-    and `kv_byte_seconds` charged there and `micros` its maximum cost) at every level of its
+    and `kv_byte_seconds` charged there and `micros` its maximum cost, in micro-units of
+    `currency`, its price's: only the budgets in that currency count it) at every level of its
     path and in its run, charging all of them at once, or refuse it naming the first level
     (from the organization down) or run dimension without room, charging nothing. Levels are
     checked top-down: when an ancestor is exhausted, raising a descendant's limit would not
@@ -96,7 +98,7 @@ def reserve(
     if now_s is None:
         now_s = now.timestamp()
     backoff = view.backoff
-    state = view.state(path, model, now_s)
+    state = view.state(path, model, currency, now_s)
     least = (requests_left, tokens_left)
     figures = _fits(view, state, reserved_tokens, kv_byte_seconds, micros, now_s, least)
     if figures is None:
@@ -110,7 +112,7 @@ def reserve(
     run = path.run
     starts_run = False
     if run is not None:
-        refusal = _run_refusal(view, run, now, micros)
+        refusal = _run_refusal(view, run, now, micros, currency)
         if refusal is not None:
             dimension, detail = refusal
             # Room comes back only while calls are in flight (in_flight, cost); the rest never.
@@ -123,7 +125,7 @@ def reserve(
     event = BudgetReserved(
         request_id, tenant, path.key_id, path.workspace_id, path.project_id,
         run.run_id if run else None, model, path.day, path.month, micros, reserved_tokens,
-        kv_byte_seconds,
+        kv_byte_seconds, currency,
     )  # fmt: skip
     view.take_on_path(event, now_s, state)
     if run is not None:
@@ -246,12 +248,13 @@ def _budget_refusal(
     """The first of a level's budgets (`PathState.checks`: amount, its spend entry, period key,
     budget) without room for `micros` more, as a refusal."""
     for amount, spent, period_key, budget in budgets:
+        unit = budget.currency
         if micros > amount:
             return _refused(
                 "invalid", rule, budget.period, 0,
-                f"this request may cost up to {_usd(micros)} USD, more than the whole "
+                f"this request may cost up to {_amount(micros, unit)}, more than the whole "
                 f"{_PERIODLY[budget.period]} budget of {rule.level.label} "
-                f"({_usd(amount)} USD); lower max_tokens", requests, tokens, "max_tokens",
+                f"({_amount(amount, unit)}); lower max_tokens", requests, tokens, "max_tokens",
             )  # fmt: skip
         if spent.reserved + spent.posted + micros > amount:
             reserved, posted = spent.reserved, spent.posted
@@ -264,10 +267,10 @@ def _budget_refusal(
                 )
             return _refused(
                 "budget", rule, budget.period, retry_after,
-                f"{rule.level.label} has spent {_usd(posted)} USD and reserved "
-                f"{_usd(reserved)} USD of its {_usd(amount)} USD "
+                f"{rule.level.label} has spent {_amount(posted, unit)} and reserved "
+                f"{_amount(reserved, unit)} of its {_amount(amount, unit)} "
                 f"{_PERIODLY[budget.period]} budget ({period_key}); this request may cost "
-                f"up to {_usd(micros)} USD", requests, tokens,
+                f"up to {_amount(micros, unit)}", requests, tokens,
             )  # fmt: skip
     return None
 
@@ -282,13 +285,21 @@ def _least(
     return figure, least
 
 
-def _run_refusal(view: PathView, run: Run, now: datetime, micros: int) -> tuple[str, str] | None:
-    """The run dimension a call would pass, with what to say of it, or None."""
+def _run_refusal(
+    view: PathView, run: Run, now: datetime, micros: int, currency: str
+) -> tuple[str, str] | None:
+    """The run dimension a call would pass, with what to say of it, or None. A run is billed in
+    one currency — its cost limit's, else its first call's — so that its cost is one sum: a
+    call priced in another (the deployment's currency changed mid-run) is refused, for good."""
     usage = view.run_usage(run.tenant_id, run.run_id)
     limits = run.limits
     name = repr(run.run_id)
     if run.ended_at is not None:
         return ("ended", f"run {name} has ended")
+    billed_in = limits.currency if limits.max_cost_micros is not None else usage.currency
+    if billed_in is not None and currency != billed_in:
+        return ("currency", f"run {name} is billed in {billed_in}; this call is priced in "
+                            f"{currency}: start a new run")  # fmt: skip
     if limits.max_wall_ms is not None and now - run.started_at > timedelta(
         milliseconds=limits.max_wall_ms
     ):
@@ -305,8 +316,9 @@ def _run_refusal(view: PathView, run: Run, now: datetime, micros: int) -> tuple[
     if limits.max_cost_micros is not None and usage.cost_micros + micros > limits.max_cost_micros:
         return (
             "cost",
-            f"run {name} has spent or reserved {_usd(usage.cost_micros)} USD of its "
-            f"{_usd(limits.max_cost_micros)} USD; this call may cost up to {_usd(micros)} USD",
+            f"run {name} has spent or reserved {_amount(usage.cost_micros, currency)} of its "
+            f"{_amount(limits.max_cost_micros, currency)}; this call may cost up to "
+            f"{_amount(micros, currency)}",
         )
     return None
 
@@ -332,5 +344,7 @@ def _until_next(now: datetime, period: str, zone_name: str) -> int:
     return max(1, -int(-(start.timestamp() - now.timestamp()) // 1))
 
 
-def _usd(micros: int) -> str:
-    return f"{micros / _MICROS_PER_UNIT:.6f}".rstrip("0").rstrip(".") if micros else "0"
+def _amount(micros: int, currency: str) -> str:
+    """Micro-units as a refusal says them: "0.0003 EUR"."""
+    shown = f"{micros / _MICROS_PER_UNIT:.6f}".rstrip("0").rstrip(".") if micros else "0"
+    return f"{shown} {currency}"
