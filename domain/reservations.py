@@ -190,6 +190,20 @@ class Reservations(Generic[K, H]):
         self._requests[hold.request_id] = hold
         self._hold_kv(hold)
 
+    def _take_rates(self, hold: H) -> None:
+        """One request and its reserved tokens at every rate key that has a bucket (a key
+        may limit one of the two alone)."""
+        if not (self._rpm or self._tpm):
+            return
+        tokens = hold.reserved_tokens
+        for key in hold.rate_keys:
+            rpm = self._rpm.get(key)
+            if rpm is not None:
+                rpm.level -= 1.0
+            tpm = self._tpm.get(key)
+            if tpm is not None:
+                tpm.level -= tokens
+
     def _hold_kv(self, hold: H) -> None:
         hold.in_flight = True
         kv = self._kv

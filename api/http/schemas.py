@@ -405,7 +405,15 @@ class RunCreate(BaseModel):
     max_calls: Limit = None
     max_tool_calls: Limit = None
     max_wall_seconds: Annotated[int, Field(ge=0, le=10**9)] | None = None  # 10**12 ms
-    max_cost_usd: Usd | Annotated[float, Field(ge=0)] | None = None
+    max_cost: Usd | Annotated[float, Field(ge=0)] | None = Field(
+        None, description="the run's cost limit, in `currency`"
+    )
+    currency: Currency | None = Field(
+        None, description="ISO 4217 of max_cost (default: the deployment's currency)"
+    )
+    max_cost_usd: Usd | Annotated[float, Field(ge=0)] | None = Field(
+        None, description="the same as max_cost with currency USD"
+    )
     max_in_flight: Limit = None
 
 
@@ -413,7 +421,9 @@ class RunLimits(BaseModel):
     max_calls: Limit
     max_tool_calls: Limit
     max_wall_seconds: float | None
-    max_cost_usd: Usd | None
+    max_cost: Usd | None
+    currency: Currency
+    max_cost_usd: Usd | None = Field(description="max_cost when the currency is USD, else null")
     max_in_flight: Limit
 
 
@@ -421,8 +431,11 @@ class RunUsage(BaseModel):
     calls: int
     in_flight: int
     tool_calls: int
-    cost_usd: Usd | None
-    reserved_usd: Usd | None
+    currency: Currency = Field(description="the run's currency: every call is billed in it")
+    cost: Usd
+    reserved: Usd
+    cost_usd: Usd | None = Field(description="cost when the currency is USD, else null")
+    reserved_usd: Usd | None = Field(description="reserved when the currency is USD, else null")
 
 
 class Run(BaseModel):
@@ -436,7 +449,8 @@ class Run(BaseModel):
     limits: RunLimits
     usage: RunUsage
     exhausted: (
-        Literal["calls", "tool_calls", "wall_clock", "cost", "in_flight", "ended", "currency"] | None
+        Literal["calls", "tool_calls", "wall_clock", "cost", "in_flight", "ended", "currency"]
+        | None
     )
 
 

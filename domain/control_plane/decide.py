@@ -380,8 +380,8 @@ def _check_priced_currency(view: ControlView, command: HierarchyCommand) -> None
     if priced and currency not in priced:
         raise DomainError(
             "unpriced_currency",
-            f"no price is in {currency} (prices are in {', '.join(sorted(priced))}): an amount "
-            f"in {currency} would never count any spend",
+            f"no price is in currency {currency} (prices are in {', '.join(sorted(priced))}): "
+            f"an amount in {currency} would never count any spend",
             field="currency",
         )
 

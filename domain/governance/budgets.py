@@ -107,6 +107,18 @@ class _Req(Hold[_RateKey]):
         self.tools = False
 
 
+def _levels_of(event: BudgetReserved) -> tuple[_LevelKey, ...]:
+    """The levels of a reservation's path, org first, as its event names them."""
+    tenant = event.tenant_id
+    found: list[_LevelKey] = [(tenant, "org", tenant)]
+    if event.workspace_id:
+        found.append((tenant, "workspace", event.workspace_id))
+    if event.project_id:
+        found.append((tenant, "project", event.project_id))
+    found.append((tenant, "key", event.key_id))
+    return tuple(found)
+
+
 class PathState:
     """What a path's checks read in one view, for one model, currency and day: each check of
     its plan with its own buckets, the KV·s key and the spend entries of its budgets in that
@@ -394,28 +406,15 @@ class PathView(Reservations[_RateKey, _Req]):
         kv_levels: tuple[_LevelKey, ...] | None = None,
     ) -> None:  # fmt: skip
         if levels is None:
-            tenant = event.tenant_id
-            found: list[_LevelKey] = [(tenant, "org", tenant)]
-            if event.workspace_id:
-                found.append((tenant, "workspace", event.workspace_id))
-            if event.project_id:
-                found.append((tenant, "project", event.project_id))
-            found.append((tenant, "key", event.key_id))
-            levels = tuple(found)
+            levels = _levels_of(event)
         model = event.model
         rate_keys = tuple((level, model) for level in levels)
         kv_keys = rate_keys if kv_levels is None else tuple((lv, model) for lv in kv_levels)
         periods = (event.day, event.month)
         req = _Req(event, rate_keys, kv_keys, periods, at_s)
         self._take(req)
-        if rate and (self._rpm or self._tpm):  # (a level may limit tokens/min alone)
-            for key in rate_keys:
-                rpm = self._rpm.get(key)
-                if rpm is not None:
-                    rpm.level -= 1.0
-                tpm = self._tpm.get(key)
-                if tpm is not None:
-                    tpm.level -= event.reserved_tokens
+        if rate:
+            self._take_rates(req)
         cells = self._path_cells(levels, periods, event.currency)
         self._hold_money(req, cells, event.currency)
 

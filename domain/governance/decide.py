@@ -176,28 +176,7 @@ def decide(
             )
         case SetBudget():
             _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
-            if command.period not in BUDGET_PERIODS:
-                raise DomainError(
-                    "bad_period",
-                    f"period {command.period!r} is not one of {BUDGET_PERIODS}",
-                    field="period",
-                )
-            amount = command.amount_micros
-            check_quantity("the budget in micro-units", amount, negative="negative_budget",
-                           field="amount", most=MAX_AMOUNT_MICROS)  # fmt: skip
-            check_currency(command.currency)
-            current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
-            if (current is None and amount is None) or (
-                current is not None and (current.amount_micros, current.currency)
-                == (amount, command.currency)
-            ):  # fmt: skip
-                return ()
-            return (
-                BudgetSet(
-                    tenant, command.level, command.level_id, command.period, amount,
-                    command.currency,
-                ),
-            )  # fmt: skip
+            return _decide_budget(t, command)
         case SetTimeZone():
             time_zone(command.time_zone)
             if t.zone_name == command.time_zone:
@@ -208,33 +187,7 @@ def decide(
             _check_run_limits(command.limits)
             return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
         case StartRun():
-            if not RUN_ID.fullmatch(command.run_id):
-                raise DomainError(
-                    "bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id"
-                )
-            if command.project_id is not None:
-                _require(t.projects, command.project_id, "project")
-            _check_run_limits(command.limits)
-            if command.run_id in t.runs:
-                raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
-            policy = h.run_policy(tenant, command.project_id)
-            given = command.limits
-            merged: dict[str, Any] = {
-                name: getattr(given, name) if getattr(given, name) is not None
-                else getattr(policy, name)
-                for name in RUN_LIMIT_FIELDS
-            }  # fmt: skip
-            # The currency goes with the cost limit it is the unit of.
-            if given.max_cost_micros is None and policy.max_cost_micros is not None:
-                merged["currency"] = policy.currency
-            else:
-                merged["currency"] = given.currency
-            return (
-                RunStarted(
-                    tenant, command.run_id, command.project_id, **merged,
-                    implicit=command.implicit,
-                ),
-            )  # fmt: skip
+            return _decide_start_run(h, t, command)
         case EndRun():
             run = t.runs.get(command.run_id)
             if run is None:
@@ -243,6 +196,62 @@ def decide(
                 return ()
             return (RunEnded(tenant, command.run_id),)
     raise DomainError("unknown_command", f"unknown command {type(command).__name__}")
+
+
+def _decide_budget(t: _Tenant, command: SetBudget) -> tuple[Event, ...]:
+    """A budget set, changed (its amount or its currency) or removed; () if it already is."""
+    if command.period not in BUDGET_PERIODS:
+        raise DomainError(
+            "bad_period",
+            f"period {command.period!r} is not one of {BUDGET_PERIODS}",
+            field="period",
+        )
+    amount = command.amount_micros
+    check_quantity("the budget in micro-units", amount, negative="negative_budget",
+                   field="amount", most=MAX_AMOUNT_MICROS)  # fmt: skip
+    check_currency(command.currency)
+    current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
+    if (current is None and amount is None) or (
+        current is not None and (current.amount_micros, current.currency)
+        == (amount, command.currency)
+    ):  # fmt: skip
+        return ()
+    return (
+        BudgetSet(
+            command.tenant_id, command.level, command.level_id, command.period, amount,
+            command.currency,
+        ),
+    )  # fmt: skip
+
+
+def _decide_start_run(h: Hierarchy, t: _Tenant, command: StartRun) -> tuple[Event, ...]:
+    """A run's start with its limits: those given, the rest (a cost limit with its currency)
+    its project's policy."""
+    if not RUN_ID.fullmatch(command.run_id):
+        raise DomainError("bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id")
+    if command.project_id is not None:
+        _require(t.projects, command.project_id, "project")
+    _check_run_limits(command.limits)
+    if command.run_id in t.runs:
+        raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
+    policy = h.run_policy(command.tenant_id, command.project_id)
+    given = command.limits
+    merged: dict[str, Any] = {
+        name: getattr(given, name) if getattr(given, name) is not None
+        else getattr(policy, name)
+        for name in RUN_LIMIT_FIELDS
+    }  # fmt: skip
+    # The currency goes with the cost limit it is the unit of.
+    if given.max_cost_micros is None and policy.max_cost_micros is not None:
+        merged["currency"] = policy.currency
+    else:
+        merged["currency"] = given.currency
+    return (
+        RunStarted(
+            command.tenant_id, command.run_id, command.project_id, **merged,
+            implicit=command.implicit,
+        ),
+    )  # fmt: skip
 
 
 def _run_fields(limits: RunLimits) -> dict[str, Any]:

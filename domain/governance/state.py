@@ -320,9 +320,7 @@ class Hierarchy:
             case TimeZoneSet():
                 t.zone_name = event.time_zone
             case RunPolicySet():
-                t.run_policies.setdefault(event.project_id, []).append(
-                    (at, _run_limits(event))
-                )
+                t.run_policies.setdefault(event.project_id, []).append((at, _run_limits(event)))
             case RunStarted():
                 if event.run_id not in t.runs:
                     limits = _run_limits(event)
