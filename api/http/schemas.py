@@ -334,6 +334,12 @@ class RequestTimeline(BaseModel):
     downgraded_from: str | None = None
     plan_at_admission: str | None = None
     limits_at_admission: Object | None = None
+    budget_reserved_micros: int | None = Field(
+        None, description="the maximum cost reserved at the levels of its path, when governed"
+    )
+    budget_reserved_currency: Currency | None = Field(
+        None, description="the ISO 4217 code of budget_reserved_micros (its price's)"
+    )
     replica_id: str | None = None
     replica_occupancy_at_routing: float | None = None
     ttft_ms: int | None = None

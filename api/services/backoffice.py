@@ -320,6 +320,7 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "project": state.project_id,
         "run": state.run_id,
         "budget_reserved_micros": state.reserved_micros or None,
+        "budget_reserved_currency": state.reserved_currency or None,
         "plan_at_admission": t.plan_at_admission,
         "limits_at_admission": t.limits_at_admission,
         "replica_id": t.replica_id,
