@@ -188,7 +188,13 @@ class Reservations(Generic[K, H]):
         """Record an admission's hold and take its KV·s (its rates are the caller's to take:
         it holds the buckets its decision refilled)."""
         self._requests[hold.request_id] = hold
-        self._hold_kv(hold)
+        # `_hold_kv`'s, inline: this runs on every admission, twice (organization and path),
+        # and the call was measured (~0.2 µs of a 17 µs path decision).
+        hold.in_flight = True
+        kv = self._kv
+        amount = hold.kv_byte_seconds
+        for key in hold.kv_keys:
+            kv[key] = kv.get(key, 0) + amount
 
     def _take_rates(self, hold: H) -> None:
         """One request and its reserved tokens at every rate key that has a bucket (a key

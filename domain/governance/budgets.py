@@ -204,6 +204,9 @@ class PathView(Reservations[_RateKey, _Req]):
         # when it folds another edge's admission there. Without it, only buckets this view
         # already has are charged from the log.
         self._rates_for = rates_for
+        # KV byte-seconds in flight per (level, model), for the decision to read: the same dict,
+        # an attribute rather than a property (read on every decision).
+        self.kv: Mapping[_RateKey, int] = self._kv
         self._spend: dict[tuple[_LevelKey, str, str], SpendEntry] = {}  # level, period, currency
         # (path's level keys, periods, currency) -> their spend entries (`_path_cells`)
         self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str], str], _Cells] = {}
@@ -225,11 +228,6 @@ class PathView(Reservations[_RateKey, _Req]):
         }
 
     # --- what a decision reads ----------------------------------------------------------------
-
-    @property
-    def kv(self) -> Mapping[_RateKey, int]:
-        """KV byte-seconds in flight per (level, model)."""
-        return self._kv
 
     def state(self, path: PathPolicy, model: str, currency: str, now_s: float) -> PathState:
         """The state of a path's checks for this model, currency and day (kept while it
