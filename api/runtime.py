@@ -213,7 +213,10 @@ class Runtime:
         # Budgets and runs count what was spent before this process started.
         end = self.store.last_position()
         catch_up(self.store, self.edge.paths, datetime.now(UTC))
-        self.runs = RunService(self.control_log, CommandHandler(self.store), self.edge.paths)
+        self.runs = RunService(
+            self.control_log, CommandHandler(self.store), self.edge.paths,
+            currency=self.settings.currency,
+        )  # fmt: skip
         self._follower = threading.Thread(
             target=self._follow_control, name="tollgate-control", daemon=True
         )

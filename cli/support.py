@@ -51,7 +51,8 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
     if timeline.get("project") or timeline.get("run"):
         click.echo(
             f"workspace {timeline['workspace']}  project {timeline['project']}  run "
-            f"{timeline['run']}  budget reserved {timeline['budget_reserved_micros']} micro-units"
+            f"{timeline['run']}  budget reserved {timeline['budget_reserved_micros']} micro-units "
+            f"{timeline['budget_reserved_currency']}"
         )
     if timeline.get("routing"):
         r = timeline["routing"]

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from api.config import Settings
 from api.services import control_service as control
 from cli.common import (
     F,
@@ -16,6 +17,7 @@ from cli.common import (
     micros,
     one_line_errors,
 )
+from cli.options import settings_options
 from domain.audit.events import Actor
 from domain.errors import DomainError
 
@@ -286,26 +288,56 @@ def budgets() -> None:
 @click.option("--tenant", required=True)
 @with_level
 @click.option("--period", required=True, type=click.Choice(["day", "month"]))
-@click.option("--usd", default=None, help="the budget, e.g. 25.00")
+@click.option("--amount", default=None, help="the budget in --currency, e.g. 25.00")
+@click.option("--usd", default=None, help="the same as --amount AMOUNT --currency USD")
 @click.option("--clear", is_flag=True, help="remove the budget of that level and period")
-@control_options
+@settings_options("database_url", "currency", "actor")
 @one_line_errors
 def budgets_set(
     tenant: str, workspace: str | None, project: str | None, key_id: str | None, period: str,
-    usd: str | None, clear: bool, database_url: str, actor: Actor,
+    amount: str | None, usd: str | None, clear: bool, settings: Settings,
 ) -> None:  # fmt: skip
     """Periods are calendar days and months in the organization's time zone (UTC unless set
-    with `tollgate budgets timezone`); a new one starts from zero at its first instant."""
-    if (usd is None) == (not clear):
-        raise click.UsageError("give --usd AMOUNT or --clear")
+    with `tollgate budgets timezone`); a new one starts from zero at its first instant. A
+    budget counts only the spend priced in its currency (the deployment's unless given)."""
+    given = [name for name, value in (("--amount", amount), ("--usd", usd)) if value is not None]
+    if len(given) + clear != 1:
+        raise click.UsageError("give one of --amount AMOUNT, --usd AMOUNT or --clear")
+    currency = "USD" if usd is not None else settings.currency
     level = _level(tenant, workspace, project, key_id, org=True)
     assert level is not None
-    amount = None if clear else micros(usd or "", "--usd")
-    with control.ControlService.open(database_url, actor) as service:
-        service.set_budget(tenant, *level, period, amount)
-    shown = "cleared" if amount is None else f"{usd} USD"
+    micro = None if clear else micros(amount or usd or "", given[0])
+    actor = control.operator(settings.actor, required=settings.require_actor)
+    with control.ControlService.open(settings.store_url(), actor) as service:
+        service.set_budget(tenant, *level, period, micro, currency=currency)
+    shown = "cleared" if micro is None else f"{amount or usd} {currency}"
     periodly = {"day": "daily", "month": "monthly"}[period]
     click.echo(f"{periodly} budget of {level[0]} {level[1]}: {shown}")
+
+
+@budgets.command("show")
+@click.option("--tenant", required=True)
+@database_option
+@one_line_errors
+def budgets_show(tenant: str, database_url: str) -> None:
+    """Each level's spend this month (per currency) against its budgets, with their currency."""
+    from datetime import UTC, datetime
+
+    with control.open_backoffice(database_url) as bo:
+        tree = bo.spend_tree(tenant, datetime.now(UTC))
+    click.echo(f"{tenant}: month from {tree['month_start']} ({tree['time_zone']})")
+    click.echo(f"{'level':<32} {'spent this month':>24} {'monthly budget':>20} {'used':>7} "
+               f"{'daily budget':>20}")  # fmt: skip
+    for row in tree["levels"]:
+        name = "  " * row["depth"] + f"{row['level']} {row['name']}"
+        spent = " · ".join(f"{a['amount']} {a['currency']}" for a in row["spent"]) or "-"
+        month, day = row["month_budget"], row["day_budget"]
+        used = "" if row["used_ppm"] is None else f"{row['used_ppm'] / 10_000:.1f} %"
+        click.echo(f"{name:<32} {spent:>24} {_shown(month):>20} {used:>7} {_shown(day):>20}")
+
+
+def _shown(amount: dict[str, Any] | None) -> str:
+    return "-" if amount is None else f"{amount['amount']} {amount['currency']}"
 
 
 @budgets.command("timezone")
@@ -325,7 +357,8 @@ run_limit_options = [
                  help="tool calls the engine may return within a run"),  # fmt: skip
     click.option("--max-wall-s", type=int, callback=_non_negative,
                  help="seconds since the run started"),  # fmt: skip
-    click.option("--max-usd", default=None, help="cost per run, e.g. 0.50"),
+    click.option("--max-cost", default=None, help="cost per run in --currency, e.g. 0.50"),
+    click.option("--max-usd", default=None, help="the same as --max-cost COST --currency USD"),
     click.option("--max-in-flight", type=int, callback=_non_negative,
                  help="calls in flight at once"),  # fmt: skip
 ]
@@ -339,13 +372,19 @@ def with_run_limits(fn: F) -> F:
 
 def run_limits(
     max_calls: int | None, max_tool_calls: int | None, max_wall_s: int | None,
-    max_usd: str | None, max_in_flight: int | None,
+    max_cost: str | None, max_usd: str | None, max_in_flight: int | None, currency: str,
 ) -> Any:  # fmt: skip
+    """The limits the options give; a cost limit is in `currency` (the deployment's setting),
+    or in USD with --max-usd."""
     from domain.runs.state import RunLimits
 
+    if max_cost is not None and max_usd is not None:
+        raise click.UsageError("give --max-cost or --max-usd, not both")
+    cost, option = (max_usd, "--max-usd") if max_usd is not None else (max_cost, "--max-cost")
     return RunLimits(
         max_calls, max_tool_calls, None if max_wall_s is None else max_wall_s * 1000,
-        None if max_usd is None else micros(max_usd, "--max-usd"), max_in_flight,
+        None if cost is None else micros(cost, option), max_in_flight,
+        "USD" if max_usd is not None else currency,
     )  # fmt: skip
 
 
@@ -358,13 +397,16 @@ def runs() -> None:
 @click.option("--tenant", required=True)
 @click.option("--project", required=True)
 @with_run_limits
-@control_options
+@settings_options("database_url", "currency", "actor")
 @one_line_errors
-def runs_policy(tenant: str, project: str, database_url: str, actor: Actor, **limits: Any) -> None:
+def runs_policy(tenant: str, project: str, settings: Settings, **limits: Any) -> None:
     """The run budget a project's runs get where their creator gives none."""
-    with control.ControlService.open(database_url, actor) as service:
-        service.set_run_policy(tenant, project, run_limits(**limits))
-    click.echo(f"run policy of project {project} recorded")
+    policy = run_limits(**limits, currency=settings.currency)
+    actor = control.operator(settings.actor, required=settings.require_actor)
+    with control.ControlService.open(settings.store_url(), actor) as service:
+        service.set_run_policy(tenant, project, policy)
+    cost = "" if policy.max_cost_micros is None else f" (cost in {policy.currency})"
+    click.echo(f"run policy of project {project} recorded{cost}")
 
 
 @click.group()

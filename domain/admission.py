@@ -40,10 +40,12 @@ from domain.backoff import BackoffPolicy
 from domain.control_plane.state import Limits
 from domain.cost import GIB, Estimate, Price, est_kv_byte_seconds
 from domain.errors import DomainError
-from domain.governance.budgets import PathRefused, PathView, Rate, max_cost_micros, narrow, reserve
+from domain.governance.budgets import PathView
+from domain.governance.path_admission import PathRefused, Rate, max_cost_micros, narrow, reserve
 from domain.governance.state import PathPolicy
-from domain.quota import Bucket, QuotaView
+from domain.quota import QuotaView
 from domain.requests.events import BudgetReserved
+from domain.reservations import Bucket
 from domain.types import RESERVED_TIER, RejectReason
 
 __all__ = [
@@ -315,11 +317,12 @@ def decide_on_path(
 ) -> Admitted | Rejected:
     """The one admission decision of a request whose key sits in a hierarchy (or whose call
     belongs to a run): the organization's limits (`decide`, with the path's tightest
-    max_context / max_output), then every level below it and the run (`budgets.reserve`). It
-    is charged everywhere or nowhere: a refusal below the organization gives the organization's
-    charge back. X-RateLimit-* figures are the tightest level's. Money is reserved on the
-    output cap (the engine's max_tokens), never on a predicted output: a prediction narrows
-    the tokens/min and KV·s charges, but a budget must hold whatever the engine produces."""
+    max_context / max_output), then every level below it and the run
+    (`path_admission.reserve`). It is charged everywhere or nowhere: a refusal below the
+    organization gives the organization's charge back. X-RateLimit-* figures are the tightest
+    level's. Money is reserved on the output cap (the engine's max_tokens), never on a
+    predicted output: a prediction narrows the tokens/min and KV·s charges, but a budget must
+    hold whatever the engine produces."""
     narrowed = narrow(limits, path)
     now_s = cmd.now.timestamp()
     granted = _admit(view, cmd, narrowed, stale, policy, now_s)
@@ -337,6 +340,7 @@ def decide_on_path(
         paths, path, cmd.request_id, cmd.model, est.reserved_tokens, est.kv_byte_seconds,
         max_cost_micros(price, est.prompt_tokens, est.max_output_tokens), cmd.now,
         cmd.jitter, now_s=now_s, requests_left=requests_left, tokens_left=tokens_left,
+        currency=price.currency,
     )  # fmt: skip
     rate_limits = _tightest(rpm, tpm, requests_left, tokens_left, outcome.requests, outcome.tokens)
     if isinstance(outcome, PathRefused):

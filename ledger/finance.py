@@ -206,18 +206,19 @@ class FinanceQueries:
 
     def spend_by_level(
         self, tenant: str, since: datetime
-    ) -> list[tuple[str | None, str | None, str, int]]:
-        """(workspace, project, key, amount_micros) of a tenant's requests admitted since
-        `since`: what its budgets count this period (a request counts where it was admitted)."""
+    ) -> list[tuple[str | None, str | None, str, str, int]]:
+        """(workspace, project, key, currency, amount_micros) of a tenant's requests admitted
+        since `since`: what its budgets count this period (a request counts where it was
+        admitted; a budget, only in its own currency)."""
         e = ledger_entries
         query = (
-            sa.select(e.c.workspace_id, e.c.project_id, e.c.key_id,
+            sa.select(e.c.workspace_id, e.c.project_id, e.c.key_id, e.c.currency,
                       sa.func.sum(e.c.amount_micros))  # fmt: skip
             .where(e.c.tenant_id == tenant, e.c.admitted_at >= since)
-            .group_by(e.c.workspace_id, e.c.project_id, e.c.key_id)
+            .group_by(e.c.workspace_id, e.c.project_id, e.c.key_id, e.c.currency)
         )
         with self.engine.connect() as conn:
-            return [(r[0], r[1], r[2], int(r[3] or 0)) for r in conn.execute(query)]
+            return [(r[0], r[1], r[2], r[3], int(r[4] or 0)) for r in conn.execute(query)]
 
     def entries(
         self,

@@ -29,7 +29,8 @@ from typing import Any, Literal
 from domain import admission
 from domain.control_plane.state import ControlView, Limits
 from domain.prediction import CoverageTracker, Forecaster, History, Prediction
-from domain.quota import Bucket, QuotaView
+from domain.quota import QuotaView
+from domain.reservations import Bucket
 from predictor.dataset import LoggedRequest, timeline
 from predictor.model_file import ModelFile
 from predictor.runtime import COVERAGE_MARGIN, COVERAGE_MIN_SAMPLES, COVERAGE_WINDOW

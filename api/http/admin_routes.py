@@ -6,6 +6,7 @@ change. Routes parse, call the service off the event loop, render."""
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations, and the admin
 # dependency they name is this function's local, not a module global.
 import asyncio
+import functools
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Annotated, Any
@@ -210,8 +211,9 @@ def add_admin_routes(
         request: Request, caller: AdminDep, tenant: TenantPath, body: BudgetSet
     ) -> Response:
         found = await asyncio.to_thread(
-            admin.set_budget, caller.key_id, tenant, body.period, body.usd, level(body)
-        )
+            functools.partial(admin.set_budget, currency=body.currency or currency),
+            caller.key_id, tenant, body.period, body.usd, level(body),
+        )  # fmt: skip
         return done(request, found)
 
     @app.post(

@@ -100,7 +100,13 @@ class ProjectCreate(_Body):
 
 class BudgetSet(_Level):
     period: Literal["day", "month"]
-    usd: Usd | None = Field(description='the budget, e.g. "25.00"; null removes it')
+    usd: Usd | None = Field(
+        description='the budget in `currency`, e.g. "25.00"; null removes it'
+    )
+    currency: Annotated[str, Field(pattern="^[A-Z]{3}$")] | None = Field(
+        None, description="ISO 4217; the budget counts only spend priced in it (default: the "
+        "deployment's currency)",
+    )
 
 
 class TimeZoneSet(_Body):
@@ -213,7 +219,8 @@ class AdminBudget(BaseModel):
     level_id: str
     period: Literal["day", "month"]
     amount_micros: int | None
-    usd: str | None
+    usd: str | None = Field(description="the amount, in `currency`")
+    currency: str
     changed: bool = Field(description="false: it was already so (nothing recorded)")
 
 

@@ -365,6 +365,12 @@ class RequestTimeline(BaseModel):
     feedback: Object | None = Field(None, description="the customer's score and label")
     plan_at_admission: str | None = None
     limits_at_admission: Object | None = None
+    budget_reserved_micros: int | None = Field(
+        None, description="the maximum cost reserved at the levels of its path, when governed"
+    )
+    budget_reserved_currency: Currency | None = Field(
+        None, description="the ISO 4217 code of budget_reserved_micros (its price's)"
+    )
     replica_id: str | None = None
     replica_occupancy_at_routing: float | None = None
     region: str | None = None
@@ -472,7 +478,15 @@ class RunCreate(BaseModel):
     max_calls: Limit = None
     max_tool_calls: Limit = None
     max_wall_seconds: Annotated[int, Field(ge=0, le=10**9)] | None = None  # 10**12 ms
-    max_cost_usd: Usd | Annotated[float, Field(ge=0)] | None = None
+    max_cost: Usd | Annotated[float, Field(ge=0)] | None = Field(
+        None, description="the run's cost limit, in `currency`"
+    )
+    currency: Currency | None = Field(
+        None, description="ISO 4217 of max_cost (default: the deployment's currency)"
+    )
+    max_cost_usd: Usd | Annotated[float, Field(ge=0)] | None = Field(
+        None, description="the same as max_cost with currency USD"
+    )
     max_in_flight: Limit = None
 
 
@@ -480,7 +494,9 @@ class RunLimits(BaseModel):
     max_calls: Limit
     max_tool_calls: Limit
     max_wall_seconds: float | None
-    max_cost_usd: Usd | None
+    max_cost: Usd | None
+    currency: Currency
+    max_cost_usd: Usd | None = Field(description="max_cost when the currency is USD, else null")
     max_in_flight: Limit
 
 
@@ -488,8 +504,11 @@ class RunUsage(BaseModel):
     calls: int
     in_flight: int
     tool_calls: int
-    cost_usd: Usd | None
-    reserved_usd: Usd | None
+    currency: Currency = Field(description="the run's currency: every call is billed in it")
+    cost: Usd
+    reserved: Usd
+    cost_usd: Usd | None = Field(description="cost when the currency is USD, else null")
+    reserved_usd: Usd | None = Field(description="reserved when the currency is USD, else null")
 
 
 class Run(BaseModel):
@@ -502,7 +521,10 @@ class Run(BaseModel):
     implicit: bool
     limits: RunLimits
     usage: RunUsage
-    exhausted: Literal["calls", "tool_calls", "wall_clock", "cost", "in_flight", "ended"] | None
+    exhausted: (
+        Literal["calls", "tool_calls", "wall_clock", "cost", "in_flight", "ended", "currency"]
+        | None
+    )
 
 
 # --- files and batches -------------------------------------------------------------------------

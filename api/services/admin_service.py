@@ -183,17 +183,18 @@ class AdminService:
 
     def set_budget(
         self, key_id: str, tenant: str, period: str, usd: str | None,
-        level: dict[str, str | None],
+        level: dict[str, str | None], *, currency: str,
     ) -> dict[str, Any]:  # fmt: skip
-        """`usd` None removes the level's budget for the period."""
+        """`usd` (the amount, in `currency`) None removes the level's budget for the period."""
         with self._control(key_id) as service:
             kind, level_id = level_of(tenant, level.get("workspace"), level.get("project"),
                                       level.get("key"), org=True) or ("org", tenant)  # fmt: skip
             amount = None if usd is None else usd_micros(usd, "usd")
-            changed = service.set_budget(tenant, kind, level_id, period, amount)
+            changed = service.set_budget(tenant, kind, level_id, period, amount,
+                                         currency=currency)  # fmt: skip
         return {"object": "budget", "tenant": tenant, "level": kind, "level_id": level_id,
                 "period": period, "amount_micros": amount, "usd": _usd(amount),
-                "changed": changed}  # fmt: skip
+                "currency": currency, "changed": changed}  # fmt: skip
 
     def set_time_zone(self, key_id: str, tenant: str, zone: str) -> dict[str, Any]:
         with self._control(key_id) as service:

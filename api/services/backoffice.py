@@ -17,12 +17,12 @@ import sqlalchemy as sa
 from api.services.errors import ApiError
 from domain.control_plane.state import ControlView
 from domain.envelope import Recorded
-from domain.governance.state import month_start
+from domain.governance.state import Budget, month_start
 from domain.leases import edge_stream
 from domain.projections import REQUEST_LOG_STATUSES
 from domain.replay import Timeline, replay
 from domain.text import unstorable
-from ledger.finance import FinanceQueries, month_bounds
+from ledger.finance import FinanceQueries, currency_totals, month_bounds
 from ledger.store import EventStore
 
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
@@ -174,28 +174,35 @@ class Backoffice:
         return self.finance.goodput(tenant, start, end, group_by, self.control.slo)
 
     def spend_tree(self, tenant: str, now: datetime) -> dict[str, Any]:
-        """A tenant's hierarchy as rows (depth, level, name, this month's spend, its monthly and
-        daily budgets), organization first, each workspace with its projects and keys under it:
-        the finance page's tree. The month is the organization's (its time zone)."""
+        """A tenant's hierarchy as rows (depth, level, name, this month's spend per currency,
+        its monthly and daily budgets, each with its currency), organization first, each
+        workspace with its projects and keys under it: the finance page's tree and
+        `tollgate budgets show`. The month is the organization's (its time zone). `used_ppm`:
+        the monthly budget's share spent, counting the spend in its currency only (the only
+        spend it counts)."""
         self._known_tenant(tenant)
         tree = self.control.hierarchy
         zone_name = tree.time_zone_name(tenant)
         start = month_start(now, zone_name)
-        spent: dict[tuple[str, str], int] = defaultdict(int)
-        for workspace, project, key, amount in self.finance.spend_by_level(tenant, start):
-            spent[("org", tenant)] += amount
-            if workspace:
-                spent[("workspace", workspace)] += amount
-            if project:
-                spent[("project", project)] += amount
-            spent[("key", key)] += amount
+        spent: dict[tuple[str, str | None], dict[str, int]] = defaultdict(dict)
+        for workspace, project, key, currency, amount in self.finance.spend_by_level(
+            tenant, start
+        ):
+            for level in (("org", tenant), ("workspace", workspace), ("project", project),
+                          ("key", key)):  # fmt: skip
+                if level[1] is not None:
+                    spent[level][currency] = spent[level].get(currency, 0) + amount
 
         def row(depth: int, kind: str, level_id: str, name: str) -> dict[str, Any]:
-            budgets = tree.budgets(tenant, kind, level_id)
-            return {"depth": depth, "level": kind, "name": name,
-                    "spent_micros": spent.get((kind, level_id), 0),
-                    "month_budget_micros": budgets.get("month"),
-                    "day_budget_micros": budgets.get("day")}  # fmt: skip
+            budgets = tree.level_budgets(tenant, kind, level_id)
+            here = spent.get((kind, level_id), {})
+            month = budgets.get("month")
+            used_ppm = None
+            if month is not None and month.amount_micros:
+                used_ppm = here.get(month.currency, 0) * 1_000_000 // month.amount_micros
+            return {"depth": depth, "level": kind, "name": name, "spent": _amounts(here),
+                    "month_budget": _budget(month), "day_budget": _budget(budgets.get("day")),
+                    "used_ppm": used_ppm}  # fmt: skip
 
         keys_of: dict[str | None, list[str]] = defaultdict(list)
         for key in self.control.keys(tenant):
@@ -326,6 +333,7 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "project": state.project_id,
         "run": state.run_id,
         "budget_reserved_micros": state.reserved_micros or None,
+        "budget_reserved_currency": state.reserved_currency or None,
         "plan_at_admission": t.plan_at_admission,
         "limits_at_admission": t.limits_at_admission,
         "replica_id": t.replica_id,
@@ -390,6 +398,23 @@ ENTRY_COLUMNS = ("request_id", "tenant", "key_id", "model", "prompt_tokens", "co
 INVOICE_COLUMNS = ("model", "adapter", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                    "cached_micros_per_mtok", "requests", "uncached_prompt_tokens",
                    "cached_tokens", "completion_tokens", "amount_micros", "currency")
+
+
+def _amounts(by_currency: dict[str, int]) -> list[dict[str, Any]]:
+    """{currency: micro-units} as the amounts every billing object shows, in currency order."""
+    return [
+        {"currency": t["currency"], "amount_micros": t["amount_micros"], "amount": t["amount"]}
+        for t in currency_totals(
+            [{"currency": c, "requests": 0, "amount_micros": a} for c, a in by_currency.items()]
+        )
+    ]
+
+
+def _budget(budget: Budget | None) -> dict[str, Any] | None:
+    """A budget as the spend tree shows it: its amount with its currency."""
+    if budget is None:
+        return None
+    return _amounts({budget.currency: budget.amount_micros})[0]
 
 
 def _iso(when: datetime) -> str:

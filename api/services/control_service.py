@@ -373,9 +373,12 @@ class ControlService:
         self.execute(tenant_stream(tenant), command)
 
     def set_budget(
-        self, tenant: str, level: str, level_id: str, period: str, amount_micros: int | None
-    ) -> bool:
-        command = SetBudget(tenant, level, level_id, period, amount_micros)
+        self, tenant: str, level: str, level_id: str, period: str, amount_micros: int | None,
+        *, currency: str,
+    ) -> bool:  # fmt: skip
+        """A budget of `amount_micros` micro-units of `currency` (ISO 4217; the CLI gives the
+        deployment's setting unless told), or None to remove it."""
+        command = SetBudget(tenant, level, level_id, period, amount_micros, currency)
         return bool(self.execute(tenant_stream(tenant), command))
 
     def set_time_zone(self, tenant: str, zone: str) -> bool:

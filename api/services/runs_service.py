@@ -1,7 +1,11 @@
 """Agent runs over HTTP (`POST /v1/runs`, `GET /v1/runs/{id}`, `POST /v1/runs/{id}/end`): parse,
 decide through `domain.governance` and the command handler, and render a run with its
 consumption as the edge's path view folded it. Runs are the caller's tenant's only: another
-tenant's run id is answered 404, exactly like one that does not exist."""
+tenant's run id is answered 404, exactly like one that does not exist.
+
+A run is billed in one currency (`domain.governance.path_admission`): its cost limit's
+(`currency`, default the deployment's setting; `max_cost_usd` is `max_cost` in USD), else its
+first call's. Every amount it shows says that currency."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import orjson
 from api.services.auth import Caller
 from api.services.errors import ApiError
 from domain.control_plane.decide import decide_control
+from domain.cost import CURRENCY_CODE
 from domain.errors import DomainError
 from domain.governance.budgets import PathView
 from domain.governance.decide import EndRun, StartRun
@@ -28,16 +33,20 @@ __all__ = ["RunService"]
 
 MAX_BODY_BYTES = 16 * 1024
 _INT_FIELDS = ("max_calls", "max_tool_calls", "max_wall_seconds", "max_in_flight")
-_FIELDS = frozenset((*_INT_FIELDS, "id", "project", "max_cost_usd"))
+_FIELDS = frozenset((*_INT_FIELDS, "id", "project", "max_cost", "currency", "max_cost_usd"))
 _MAX_LIMIT = 10**12
-_USD_TEXT = re.compile(r"^[0-9]+(\.[0-9]{1,6})?$")
+_AMOUNT_TEXT = re.compile(r"^[0-9]+(\.[0-9]{1,6})?$")
 
 
 class RunService:
-    def __init__(self, control_log: ControlLog, commands: CommandHandler, paths: PathView) -> None:
+    def __init__(
+        self, control_log: ControlLog, commands: CommandHandler, paths: PathView, *,
+        currency: str,
+    ) -> None:  # fmt: skip
         self.control_log = control_log
         self.commands = commands
         self.paths = paths
+        self.currency = currency  # the deployment's: a cost limit's unless the body names one
 
     @property
     def _tree(self) -> Hierarchy:
@@ -68,9 +77,10 @@ class RunService:
         most = {name: _MAX_LIMIT for name in _INT_FIELDS} | {"max_wall_seconds": _MAX_LIMIT // 1000}
         ints = {name: _limit(body, name, most[name]) for name in _INT_FIELDS}
         wall_s = ints["max_wall_seconds"]
+        max_cost, currency = self._cost(body)
         limits = RunLimits(
             ints["max_calls"], ints["max_tool_calls"], None if wall_s is None else wall_s * 1000,
-            _usd_micros(body.get("max_cost_usd")), ints["max_in_flight"],
+            max_cost, ints["max_in_flight"], currency,
         )  # fmt: skip
         self._execute(caller, StartRun(caller.tenant_id, run_id, project, limits))
         return self.show(caller, run_id)
@@ -85,6 +95,10 @@ class RunService:
         usage = self.paths.run_usage(caller.tenant_id, run_id)
         limits = run.limits
         status = "ended" if run.ended_at else ("exhausted" if usage.exhausted else "active")
+        billed_in = limits.currency if limits.max_cost_micros is not None else (
+            usage.currency or self.currency
+        )  # fmt: skip
+        usd = billed_in == "USD"
         return {
             "id": run.run_id,
             "object": "run",
@@ -98,18 +112,39 @@ class RunService:
                 "max_tool_calls": limits.max_tool_calls,
                 "max_wall_seconds": None if limits.max_wall_ms is None
                 else limits.max_wall_ms / 1000,
-                "max_cost_usd": _usd(limits.max_cost_micros),
+                "max_cost": _amount(limits.max_cost_micros),
+                "currency": limits.currency,
+                "max_cost_usd": _amount(limits.max_cost_micros) if limits.currency == "USD"
+                else None,
                 "max_in_flight": limits.max_in_flight,
             },
             "usage": {
                 "calls": usage.calls,
                 "in_flight": usage.in_flight,
                 "tool_calls": usage.tool_calls,
-                "cost_usd": _usd(usage.posted_micros),
-                "reserved_usd": _usd(usage.reserved_micros),
+                "currency": billed_in,
+                "cost": _amount(usage.posted_micros),
+                "reserved": _amount(usage.reserved_micros),
+                "cost_usd": _amount(usage.posted_micros) if usd else None,
+                "reserved_usd": _amount(usage.reserved_micros) if usd else None,
             },
             "exhausted": usage.exhausted,
         }  # fmt: skip
+
+    def _cost(self, body: dict[str, Any]) -> tuple[int | None, str]:
+        """The cost limit a body gives, in micro-units, and its currency."""
+        currency = body.get("currency")
+        if currency is not None and (
+            not isinstance(currency, str) or not CURRENCY_CODE.fullmatch(currency)
+        ):
+            raise ApiError(400, f"'currency' must be an ISO 4217 code ({CURRENCY_CODE.pattern})",
+                           param="currency", code="invalid_value")  # fmt: skip
+        if body.get("max_cost_usd") is None:
+            return _micros(body.get("max_cost"), "max_cost"), currency or self.currency
+        if body.get("max_cost") is not None or currency not in (None, "USD"):
+            raise ApiError(400, "'max_cost_usd' is max_cost in USD: give max_cost and currency "
+                           "instead", param="max_cost_usd", code="invalid_value")  # fmt: skip
+        return _micros(body.get("max_cost_usd"), "max_cost_usd"), "USD"
 
     def _known(self, caller: Caller, run_id: str) -> Run:
         run = self._tree.run(caller.tenant_id, run_id)
@@ -159,11 +194,12 @@ def _limit(body: dict[str, Any], name: str, most: int) -> int | None:
     return value
 
 
-def _usd_micros(value: Any) -> int | None:
+def _micros(value: Any, name: str) -> int | None:
+    """A decimal amount of the currency (a string or a number) as micro-units."""
     if value is None:
         return None
     amount = None
-    if isinstance(value, str) and _USD_TEXT.fullmatch(value) or (
+    if isinstance(value, str) and _AMOUNT_TEXT.fullmatch(value) or (
         isinstance(value, (int, float)) and not isinstance(value, bool)
     ):
         try:
@@ -171,16 +207,16 @@ def _usd_micros(value: Any) -> int | None:
         except InvalidOperation:
             amount = None
     if amount is None or isinstance(value, bool) or not amount.is_finite() or amount < 0:
-        raise ApiError(400, "'max_cost_usd' must be a non-negative amount", param="max_cost_usd",
+        raise ApiError(400, f"'{name}' must be a non-negative amount", param=name,
                        code="invalid_value")  # fmt: skip
     micros = amount * 1_000_000
     if micros != micros.to_integral_value() or micros > _MAX_LIMIT:
-        raise ApiError(400, "'max_cost_usd' is finer than a micro-dollar or too large",
-                       param="max_cost_usd", code="invalid_value")  # fmt: skip
+        raise ApiError(400, f"'{name}' is finer than a micro-unit or too large", param=name,
+                       code="invalid_value")  # fmt: skip
     return int(micros)
 
 
-def _usd(micros: int | None) -> str | None:
+def _amount(micros: int | None) -> str | None:
     if micros is None:
         return None
     return str(Decimal(micros) / 1_000_000)

@@ -47,7 +47,14 @@ from domain.control_plane.state import (
 from domain.cost import CURRENCY_CODE, PROFILES, base_model, check_profile
 from domain.envelope import Event
 from domain.errors import DomainError, check_quantity
-from domain.governance.decide import HIERARCHY_COMMANDS, AssignKey, HierarchyCommand
+from domain.governance.decide import (
+    HIERARCHY_COMMANDS,
+    AssignKey,
+    HierarchyCommand,
+    SetBudget,
+    SetRunPolicy,
+    StartRun,
+)
 from domain.governance.decide import decide as hierarchy_decide
 from domain.routing import AUTO, DEFAULT_EXPLORATION_PPM, EXPLORATION_PPM_MAX, ON_CAPACITY
 from domain.text import check_text
@@ -403,6 +410,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
         return _decide_adapter(view, command)
     if isinstance(command, HIERARCHY_COMMANDS):
         view._tenant_or_error(command.tenant_id)
+        _check_priced_currency(view, command)
         key_id = getattr(command, "key_id", None) or (
             getattr(command, "level_id", None) if getattr(command, "level", "") == "key" else None
         )
@@ -481,6 +489,27 @@ def _decide_routing(view: ControlView, command: AllowRouting) -> tuple[Event, ..
     if same and not command.reset_drift:
         return ()
     return (event,)
+
+
+def _check_priced_currency(view: ControlView, command: HierarchyCommand) -> None:
+    """A budget or a run's cost limit counts only spend priced in its currency, so one in a
+    currency no price was ever set in could never count anything (a mistaken currency): it is
+    refused, while any price exists (before the first, every currency is allowed)."""
+    match command:
+        case SetBudget(amount_micros=int()):
+            currency = command.currency
+        case SetRunPolicy() | StartRun() if command.limits.max_cost_micros is not None:
+            currency = command.limits.currency
+        case _:
+            return
+    priced = view.price_currencies()
+    if priced and currency not in priced:
+        raise DomainError(
+            "unpriced_currency",
+            f"no price is in currency {currency} (prices are in {', '.join(sorted(priced))}): "
+            f"an amount in {currency} would never count any spend",
+            field="currency",
+        )
 
 
 def _decide_model_profile(command: RegisterModelProfile) -> ModelProfileRegistered:

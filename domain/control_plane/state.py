@@ -405,6 +405,12 @@ class ControlView:
                 return found
         return DEFAULT_FLEX_DISCOUNT_PPM
 
+    def price_currencies(self) -> frozenset[str]:
+        """Every currency a price was ever set in (ISO 4217 codes)."""
+        return frozenset(
+            price.currency for history in self._prices.values() for _, _, price in history
+        )
+
     def has_price(self, model: str, at: datetime) -> bool:
         try:
             self.price(model, at)

@@ -1,2 +1,3 @@
 """The hierarchy under a tenant and its budgets: `events`, `state` (`Hierarchy`), `decide`, and
-`budgets` (`PathView`, the admission over a request's path)."""
+`budgets` (`PathView`: what every level of a path holds) and `path_admission` (`reserve`,
+the admission over a request's path)."""

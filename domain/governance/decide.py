@@ -5,8 +5,9 @@ and end) and its `decide`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
+from domain.cost import CURRENCY_CODE
 from domain.envelope import Event
 from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
 from domain.governance.events import (
@@ -80,6 +81,7 @@ class SetBudget:
     level_id: str  # the tenant id for org
     period: str  # day | month
     amount_micros: int | None  # None: remove it
+    currency: str = "USD"  # ISO 4217 of the amount: the deployment's setting unless given
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,8 @@ def decide(
         case SetLevelLimits():
             return _set_level_limits(t, command, key_tenant)
         case SetBudget():
-            return _set_budget(t, command, key_tenant)
+            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
+            return _decide_budget(t, command)
         case SetTimeZone():
             time_zone(command.time_zone)
             if t.zone_name == command.time_zone:
@@ -174,7 +177,7 @@ def decide(
             _check_run_limits(command.limits)
             return (RunPolicySet(tenant, command.project_id, **_run_fields(command.limits)),)
         case StartRun():
-            return _start_run(h, t, command)
+            return _decide_start_run(h, t, command)
         case EndRun():
             run = t.runs.get(command.run_id)
             if run is None:
@@ -200,9 +203,8 @@ def _set_level_limits(
     return (LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),)
 
 
-def _set_budget(t: _Tenant, command: SetBudget, key_tenant: str | None) -> tuple[Event, ...]:
-    tenant = command.tenant_id
-    _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
+def _decide_budget(t: _Tenant, command: SetBudget) -> tuple[Event, ...]:
+    """A budget set, changed (its amount or its currency) or removed; () if it already is."""
     if command.period not in BUDGET_PERIODS:
         raise DomainError(
             "bad_period",
@@ -210,16 +212,26 @@ def _set_budget(t: _Tenant, command: SetBudget, key_tenant: str | None) -> tuple
             field="period",
         )
     amount = command.amount_micros
-    check_quantity("the budget in micro-dollars", amount, negative="negative_budget",
-                   field="usd", most=MAX_AMOUNT_MICROS)  # fmt: skip
+    check_quantity("the budget in micro-units", amount, negative="negative_budget",
+                   field="amount", most=MAX_AMOUNT_MICROS)  # fmt: skip
+    check_currency(command.currency)
     current = t.budgets.get((command.level, command.level_id), {}).get(command.period)
-    if current == amount:
+    if (current is None and amount is None) or (
+        current is not None and (current.amount_micros, current.currency)
+        == (amount, command.currency)
+    ):  # fmt: skip
         return ()
-    return (BudgetSet(tenant, command.level, command.level_id, command.period, amount),)
+    return (
+        BudgetSet(
+            command.tenant_id, command.level, command.level_id, command.period, amount,
+            command.currency,
+        ),
+    )  # fmt: skip
 
 
-def _start_run(h: Hierarchy, t: _Tenant, command: StartRun) -> tuple[Event, ...]:
-    tenant = command.tenant_id
+def _decide_start_run(h: Hierarchy, t: _Tenant, command: StartRun) -> tuple[Event, ...]:
+    """A run's start with its limits: those given, the rest (a cost limit with its currency)
+    its project's policy."""
     if not RUN_ID.fullmatch(command.run_id):
         raise DomainError("bad_run_id", f"run id must match {RUN_ID.pattern}", field="run_id")
     if command.project_id is not None:
@@ -227,31 +239,46 @@ def _start_run(h: Hierarchy, t: _Tenant, command: StartRun) -> tuple[Event, ...]
     _check_run_limits(command.limits)
     if command.run_id in t.runs:
         raise DomainError("duplicate_run", f"run {command.run_id!r} exists", field="run_id")
-    policy = h.run_policy(tenant, command.project_id)
-    merged = RunLimits(
-        *(
-            getattr(command.limits, name)
-            if getattr(command.limits, name) is not None
-            else getattr(policy, name)
-            for name in RUN_LIMIT_FIELDS
-        )
-    )
+    policy = h.run_policy(command.tenant_id, command.project_id)
+    given = command.limits
+    merged: dict[str, Any] = {
+        name: getattr(given, name) if getattr(given, name) is not None
+        else getattr(policy, name)
+        for name in RUN_LIMIT_FIELDS
+    }  # fmt: skip
+    # The currency goes with the cost limit it is the unit of.
+    if given.max_cost_micros is None and policy.max_cost_micros is not None:
+        merged["currency"] = policy.currency
+    else:
+        merged["currency"] = given.currency
     return (
         RunStarted(
-            tenant, command.run_id, command.project_id, **_run_fields(merged),
+            command.tenant_id, command.run_id, command.project_id, **merged,
             implicit=command.implicit,
         ),
     )  # fmt: skip
 
 
-def _run_fields(limits: RunLimits) -> dict[str, int | None]:
-    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS}
+def _run_fields(limits: RunLimits) -> dict[str, Any]:
+    return {name: getattr(limits, name) for name in RUN_LIMIT_FIELDS} | {
+        "currency": limits.currency
+    }
 
 
 def _check_run_limits(limits: RunLimits) -> None:
     for name in RUN_LIMIT_FIELDS:
         value = getattr(limits, name)
         check_quantity(name, value)
+    check_currency(limits.currency)
+
+
+def check_currency(code: str) -> None:
+    """An amount's unit is an ISO 4217 code (three capitals), as a price's is."""
+    if not isinstance(code, str) or not CURRENCY_CODE.fullmatch(code):
+        raise DomainError(
+            "bad_currency", f"currency {code!r} is not an ISO 4217 code ({CURRENCY_CODE.pattern})",
+            field="currency",
+        )  # fmt: skip
 
 
 def _check_name(name: str) -> None:

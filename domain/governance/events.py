@@ -74,6 +74,9 @@ class BudgetSet(Event):
     level_id: str
     period: str  # day | month
     amount_micros: int | None
+    # ISO 4217 of the amount: the budget counts only spend priced in it. A default, so that a
+    # BudgetSet recorded before currencies were reads as USD (the only one there was).
+    currency: str = "USD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +100,4 @@ class RunPolicySet(Event):
     max_wall_ms: int | None = None
     max_cost_micros: int | None = None
     max_in_flight: int | None = None
+    currency: str = "USD"  # ISO 4217 of max_cost_micros (USD before currencies were recorded)

@@ -139,6 +139,11 @@ def _static_path(rules: tuple[LevelRule, ...]) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+def _run_limits(event: RunPolicySet | RunStarted) -> RunLimits:
+    limits: dict[str, Any] = {name: getattr(event, name) for name in RUN_LIMIT_FIELDS}
+    return RunLimits(**limits, currency=event.currency)
+
+
 def _day_window(now: datetime, zone: tzinfo) -> tuple[float, float, str, str]:
     """The local day holding `now` as [first instant, next day's first instant) in epoch
     seconds, with its day and month names."""
@@ -182,6 +187,7 @@ class LevelLimits:
 class Budget:
     period: str  # day | month
     amount_micros: int
+    currency: str = "USD"  # ISO 4217: it counts only spend priced in this currency
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +223,8 @@ class PathPolicy(NamedTuple):
     # The tightest level's (below the organization), None where no level sets one.
     max_context: int | None = None
     max_output: int | None = None
-    # The checks of `levels`, precomputed (None: `domain.governance.budgets.reserve` works them
-    # out).
+    # The checks of `levels`, precomputed (None: `domain.governance.path_admission.reserve`
+    # works them out).
     plan: PathPlan | None = None
 
     def level(self, kind: str) -> Level | None:
@@ -243,7 +249,7 @@ class _Tenant:
     key_projects: dict[str, str] = field(default_factory=dict)
     # (level, level_id, model scope) -> merged values, latest last
     limits: dict[tuple[str, str, str], dict[str, int]] = field(default_factory=dict)
-    budgets: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    budgets: dict[tuple[str, str], dict[str, Budget]] = field(default_factory=dict)
     # project -> its run policies in the order set, each with the instant it was set
     run_policies: dict[str, list[tuple[datetime, RunLimits]]] = field(default_factory=dict)
     zone_name: str = "UTC"
@@ -307,17 +313,17 @@ class Hierarchy:
                 if event.amount_micros is None:
                     budgets.pop(event.period, None)
                 else:
-                    budgets[event.period] = event.amount_micros
+                    budgets[event.period] = Budget(
+                        event.period, event.amount_micros, event.currency
+                    )
                 self._governed.add(tenant_id)
             case TimeZoneSet():
                 t.zone_name = event.time_zone
             case RunPolicySet():
-                t.run_policies.setdefault(event.project_id, []).append(
-                    (at, RunLimits(*(getattr(event, name) for name in RUN_LIMIT_FIELDS)))
-                )
+                t.run_policies.setdefault(event.project_id, []).append((at, _run_limits(event)))
             case RunStarted():
                 if event.run_id not in t.runs:
-                    limits = RunLimits(*(getattr(event, name) for name in RUN_LIMIT_FIELDS))
+                    limits = _run_limits(event)
                     t.runs[event.run_id] = Run(
                         tenant_id, event.run_id, event.project_id, limits, at, event.implicit
                     )
@@ -364,7 +370,13 @@ class Hierarchy:
         return self._tenant(tenant_id).zone_name
 
     def budgets(self, tenant_id: str, level: str, level_id: str) -> dict[str, int]:
-        """period -> amount_micros set at one level."""
+        """period -> amount_micros set at one level (each in its budget's currency:
+        `level_budgets`)."""
+        found = self.level_budgets(tenant_id, level, level_id)
+        return {period: budget.amount_micros for period, budget in found.items()}
+
+    def level_budgets(self, tenant_id: str, level: str, level_id: str) -> dict[str, Budget]:
+        """period -> the budget set at one level, with its currency."""
         return dict(self._tenant(tenant_id).budgets.get((level, level_id), {}))
 
     def level_limits(self, tenant_id: str, level: str, level_id: str, model: str) -> LevelLimits:
@@ -446,8 +458,8 @@ class Hierarchy:
         if found is None:
             built = []
             for level, limits in self._resolved(tenant_id, key_id, model):
-                amounts = t.budgets.get((level.kind, level.level_id)) or {}
-                budgets = tuple(Budget(p, amount) for p, amount in sorted(amounts.items()))
+                set_here = t.budgets.get((level.kind, level.level_id)) or {}
+                budgets = tuple(budget for _, budget in sorted(set_here.items()))
                 built.append(
                     LevelRule(level, limits, budgets, (tenant_id, level.kind, level.level_id))
                 )

@@ -313,6 +313,9 @@ class BudgetReserved(Event):
     reserved_micros: int
     reserved_tokens: int
     kv_byte_seconds: int
+    # ISO 4217 of reserved_micros: the price's (PriceSet.currency); a budget counts only what
+    # is priced in its own currency. USD for a reservation recorded before currencies were.
+    currency: str = "USD"
 
 
 @dataclass(frozen=True, slots=True)

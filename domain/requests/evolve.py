@@ -166,6 +166,7 @@ def _budgeted(state: RequestState, event: Any, version: int, at: datetime) -> Re
     return _with(
         state, version=version, request_id=event.request_id, workspace_id=event.workspace_id,
         project_id=event.project_id, run_id=event.run_id, reserved_micros=event.reserved_micros,
+        reserved_currency=event.currency,
     )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ class RequestState:
     project_id: str | None = None
     run_id: str | None = None
     reserved_micros: int = 0
+    reserved_currency: str = ""  # ISO 4217 of reserved_micros (its price's), when governed
     tool_calls: int = 0
     service_tier: str = "default"  # default (interactive) | flex
     batch_item: str = ""  # "<batch id>/<custom_id>" when a batch runs it

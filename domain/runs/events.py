@@ -20,12 +20,13 @@ class RunStarted(Event):
     max_cost_micros: int | None = None
     max_in_flight: int | None = None
     implicit: bool = False  # started by its first call's X-Tollgate-Run-Id, not POST /v1/runs
+    currency: str = "USD"  # ISO 4217 of max_cost_micros (USD before currencies were recorded)
 
 
 @dataclass(frozen=True, slots=True)
 class RunBudgetExhausted(Event):
     """The first refusal of a run's call for one dimension (calls, tool_calls, wall_clock,
-    cost, in_flight, ended)."""
+    cost, in_flight, ended, currency)."""
 
     EVENT_TYPE: ClassVar[str] = "RunBudgetExhausted"
     tenant_id: str

@@ -24,11 +24,16 @@ def run_stream(tenant_id: str, run_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RunLimits:
+    """None: unbounded. `currency` (ISO 4217) is the unit of `max_cost_micros`; a run is billed
+    in one currency (`domain.governance.path_admission`), so it goes with the cost limit
+    wherever that comes from."""
+
     max_calls: int | None = None
     max_tool_calls: int | None = None
     max_wall_ms: int | None = None
     max_cost_micros: int | None = None
     max_in_flight: int | None = None
+    currency: str = "USD"
 
 
 @dataclass(frozen=True, slots=True)
