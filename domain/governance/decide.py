@@ -165,8 +165,7 @@ def decide(
         case SetLevelLimits():
             return _set_level_limits(t, command, key_tenant)
         case SetBudget():
-            _require_level(t, command.level, command.level_id, key_tenant, tenant, org=True)
-            return _decide_budget(t, command)
+            return _decide_budget(t, command, key_tenant)
         case SetTimeZone():
             time_zone(command.time_zone)
             if t.zone_name == command.time_zone:
@@ -203,8 +202,9 @@ def _set_level_limits(
     return (LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),)
 
 
-def _decide_budget(t: _Tenant, command: SetBudget) -> tuple[Event, ...]:
+def _decide_budget(t: _Tenant, command: SetBudget, key_tenant: str | None) -> tuple[Event, ...]:
     """A budget set, changed (its amount or its currency) or removed; () if it already is."""
+    _require_level(t, command.level, command.level_id, key_tenant, command.tenant_id, org=True)
     if command.period not in BUDGET_PERIODS:
         raise DomainError(
             "bad_period",

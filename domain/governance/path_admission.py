@@ -188,7 +188,6 @@ def _walk(
     requests: Rate | None = None
     tokens: Rate | None = None
     requests_least, tokens_least = least
-    kv_of = view.kv
     for rule, rpm_limit, tpm_limit, kv_limit, rpm, tpm, key, budgets in state.checks:
         if rpm is not None and rpm_limit is not None:  # (a bucket only where a limit is)
             rpm.refill(now_s, rpm_limit)
@@ -222,7 +221,7 @@ def _walk(
                 tokens, tokens_least, tpm, max(0, int(tpm.level) - reserved_tokens)
             )
         if kv_limit is not None:
-            in_flight = kv_of.get(key, 0)
+            in_flight = view.kv.get(key, 0)
             if in_flight and in_flight + kv_byte_seconds > kv_limit * GIB:
                 return _refused(
                     "concurrency", rule, "kv", backoff.retry_after_s(jitter),
@@ -232,9 +231,8 @@ def _walk(
                     requests, tokens,
                 )  # fmt: skip
         refused = _budget_refusal(
-            rule, budgets, micros, now, path.zone_name, backoff, jitter,
-            requests, tokens,
-        )  # fmt: skip
+            rule, budgets, micros, now, path.zone_name, backoff, jitter, requests, tokens
+        )
         if refused is not None:
             return refused
     return requests, tokens

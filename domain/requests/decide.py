@@ -456,11 +456,25 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.system_prompt_bucket,
         command.task_class,
     )
+    tail = _decided_with(command)
+    if command.downgraded_from is None:
+        return (admitted, estimated, *tail)
+    if command.downgraded_from == command.model:
+        raise DomainError("same_model", "a downgrade serves another model", field="model")
+    downgraded = RequestDowngraded(
+        command.request_id, command.downgraded_from, command.model, command.downgrade_reason
+    )
+    return (admitted, downgraded, estimated, *tail)
+
+
+def _decided_with(command: AdmitRequest) -> tuple[Event, ...]:
+    """What was decided with the admission and is recorded with it, each checked to be this
+    request's: the router's choice of its model, then its budget reservation."""
     reserved = command.reserved
     if reserved is not None and (
         reserved.request_id != command.request_id
         or reserved.tenant_id != command.tenant_id
-        or reserved.reserved_tokens != est.reserved_tokens
+        or reserved.reserved_tokens != command.estimate.reserved_tokens
     ):
         raise DomainError("reservation_mismatch", "the budget reservation is another request's")
     tail: tuple[Event, ...] = () if reserved is None else (reserved,)
@@ -470,14 +484,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
             raise DomainError("routing_mismatch", "the routing decision is another request's",
                               field="model")  # fmt: skip
         tail = (routed, *tail)
-    if command.downgraded_from is None:
-        return (admitted, estimated, *tail)
-    if command.downgraded_from == command.model:
-        raise DomainError("same_model", "a downgrade serves another model", field="model")
-    downgraded = RequestDowngraded(
-        command.request_id, command.downgraded_from, command.model, command.downgrade_reason
-    )
-    return (admitted, downgraded, estimated, *tail)
+    return tail
 
 
 def _admitted_again(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:

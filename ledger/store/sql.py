@@ -91,6 +91,13 @@ def _stored_from_row(r: Any) -> Stored:
     return Stored(row, r.stream_version, r.position)
 
 
+def _drop_handled_conflict_warnings() -> None:
+    """psycopg's warning for a conflict the store handles (once per process)."""
+    log = logging.getLogger("psycopg")
+    if _CONFLICT_HANDLED not in log.filters:
+        log.addFilter(_CONFLICT_HANDLED)
+
+
 class SqlEventStore(EventStore):
     """The event store on SQLite or PostgreSQL (see EventStore for the contract).
 
@@ -114,9 +121,8 @@ class SqlEventStore(EventStore):
         self._copy_min_rows = copy_min_rows
         self.before_commit: list[Callable[[sa.Connection, list[Recorded]], None]] = []
         self._appenders = threading.local()  # SQLite: each thread's append connection
-        psycopg_log = logging.getLogger("psycopg")
-        if self._pg and _CONFLICT_HANDLED not in psycopg_log.filters:
-            psycopg_log.addFilter(_CONFLICT_HANDLED)
+        if self._pg:
+            _drop_handled_conflict_warnings()
 
     @property
     def engine(self) -> sa.Engine:
@@ -158,13 +164,9 @@ class SqlEventStore(EventStore):
             return self._append(batches, prepared, check_ids=True, wait=wait)
 
     def _append(
-        self,
-        batches: Sequence[AppendBatch],
-        prepared: list[list[StoredRow]],
-        *,
-        check_ids: bool,
-        wait: bool = True,
-    ) -> list[AppendResult]:
+        self, batches: Sequence[AppendBatch], prepared: list[list[StoredRow]], *,
+        check_ids: bool, wait: bool = True,
+    ) -> list[AppendResult]:  # fmt: skip
         if self.can_try_append:
             return self._sqlite_append(batches, prepared, check_ids=check_ids, wait=wait)
         try:
