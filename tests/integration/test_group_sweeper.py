@@ -4,6 +4,7 @@ progress), and the leader's expiries are the ones its successor would make."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -90,6 +91,12 @@ def test_one_worker_leads_a_job_per_schema_and_hands_it_over_when_its_session_en
         assert second._conn is not None
         pid = second._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        # pg_terminate_backend only signals: the lock is freed when the backend has exited.
+        gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        for _ in range(200):
+            if admin.execute(gone, (pid,)).fetchone() == (0,):
+                break
+            time.sleep(0.05)
         assert not second.held()
         assert first.held()
     finally:
