@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from api.services import adapter_service as adapters
 from api.services.control_service import ControlService
+from domain.audit.events import Actor
 from domain.control_plane.adapters import price_key
 from domain.cost import Estimate, Price
 from domain.errors import DomainError
@@ -29,7 +30,7 @@ from tests.vllm.tiny_adapter import build
 
 
 def test_adapters_are_recorded_and_folded_back(engine: sa.Engine, tmp_path: Path) -> None:
-    service = ControlService(SqlEventStore(engine))
+    service = ControlService(SqlEventStore(engine), Actor("operator", "test"))
     tenant, other = (f"t-{uuid.uuid4().hex[:8]}" for _ in range(2))
     service.create_tenant(tenant, "standard")
     service.create_tenant(other, "standard")

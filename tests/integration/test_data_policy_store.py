@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from api.services import data_policy_service as policy
 from api.services.control_service import ControlService
 from api.services.idempotency_service import AsyncIdempotency
+from domain.audit.events import Actor
 from domain.cost import Estimate
 from domain.errors import DomainError
 from domain.requests.decide import AdmitRequest, BillUsage, CompleteRequest, RouteRequest, decide
@@ -31,7 +32,7 @@ CANARY = f"canary-{uuid.uuid4().hex}"
 
 
 def test_residency_and_retention_are_recorded_and_folded_back(engine: sa.Engine) -> None:
-    service = ControlService(SqlEventStore(engine))
+    service = ControlService(SqlEventStore(engine), Actor("operator", "test"))
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     service.create_tenant(tenant, "standard")
     service.create_workspace(tenant, "ws")
