@@ -147,7 +147,8 @@ class FakeClock:
 class Script:
     """What a fake replica answers: `tokens` content chunks with cumulative usage on each (as
     the adapter always asks vLLM for), then a finish; `fail_after` breaks the stream after that
-    many; `hold` pauses before the first chunk until it is set."""
+    many; `hold` pauses before the first chunk until it is set; `together` sends them all
+    before the gateway reads any (an engine that answers at once: one read holds the answer)."""
 
     tokens: int = 3
     prompt_tokens: int = 10
@@ -155,6 +156,7 @@ class Script:
     fail_after: int | None = None
     hold: asyncio.Event | None = None
     http_error: tuple[int, dict[str, Any]] | None = None  # the replica refuses: (status, body)
+    together: bool = False
 
 
 class FakeReplica:
@@ -199,7 +201,8 @@ class FakeReplica:
                 ],
                 "usage": self._usage(i),
             }
-            await asyncio.sleep(0)
+            if not s.together:
+                await asyncio.sleep(0)
 
     def _usage(self, completion: int) -> dict[str, Any]:
         s = self.script

@@ -85,8 +85,11 @@ class Flight:
     # Its counts as this edge last renewed them (None: never): a renewal carries only the
     # requests whose counts moved since.
     renewed: leases.Counts | None = None
-    # A stream's first-token event, committing: its first frame waits for it. And the terminal
-    # event's, once ended: the final usage and [DONE] (a JSON body) wait for that one.
+    # A stream's first-token event, staged (`first_staged`) until the stream sends its first
+    # frame or ends, whichever comes first, then committing (`first_durable`): no frame is sent
+    # before that commit. And the terminal event's, once ended: the final usage and [DONE] (a
+    # JSON body) wait for that one.
+    first_staged: bool = False
     first_durable: asyncio.Future[bool] | None = None
     ended: asyncio.Future[bool] | None = None
     trace: RequestTrace | None = None  # its spans, when tracing is on (api/services/tracing.py)
@@ -147,6 +150,9 @@ class Recorder:
         if flight.pending:
             commands = tuple(flight.pending_commands)
             self._submit(flight, self._take(flight), commands, 0.0, durable, now)
+            if flight.first_staged:  # whoever submits it (the end, a renewal), it is this commit
+                flight.first_staged = False
+                flight.first_durable = durable
         else:
             durable.set_result(True)
         return durable

@@ -101,14 +101,14 @@ class StreamRelay:
             ):
                 if transcript is not None:
                     transcript.append(frame)
-                if flight.first_durable is not None:
-                    await _first_durable(flight)
                 if held or flight.progress.finish_reason is not None:
                     # The answer's last chunk and what follows (the final usage) wait for the
                     # terminal event's commit: a client never holds a complete answer the
                     # ledger does not know.
                     held.append(frame)
                     continue
+                if not exchange.ready and _first_pending(flight):
+                    await self._first_durable(flight)  # the engine may send more meanwhile
                 if exchange.ready:
                     ready.append(frame)
                     continue
@@ -154,13 +154,17 @@ class StreamRelay:
         """The engine's stream ended: the frames still to coalesce (`ready`), the terminal
         event, then the held end of the answer and [DONE] once it is durable (an error object
         instead if it cannot be), and the replay kept for an Idempotency-Key."""
-        if ready:
+        if ready and not _first_pending(flight):
             yield b"".join(ready)
+            ready = []
         flights, error = self.flights, flight.progress.error
         if error is not None:
             ended = flights.end(flight, fail_command(flight.progress, engine_error_text(error)))
         else:
             ended = flights.end(flight, complete_command(flight.progress))
+        if ready:  # the whole answer came before a frame went: its first token rode with the end
+            await self._first_durable(flight)
+            yield b"".join(ready)
         if not await durable(ended):
             if flight.idempotency_key:
                 await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
@@ -186,16 +190,21 @@ class StreamRelay:
         silently truncated answer. Each once the terminal event is durable (or known not to
         be: then the lease expiry bills what was renewed)."""
         flights = self.flights
-        if ready:
+        if ready and not _first_pending(flight):
             yield b"".join(ready)
+            ready = []
         await abort_engine(exchange, flight.progress)  # counts what the engine reported
         if flight.preempted_for is not None:
             await durable(flights.end(flight, preempt_command(flight)))
+            async for frame in self._after_end(flight, ready):
+                yield frame
             yield error_frame(
                 refusal_errors.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
             )
         elif flight.cancel_reason == "slow_reader":  # the edge stopped it: say so
             await durable(flights.end(flight, cancel_command(flight.progress, "slow_reader")))
+            async for frame in self._after_end(flight, ready):
+                yield frame
             yield error_frame(
                 f"the stream was cancelled: the client read nothing for "
                 f"{flights.slow_reader_s:g} s while its buffer was full; billed the "
@@ -205,8 +214,26 @@ class StreamRelay:
             flights.reading(flight)
         else:
             await durable(flights.end(flight, fail_command(flight.progress, failure_text(exc))))
+            async for frame in self._after_end(flight, ready):
+                yield frame
             yield error_frame("the model replica failed mid-stream", code="replica_failed")
         yield DONE
+
+    async def _after_end(self, flight: Flight, ready: list[bytes]) -> AsyncIterator[bytes]:
+        """What the engine sent before it broke, when no frame had gone yet: its first token
+        rode with the terminal event, which has committed (or failed to)."""
+        if ready:
+            await self._first_durable(flight)
+            yield b"".join(ready)
+
+    async def _first_durable(self, flight: Flight) -> None:
+        """The engine's prompt count is durable before the client sees a token: a first-token
+        event still staged is committed with this loop iteration's group, and waited for. (Not
+        whether it was recorded: the terminal event carries the counts anyway.)"""
+        if flight.first_staged:
+            self.flights.recorder.flush(flight, now=True)  # sets `first_durable`
+        first, flight.first_durable = flight.first_durable, None
+        await durable(first)
 
     async def _cancel(self, flight: Flight, exchange: ChatExchange, caller: Caller) -> None:
         """Abort the engine request and bill what it sent: everything received before the
@@ -217,8 +244,6 @@ class StreamRelay:
             await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
 
 
-async def _first_durable(flight: Flight) -> None:
-    """The engine's prompt count is durable before the client sees a token: one group commit on
-    the time to first token. (Not recorded: the terminal event carries the counts anyway.)"""
-    first, flight.first_durable = flight.first_durable, None
-    await durable(first)
+def _first_pending(flight: Flight) -> bool:
+    """Whether the stream's first-token event is staged or committing: no frame goes before it."""
+    return flight.first_staged or flight.first_durable is not None
