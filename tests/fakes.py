@@ -89,6 +89,21 @@ class InMemoryEventStore(EventStore):
                 tail = [s for s in tail if s.row.type in types]
             return [s.recorded() for s in tail[:limit]]
 
+    def read_tail(
+        self, after_position: int, limit: int, event_types: Sequence[str],
+        excluding_id_suffix: str = "",
+    ) -> tuple[list[Recorded], int]:  # fmt: skip
+        types = frozenset(event_types)
+        with self._lock:
+            head = len(self._log)
+            tail = [
+                s for s in self._log[max(after_position, 0) :]
+                if (not types or s.row.type in types)
+                and not (excluding_id_suffix and s.row.event_id.endswith(excluding_id_suffix))
+            ][:limit]  # fmt: skip
+        out = [s.recorded() for s in tail]
+        return out, (out[-1].position if len(out) >= limit else max(head, after_position))
+
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
         prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
         with self._lock:
