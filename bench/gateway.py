@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         "--distributed",
         action="store_true",
         help="also serve the distributed mode (one `tollgate api` edge on a fresh PostgreSQL "
-        "schema, the relay, one Kafka worker, the development broker) as target 'distributed'",
+        "schema, the relay, one Kafka worker, the development broker) as target 'distributed'; "
+        "with --baseline, the baseline's too, as target 'baseline-distributed'",
     )
     ap.add_argument(
         "--tracing",
@@ -478,6 +479,13 @@ def main(argv: list[str] | None = None) -> None:
             procs.append(edge)  # the relay and worker stop with `stack`
             targets["distributed"] = (edge_url, edge_key, edge.pid)
             pipeline["distributed"] = pids
+            if args.baseline:  # the baseline's distributed mode too, for an A/B of it
+                edge, edge_url, edge_key, _, pids = start_distributed(
+                    up_url, work, stack, Path(args.baseline).resolve(), "baseline-distributed"
+                )
+                procs.append(edge)
+                targets["baseline-distributed"] = (edge_url, edge_key, edge.pid)
+                pipeline["baseline-distributed"] = pids
         if args.tracing:
             sink, sink_url = start_otlp_sink(work)
             procs.append(sink)

@@ -397,29 +397,33 @@ def add_budget_path(tree: Path, data_dir: Path, tenant: str = "demo-enterprise")
 
 
 def start_distributed(
-    upstream: str, work: Path, stack: contextlib.ExitStack
+    upstream: str, work: Path, stack: contextlib.ExitStack, tree: Path = ROOT,
+    name: str = "distributed",
 ) -> tuple[Proc, str, str, list[Proc], tuple[int, ...]]:
     """The distributed mode beside the embedded one: the development broker, a fresh
-    PostgreSQL schema, one `tollgate api` edge, `tollgate relay` and one Kafka `tollgate worker`.
-    Returns the edge, its URL and key, the relay and worker, and the pipeline's pids (relay,
-    worker, broker; the broker is stopped by `stack`)."""
+    PostgreSQL schema, one `tollgate api` edge, `tollgate relay` and one Kafka `tollgate worker`,
+    all of the checkout `tree` (another commit's, for an A/B; each call its own broker, schema
+    and topic). Returns the edge, its URL and key, the relay and worker, and the pipeline's pids
+    (relay, worker, broker; the broker is stopped by `stack`)."""
     from streams.dev_broker import DevBroker
 
-    broker = DevBroker(log_path=work / "bench-broker.log")
+    broker = DevBroker(log_path=work / f"bench-broker-{name}.log")
     broker.start()
     stack.callback(broker.stop)
     url = stack.enter_context(fresh_schema())
     env = {"TOLLGATE_DATABASE_URL": url, "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
-           "TOLLGATE_KAFKA_TOPIC": "bench-gateway.events"}  # fmt: skip
-    tollgate = str(ROOT / ".venv" / "bin" / "tollgate")
-    full_env = {**os.environ, **env}
+           "TOLLGATE_KAFKA_TOPIC": f"bench-{name}.events"}  # fmt: skip
+    tollgate = str(tree / ".venv" / "bin" / "tollgate")
+    # The tree first on the path, as `start_tollgate` does: its own code, whatever its .venv's.
+    full_env = {**os.environ, **env, "PYTHONPATH": str(tree)}
     # The pipeline first: the edge is ready only once a worker reports.
-    pipeline = [Proc(name, [tollgate, name], full_env, work) for name in ("relay", "worker")]
+    pipeline = [
+        Proc(f"{name}-{cmd}", [tollgate, cmd], full_env, work) for cmd in ("relay", "worker")
+    ]
     for proc in pipeline:
         stack.callback(proc.stop)
     edge, edge_url, key = start_tollgate(
-        upstream, work / "data-distributed", work, name="distributed", command="api",
-        env_extra=env,
+        upstream, work / f"data-{name}", work, tree, name=name, command="api", env_extra=env,
     )  # fmt: skip
     pids = tuple(p.pid for p in pipeline) + ((broker.pid,) if broker.pid else ())
     return edge, edge_url, key, pipeline, pids

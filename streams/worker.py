@@ -51,7 +51,7 @@ from streams.batch_runner import BatchRunner
 from streams.billing import BillingFold
 from streams.gc_settings import settle_for_batches
 from streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
-from streams.reconciler import start_reconciler
+from streams.reconciler import Handoff, start_reconciler
 from streams.sql_tail import SqlTail
 from streams.status import DEFAULT_STALE_S
 from streams.sweeper import LeaseSweeper, resume_sweeper
@@ -120,6 +120,9 @@ class FoldWorker:
         self._reported_at = 0.0
         # Told when a pass reads a BatchCreated (the batch runner beside the folds, if any).
         self.on_batch_created: Callable[[], None] | None = None
+        # Given every read of the log (the reconciler beside the folds, which then need not
+        # read it a second time).
+        self.handoff: Handoff | None = None
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -186,6 +189,8 @@ class FoldWorker:
             read += len(records)
             if records:
                 self.read_position = max(self.read_position, records[-1].position)
+                if self.handoff is not None:
+                    self.handoff.offer(start, records)
                 faults.point("fold.after_read", position=self.read_position)
                 if self.on_batch_created is not None and any(
                     r.event.EVENT_TYPE == BATCH_CREATED for r in records
@@ -566,7 +571,11 @@ def run_worker(
     if metrics_port:
         worker.metrics.registry.register(DeadLettersCollector(engine))
     serve_metrics(metrics_port, worker.metrics.registry, metrics_host)
-    start_reconciler(engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics)
+    worker.handoff = Handoff()
+    start_reconciler(
+        engine, worker.store, stop, ttl_s=lease_ttl_s, metrics=worker.metrics,
+        handoff=worker.handoff,
+    )  # fmt: skip
     runner = _batch_runner(engine, worker, stop, batches)
     try:
         while True:  # a database that is away at start (or drops us meanwhile) is waited for

@@ -89,6 +89,21 @@ class InMemoryEventStore(EventStore):
                 tail = [s for s in tail if s.row.type in types]
             return [s.recorded() for s in tail[:limit]]
 
+    def read_tail(
+        self, after_position: int, limit: int, event_types: Sequence[str],
+        excluding_id_suffix: str = "",
+    ) -> tuple[list[Recorded], int]:  # fmt: skip
+        types = frozenset(event_types)
+        with self._lock:
+            head = len(self._log)
+            tail = [
+                s for s in self._log[max(after_position, 0) :]
+                if (not types or s.row.type in types)
+                and not (excluding_id_suffix and s.row.event_id.endswith(excluding_id_suffix))
+            ][:limit]  # fmt: skip
+        out = [s.recorded() for s in tail]
+        return out, (out[-1].position if len(out) >= limit else max(head, after_position))
+
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
         prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
         with self._lock:
@@ -149,7 +164,8 @@ class FakeClock:
 class Script:
     """What a fake replica answers: `tokens` content chunks with cumulative usage on each (as
     the adapter always asks vLLM for), then a finish; `fail_after` breaks the stream after that
-    many; `hold` pauses before the first chunk until it is set."""
+    many; `hold` pauses before the first chunk until it is set; `together` sends them all
+    before the gateway reads any (an engine that answers at once: one read holds the answer)."""
 
     tokens: int = 3
     prompt_tokens: int = 10
@@ -157,6 +173,7 @@ class Script:
     fail_after: int | None = None
     hold: asyncio.Event | None = None
     http_error: tuple[int, dict[str, Any]] | None = None  # the replica refuses: (status, body)
+    together: bool = False
 
 
 class FakeReplica:
@@ -201,7 +218,8 @@ class FakeReplica:
                 ],
                 "usage": self._usage(i),
             }
-            await asyncio.sleep(0)
+            if not s.together:
+                await asyncio.sleep(0)
 
     def _usage(self, completion: int) -> dict[str, Any]:
         s = self.script

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -33,11 +33,14 @@ from api.http.schemas import ModelList, answers
 from api.http.support_routes import add_support_routes
 from api.runtime import Runtime
 from api.services.auth import Caller, single_authorization
-from api.services.edge import JsonOutcome
+from api.services.edge import JsonOutcome, StreamOutcome
 from api.services.errors import ApiError, error_body, store_unavailable
 from api.services.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
 from domain.runs.state import RUN_ID
 from ledger.ids import new_request_id
+
+if TYPE_CHECKING:
+    from api.services.tracing import RequestTrace
 
 
 def create_app(runtime: Runtime) -> FastAPI:
@@ -115,126 +118,166 @@ class TollgateApp:
         # The few headers this route reads, from one dict (ASGI names are lower-case): Starlette's
         # Headers scans and decodes the whole list on every lookup.
         headers = dict(scope["headers"])
-        request_id = new_request_id()
-        runtime = self.runtime
-        watch: _DisconnectWatch | None = None
-        frames: Any = None
-        dropped: Any = None
-        caller: Caller | None = None
-        limits = self.limits
+        call = _ChatCall(new_request_id())
         # Tracing on: this request's spans (api/services/tracing.py); off, None and nothing else.
-        trace = None if self.tracing is None else self.tracing.request(headers, request_id)
-        started = 0 if trace is None else trace.now()
-        status = 200
+        trace = call.trace = (
+            None if self.tracing is None else self.tracing.request(headers, call.request_id)
+        )
+        call.started = 0 if trace is None else trace.now()
         try:
-            if scope["method"] != "POST":
-                raise ApiError(
-                    405, "use POST for /v1/chat/completions", code="method_not_allowed",
-                    headers={"Allow": "POST"},
-                )
-            batch_item = _header(headers, b"x-tollgate-batch-item") or ""
-            authorization = _header(headers, b"authorization")
-            source = limits.source(scope.get("client"), _header(headers, b"x-forwarded-for"))
-            if batch_item:  # the batch runner, for the key that created the batch
-                on_behalf = _header(headers, b"x-tollgate-on-behalf-of") or ""
-                caller = authenticate(runtime, limits, source, lambda: runtime.edge.auth.on_behalf(
-                    authorization, runtime.settings.batch_token, on_behalf,
-                ))  # fmt: skip
-            else:
-                caller = authenticate(
-                    runtime, limits, source,
-                    lambda: runtime.edge.authenticate(authorization, CUSTOMER),
-                )  # fmt: skip
-            if trace is not None:
-                trace.authenticated(started, caller.tenant_id)
-            idempotency_key = idempotency_key_of(_header(headers, b"idempotency-key"))
-            raw = await read_body(
-                receive, headers.get(b"content-length"), runtime.settings.max_body_bytes
-            )
-            if raw is None:
-                return  # the client left while sending the body: nothing was admitted
-            wait_s = limits.over_budget(caller.key_id, caller.tenant_id)
-            resolve = functools.partial(runtime.edge.resolve_model, caller=caller)
-            if wait_s and refused_before_admission(raw, resolve):
-                caller = None  # answered without being counted again, or recorded
-                runtime.metrics.rejected.labels("refusals", "any").inc()
-                raise limits.throttled(wait_s)
-            # From here a client disconnect cancels this task: the edge records the
-            # cancellation and aborts the engine request (closing its stream).
-            watch = _DisconnectWatch(receive)
-            outcome = await runtime.edge.chat(
-                caller,
-                raw,
-                request_id=request_id,
-                idempotency_key=idempotency_key,
-                retry_count=_int_header(_header(headers, b"x-stainless-retry-count")),
-                run_id=run_id_of(_header(headers, b"x-tollgate-run-id")),
-                batch_item=batch_item[:200],
-                trace=trace,
-            )
-            if isinstance(outcome, JsonOutcome):
-                status = outcome.status
-                response = Response(
-                    outcome.body, outcome.status, outcome.headers, media_type="application/json"
-                )
-                await response(scope, receive, send)
-                return
-            frames = outcome.frames
-            dropped = outcome.dropped
-            headers = [
-                (k.lower().encode(), v.encode()) for k, v in outcome.headers.items()
-            ] + _SSE_HEADERS
-            if trace is not None:
-                trace.stream_started()
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            if outcome.first:
-                await send({"type": "http.response.body", "body": outcome.first, "more_body": True})
-            async for frame in frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-            frames = None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            if trace is not None:
-                trace.stream_ended()
+            await self._serve(call, headers, scope, receive, send)
         except asyncio.CancelledError:
-            if dropped is not None and dropped():
+            if call.dropped is not None and call.dropped():
                 # A slow reader the edge cancelled, which then read nothing more: its connection
                 # is aborted, since closing it would wait for the client to read the buffer.
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 _abort_connection(send)
-            elif watch is None or not watch.fired:
+            elif call.watch is None or not call.watch.fired:
                 raise
             else:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the client left
         except ApiError as exc:
-            status = exc.status
-            if trace is not None and not trace.authenticated_at and exc.status in (401, 403, 429):
-                trace.authenticated(started, None, str(exc.code or exc.type))
-            if caller is not None and exc.status in REFUSED_STATUSES:
-                limits.refused(caller.key_id, caller.tenant_id)
-            headers = {"X-Request-Id": request_id, **exc.headers}
-            await json_response(exc.status, exc.body(), headers)(scope, receive, send)
+            await self._refused(call, exc)(scope, receive, send)
         except Exception as exc:
-            ids = {"request_id": request_id, "tenant_id": caller and caller.tenant_id}
-            answer = store_unavailable(exc)
-            status = 500 if answer is None else answer.status
-            if answer is not None:
-                runtime.log.warning("store unavailable on /v1/chat/completions: %s", exc, extra=ids)
-                headers = {"X-Request-Id": request_id, **answer.headers}
-                await json_response(answer.status, answer.body(), headers)(scope, receive, send)
-                return
-            runtime.log.exception("unhandled error on /v1/chat/completions", extra=ids)
-            await json_response(
-                500, error_body("internal error", "server_error", None, "internal_error"),
-                {"X-Request-Id": request_id},
-            )(scope, receive, send)
+            await self._failed(call, exc)(scope, receive, send)
         finally:
-            if watch is not None:
-                watch.stop()
-            if frames is not None:  # left mid-stream: the edge cancels and bills what was sent
+            if call.watch is not None:
+                call.watch.stop()
+            if call.frames is not None:  # left mid-stream: the edge cancels and bills what was sent
                 with contextlib.suppress(BaseException):
-                    await frames.aclose()
+                    await call.frames.aclose()
             if trace is not None:
-                trace.end(status)
+                trace.end(call.status)
+
+    async def _serve(
+        self, call: _ChatCall, headers: dict[bytes, bytes], scope: Scope, receive: Receive,
+        send: Send,
+    ) -> None:  # fmt: skip
+        """The request, from its method to its last byte; what fails is answered by the caller."""
+        if scope["method"] != "POST":
+            raise ApiError(
+                405, "use POST for /v1/chat/completions", code="method_not_allowed",
+                headers={"Allow": "POST"},
+            )  # fmt: skip
+        runtime, limits, trace = self.runtime, self.limits, call.trace
+        batch_item = _header(headers, b"x-tollgate-batch-item") or ""
+        caller = call.caller = self._authenticate(scope, headers, batch_item)
+        if trace is not None:
+            trace.authenticated(call.started, caller.tenant_id)
+        idempotency_key = idempotency_key_of(_header(headers, b"idempotency-key"))
+        raw = await read_body(
+            receive, headers.get(b"content-length"), runtime.settings.max_body_bytes
+        )
+        if raw is None:
+            return  # the client left while sending the body: nothing was admitted
+        wait_s = limits.over_budget(caller.key_id, caller.tenant_id)
+        resolve = functools.partial(runtime.edge.resolve_model, caller=caller)
+        if wait_s and refused_before_admission(raw, resolve):
+            call.caller = None  # answered without being counted again, or recorded
+            runtime.metrics.rejected.labels("refusals", "any").inc()
+            raise limits.throttled(wait_s)
+        # From here a client disconnect cancels this task: the edge records the
+        # cancellation and aborts the engine request (closing its stream).
+        call.watch = _DisconnectWatch(receive)
+        outcome = await runtime.edge.chat(
+            caller,
+            raw,
+            request_id=call.request_id,
+            idempotency_key=idempotency_key,
+            retry_count=_int_header(_header(headers, b"x-stainless-retry-count")),
+            run_id=run_id_of(_header(headers, b"x-tollgate-run-id")),
+            batch_item=batch_item[:200],
+            trace=trace,
+        )
+        if isinstance(outcome, JsonOutcome):
+            call.status = outcome.status
+            response = Response(
+                outcome.body, outcome.status, outcome.headers, media_type="application/json"
+            )
+            await response(scope, receive, send)
+        else:
+            await _relay(call, outcome, send)
+
+    def _authenticate(self, scope: Scope, headers: dict[bytes, bytes], batch_item: str) -> Caller:
+        """The caller: the key's, or, for the batch runner, the key that created the batch."""
+        runtime, limits = self.runtime, self.limits
+        authorization = _header(headers, b"authorization")
+        source = limits.source(scope.get("client"), _header(headers, b"x-forwarded-for"))
+        if batch_item:
+            on_behalf = _header(headers, b"x-tollgate-on-behalf-of") or ""
+            return authenticate(runtime, limits, source, lambda: runtime.edge.auth.on_behalf(
+                authorization, runtime.settings.batch_token, on_behalf,
+            ))  # fmt: skip
+        return authenticate(
+            runtime, limits, source, lambda: runtime.edge.authenticate(authorization, CUSTOMER)
+        )
+
+    def _refused(self, call: _ChatCall, exc: ApiError) -> Response:
+        """The answer to a request refused with an OpenAI-style error, counted for its key."""
+        call.status = exc.status
+        trace, caller = call.trace, call.caller
+        if trace is not None and not trace.authenticated_at and exc.status in (401, 403, 429):
+            trace.authenticated(call.started, None, str(exc.code or exc.type))
+        if caller is not None and exc.status in REFUSED_STATUSES:
+            self.limits.refused(caller.key_id, caller.tenant_id)
+        headers = {"X-Request-Id": call.request_id, **exc.headers}
+        return json_response(exc.status, exc.body(), headers)
+
+    def _failed(self, call: _ChatCall, exc: Exception) -> Response:
+        """The answer to an unexpected error: a 503 when the store was away, else a 500 (logged
+        with its traceback)."""
+        caller = call.caller
+        ids = {"request_id": call.request_id, "tenant_id": caller and caller.tenant_id}
+        answer = store_unavailable(exc)
+        if answer is not None:
+            call.status = answer.status
+            self.runtime.log.warning(
+                "store unavailable on /v1/chat/completions: %s", exc, extra=ids
+            )
+            headers = {"X-Request-Id": call.request_id, **answer.headers}
+            return json_response(answer.status, answer.body(), headers)
+        call.status = 500
+        self.runtime.log.exception("unhandled error on /v1/chat/completions", extra=ids)
+        return json_response(
+            500, error_body("internal error", "server_error", None, "internal_error"),
+            {"X-Request-Id": call.request_id},
+        )  # fmt: skip
+
+
+class _ChatCall:
+    """What the chat route's error answers and clean-up need to know of one request: who called,
+    whether the disconnect watch was started, the stream still being relayed, the status sent."""
+
+    __slots__ = ("caller", "dropped", "frames", "request_id", "started", "status", "trace", "watch")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.trace: RequestTrace | None = None
+        self.started = 0
+        self.caller: Caller | None = None
+        self.watch: _DisconnectWatch | None = None
+        self.frames: Any = None
+        self.dropped: Any = None
+        self.status = 200
+
+
+async def _relay(call: _ChatCall, outcome: StreamOutcome, send: Send) -> None:
+    """Send a stream's frames as the edge yields them; `call.frames` is left set (to be closed)
+    only when the stream did not reach its end."""
+    call.frames = frames = outcome.frames
+    call.dropped = outcome.dropped
+    headers = [(k.lower().encode(), v.encode()) for k, v in outcome.headers.items()]
+    if call.trace is not None:
+        call.trace.stream_started()
+    await send({"type": "http.response.start", "status": 200, "headers": headers + _SSE_HEADERS})
+    if outcome.first:
+        await send({"type": "http.response.body", "body": outcome.first, "more_body": True})
+    async for frame in frames:
+        await send({"type": "http.response.body", "body": frame, "more_body": True})
+    call.frames = None
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if call.trace is not None:
+        call.trace.stream_ended()
 
 
 def _abort_connection(send: Send) -> None:

@@ -127,15 +127,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if type(body) is not dict:
         raise bad_request("request body must be a JSON object")
 
-    model = body.get("model")
-    if type(model) is not str or not model:
-        raise _missing_or_type(model, "model", "a non-empty string")
-    if len(model) > MAX_MODEL_CHARS:
-        raise _too_long("model", MAX_MODEL_CHARS)
-    # An unknown model's name is recorded in its refusal (and read into request_log): one that
-    # PostgreSQL cannot hold is refused here, as invalid, and never reaches the store.
-    if "\x00" in model or not model.isascii():
-        _check_storable(model, "model")
+    model = _model(body)
     messages = body.get("messages")
     if type(messages) is not list or not messages:
         raise _missing_or_type(messages, "messages", "a non-empty array")
@@ -146,30 +138,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         stream = False
     elif type(stream) is not bool:
         raise _type("stream", "a boolean")
-    include_usage = continuous = False
-    options = body.get("stream_options")
-    if options is not None:
-        if type(options) is not dict:
-            raise _type("stream_options", "an object")
-        if not stream:
-            raise bad_request(
-                "stream_options can only be defined when stream=true", "stream_options"
-            )
-        include_usage = _flag(options, "include_usage", "stream_options.include_usage")
-        continuous = include_usage and _flag(
-            options, "continuous_usage_stats", "stream_options.continuous_usage_stats"
-        )
-
-    service_tier = body.get("service_tier")
-    if service_tier is None:
-        service_tier = "default"
-    elif type(service_tier) is not str or service_tier not in SERVICE_TIERS:
-        raise bad_request(
-            "'service_tier' must be one of auto, default, flex", "service_tier"
-        )
-    else:
-        service_tier = SERVICE_TIERS[service_tier]
-
+    include_usage, continuous = _stream_options(body, stream)
+    service_tier = _service_tier(body)
     max_tokens = _positive_int(body, "max_completion_tokens")
     legacy_max_tokens = _positive_int(body, "max_tokens")  # checked even when it loses
     if max_tokens is None:
@@ -195,6 +165,45 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         upstream=upstream,
         service_tier=service_tier,
     )
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if type(model) is not str or not model:
+        raise _missing_or_type(model, "model", "a non-empty string")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _too_long("model", MAX_MODEL_CHARS)
+    # An unknown model's name is recorded in its refusal (and read into request_log): one that
+    # PostgreSQL cannot hold is refused here, as invalid, and never reaches the store.
+    if "\x00" in model or not model.isascii():
+        _check_storable(model, "model")
+    return model
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of `stream_options`, allowed only with a stream."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if type(options) is not dict:
+        raise _type("stream_options", "an object")
+    if not stream:
+        raise bad_request("stream_options can only be defined when stream=true", "stream_options")
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    continuous = include_usage and _flag(
+        options, "continuous_usage_stats", "stream_options.continuous_usage_stats"
+    )
+    return include_usage, continuous
+
+
+def _service_tier(body: dict[str, Any]) -> str:
+    """The tier asked for, "auto" read as "default"."""
+    service_tier = body.get("service_tier")
+    if service_tier is None:
+        return "default"
+    if type(service_tier) is not str or service_tier not in SERVICE_TIERS:
+        raise bad_request("'service_tier' must be one of auto, default, flex", "service_tier")
+    return SERVICE_TIERS[service_tier]
 
 
 def too_large(limit: int) -> ApiError:

@@ -16,27 +16,20 @@ import asyncio
 import hashlib
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
-
-import orjson
+from typing import TYPE_CHECKING
 
 from api.metrics import Metrics
 from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
 from api.services.admission import Admission, Refused
 from api.services.auth import Authenticator, Caller
 from api.services.chat_request import ChatRequest, parse_chat_request
+from api.services.completion import JsonCompletion, JsonOutcome
 from api.services.errors import ApiError
 from api.services.flights import (
-    NOT_RECORDED,
     Flights,
     cancel_command,
     committed,
-    complete_command,
-    durable,
-    engine_error_text,
-    fail_command,
 )
 from api.services.idempotency_service import replay_frames
 from api.services.outcomes import Outcomes
@@ -55,8 +48,7 @@ from domain.requests.decide import Command
 from domain.requests.events import PreemptionRequested
 from domain.routing import QualityView
 from domain.views import AdmissionViews
-from engine_adapter.exchange import MAX_BUFFERED_CHUNKS, ChatExchange
-from engine_adapter.usage import Collector
+from engine_adapter.exchange import MAX_BUFFERED_CHUNKS
 from ledger.commands import CommandHandler
 from ledger.ids import Clock, IdSource, new_event_id, utcnow
 from ledger.store import AppendResult
@@ -65,13 +57,6 @@ if TYPE_CHECKING:
     from api.services.tracing import RequestTrace
 
 __all__ = ["Caller", "Edge", "JsonOutcome", "StreamOutcome"]
-
-
-@dataclass(slots=True)
-class JsonOutcome:
-    status: int
-    body: bytes
-    headers: dict[str, str]
 
 
 class Edge:
@@ -109,19 +94,7 @@ class Edge:
         self.rng = rng = rng or random.Random()
         self.clock = clock
         self.policy = policy
-        # The quota, every level below the organization and the runs
-        # (domain.governance.budgets), and the flex work other edges serve: one facade, kept in
-        # step by `domain.views`. The path
-        # view's buckets of levels it has not decided on yet are sized from the hierarchy when
-        # another edge's admission there is folded (`observe`).
-        self.views = AdmissionViews(
-            quota,
-            paths or PathView(
-                backoff=policy.backoff,
-                rates_for=lambda *level: self.control.hierarchy.level_rates(*level),
-            ),
-            RemoteFlex(edge_id),
-        )  # fmt: skip
+        self.views = _admission_views(quota, paths, policy, edge_id, lambda: self.control)
         self.auth = Authenticator(control)
         self.recorder = Recorder(events, metrics, clock=clock, new_id=new_id, commands=commands)
         self.outcomes = Outcomes(
@@ -143,6 +116,7 @@ class Edge:
         self.relay = StreamRelay(
             self.flights, idempotency, stream_buffer_chunks=stream_buffer_chunks
         )
+        self.completion = JsonCompletion(self.flights, idempotency)
         self.in_flight: dict[str, Flight] = self.flights.in_flight
         self._keepalive_at: datetime | None = None  # the last renewal of every lease
 
@@ -154,7 +128,9 @@ class Edge:
 
     @idempotency.setter
     def idempotency(self, idempotency: Idempotency) -> None:
-        self._idempotency = self.flights.idempotency = self.relay.idempotency = idempotency
+        self._idempotency = idempotency
+        self.flights.idempotency = self.relay.idempotency = idempotency
+        self.completion.idempotency = idempotency
 
     @property
     def quota(self) -> QuotaView:
@@ -229,32 +205,12 @@ class Edge:
         it, and it runs in the flex class whatever the body asks. `trace`: its spans, when
         tracing is on (api/services/tracing.py)."""
         headers = {"X-Request-Id": request_id}
-        try:
-            req = parse_chat_request(raw)
-        except ApiError as exc:
-            self.outcomes.reject(request_id, caller, "", "invalid", 0, exc.message, retry_count > 0)
-            raise
-        if batch_item:
-            req.service_tier, req.batch_item = "flex", batch_item
-        model = self.resolve_model(req.model, caller)
-        if model is None:
-            self.outcomes.reject(
-                request_id, caller, req.model, "invalid", 0, "unknown model", False
-            )
-            raise ApiError(
-                404, f"The model `{req.model}` does not exist or you do not have access to it.",
-                param="model", code="model_not_found",
-            )
+        req, model = self._request(caller, raw, request_id, retry_count, batch_item)
         if idempotency_key is not None:
             req.body_sha256 = hashlib.sha256(raw).hexdigest()
-            stored = await self.idempotency.lookup(
-                caller.tenant_id, idempotency_key, req.body_sha256
-            )
-            if stored is not None:
-                replay_headers = {**stored.headers, "Idempotent-Replayed": "true"}
-                if stored.content_type == "text/event-stream":
-                    return StreamOutcome(replay_headers, replay_frames(stored.body))
-                return JsonOutcome(stored.status, stored.body, replay_headers)
+            replay = await self._replay(caller, idempotency_key, req.body_sha256)
+            if replay is not None:
+                return replay
         is_retry = retry_count > 0 or self.idempotency.seen_recently(
             caller.tenant_id, idempotency_key
         )
@@ -283,7 +239,41 @@ class Edge:
         body["max_tokens"] = flight.state.output_cap_tokens
         if req.stream:
             return await self.relay.open(flight, caller, req, body, headers)
-        return await self._complete(flight, caller, body, headers)
+        return await self.completion.complete(flight, caller, body, headers)
+
+    def _request(
+        self, caller: Caller, raw: bytes, request_id: str, retry_count: int, batch_item: str
+    ) -> tuple[ChatRequest, str]:
+        """The body parsed and its model resolved to one on sale; a refusal (recorded) if not."""
+        try:
+            req = parse_chat_request(raw)
+        except ApiError as exc:
+            self.outcomes.reject(request_id, caller, "", "invalid", 0, exc.message, retry_count > 0)
+            raise
+        if batch_item:
+            req.service_tier, req.batch_item = "flex", batch_item
+        model = self.resolve_model(req.model, caller)
+        if model is None:
+            self.outcomes.reject(
+                request_id, caller, req.model, "invalid", 0, "unknown model", False
+            )
+            raise ApiError(
+                404, f"The model `{req.model}` does not exist or you do not have access to it.",
+                param="model", code="model_not_found",
+            )
+        return req, model
+
+    async def _replay(
+        self, caller: Caller, key: str, body_sha256: str
+    ) -> JsonOutcome | StreamOutcome | None:
+        """The answer kept for this Idempotency-Key and body, when there is one."""
+        stored = await self.idempotency.lookup(caller.tenant_id, key, body_sha256)
+        if stored is None:
+            return None
+        headers = {**stored.headers, "Idempotent-Replayed": "true"}
+        if stored.content_type == "text/event-stream":
+            return StreamOutcome(headers, replay_frames(stored.body))
+        return JsonOutcome(stored.status, stored.body, headers)
 
     async def _record_admission(
         self, flight: Flight, caller: Caller, req: ChatRequest,
@@ -321,62 +311,6 @@ class Edge:
             raise
         self.flights.track(flight)
 
-    async def _complete(
-        self, flight: Flight, caller: Caller, body: dict[str, Any], headers: dict[str, str]
-    ) -> JsonOutcome:
-        key = flight.idempotency_key
-        exchange: ChatExchange | None = None
-        try:
-            exchange = await self.flights.open(flight, caller, body)
-            collector = Collector(flight.progress, lambda: self.flights.first_token(flight))
-            await exchange.run(collector.feed)
-            completion = collector.completion()
-        except BaseException as exc:
-            await self.flights.fail(flight, caller, exchange, exc)
-            refusal = self.flights.engine_failure(flight, exc, headers)
-            if refusal is not None:
-                raise refusal from None
-            raise
-        error = flight.progress.error
-        if error is not None:
-            self.flights.end(flight, fail_command(flight.progress, engine_error_text(error)))
-            if key is not None:
-                await self.idempotency.abandon(caller.tenant_id, key)
-            raise ApiError(
-                502, "the model replica failed while generating", type="server_error",
-                code="replica_failed", headers=headers,
-            )
-        ended = self.flights.end(flight, complete_command(flight.progress))
-        completion["service_tier"] = flight.service_tier
-        answer = self._answer(flight, caller, ended, completion, headers)
-        if flight.idempotency_key is None:
-            return await answer
-        # Shielded: the request is completed and billed, so its replay must be kept even if the
-        # client leaves now (a record left in flight would answer every retry 409 for 24 h; the
-        # batch runner, killed at this instant, met exactly that).
-        return await asyncio.shield(answer)
-
-    async def _answer(
-        self, flight: Flight, caller: Caller, ended: asyncio.Future[bool] | None,
-        completion: dict[str, Any], headers: dict[str, str],
-    ) -> JsonOutcome:  # fmt: skip
-        """A non-streamed answer, once its terminal event has committed: a client never holds
-        an answer the ledger does not know (if it cannot commit, the lease expiry bills what was
-        renewed, and the client gets a 503 instead)."""
-        key = flight.idempotency_key
-        if not await durable(ended):
-            if key is not None:
-                await self.idempotency.abandon(caller.tenant_id, key)
-            raise ApiError(
-                503, NOT_RECORDED, type="server_error", code="not_recorded", headers=headers
-            )
-        payload = orjson.dumps(completion)
-        if key is not None:
-            await self.idempotency.complete(
-                caller.tenant_id, key, 200, payload, "application/json", headers
-            )
-        return JsonOutcome(200, payload, headers)
-
     # --- leases --------------------------------------------------------------------------------
 
     def renew_leases(self) -> None:
@@ -393,3 +327,21 @@ class Edge:
             self.views.prune(now)
             self.outcomes.record_counted_refusals()
         self.recorder.renew(self.edge_id, list(self.flights.in_flight.values()), everyone=keepalive)
+
+
+def _admission_views(
+    quota: QuotaView, paths: PathView | None, policy: AdmissionPolicy, edge_id: str,
+    control: Callable[[], ControlView],
+) -> AdmissionViews:  # fmt: skip
+    """The quota, every level below the organization and the runs (domain.governance.budgets),
+    and the flex work other edges serve: one facade, kept in step by `domain.views`. The path
+    view's buckets of levels it has not decided on yet are sized from the hierarchy when another
+    edge's admission there is folded (`Edge.observe`)."""
+    return AdmissionViews(
+        quota,
+        paths or PathView(
+            backoff=policy.backoff,
+            rates_for=lambda *level: control().hierarchy.level_rates(*level),
+        ),
+        RemoteFlex(edge_id),
+    )  # fmt: skip

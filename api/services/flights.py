@@ -109,12 +109,13 @@ class Flights:
         """The first chunk arrived: record its instant and the engine's prompt counts (its
         continuous usage stats), which a lease expiry bills at least from then on.
 
-        A stream's goes to the next group commit (within 5 ms, with other requests' ends and
-        first tokens; committing it and the end in this loop iteration's group instead cost more
-        CPU per request in the gateway bench), and its first frame waits for it
-        (`api.services.relay`): a client that saw a token is billed at least its prompt whatever
-        happens to this edge next. A non-streamed request's is staged: it goes with the next lease
-        renewal (0.1 s) or its terminal event, saving a commit per request."""
+        Either way it is staged. A stream's commits before its first frame is sent, with this
+        loop iteration's group (`api.services.relay`): a client that saw a token is billed at
+        least its prompt whatever happens to this edge next. When the engine's whole answer is
+        read before a frame goes (an engine that answers at once), it commits with the terminal
+        event instead: one commit for the two, and the frames wait for it. A non-streamed
+        request's goes with the next lease renewal (0.1 s) or its terminal event, saving a
+        commit per request."""
         p = flight.progress
         exchange = flight.exchange
         if exchange is not None and exchange.last_usage is not None:
@@ -125,12 +126,8 @@ class Flights:
             ttft_ms=ttft_ms, prompt_tokens=p.prompt_tokens,
             cached_tokens=min(p.cached_tokens, p.prompt_tokens),
         )  # fmt: skip
-        if stream:
-            # `now`: the first token waits for it, so it commits with this loop iteration's
-            # group; a lazy batch would hold every stream's first token up to its 5 ms delay.
-            flight.first_durable = self.recorder.record(flight, command, now=True)
-        else:
-            self.recorder.stage(flight, command)
+        self.recorder.stage(flight, command)
+        flight.first_staged = stream
 
     # --- the end of a request ---------------------------------------------------------------
 

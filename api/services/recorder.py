@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from api.metrics import Metrics
 from api.ports import EventSink, Replica
+from api.services.stored_streams import StoredStreams, settle
 from domain import leases
 from domain.capacity import Choice
 from domain.envelope import Event, Recorded
-from domain.errors import DomainError
 from domain.prediction import RequestShape
 from domain.requests.decide import AskToPreempt, Command, RejectRequest
 from domain.requests.decide import decide as request_decide
@@ -34,7 +34,7 @@ from domain.requests.state import INITIAL, RequestState
 from domain.types import CancelReason
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.usage import Progress
-from ledger.commands import CommandHandler, request_stream
+from ledger.commands import CommandHandler
 from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
 from ledger.ids import Clock, IdSource
 from ledger.store import AppendBatch, AppendResult, NewEvent
@@ -85,8 +85,11 @@ class Flight:
     # Its counts as this edge last renewed them (None: never): a renewal carries only the
     # requests whose counts moved since.
     renewed: leases.Counts | None = None
-    # A stream's first-token event, committing: its first frame waits for it. And the terminal
-    # event's, once ended: the final usage and [DONE] (a JSON body) wait for that one.
+    # A stream's first-token event, staged (`first_staged`) until the stream sends its first
+    # frame or ends, whichever comes first, then committing (`first_durable`): no frame is sent
+    # before that commit. And the terminal event's, once ended: the final usage and [DONE] (a
+    # JSON body) wait for that one.
+    first_staged: bool = False
     first_durable: asyncio.Future[bool] | None = None
     ended: asyncio.Future[bool] | None = None
     trace: RequestTrace | None = None  # its spans, when tracing is on (api/services/tracing.py)
@@ -109,8 +112,7 @@ class Recorder:
         self.new_id = new_id
         # Decides again on the stored stream after a lost race; None (tests without a store):
         # a lost race is counted as a failed append.
-        self.commands = commands
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.stored = None if commands is None else StoredStreams(commands, metrics, clock=clock)
 
     # --- request streams ---------------------------------------------------------------------
 
@@ -148,6 +150,9 @@ class Recorder:
         if flight.pending:
             commands = tuple(flight.pending_commands)
             self._submit(flight, self._take(flight), commands, 0.0, durable, now)
+            if flight.first_staged:  # whoever submits it (the end, a renewal), it is this commit
+                flight.first_staged = False
+                flight.first_durable = durable
         else:
             durable.set_result(True)
         return durable
@@ -176,46 +181,15 @@ class Recorder:
             flight.state = evolve(flight.state, record)
 
     def ask(self, request_id: str, tenant_id: str, command: AskToPreempt) -> None:
-        """Ask for the preemption of a flex request another edge serves: decided on its stored
-        stream (this edge does not hold it), appended at the version folded, in the background.
-        An ask that finds it ended, or already asked for, records nothing."""
-        if self.commands is None:
+        """Ask for the preemption of a flex request another edge serves (`StoredStreams.ask`)."""
+        if self.stored is None:
             self.metrics.append_failures.inc()
             log.error(
                 "no command handler: cannot ask for the preemption of %s", request_id,
                 extra={"request_id": request_id, "tenant_id": tenant_id},
             )  # fmt: skip
             return
-        self._background(self._ask(request_id, tenant_id, command))
-
-    async def _ask(
-        self, request_id: str, tenant_id: str, command: AskToPreempt
-    ) -> None:
-        assert self.commands is not None
-        try:
-            handled = await asyncio.to_thread(
-                self.commands.handle,
-                request_id,
-                lambda state: request_decide(state, command),
-                request_stream(self.commands.store, request_id),
-                tenant_id=tenant_id,
-                at=self.clock(),
-            )
-        except DomainError as exc:
-            log.warning(
-                "preemption of %s not asked for: %s", request_id, exc.message,
-                extra={"request_id": request_id, "tenant_id": tenant_id},
-            )  # fmt: skip
-            return
-        except Exception:
-            self.metrics.append_failures.inc()
-            log.exception(
-                "asking for the preemption of %s failed", request_id,
-                extra={"request_id": request_id, "tenant_id": tenant_id},
-            )  # fmt: skip
-            return
-        for record in handled.records:
-            self.metrics.events_of(record.type).inc()
+        self.stored.ask(request_id, tenant_id, command)
 
     # --- refusals and leases ----------------------------------------------------------------
 
@@ -310,7 +284,7 @@ class Recorder:
         durable: asyncio.Future[bool],
     ) -> None:
         if future.cancelled():
-            _settle(durable, False)
+            settle(durable, False)
             return
         error = future.exception() or future.result().error
         if isinstance(error, _STORE_AWAY) and waited_s < APPEND_RETRY_FOR_S:
@@ -325,66 +299,15 @@ class Recorder:
             return
         result = self._result(future)
         if result is None:
-            _settle(durable, False)
+            settle(durable, False)
             return
-        if isinstance(result.error, WrongExpectedVersion) and self.commands is not None:
+        if isinstance(result.error, WrongExpectedVersion) and self.stored is not None:
             self.metrics.append_conflicts.inc()
-            self._background(self._decide_again(flight, commands, result.error, durable))
+            self.stored.decide_again(
+                flight.request_id, flight.tenant_id, commands, result.error, durable
+            )
             return
-        _settle(durable, self.count(result))
-
-    async def _decide_again(
-        self,
-        flight: Flight,
-        commands: Sequence[Command],
-        conflict: WrongExpectedVersion,
-        durable: asyncio.Future[bool],
-    ) -> None:
-        at = self.clock()
-        durable_now = False
-        try:
-            durable_now = await self._handle_again(flight, commands, conflict, at)
-        finally:
-            _settle(durable, durable_now)
-
-    async def _handle_again(
-        self,
-        flight: Flight,
-        commands: Sequence[Command],
-        conflict: WrongExpectedVersion,
-        at: datetime,
-    ) -> bool:
-        """Decide `commands` again on the stored stream and append them; whether they were."""
-        assert self.commands is not None
-        try:
-            handled = await asyncio.to_thread(
-                self.commands.handle,
-                flight.request_id,
-                _deciding(commands, at),
-                request_stream(self.commands.store, flight.request_id),
-                tenant_id=flight.tenant_id,
-                at=at,
-            )
-        except DomainError as exc:
-            # Typically `second_terminal`: the sweeper expired the request while this edge was
-            # silent, and billed the progress it had renewed. What the engine reported after
-            # that renewal is not billed: the bound is one renewal interval of tokens.
-            log.warning(
-                "request %s was changed by another writer (%s); %s not recorded: %s",
-                flight.request_id, conflict, ", ".join(type(c).__name__ for c in commands),
-                exc.message, extra={"request_id": flight.request_id, "tenant_id": flight.tenant_id},
-            )
-            return False
-        except Exception:
-            self.metrics.append_failures.inc()
-            log.exception(
-                "deciding again for %s failed", flight.request_id,
-                extra={"request_id": flight.request_id, "tenant_id": flight.tenant_id},
-            )  # fmt: skip
-            return False
-        for record in handled.records:
-            self.metrics.events_of(record.type).inc()
-        return True
+        settle(durable, self.count(result))
 
     def _result(self, future: asyncio.Future[AppendResult]) -> AppendResult | None:
         try:
@@ -393,27 +316,3 @@ class Recorder:
             self.metrics.append_failures.inc()
             log.error("event append failed: %r", exc)
             return None
-
-    def _background(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-def _settle(durable: asyncio.Future[bool], committed: bool) -> None:
-    if not durable.done():
-        durable.set_result(committed)
-
-
-def _deciding(
-    commands: Sequence[Command], at: datetime
-) -> Callable[[RequestState], list[Event]]:
-    def decide(state: RequestState) -> list[Event]:
-        events: list[Event] = []
-        for command in commands:
-            for event in request_decide(state, command):
-                events.append(event)
-                state = evolve_event(state, event, at)
-        return events
-
-    return decide

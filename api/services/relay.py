@@ -101,18 +101,14 @@ class StreamRelay:
             ):
                 if transcript is not None:
                     transcript.append(frame)
-                first, flight.first_durable = flight.first_durable, None
-                if first is not None:
-                    # The engine's prompt count is durable before the client sees a token:
-                    # one group commit on the time to first token. (Not recorded: the
-                    # terminal event carries the counts anyway.)
-                    await durable(first)
                 if held or flight.progress.finish_reason is not None:
                     # The answer's last chunk and what follows (the final usage) wait for the
                     # terminal event's commit: a client never holds a complete answer the
                     # ledger does not know.
                     held.append(frame)
                     continue
+                if not exchange.ready and _first_pending(flight):
+                    await self._first_durable(flight)  # the engine may send more meanwhile
                 if exchange.ready:
                     ready.append(frame)
                     continue
@@ -123,20 +119,14 @@ class StreamRelay:
                 yield frame
                 if flight.cancel_reason is not None:
                     flights.reading(flight)
-            if ready:
-                yield b"".join(ready)
-                ready.clear()
-            async for frame in self._finish(flight, caller, transcript, held):
+            async for frame in self._finish(flight, caller, transcript, ready, held):
                 yield frame
         except PREEMPTED_ERRORS as exc:
             if flight.preempted_for is None and not isinstance(exc, REPLICA_ERRORS):
                 client_gone = True  # an in-process engine's task cancelled: as below
                 flights.background(self._cancel(flight, exchange, caller))
                 raise
-            if ready:  # what the engine sent before it broke
-                yield b"".join(ready)
-                ready.clear()
-            async for frame in self._broken(flight, exchange, exc):
+            async for frame in self._broken(flight, exchange, exc, ready):
                 yield frame
         except BaseException:
             # Client gone (CancelledError from Starlette, or GeneratorExit): cancel at once. The
@@ -148,21 +138,33 @@ class StreamRelay:
         finally:
             flights.unwatch(flight)
             if not client_gone:
-                await abort_engine(exchange, flight.progress)
-                if flight.idempotency_key and flight.state.status != "completed":
-                    await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+                await self._release(flight, exchange, caller)
+
+    async def _release(self, flight: Flight, exchange: ChatExchange, caller: Caller) -> None:
+        """The stream is over and its client still there: the engine request is closed, and an
+        Idempotency-Key it did not complete is freed for a retry."""
+        await abort_engine(exchange, flight.progress)
+        if flight.idempotency_key and flight.state.status != "completed":
+            await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
 
     async def _finish(
-        self, flight: Flight, caller: Caller, transcript: list[bytes] | None, held: list[bytes]
-    ) -> AsyncIterator[bytes]:
-        """The engine's stream ended: the terminal event, then the held end of the answer and
-        [DONE] once it is durable (an error object instead if it cannot be), and the replay
-        kept for an Idempotency-Key."""
+        self, flight: Flight, caller: Caller, transcript: list[bytes] | None,
+        ready: list[bytes], held: list[bytes],
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """The engine's stream ended: the frames still to coalesce (`ready`), the terminal
+        event, then the held end of the answer and [DONE] once it is durable (an error object
+        instead if it cannot be), and the replay kept for an Idempotency-Key."""
+        if ready and not _first_pending(flight):
+            yield b"".join(ready)
+            ready = []
         flights, error = self.flights, flight.progress.error
         if error is not None:
             ended = flights.end(flight, fail_command(flight.progress, engine_error_text(error)))
         else:
             ended = flights.end(flight, complete_command(flight.progress))
+        if ready:  # the whole answer came before a frame went: its first token rode with the end
+            await self._first_durable(flight)
+            yield b"".join(ready)
         if not await durable(ended):
             if flight.idempotency_key:
                 await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
@@ -181,20 +183,28 @@ class StreamRelay:
         yield DONE
 
     async def _broken(
-        self, flight: Flight, exchange: ChatExchange, exc: BaseException
+        self, flight: Flight, exchange: ChatExchange, exc: BaseException, ready: list[bytes]
     ) -> AsyncIterator[bytes]:
-        """After the first token the status is sent: the failure is an error object in the
-        stream, then [DONE], never a silently truncated answer. Each once the terminal event is
-        durable (or known not to be: then the lease expiry bills what was renewed)."""
+        """After the first token the status is sent: what the engine sent before it broke
+        (`ready`), then the failure as an error object in the stream, then [DONE], never a
+        silently truncated answer. Each once the terminal event is durable (or known not to
+        be: then the lease expiry bills what was renewed)."""
         flights = self.flights
+        if ready and not _first_pending(flight):
+            yield b"".join(ready)
+            ready = []
         await abort_engine(exchange, flight.progress)  # counts what the engine reported
         if flight.preempted_for is not None:
             await durable(flights.end(flight, preempt_command(flight)))
+            async for frame in self._after_end(flight, ready):
+                yield frame
             yield error_frame(
                 refusal_errors.PREEMPTED_MESSAGE, type="resource_unavailable", code="preempted"
             )
         elif flight.cancel_reason == "slow_reader":  # the edge stopped it: say so
             await durable(flights.end(flight, cancel_command(flight.progress, "slow_reader")))
+            async for frame in self._after_end(flight, ready):
+                yield frame
             yield error_frame(
                 f"the stream was cancelled: the client read nothing for "
                 f"{flights.slow_reader_s:g} s while its buffer was full; billed the "
@@ -204,8 +214,26 @@ class StreamRelay:
             flights.reading(flight)
         else:
             await durable(flights.end(flight, fail_command(flight.progress, failure_text(exc))))
+            async for frame in self._after_end(flight, ready):
+                yield frame
             yield error_frame("the model replica failed mid-stream", code="replica_failed")
         yield DONE
+
+    async def _after_end(self, flight: Flight, ready: list[bytes]) -> AsyncIterator[bytes]:
+        """What the engine sent before it broke, when no frame had gone yet: its first token
+        rode with the terminal event, which has committed (or failed to)."""
+        if ready:
+            await self._first_durable(flight)
+            yield b"".join(ready)
+
+    async def _first_durable(self, flight: Flight) -> None:
+        """The engine's prompt count is durable before the client sees a token: a first-token
+        event still staged is committed with this loop iteration's group, and waited for. (Not
+        whether it was recorded: the terminal event carries the counts anyway.)"""
+        if flight.first_staged:
+            self.flights.recorder.flush(flight, now=True)  # sets `first_durable`
+        first, flight.first_durable = flight.first_durable, None
+        await durable(first)
 
     async def _cancel(self, flight: Flight, exchange: ChatExchange, caller: Caller) -> None:
         """Abort the engine request and bill what it sent: everything received before the
@@ -214,3 +242,8 @@ class StreamRelay:
         self.flights.end(flight, cancel_command(flight.progress, flight.cancel_reason))
         if flight.idempotency_key:
             await self.idempotency.abandon(caller.tenant_id, flight.idempotency_key)
+
+
+def _first_pending(flight: Flight) -> bool:
+    """Whether the stream's first-token event is staged or committing: no frame goes before it."""
+    return flight.first_staged or flight.first_durable is not None

@@ -104,6 +104,19 @@ class EventStore(Protocol):
         event_types: Sequence[str] = (),
     ) -> list[Recorded]: ...  # fmt: skip
 
+    def read_tail(
+        self, after_position: int, limit: int, event_types: Sequence[str],
+        excluding_id_suffix: str = "",
+    ) -> tuple[list[Recorded], int]:
+        """A follower's read: the events after `after_position` of `event_types`, less those
+        whose event id ends with `excluding_id_suffix` (what the follower's own process wrote,
+        `ledger.ids.tagged_event_ids`), at most `limit`; and the position the follower has read
+        up to: the last event's when `limit` came back, else the log's head as of the read
+        (every event up to it was visible to the read), so that a follower moves past the
+        events it skipped instead of reading them again. One round trip when the follower is
+        near the head."""
+        ...  # fmt: skip
+
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]: ...
 
     def read_streams(self, stream_ids: Sequence[str]) -> dict[str, list[Recorded]]: ...

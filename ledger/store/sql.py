@@ -322,6 +322,59 @@ class SqlEventStore(EventStore):
             low = high
         return out
 
+    @faults.seam("store.read")
+    def read_tail(
+        self, after_position: int, limit: int, event_types: Sequence[str],
+        excluding_id_suffix: str = "",
+    ) -> tuple[list[Recorded], int]:  # fmt: skip
+        if not self._pg:
+            return self._sqlite_read_tail(after_position, limit, event_types, excluding_id_suffix)
+        c = events_table.c
+        # The head in the same statement as the window's events (a left join keeps its row
+        # when no event matches): a follower near the head asks once per read, not twice.
+        head = sa.select(sa.func.coalesce(sa.func.max(c.position), 0).label("p")).cte("head")
+        out: list[Recorded] = []
+        low = after_position
+        with self._connect() as conn:
+            while True:
+                high = sa.func.least(low + _TAIL_WINDOW, head.c.p)
+                match = [c.position > low, c.position <= high]
+                if event_types:
+                    match.append(c.type.in_(list(event_types)))
+                if excluding_id_suffix:
+                    match.append(c.event_id.notlike(f"%{excluding_id_suffix}"))
+                query = (
+                    sa.select(head.c.p, *(c[name] for name in COLUMNS))
+                    .select_from(head.outerjoin(events_table, sa.and_(*match)))
+                    .order_by(c.position)
+                    .limit(limit - len(out))
+                )
+                rows = conn.execute(query).all()
+                top = int(rows[0][0])
+                out += [_recorded_from_row(*r[1:]) for r in rows if r[1] is not None]
+                if len(out) >= limit:
+                    return out, out[-1].position
+                low = min(low + _TAIL_WINDOW, top)
+                if low >= top:
+                    return out, max(top, after_position)
+
+    def _sqlite_read_tail(
+        self, after: int, limit: int, types: Sequence[str], excluding_id_suffix: str
+    ) -> tuple[list[Recorded], int]:
+        with self._connect() as conn:
+            cursor = conn.connection.driver_connection.cursor()
+            try:
+                # The head first, then the tail bounded by it: the position returned never passes
+                # an event the tail did not see (one writer: positions commit in order).
+                head = cursor.execute("SELECT coalesce(max(position), 0) FROM events").fetchone()
+                sql, params = sqlite.follow_sql(after, int(head[0]), limit, types,
+                                                excluding_id_suffix)  # fmt: skip
+                rows = cursor.execute(sql, params).fetchall()
+            finally:
+                cursor.close()
+        out = [sqlite.recorded_from_row(r) for r in rows]
+        return out, (out[-1].position if len(out) >= limit else max(int(head[0]), after))
+
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
         return self._read(_SELECT.where(_prefixed(prefixes)).order_by(events_table.c.position))

@@ -46,6 +46,22 @@ def tail_sql(prefixes: int, types: int = 0) -> str:
     )
 
 
+def follow_sql(
+    after: int, head: int, limit: int, types: Sequence[str], excluding_id_suffix: str
+) -> tuple[str, list[Any]]:
+    """`read_tail`'s query on SQLite and its parameters: up to `head` (read before it)."""
+    where = " AND position <= ?"
+    params: list[Any] = [after, head]
+    if types:
+        where += f" AND type IN ({', '.join('?' for _ in types)})"
+        params += list(types)
+    if excluding_id_suffix:
+        # substr, not LIKE: SQLite's LIKE ignores case.
+        where += " AND substr(event_id, ?) != ?"
+        params += [-len(excluding_id_suffix), excluding_id_suffix]
+    return _TAIL.format(where), [*params, limit]
+
+
 def sqlite_instant(at: datetime) -> str:
     """SQLAlchemy's DATETIME text for SQLite: UTC, "YYYY-MM-DD HH:MM:SS.ffffff"."""
     if at.tzinfo is UTC:  # what encode leaves: the offset is all that has to go

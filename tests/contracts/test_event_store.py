@@ -14,6 +14,7 @@ from domain.errors import DomainError
 from domain.requests.events import FirstTokenStreamed, RequestRejected, RequestRouted
 from ledger import schema
 from ledger.engine import create_engine_from_url
+from ledger.ids import IdSource, new_writer_tag, tagged_event_ids
 from ledger.store import (
     AppendBatch,
     EventIdConflict,
@@ -307,6 +308,43 @@ def test_the_tail_reads_only_the_types_asked_for(store: EventStore) -> None:
     ]
     assert store.read_all(0, 10, event_types=("NoSuchEvent",)) == []
     assert len(store.read_all(0, 10, event_types=())) == 4  # no filter: every type
+
+
+def test_a_followers_tail_skips_its_own_writes_and_moves_past_what_it_skipped(
+    store: EventStore,
+) -> None:
+    # An edge's log follower: the types its views fold, less what its own process wrote.
+    ours, theirs = tagged_event_ids("0badcafe"), tagged_event_ids("feedf00d")
+    s = stream()
+
+    def event(new_id: IdSource, n: int) -> NewEvent:
+        return NewEvent(new_id(), s, "acme", T0, RequestRouted(s, "replica", n))
+
+    first = store.append(s, 0, [event(ours, 1), event(theirs, 2), event(ours, 3)])
+    kinds = ("RequestRouted",)
+    read, position = store.read_tail(0, 10, kinds, "0badcafe")
+    assert [r.position for r in read] == [first[1].position]
+    assert position == first[2].position  # past its own last event, which it did not read
+    assert store.read_tail(position, 10, kinds, "0badcafe") == ([], position)
+    # Nothing of those types at all: the position still moves to the head.
+    other = store.append(s, 3, [new(s, 9)])
+    assert store.read_tail(position, 10, kinds, "0badcafe") == ([], other[0].position)
+    # `limit` events back: the position is the last one's, not the head's.
+    more = store.append(s, 4, [event(theirs, 5), event(theirs, 6)])
+    read, at = store.read_tail(0, 2, kinds, "0badcafe")
+    assert [r.position for r in read] == [first[1].position, more[0].position]
+    assert at == more[0].position
+    # No suffix: every event of the types.
+    assert len(store.read_tail(0, 10, kinds)[0]) == 5
+
+
+def test_tagged_event_ids_are_uuids_ending_with_the_writers_tag() -> None:
+    ids = tagged_event_ids(new_writer_tag())
+    made = [ids() for _ in range(1000)]
+    assert len(set(made)) == 1000 and len({m[-8:] for m in made}) == 1
+    assert all(str(uuid.UUID(m)) == m for m in made)
+    with pytest.raises(ValueError):
+        tagged_event_ids("0BADCAFE")
 
 
 def test_awkward_text_survives_the_round_trip(store: EventStore) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -18,7 +19,7 @@ from ledger.checkpoints import Checkpoints
 from ledger.schema import ledger_entries
 from ledger.store import NewEvent, SqlEventStore
 from streams.metrics import PipelineMetrics
-from streams.reconciler import Reconciler
+from streams.reconciler import Handoff, Reconciler
 from streams.status import read_status
 from streams.worker import FoldWorker
 from tests import builders as b
@@ -135,3 +136,87 @@ def test_tollgate_status_exits_2_on_an_alarm(url: str, engine: sa.Engine) -> Non
     assert paged.returncode == 2, paged.stdout + paged.stderr
     assert "ALARMS:" in paged.stdout and unbillable in paged.stdout
     assert "billing: 1 terminal event(s)" in paged.stdout
+
+
+def _counting_store_reads(reconciler: Reconciler) -> list[int]:
+    """How many records each of the reconciler's own reads of the store returned."""
+    counts: list[int] = []
+    read = reconciler.tail.read
+
+    def counted(max_records: int = 500, timeout_s: float = 0.5) -> list[Any]:
+        records = read(max_records, timeout_s)
+        counts.append(len(records))
+        return records
+
+    reconciler.tail.read = counted  # type: ignore[method-assign]
+    return counts
+
+
+def test_fed_the_workers_reads_it_reads_the_log_once_and_finds_the_same_gaps(
+    engine: sa.Engine,
+) -> None:
+    store = SqlEventStore(engine)
+    _price(store)
+    worker = FoldWorker(engine, lease_ttl_s=3600)
+    worker.catch_up()
+    handoff = Handoff()
+    worker.handoff = handoff
+    reconciler = Reconciler(engine, store, handoff=handoff)
+    own_reads = _counting_store_reads(reconciler)
+    assert reconciler.step() is not None  # resumes at the log's start: reads the store itself
+    started = len(own_reads)
+
+    billed = [_request(store) for _ in range(3)]
+    unbillable = _request(store, UNPRICED)
+    orphan = _request(store, end=False, age_s=40)
+    _fold(worker)
+    report = reconciler.step()
+    assert report is not None
+    assert report.unbilled_sample == (unbillable,) and report.overdue_sample == (orphan,)
+    # Everything came from the worker's reads: the reconciler's own read found the end.
+    assert sum(own_reads[started:]) == 0
+    assert billed  # billed, so not pending
+    # The same book as a reconciler that reads the store alone.
+    reconciler.lead.release()
+    alone = Reconciler(engine, store, name="reconciler-alone").step()
+    assert alone is not None
+    assert (alone.unbilled_sample, alone.overdue_sample) == (
+        report.unbilled_sample, report.overdue_sample,
+    )  # fmt: skip
+
+
+def test_a_read_missing_from_the_handoff_is_read_from_the_store(engine: sa.Engine) -> None:
+    store = SqlEventStore(engine)
+    _price(store)
+    worker = FoldWorker(engine, lease_ttl_s=3600)
+    worker.catch_up()
+    handoff = Handoff()
+    reconciler = Reconciler(engine, store, handoff=handoff)
+    assert reconciler.step() is not None
+    own_reads = _counting_store_reads(reconciler)
+    # The worker's read of the unbillable request never reaches the handoff (a worker that
+    # moved past it, or a handoff that dropped it): the reads after it leave a gap.
+    unbillable = _request(store, UNPRICED)
+    _fold(worker)
+    worker.handoff = handoff
+    _request(store)
+    _fold(worker)
+    report = reconciler.step()
+    assert report is not None and report.unbilled_sample == (unbillable,)
+    assert sum(own_reads) > 0  # the gap was read from the store
+
+
+def test_a_bounded_handoff_drops_its_oldest_reads_and_the_gap_is_seen() -> None:
+    handoff = Handoff(max_reads=2)
+    first, second, third = (
+        b.stream(b.admitted(request_id=f"r{i}"), start=i) for i in (1, 2, 3)
+    )  # positions 1, 2 and 3, one lease event each
+    handoff.offer(0, first)
+    handoff.offer(1, second)
+    handoff.offer(2, third)  # the first read is dropped
+    folded: list[str] = []
+    assert handoff.take(0, lambda r: folded.append(r.stream_id)) == 0  # the gap: nothing taken
+    assert folded == []
+    # Once the store's read reached position 1, the rest continue it.
+    assert handoff.take(1, lambda r: folded.append(r.stream_id)) == 3
+    assert folded == ["r2", "r3"]

@@ -547,6 +547,49 @@ def test_a_streams_first_token_waits_for_the_engines_prompt_count_to_commit() ->
     run(t, script=Script(tokens=50, prompt_tokens=10, cached_tokens=4))
 
 
+def test_an_answer_read_whole_before_a_frame_goes_commits_its_first_token_with_its_end() -> None:
+    """An engine that answers at once: its whole answer is read before a frame can go, so the
+    first token's event rides with the terminal event (one commit, not two), and no frame, the
+    first included, is sent before that commit."""
+
+    async def t(h: Harness) -> None:
+        held = _Held(h.sink, FirstTokenStreamed, RequestCompleted)
+        task = asyncio.ensure_future(h.chat(stream=True))
+        await _settle()
+        assert not task.done()  # not even the first frame (the status) before the commit
+        [(batch, _)] = held.waiting
+        assert [type(e.event) for e in batch.events] == [
+            FirstTokenStreamed, RequestCompleted, QuotaRefunded
+        ]
+        held.release()
+        out = await task
+        assert isinstance(out, StreamOutcome)
+        frames = await sse_events(out.first, out.frames)
+        assert frames[-1] == b"data: [DONE]\n\n" and len(frames) == 4
+        assert h.types() == ENDED
+
+    run(t, script=Script(together=True))
+
+
+def test_a_stream_broken_before_its_first_frame_went_sends_it_once_the_failure_commits() -> None:
+    async def t(h: Harness) -> None:
+        held = _Held(h.sink, FirstTokenStreamed, RequestFailed)
+        task = asyncio.ensure_future(h.chat(stream=True))
+        await _settle()
+        assert not task.done()
+        [(batch, _)] = held.waiting
+        assert [type(e.event) for e in batch.events][:2] == [FirstTokenStreamed, RequestFailed]
+        held.release()
+        out = await task
+        assert isinstance(out, StreamOutcome)
+        frames = await sse_events(out.first, out.frames)
+        sent = b"".join(frames)
+        assert b'"t1 "' in sent and b'"t2 "' in sent and b"replica_failed" in sent
+        assert frames[-1] == b"data: [DONE]\n\n"
+
+    run(t, script=Script(tokens=5, fail_after=2, together=True))
+
+
 def test_renewals_carry_only_the_streams_that_progressed_and_skip_an_idle_interval() -> None:
     """One LeasesRenewed per interval (0.1 s) with the counts that moved; an interval where
     nothing moved writes nothing; every 0.5 s all leases are renewed (a queued stream keeps its
