@@ -209,3 +209,16 @@ def test_probes_and_shutdown(rendered: tuple[str, list[dict[str, Any]]]) -> None
         port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
         assert str(port) == config["TOLLGATE_METRICS_PORT"]
         assert c["livenessProbe"]["tcpSocket"]["port"] == "metrics"
+
+
+def test_the_image_is_built_from_every_installed_package() -> None:
+    # The image installs what it copies: a package the wheel lists but the Containerfile leaves
+    # out is missing in the container (`cli/` once was, and the image's `tollgate` could not
+    # start). The long tier builds and runs the image; this holds the list in every run.
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    containerfile = (REPO / "deploy" / "Containerfile").read_text()
+    for pattern in config["tool"]["setuptools"]["packages"]["find"]["include"]:
+        folder = pattern.rstrip("*")
+        assert f"COPY {folder} /src/{folder}\n" in containerfile, folder
