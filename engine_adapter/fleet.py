@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 
@@ -43,13 +43,11 @@ from domain.capacity import (
     tier_ceiling_ppm,
 )
 from domain.residency import REGION_UNAVAILABLE, in_region
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.lora import AdapterBound, ReplicaLoras, fetch_adapters
+from engine_adapter.lora import AdapterBound, ReplicaLoras, ScrapedReplica, fetch_adapters
 from engine_adapter.vllm_http import (
     ReplicaMetrics,
     ReplicaSlow,
     ReplicaUnavailable,
-    Served,
     check_health,
     fetch_metrics,
 )
@@ -60,24 +58,6 @@ __all__ = [
 ]
 
 TPOT_WINDOW_S = 30.0
-
-
-class ScrapedReplica(Protocol):
-    """A replica as the fleet keeps it: the edge's `Replica` port (an id, `open_chat`) and what
-    the scraper and the registry read (`engine_adapter.vllm_http.VLLMReplica`; the composition
-    root builds them and hands them to `Fleet.add`)."""
-
-    replica_id: str
-    url: str
-    model: str
-    max_model_len: int | None
-
-    def close(self) -> None: ...
-
-    async def open_chat(
-        self, body: dict[str, Any], *, request_id: str, cache_salt: str,
-        traceparent: str | None = None, adapter: Served | None = None,
-    ) -> ChatExchange: ...  # fmt: skip
 
 
 @dataclass

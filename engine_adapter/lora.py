@@ -187,8 +187,10 @@ class ReplicaLoras:
             raise
 
 
-class BaseReplica(Protocol):
-    """What `AdapterBound` wraps: `engine_adapter.fleet.ScrapedReplica`."""
+class ScrapedReplica(Protocol):
+    """A replica as the fleet keeps it: the edge's `Replica` port (an id, `open_chat`) and what
+    the scraper and the registry read (`engine_adapter.vllm_http.VLLMReplica`; the composition
+    root builds them and hands them to `Fleet.add`, which wraps them in `AdapterBound`)."""
 
     replica_id: str
     url: str
@@ -211,7 +213,7 @@ class AdapterBound:
     __slots__ = ("inner", "ref", "_ready", "_served")
 
     def __init__(
-        self, inner: BaseReplica, ref: AdapterRef, ready: Callable[[], Awaitable[None]],
+        self, inner: ScrapedReplica, ref: AdapterRef, ready: Callable[[], Awaitable[None]],
         gone: Callable[[], None],
     ) -> None:  # fmt: skip
         self.inner = inner
