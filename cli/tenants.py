@@ -149,7 +149,21 @@ def with_level(fn: F) -> F:
 @limits.command("set")
 @click.option("--tenant", required=True)
 @with_level
-@click.option("--model", required=True, help="model name, version, or * for every model")
+@click.option(
+    "--model", default=None,
+    help="model name, version, or * for every model (required, except with --per-end-user: *)",
+)
+@click.option(
+    "--per-end-user", is_flag=True,
+    help="with --project: the limits of each end user of the project (the request's `user`, "
+    "`safety_identifier` or X-Tollgate-End-User)",
+)
+@click.option("--usd-per-day", default=None, help="with --per-end-user: a daily budget in USD")
+@click.option(
+    "--amount-per-day", default=None,
+    help="with --per-end-user: a daily budget in --currency, e.g. 1.00",
+)
+@click.option("--currency", default="USD", help="ISO 4217 of --amount-per-day (default USD)")
 @click.option("--rpm", type=int, callback=_non_negative, help="requests per minute")
 @click.option("--tpm", type=int, callback=_non_negative, help="tokens per minute")
 @click.option("--max-context", type=int, callback=_non_negative, help="max prompt tokens")
@@ -173,7 +187,11 @@ def limits_set(
     workspace: str | None,
     project: str | None,
     key_id: str | None,
-    model: str,
+    model: str | None,
+    per_end_user: bool,
+    usd_per_day: str | None,
+    amount_per_day: str | None,
+    currency: str,
     rpm: int | None,
     tpm: int | None,
     max_context: int | None,
@@ -184,7 +202,17 @@ def limits_set(
     actor: Actor,
 ) -> None:
     """Limits of the organization (no level option) or of one workspace, project or key; a
-    request is admitted only if every level on its path has room."""
+    request is admitted only if every level on its path has room. With --per-end-user, the
+    limits (and daily budget) of each end user of the project, each on its own."""
+    if per_end_user or usd_per_day is not None or amount_per_day is not None:
+        _end_user_limits_set(
+            tenant, project, workspace or key_id, model or "*", rpm, tpm, usd_per_day,
+            amount_per_day, currency, database_url, actor,
+            rest=(max_context, max_output, kv_seconds, reserved_kv_seconds),
+        )  # fmt: skip
+        return
+    if model is None:
+        raise click.UsageError("Missing option '--model'")
     level = _level(tenant, workspace, project, key_id, org=False)
     if level is not None and reserved_kv_seconds is not None:
         raise click.UsageError("--reserved-kv-seconds is an organization's limit")
@@ -198,6 +226,39 @@ def limits_set(
         click.echo(f"limits for {level[0]} {level[1]} of {tenant} on {model} recorded")
     else:
         click.echo(f"limits for {tenant} on {model} recorded")
+
+
+def _end_user_limits_set(
+    tenant: str, project: str | None, other_level: str | None, model: str, rpm: int | None,
+    tpm: int | None, usd_per_day: str | None, amount_per_day: str | None, currency: str,
+    database_url: str, actor: Actor, *, rest: tuple[int | None, ...],
+) -> None:  # fmt: skip
+    """`limits set --project P --per-end-user`: the rate limits and the daily budget every end
+    user of P gets on its own (domain/governance/end_users.py), each recorded as a control-plane
+    event (LevelLimitsSet, BudgetSet at level end_user of P) with its actor."""
+    if project is None or other_level is not None:
+        raise click.UsageError("--per-end-user takes --project (and no other level)")
+    if any(value is not None for value in rest):
+        raise click.UsageError("--per-end-user takes --rpm, --tpm and a daily budget only")
+    if usd_per_day is not None and amount_per_day is not None:
+        raise click.UsageError("give --usd-per-day or --amount-per-day, not both")
+    budget = usd_per_day if usd_per_day is not None else amount_per_day
+    if budget is not None and usd_per_day is not None:
+        currency = "USD"
+    if rpm is None and tpm is None and budget is None:
+        raise click.UsageError("give --rpm, --tpm, --usd-per-day or --amount-per-day")
+    with control.ControlService.open(database_url, actor) as service:
+        if rpm is not None or tpm is not None:
+            service.set_level_limits(tenant, "end_user", project, model, rpm=rpm, tpm=tpm)
+        if budget is not None:
+            option = "--usd-per-day" if usd_per_day is not None else "--amount-per-day"
+            service.set_budget(
+                tenant, "end_user", project, "day", micros(budget, option), currency=currency
+            )
+    shown = [f"{name} {value}" for name, value in (("rpm", rpm), ("tpm", tpm)) if value is not None]
+    if budget is not None:
+        shown.append(f"{budget} {currency} a day")
+    click.echo(f"limits per end user of project {project} of {tenant}: {', '.join(shown)}")
 
 
 @limits.command("show")

@@ -76,6 +76,7 @@ REQUEST_LOG_COLUMNS: Final = (
     "region",  # the replica's region (RequestRouted); NULL before regions, "" for none given
     "retention",  # the tier it ran under (RequestAdmitted): standard | zero
     "adapter",  # the tenant's LoRA adapter it was served through (RequestAdmitted); NULL: none
+    "end_user",  # the end user's keyed hash per tenant (RequestAdmitted); NULL: none named
 )
 _LOGGED: Final = (
     RequestAdmitted,
@@ -120,6 +121,7 @@ def project_request_log(row: Row | None, recorded: Recorded) -> Row | None:
                 service_tier=event.service_tier,
                 retention=event.retention or "standard",
                 adapter=event.adapter or None,
+                end_user=event.end_user or None,
             )
             _advance(new, "admitted")
         case RequestRejected():
@@ -303,6 +305,7 @@ LEDGER_ENTRIES_COLUMNS: Final = (
     "run_id",
     "currency",
     "adapter",
+    "end_user",
 )
 
 
@@ -341,6 +344,7 @@ def project_ledger_entry(row: Row | None, recorded: Recorded) -> Row | None:
         "run_id": event.run_id,
         "currency": event.currency,
         "adapter": event.adapter or None,
+        "end_user": event.end_user or None,
     }
 
 

@@ -48,7 +48,7 @@ def _model_filter(column: Any, model: str | None) -> Any:
 # usage group_by values read from the ledger entries (not the hourly rollup), and their column.
 ENTRY_GROUPS: Final = {
     "key": "key_id", "workspace": "workspace_id", "project": "project_id", "run": "run_id",
-    "adapter": "adapter",
+    "adapter": "adapter", "end_user": "end_user",
 }  # fmt: skip
 # usage group_by values read from the request log joined to the entries (where a request ran).
 LOG_GROUPS: Final = {"region": "region"}

@@ -114,6 +114,7 @@ request_log = sa.Table(
     sa.Column("region", sa.String(32)),  # the replica's region (RequestRouted), migration 0021
     sa.Column("retention", sa.String(16)),  # the tier it ran under (RequestAdmitted)
     sa.Column("adapter", sa.String(64)),  # its tenant's LoRA adapter, by name (migration 0023)
+    sa.Column("end_user", sa.String(32)),  # the end user's keyed hash (migration 0024)
     sa.Index(None, "tenant_id", "admitted_at"),
 )
 
@@ -159,6 +160,7 @@ ledger_entries = sa.Table(
     # ISO 4217 of the entry's prices and amount (migration 0020; 'USD' for every earlier bill).
     sa.Column("currency", sa.String(3), nullable=False, server_default="USD"),
     sa.Column("adapter", sa.String(64)),  # the LoRA adapter it was served through (0023)
+    sa.Column("end_user", sa.String(32)),  # the end user's keyed hash, never in clear (0024)
     # When the row was written (the database's clock; migration 0014): the billing lag's end.
     # Not a projection column, so rebuilds and digests ignore it.
     sa.Column(
@@ -166,6 +168,7 @@ ledger_entries = sa.Table(
     ),
     sa.Index(None, "tenant_id", "finished_at"),
     sa.Index("ix_ledger_entries_tenant_id_project_id", "tenant_id", "project_id"),
+    sa.Index("ix_ledger_entries_tenant_id_end_user", "tenant_id", "end_user"),
     # PostgreSQL only (migration 0006): an invoice reads a tenant-month from the index alone.
     sa.Index(
         "ix_ledger_entries_invoice", "tenant_id", "finished_at",

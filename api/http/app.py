@@ -188,6 +188,7 @@ class TollgateApp:
             run_id=run_id_of(_header(headers, b"x-tollgate-run-id")),
             batch_item=batch_item[:200],
             trace=trace,
+            end_user=_header(headers, b"x-tollgate-end-user"),
         )
         if isinstance(outcome, JsonOutcome):
             call.status = outcome.status

@@ -95,7 +95,8 @@ ModelQuery = Annotated[str | None, Query(description="a model name or version")]
 FormatQuery = Annotated[Literal[FORMATS], Query(alias="format", description="default json")]
 UsageGroupQuery = Annotated[Literal[GROUP_BY], Query(
     description="default hour; key, workspace, project and run add that column (null: the "
-    "organization's own, or outside any run)",
+    "organization's own, or outside any run); end_user adds the end user's keyed hash (null: "
+    "none named)",
 )]  # fmt: skip
 GOODPUT_GROUPS_PATTERN = "^({0})(,({0}))*$".format("|".join(GOODPUT_GROUPS))
 PERIOD = "^[0-9]{4}-(0[1-9]|1[0-2])$"

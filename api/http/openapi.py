@@ -82,6 +82,13 @@ async def create_chat_completion(
         "call under the project's run policy); a call past the run's budget is a 429 with code "
         "run_budget_exceeded naming the dimension",
     )] = None,
+    end_user: Annotated[str | None, Header(
+        alias="X-Tollgate-End-User", max_length=256,
+        description="the caller's own customer (replaces the body's `user` and "
+        "`safety_identifier`): the project's per-end-user limits and daily budget apply "
+        "(429 end_user_limit_exceeded / end_user_budget_exceeded); recorded only as a keyed "
+        "hash per tenant",
+    )] = None,
 ) -> None:
     """The signature FastAPI describes `POST /v1/chat/completions` from. Never called: the
     route is `TollgateApp.chat_completions` (`app.idempotency_key_of` and `app.run_id_of` read

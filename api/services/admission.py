@@ -26,6 +26,7 @@ from api.services import refusal_errors
 from api.services.adapter_steps import LoraRequest, lora_request
 from api.services.auth import Caller
 from api.services.chat_request import ChatRequest
+from api.services.end_user_step import end_user_path
 from api.services.errors import ApiError
 from api.services.recorder import Flight, Recorder
 from api.services.retention import RETENTION_HEADER
@@ -386,6 +387,7 @@ class Admission:
                 routed=model_routed,
                 retention=retention,
                 adapter=adapter,
+                end_user=req.end_user_hash,
             ),
             RouteRequest(
                 request_id=request_id, replica_id=choice.replica_id,
@@ -480,6 +482,7 @@ class Admission:
                 context_tokens=self.fleet.context_tokens(model),
         )  # fmt: skip
         path = self.control.hierarchy.policy(caller.tenant_id, caller.key_id, model, now, run)
+        path = end_user_path(self.control, self.views, path, model, req)
         price = lambda: self.control.price(model, now)  # noqa: E731 - only on a path
         return self.views.charge(cmd, limits, path, price, self.policy), shape
 

@@ -26,7 +26,9 @@ from ledger.finance import FinanceQueries, currency_totals, month_bounds
 from ledger.store import EventStore
 
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
-GROUP_BY = ("hour", "day", "model", "key", "workspace", "project", "run", "region", "adapter")
+GROUP_BY = (
+    "hour", "day", "model", "key", "workspace", "project", "run", "region", "adapter", "end_user",
+)
 FORMATS = ("json", "csv")
 MAX_RANGE = timedelta(days=366)
 DEFAULT_RANGE = timedelta(days=30)
@@ -315,6 +317,8 @@ def timeline_json(t: Timeline) -> dict[str, Any]:
         "model": state.model or None,
         # The tenant's LoRA adapter of `model` that served it (tollgate adapters register).
         "adapter": state.adapter or None,
+        # The end user it named, as the tenant's keyed hash (never the identifier).
+        "end_user": state.end_user or None,
         "tier": state.tier or None,
         # The edge's trace of it (OpenTelemetry, when tracing was on), from its admission.
         "trace_id": next(
@@ -389,7 +393,8 @@ USAGE_COLUMNS = ("tenant", "model", "period_start", "requests", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "amount_micros", "currency")
 # The column a usage row grouped by one of these adds (finance reads them from the ledger).
 GROUP_COLUMNS = {"key": "key_id", "workspace": "workspace_id", "project": "project_id",
-                 "run": "run_id", "region": "region", "adapter": "adapter"}  # fmt: skip
+                 "run": "run_id", "region": "region", "adapter": "adapter",
+                 "end_user": "end_user"}  # fmt: skip
 ENTRY_COLUMNS = ("request_id", "tenant", "key_id", "model", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "prompt_micros_per_mtok", "completion_micros_per_mtok",
                  "cached_micros_per_mtok", "amount_micros", "currency", "terminal_reason",

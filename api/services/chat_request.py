@@ -25,6 +25,7 @@ import orjson
 
 from api.services.errors import ApiError, bad_request
 from domain.errors import DomainError
+from domain.governance.end_users import MAX_END_USER_CHARS
 from domain.text import check_metadata, unstorable
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -116,6 +117,11 @@ class ChatRequest:
     body_sha256: str = ""
     service_tier: str = "default"  # the class asked for: "default" (interactive) | "flex"
     batch_item: str = ""  # "<batch id>/<custom_id>" when the batch runner sends it
+    # The caller's own customer, as the client named it (`safety_identifier`, else `user`; the
+    # X-Tollgate-End-User header replaces both: `Edge.chat`). In memory only: what is recorded
+    # is its keyed hash (api/services/end_user_step.py), never this.
+    end_user: str = ""
+    end_user_hash: str = ""  # the tenant's keyed hash of it: what admission records
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest:
@@ -164,6 +170,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         max_tokens=max_tokens,
         upstream=upstream,
         service_tier=service_tier,
+        end_user=body.get("safety_identifier") or body.get("user") or "",
     )
 
 
@@ -388,13 +395,18 @@ def _boolean(name: str) -> Spec:
     return Spec(check, BOOLEAN)
 
 
-def _string(name: str) -> Spec:
+def _end_user(name: str) -> Spec:
+    """`user` and `safety_identifier`: the caller's end user (never forwarded nor stored; its
+    keyed hash is recorded), a string of at most MAX_END_USER_CHARS characters."""
+
     def check(value: Any, body: dict[str, Any]) -> None:
         if type(value) is not str:
             raise _type(name, "a string")
+        if len(value) > MAX_END_USER_CHARS:
+            raise _too_long(name, MAX_END_USER_CHARS)
         _check_storable(value, name)
 
-    return Spec(check, STRING)
+    return Spec(check, {"type": "string", "maxLength": MAX_END_USER_CHARS})
 
 
 def _check_metadata(value: Any, body: dict[str, Any]) -> None:
@@ -683,7 +695,14 @@ FIELDS: dict[str, Spec] = {
     "ignore_eos": _boolean("ignore_eos"),
     "include_stop_str_in_output": _boolean("include_stop_str_in_output"),
     "skip_special_tokens": _boolean("skip_special_tokens"),
-    "user": _string("user").described("no NUL (U+0000): a 400"),
+    "user": _end_user("user").described(
+        "the caller's end user: its per-end-user limits and budget apply (`tollgate limits set "
+        "--per-end-user`), and billing groups by its keyed hash (never stored in clear); no NUL"
+    ),
+    "safety_identifier": _end_user("safety_identifier").described(
+        "the same as `user`, which it replaces when both are given; the X-Tollgate-End-User "
+        "header replaces both"
+    ),
     "metadata": Spec(_check_metadata, {
         "type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
         "additionalProperties": {"type": "string", "maxLength": 512},

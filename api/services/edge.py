@@ -25,6 +25,7 @@ from api.services.admission import Admission, Refused
 from api.services.auth import Authenticator, Caller
 from api.services.chat_request import ChatRequest, parse_chat_request
 from api.services.completion import JsonCompletion, JsonOutcome
+from api.services.end_user_step import identify
 from api.services.errors import ApiError
 from api.services.flights import (
     Flights,
@@ -200,12 +201,15 @@ class Edge:
         run_id: str | None = None,
         batch_item: str = "",
         trace: RequestTrace | None = None,
+        end_user: str | None = None,
     ) -> JsonOutcome | StreamOutcome:
         """One chat completion. `batch_item` ("<batch id>/<custom_id>"): the batch runner sends
         it, and it runs in the flex class whatever the body asks. `trace`: its spans, when
-        tracing is on (api/services/tracing.py)."""
+        tracing is on (api/services/tracing.py). `end_user`: the X-Tollgate-End-User header,
+        which names the caller's customer over the body's `user` (api/services/end_user_step.py)."""
         headers = {"X-Request-Id": request_id}
         req, model = self._request(caller, raw, request_id, retry_count, batch_item)
+        identify(caller, req, end_user)
         if idempotency_key is not None:
             req.body_sha256 = hashlib.sha256(raw).hexdigest()
             replay = await self._replay(caller, idempotency_key, req.body_sha256)

@@ -48,12 +48,21 @@ def refusal(decision: Rejected, headers: dict[str, str]) -> ApiError:
     help."""
     if decision.reason != "invalid":
         headers["Retry-After"] = str(decision.retry_after_s)
+    code = _CODES.get(decision.reason, "rate_limit_exceeded")
+    param = decision.param
+    if decision.reason != "invalid" and (decision.level or "").startswith("end user "):
+        # The caller's own customer ran out (domain/governance/end_users.py): a code of its
+        # own, so the tenant can tell one customer's limit from its whole project's.
+        code = "end_user_budget_exceeded" if decision.reason == "budget" else (
+            "end_user_limit_exceeded"
+        )
+        param = "user"
     return ApiError(
         STATUS[decision.reason],
         decision.detail,
         type=_TYPES.get(decision.reason, decision.reason),
-        param=decision.param,
-        code=_CODES.get(decision.reason, "rate_limit_exceeded"),
+        param=param,
+        code=code,
         headers=headers,
     )
 

@@ -28,6 +28,7 @@ from datetime import datetime
 from domain.backoff import BackoffPolicy
 from domain.cost import GIB
 from domain.envelope import Recorded
+from domain.governance.end_users import END_USER, EndUserRoster, end_user_level_id
 from domain.governance.state import PathPlan, PathPolicy
 from domain.requests.events import (
     BudgetReserved,
@@ -116,6 +117,8 @@ def _levels_of(event: BudgetReserved) -> tuple[_LevelKey, ...]:
     if event.project_id:
         found.append((tenant, "project", event.project_id))
     found.append((tenant, "key", event.key_id))
+    if event.end_user and event.project_id:
+        found.append((tenant, END_USER, end_user_level_id(event.project_id, event.end_user)))
     return tuple(found)
 
 
@@ -214,6 +217,8 @@ class PathView(Reservations[_RateKey, _Req]):
         self._states: dict[PathPlan, PathState] = {}
         self._runs: dict[tuple[str, str], RunUsage] = {}
         self._run_defs: dict[tuple[str, str], Run] = {}  # runs this edge started itself
+        # Who has an end-user level of their own, per project and day (bounded: end_users.py).
+        self.end_users = EndUserRoster()
         self._handlers = {
             BudgetReserved: self._on_reserved,
             RequestCompleted: self._on_terminal,
@@ -299,6 +304,8 @@ class PathView(Reservations[_RateKey, _Req]):
         # (objects kept are what sets off the garbage collector, mid-decision).
         req = _Req(event, state.rate_keys, state.kv_keys, state.periods, at_s)
         self._take(req)
+        if event.end_user and event.project_id:
+            self.end_users.note(event.tenant_id, event.project_id, event.day, event.end_user)
         if self._rpm or self._tpm:  # (no rate charge while the view has no bucket)
             if state.buckets_seen != self._buckets_made:
                 state.find_buckets(self)
@@ -327,10 +334,33 @@ class PathView(Reservations[_RateKey, _Req]):
     def prune(self, now: datetime) -> int:
         """Forget settled requests older than the tombstone TTL (their money stays counted)."""
         pruned = super().prune(now)
+        if self.end_users.rolled:
+            self._forget_end_users()
         # Caches of the spend entries paths use (so yesterday's go): rebuilt on demand.
         self._cells.clear()
         self._states.clear()
         return pruned
+
+    def _forget_end_users(self) -> None:
+        """Drop the buckets and spend entries of end users not tracked on their project's
+        current day: what keeps the view bounded by `MAX_END_USERS_PER_PROJECT` a day rather
+        than by every end user ever seen. A request of theirs still in flight keeps its own
+        references (its bill posts to an entry no longer read)."""
+        self.end_users.rolled = False
+        roster = self.end_users
+        for buckets in (self._rpm, self._tpm):  # (KV·s in flight goes when its requests end)
+            stale = [
+                key for key in buckets
+                if key[0][1] == END_USER and not roster.tracks(key[0][0], key[0][2])
+            ]  # fmt: skip
+            for key in stale:
+                del buckets[key]
+        spent = [
+            entry for entry in self._spend
+            if entry[0][1] == END_USER and not roster.tracks(entry[0][0], entry[0][2])
+        ]  # fmt: skip
+        for entry in spent:
+            del self._spend[entry]
 
     # --- folding ------------------------------------------------------------------------------
 
@@ -411,6 +441,8 @@ class PathView(Reservations[_RateKey, _Req]):
         periods = (event.day, event.month)
         req = _Req(event, rate_keys, kv_keys, periods, at_s)
         self._take(req)
+        if event.end_user and event.project_id:
+            self.end_users.note(event.tenant_id, event.project_id, event.day, event.end_user)
         if rate:
             self._take_rates(req)
         cells = self._path_cells(levels, periods, event.currency)

@@ -211,6 +211,9 @@ def _decide_budget(t: _Tenant, command: SetBudget, key_tenant: str | None) -> tu
             f"period {command.period!r} is not one of {BUDGET_PERIODS}",
             field="period",
         )
+    if command.level == "end_user" and command.period != "day":
+        # End users are tracked per budget day (domain/governance/end_users.py).
+        raise DomainError("bad_period", "a per-end-user budget is daily", field="period")
     amount = command.amount_micros
     check_quantity("the budget in micro-units", amount, negative="negative_budget",
                    field="amount", most=MAX_AMOUNT_MICROS)  # fmt: skip
@@ -312,5 +315,7 @@ def _require_level(
         _require(t.projects, level_id, "project")
     elif level == "key":
         _require_key(key_tenant, tenant, level_id)
+    elif level == "end_user":  # per-end-user limits and budgets are set per project
+        _require(t.projects, level_id, "project")
     else:
         raise DomainError("bad_level", f"level {level!r} is not one of {LEVELS}", field="level")

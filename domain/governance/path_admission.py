@@ -125,7 +125,7 @@ def reserve(
     event = BudgetReserved(
         request_id, tenant, path.key_id, path.workspace_id, path.project_id,
         run.run_id if run else None, model, path.day, path.month, micros, reserved_tokens,
-        kv_byte_seconds, currency,
+        kv_byte_seconds, currency, path.end_user or "",
     )  # fmt: skip
     view.take_on_path(event, now_s, state)
     if run is not None:

@@ -32,7 +32,9 @@ from domain.governance.events import (
 from domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
 from domain.runs.state import RUN_LIMIT_FIELDS, Run, RunLimits
 
-LevelKind = Literal["org", "workspace", "project", "key"]
+# "end_user": a project's end user (domain/governance/end_users.py), below the key; its limits
+# and budget are set once per project, at level id = the project.
+LevelKind = Literal["org", "workspace", "project", "key", "end_user"]
 LEVELS: Final[tuple[LevelKind, ...]] = ("org", "workspace", "project", "key")
 BUDGET_PERIODS: Final = ("day", "month")
 LEVEL_LIMIT_FIELDS: Final = ("rpm", "tpm", "max_context", "max_output", "kv_gib_seconds")
@@ -165,6 +167,8 @@ class Level:
 
     @property
     def label(self) -> str:
+        if self.kind == "end_user":
+            return f'end user "{self.name}"'
         return "organization" if self.kind == "org" else f'{self.kind} "{self.name}"'
 
 
@@ -226,6 +230,9 @@ class PathPolicy(NamedTuple):
     # The checks of `levels`, precomputed (None: `domain.governance.path_admission.reserve`
     # works them out).
     plan: PathPlan | None = None
+    # The end-user level it ends with (domain/governance/end_users.py): the end user's keyed
+    # hash or "overflow"; None when it has none.
+    end_user: str | None = None
 
     def level(self, kind: str) -> Level | None:
         for rule in self.levels:
@@ -398,7 +405,9 @@ class Hierarchy:
         cache_key = (tenant_id, level, level_id, model)
         found = self._rates.get(cache_key)
         if found is None:
-            limits = self.level_limits(tenant_id, level, level_id, model)
+            # An end user's limits are its project's per-end-user ones ("<project>/<hash>").
+            set_at = level_id.split("/", 1)[0] if level == "end_user" else level_id
+            limits = self.level_limits(tenant_id, level, set_at, model)
             found = self._rates[cache_key] = (limits.rpm, limits.tpm)
         return found
 

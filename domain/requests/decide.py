@@ -78,6 +78,7 @@ class AdmitRequest:
     routed: RequestModelRouted | None = None
     retention: str = ""  # its retention tier: "zero" | "standard" (control_plane.data_policy)
     adapter: str = ""  # the tenant's LoRA adapter of `model` it is served through, by name
+    end_user: str = ""  # the end user's keyed hash (domain/governance/end_users.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +438,7 @@ def _admit(state: RequestState, command: AdmitRequest) -> tuple[Event, ...]:
         command.trace_id,
         command.retention,
         command.adapter,
+        command.end_user,
     )
     if est.output_cap_tokens and est.output_cap_tokens < est.reserved_output_tokens:
         raise DomainError(
@@ -580,6 +582,7 @@ def _bill(state: RequestState, command: BillUsage) -> UsageBilled:
         run_id=state.run_id,
         currency=price.currency,
         adapter=state.adapter,
+        end_user=state.end_user,
     )
 
 

@@ -41,6 +41,10 @@ class RequestAdmitted(Event):
     # by the name the client asked for; "" for the base model, and in events recorded before
     # adapters existed (an optional field, so the version stays 1).
     adapter: str = ""
+    # The caller's own customer (OpenAI's `user` / `safety_identifier`, or X-Tollgate-End-User)
+    # as a keyed hash per tenant (domain/governance/end_users.py), never the identifier itself;
+    # "" when none was named, and in events recorded before end users (optional: version 1).
+    end_user: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +257,7 @@ class UsageBilled(Event):
     # bill recorded before currencies were recorded, the only currency there was.
     currency: str = "USD"
     adapter: str = ""  # the LoRA adapter it was served through (RequestAdmitted.adapter)
+    end_user: str = ""  # the end user's keyed hash (RequestAdmitted.end_user); "" for none
 
 
 # A request stream ends with exactly one of these (DESIGN §3), each with the status it leaves.
@@ -316,6 +321,9 @@ class BudgetReserved(Event):
     # ISO 4217 of reserved_micros: the price's (PriceSet.currency); a budget counts only what
     # is priced in its own currency. USD for a reservation recorded before currencies were.
     currency: str = "USD"
+    # The end-user level it was reserved at under its project (domain/governance/end_users.py):
+    # the end user's keyed hash, or "overflow" past the project's tracked end users; "" none.
+    end_user: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,7 @@ def _admitted(state: RequestState, event: Any, version: int, at: datetime) -> Re
         service_tier=event.service_tier,
         batch_item=event.batch_item,
         adapter=event.adapter,
+        end_user=event.end_user,
     )
 
 

@@ -57,6 +57,7 @@ class RequestState:
     service_tier: str = "default"  # default (interactive) | flex
     batch_item: str = ""  # "<batch id>/<custom_id>" when a batch runs it
     adapter: str = ""  # the tenant's LoRA adapter it was served through (RequestAdmitted)
+    end_user: str = ""  # the end user's keyed hash (RequestAdmitted); "" for none
     # Another edge asked for this flex request's preemption (PreemptionRequested): its edge id,
     # and the interactive request that needs the room. The first ask stands.
     preemption_requested_by: str = ""

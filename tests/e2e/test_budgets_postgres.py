@@ -1,6 +1,7 @@
 """The budget concurrency tests of test_budgets.py on PostgreSQL: `tollgate serve` and its fold
 worker on a fresh schema, 200 concurrent requests from four processes against a project budget,
-and a run's max cost and max calls under concurrency. PostgreSQL is never optional here."""
+a run's max cost and max calls, and an end user's daily budget under concurrency, and a
+per-end-user rpm (test_end_users.py). PostgreSQL is never optional here."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sqlalchemy.engine import make_url
 
 from tests.conftest import POSTGRES_URL
 from tests.e2e import test_budgets as cases
+from tests.e2e import test_end_users as end_users
 from tests.e2e.conftest import FAST, MODEL, Server, start_replica
 
 pytestmark = pytest.mark.e2e
@@ -91,3 +93,11 @@ def test_200_concurrent_requests_never_pass_a_project_budget_on_postgres(server:
 
 def test_a_runs_max_cost_and_max_calls_hold_under_concurrency_on_postgres(server: Server) -> None:
     cases.test_concurrent_calls_of_a_run_never_pass_its_max_cost_or_max_calls(server)
+
+
+def test_an_end_users_daily_budget_holds_under_concurrency_on_postgres(server: Server) -> None:
+    end_users.test_concurrent_requests_never_pass_an_end_users_daily_budget(server)
+
+
+def test_a_per_end_user_rpm_refuses_that_end_user_only_on_postgres(server: Server) -> None:
+    end_users.test_a_per_end_user_rpm_refuses_that_end_user_only(server)

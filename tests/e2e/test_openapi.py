@@ -130,7 +130,9 @@ def test_every_route_is_described_with_its_parameters_and_errors(document: dict[
     )
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {"400", "404", "409", "413", "422", "429", "502", "503"} <= set(chat["responses"])
-    assert [p["name"] for p in chat["parameters"]] == ["Idempotency-Key", "X-Tollgate-Run-Id"]
+    assert [p["name"] for p in chat["parameters"]] == [
+        "Idempotency-Key", "X-Tollgate-Run-Id", "X-Tollgate-End-User"
+    ]
     assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 

@@ -66,6 +66,7 @@ def test_request_log_follows_a_request_to_its_end() -> None:
         "region": "",  # routed to a replica given no region
         "retention": "standard",
         "adapter": None,
+        "end_user": None,
     }
 
 
