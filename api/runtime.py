@@ -27,6 +27,7 @@ from api.http.sessions import Sessions, load_secret
 from api.metrics import Metrics
 from api.services.admin_service import AdminService
 from api.services.audit_service import AuditTrail
+from api.services.auth import Caller
 from api.services.backoffice import Backoffice
 from api.services.batch_service import BatchService
 from api.services.edge import Edge
@@ -451,12 +452,21 @@ class Runtime:
 
     # --- views for the routes ------------------------------------------------------------------
 
-    def fleet_models(self) -> list[dict[str, Any]]:
+    def fleet_models(self, caller: Caller | None = None) -> list[dict[str, Any]]:
+        """The models on sale, then the caller's own LoRA adapters as vLLM lists them (`parent`:
+        the base version serving it; `owned_by`: the tenant): no other tenant's, ever."""
         assert self.fleet is not None
-        return [
+        on_sale = [
             {"id": model, "object": "model", "created": 0, "owned_by": "tollgate"}
             for model in self.edge.models()
         ]
+        own = [] if caller is None else self.edge.adapters(caller)
+        return on_sale + [
+            {"id": lora.adapter.name, "object": "model",
+             "created": int(lora.adapter.registered_at.timestamp()),
+             "owned_by": lora.adapter.tenant_id, "parent": lora.model}
+            for lora in own
+        ]  # fmt: skip
 
     def readiness(self) -> tuple[list[str], list[str]]:
         """(problems that make this edge unready, warnings that do not)."""

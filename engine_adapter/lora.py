@@ -24,6 +24,7 @@ import orjson
 from domain.capacity import AdapterRef, AdapterSlots, SlotPlan
 from engine_adapter.exchange import ChatExchange
 from engine_adapter.vllm_http import ReplicaUnavailable, Served
+from ledger import faults
 
 log = logging.getLogger("tollgate.lora")
 
@@ -41,9 +42,16 @@ class LoraDisabled(AdapterLoadFailed):
     `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) answers FastAPI's own 404, `{"detail": "Not Found"}`."""
 
 
+@faults.seam("engine.lora", lambda: AdapterLoadFailed("loading an adapter: reset (fault)"))
 async def load_adapter(session: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
     """POST /v1/load_lora_adapter. One that is loaded already (vLLM's 400 "has already been
-    loaded": another edge, or an earlier life of this one, loaded it) counts as loaded."""
+    loaded": another edge, or an earlier life of this one, loaded it) counts as loaded.
+
+    The fault seam `engine.lora` (ledger/faults.py): a load that fails before its effect, or
+    after it (the engine holds the adapter, this router was told it failed: it gives the slot
+    back, and the next load is answered "already been loaded", or the scrape lists it), or
+    hangs; the request waiting on it gets the replica-unavailable answer, ends failed and is
+    billed nothing."""
     body = {"lora_name": name, "lora_path": path}
     status, text = await _post(session, url + "/v1/load_lora_adapter", body)
     if status == 200 or (status == 400 and "already been loaded" in text):

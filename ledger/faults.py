@@ -75,6 +75,9 @@ SEAMS: Final[dict[str, tuple[str, str]]] = {
                       "transaction)", "broker"),
     "engine.send": ("the edge or the batch runner sends a chat request to a replica", "engine"),
     "engine.stream": ("bytes of a replica's streamed answer arrive at the edge", "engine"),
+    "engine.lora": ("the edge loads a tenant's LoRA adapter on the replica a request for it "
+                    "was placed on (`POST /v1/load_lora_adapter`), before the chat is sent",
+                    "engine"),
 }  # fmt: skip
 
 KINDS: Final[dict[str, str]] = {

@@ -1,7 +1,8 @@
 """The admin API (`/v1/admin/...`) and the audit trail (`/v1/audit`): admin keys only. What the
-CLI does to tenants, keys, limits, budgets, prices and models, through the same command handler
-(api/services/admin_service.py over ControlService), with the calling key as the actor of every
-change. Routes parse, call the service off the event loop, render."""
+CLI does to tenants, keys, limits, budgets, prices, models, adapters, residency and retention,
+through the same command handler (api/services/admin_service.py over ControlService), with the
+calling key as the actor of every change. Routes parse, call the service off the event loop
+(`run`), render."""
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations, and the admin
 # dependency they name is this function's local, not a module global.
@@ -15,12 +16,20 @@ from fastapi import Body, Depends, FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
 from api.http.admin_schemas import (
+    AdapterPriceSet,
+    AdapterRegister,
+    AdminAdapter,
+    AdminAdapterList,
+    AdminAdapterPrice,
     AdminBudget,
+    AdminDataPolicy,
     AdminFlexDiscount,
     AdminKey,
     AdminModelProfile,
     AdminPrice,
     AdminProject,
+    AdminResidency,
+    AdminRetention,
     AdminTenant,
     AdminTenantList,
     AdminTimeZone,
@@ -40,6 +49,9 @@ from api.http.admin_schemas import (
     PlanChange,
     PriceSet,
     ProjectCreate,
+    ResidencyClear,
+    ResidencySet,
+    RetentionSet,
     TenantCreate,
     TimeZoneSet,
     WorkspaceCreate,
@@ -53,6 +65,7 @@ from ledger.ids import new_request_id
 ADMIN = frozenset({"admin"})
 TenantPath = Annotated[str, Path(description="a tenant's id", max_length=63)]
 KeyPath = Annotated[str, Path(description="an API key id of the tenant", max_length=64)]
+AdapterPath = Annotated[str, Path(description="an adapter of the tenant", max_length=64)]
 ModelPath = Annotated[str, Path(description="a model name or version", max_length=193)]
 AtQuery = Annotated[Instant | None, Query(description="an RFC 3339 instant (default: now)")]
 LEVEL = ("workspace", "project", "key")
@@ -79,6 +92,11 @@ def add_admin_routes(
     def done(request: Request, body: Any) -> Response:
         return render(200, body, {"X-Request-Id": request.state.request_id})
 
+    async def run(request: Request, command: Callable[..., Any], *args: Any, **kw: Any) -> Response:
+        """Every admin route's one shape: the command handler's call off the event loop (its
+        lock and the store's I/O would block it), its answer rendered."""
+        return done(request, await asyncio.to_thread(functools.partial(command, *args, **kw)))
+
     def level(body: Any) -> dict[str, str | None]:
         return {name: getattr(body, name) for name in LEVEL}
 
@@ -89,7 +107,7 @@ def add_admin_routes(
         response_model=AdminTenantList, responses=answers(*AUTHENTICATED),
     )  # fmt: skip
     async def list_tenants(request: Request, caller: AdminDep) -> Response:
-        return done(request, await asyncio.to_thread(admin.tenants))
+        return await run(request, admin.tenants)
 
     @app.post(
         "/v1/admin/tenants", operation_id="admin_create_tenant",
@@ -97,8 +115,7 @@ def add_admin_routes(
         response_model=AdminTenant, responses=answers(*AUTHENTICATED, 409),
     )  # fmt: skip
     async def create_tenant(request: Request, caller: AdminDep, body: TenantCreate) -> Response:
-        found = await asyncio.to_thread(admin.create_tenant, caller.key_id, body.name, body.plan)
-        return done(request, found)
+        return await run(request, admin.create_tenant, caller.key_id, body.name, body.plan)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/plan", operation_id="admin_change_plan",
@@ -108,8 +125,7 @@ def add_admin_routes(
     async def change_plan(
         request: Request, caller: AdminDep, tenant: TenantPath, body: PlanChange
     ) -> Response:
-        found = await asyncio.to_thread(admin.change_plan, caller.key_id, tenant, body.plan)
-        return done(request, found)
+        return await run(request, admin.change_plan, caller.key_id, tenant, body.plan)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/keys", operation_id="admin_issue_key",
@@ -120,10 +136,7 @@ def add_admin_routes(
         request: Request, caller: AdminDep, tenant: TenantPath,
         body: Annotated[KeyCreate, Body()] = KeyCreate(),  # noqa: B008 - an immutable default
     ) -> Response:  # fmt: skip
-        issued = await asyncio.to_thread(
-            admin.issue_key, caller.key_id, tenant, body.scope, body.project
-        )
-        return done(request, issued)
+        return await run(request, admin.issue_key, caller.key_id, tenant, body.scope, body.project)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/keys/{key_id}/revoke", operation_id="admin_revoke_key",
@@ -133,8 +146,7 @@ def add_admin_routes(
     async def revoke_key(
         request: Request, caller: AdminDep, tenant: TenantPath, key_id: KeyPath
     ) -> Response:
-        found = await asyncio.to_thread(admin.revoke_key, caller.key_id, tenant, key_id)
-        return done(request, found)
+        return await run(request, admin.revoke_key, caller.key_id, tenant, key_id)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/keys/{key_id}/project", operation_id="admin_assign_key",
@@ -144,10 +156,7 @@ def add_admin_routes(
     async def assign_key(
         request: Request, caller: AdminDep, tenant: TenantPath, key_id: KeyPath, body: KeyProject
     ) -> Response:
-        found = await asyncio.to_thread(
-            admin.assign_key, caller.key_id, tenant, key_id, body.project
-        )
-        return done(request, found)
+        return await run(request, admin.assign_key, caller.key_id, tenant, key_id, body.project)
 
     # --- limits, the hierarchy, budgets --------------------------------------------------------
 
@@ -161,10 +170,9 @@ def add_admin_routes(
         request: Request, caller: AdminDep, tenant: TenantPath, body: LimitsSet
     ) -> Response:
         limits = body.model_dump(exclude={"model", *LEVEL})
-        found = await asyncio.to_thread(
-            admin.set_limits, caller.key_id, tenant, body.model, level(body), limits
+        return await run(
+            request, admin.set_limits, caller.key_id, tenant, body.model, level(body), limits
         )
-        return done(request, found)
 
     @app.get(
         "/v1/admin/tenants/{tenant}/limits", operation_id="admin_show_limits",
@@ -176,7 +184,7 @@ def add_admin_routes(
         model: Annotated[str, Query(min_length=1, max_length=193, description="a model")],
         at: AtQuery = None,
     ) -> Response:  # fmt: skip
-        return done(request, await asyncio.to_thread(admin.limits, tenant, model, at))
+        return await run(request, admin.limits, tenant, model, at)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/workspaces", operation_id="admin_create_workspace",
@@ -186,8 +194,7 @@ def add_admin_routes(
     async def create_workspace(
         request: Request, caller: AdminDep, tenant: TenantPath, body: WorkspaceCreate
     ) -> Response:
-        found = await asyncio.to_thread(admin.create_workspace, caller.key_id, tenant, body.name)
-        return done(request, found)
+        return await run(request, admin.create_workspace, caller.key_id, tenant, body.name)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/projects", operation_id="admin_create_project",
@@ -197,10 +204,9 @@ def add_admin_routes(
     async def create_project(
         request: Request, caller: AdminDep, tenant: TenantPath, body: ProjectCreate
     ) -> Response:
-        found = await asyncio.to_thread(
-            admin.create_project, caller.key_id, tenant, body.name, body.workspace
+        return await run(
+            request, admin.create_project, caller.key_id, tenant, body.name, body.workspace
         )
-        return done(request, found)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/budgets", operation_id="admin_set_budget",
@@ -210,11 +216,10 @@ def add_admin_routes(
     async def set_budget(
         request: Request, caller: AdminDep, tenant: TenantPath, body: BudgetSet
     ) -> Response:
-        found = await asyncio.to_thread(
-            functools.partial(admin.set_budget, currency=body.currency or currency),
-            caller.key_id, tenant, body.period, body.usd, level(body),
+        return await run(
+            request, admin.set_budget, caller.key_id, tenant, body.period, body.amount_given(),
+            level(body), currency=body.currency or currency,
         )  # fmt: skip
-        return done(request, found)
 
     @app.post(
         "/v1/admin/tenants/{tenant}/time-zone", operation_id="admin_set_time_zone",
@@ -224,8 +229,7 @@ def add_admin_routes(
     async def set_time_zone(
         request: Request, caller: AdminDep, tenant: TenantPath, body: TimeZoneSet
     ) -> Response:
-        found = await asyncio.to_thread(admin.set_time_zone, caller.key_id, tenant, body.zone)
-        return done(request, found)
+        return await run(request, admin.set_time_zone, caller.key_id, tenant, body.zone)
 
     # --- prices and models ---------------------------------------------------------------------
 
@@ -235,11 +239,10 @@ def add_admin_routes(
         response_model=AdminPrice, responses=answers(*AUTHENTICATED),
     )  # fmt: skip
     async def set_price(request: Request, caller: AdminDep, body: PriceSet) -> Response:
-        found = await asyncio.to_thread(
-            admin.set_price, caller.key_id, body.model, body.prompt, body.completion,
+        return await run(
+            request, admin.set_price, caller.key_id, body.model, body.prompt, body.completion,
             body.cached, body.effective_at, currency=currency,
         )  # fmt: skip
-        return done(request, found)
 
     @app.post(
         "/v1/admin/prices/flex-discount", operation_id="admin_set_flex_discount",
@@ -249,11 +252,10 @@ def add_admin_routes(
     async def set_flex_discount(
         request: Request, caller: AdminDep, body: FlexDiscountSet
     ) -> Response:
-        found = await asyncio.to_thread(
-            admin.set_flex_discount, caller.key_id, body.model, Decimal(str(body.percent)),
-            body.effective_at,
+        return await run(
+            request, admin.set_flex_discount, caller.key_id, body.model,
+            Decimal(str(body.percent)), body.effective_at,
         )  # fmt: skip
-        return done(request, found)
 
     @app.post(
         "/v1/admin/models", operation_id="admin_register_model",
@@ -263,10 +265,10 @@ def add_admin_routes(
     async def register_model(request: Request, caller: AdminDep, body: ModelRegister) -> Response:
         dimensions = body.model_dump(exclude={"model", "effective_at", "mla_rank"})
         dimensions["kv_lora_rank"] = body.mla_rank
-        found = await asyncio.to_thread(
-            admin.register_model, caller.key_id, body.model, dimensions, body.effective_at
-        )
-        return done(request, found)
+        return await run(
+            request, admin.register_model, caller.key_id, body.model, dimensions,
+            body.effective_at,
+        )  # fmt: skip
 
     @app.get(
         # `:path`: a model name may hold a slash (`org/model`), which a client sends as %2F.
@@ -277,7 +279,109 @@ def add_admin_routes(
     async def show_model(
         request: Request, caller: AdminDep, model: ModelPath, at: AtQuery = None
     ) -> Response:
-        return done(request, await asyncio.to_thread(admin.model, model, at))
+        return await run(request, admin.model, model, at)
+
+    # --- adapters, residency, retention --------------------------------------------------------
+
+    @app.post(
+        "/v1/admin/tenants/{tenant}/adapters", operation_id="admin_register_adapter",
+        summary="Register (or re-register) a tenant's LoRA adapter (`tollgate adapters register`)",
+        response_model=AdminAdapter, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def register_adapter(
+        request: Request, caller: AdminDep, tenant: TenantPath, body: AdapterRegister
+    ) -> Response:
+        return await run(
+            request, admin.register_adapter, caller.key_id, tenant, body.name, body.base,
+            body.path, body.rank, tuple(body.projects),
+        )  # fmt: skip
+
+    @app.get(
+        "/v1/admin/tenants/{tenant}/adapters", operation_id="admin_list_adapters",
+        summary="A tenant's adapters, revoked ones included (`tollgate adapters list`)",
+        response_model=AdminAdapterList, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def list_adapters(request: Request, caller: AdminDep, tenant: TenantPath) -> Response:
+        return await run(request, admin.adapters, tenant)
+
+    @app.get(
+        "/v1/admin/tenants/{tenant}/adapters/{adapter}", operation_id="admin_show_adapter",
+        summary="One adapter of a tenant (`tollgate adapters show`)",
+        response_model=AdminAdapter, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def show_adapter(
+        request: Request, caller: AdminDep, tenant: TenantPath, adapter: AdapterPath
+    ) -> Response:
+        return await run(request, admin.adapter, tenant, adapter)
+
+    @app.post(
+        "/v1/admin/tenants/{tenant}/adapters/{adapter}/revoke", operation_id="admin_revoke_adapter",
+        summary="Revoke an adapter (`tollgate adapters revoke`): its name is refused from then",
+        response_model=AdminAdapter, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def revoke_adapter(
+        request: Request, caller: AdminDep, tenant: TenantPath, adapter: AdapterPath
+    ) -> Response:
+        return await run(request, admin.revoke_adapter, caller.key_id, tenant, adapter)
+
+    @app.post(
+        "/v1/admin/tenants/{tenant}/adapters/{adapter}/price", operation_id="admin_price_adapter",
+        summary="An adapter's own price per million tokens, effective-dated "
+        "(`tollgate adapters price`)",
+        response_model=AdminAdapterPrice, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def price_adapter(
+        request: Request, caller: AdminDep, tenant: TenantPath, adapter: AdapterPath,
+        body: AdapterPriceSet,
+    ) -> Response:  # fmt: skip
+        return await run(
+            request, admin.price_adapter, caller.key_id, tenant, adapter, body.prompt,
+            body.completion, body.cached, body.effective_at, currency=currency,
+        )  # fmt: skip
+
+    @app.post(
+        "/v1/admin/tenants/{tenant}/residency", operation_id="admin_set_residency",
+        summary="Pin a tenant or project to regions (`tollgate residency set`)",
+        response_model=AdminResidency, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def set_residency(
+        request: Request, caller: AdminDep, tenant: TenantPath, body: ResidencySet
+    ) -> Response:
+        return await run(
+            request, admin.set_residency, caller.key_id, tenant, body.regions, body.project
+        )
+
+    @app.post(
+        "/v1/admin/tenants/{tenant}/residency/clear", operation_id="admin_clear_residency",
+        summary="Unpin a tenant or project (`tollgate residency clear`)",
+        response_model=AdminResidency, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def clear_residency(
+        request: Request, caller: AdminDep, tenant: TenantPath,
+        body: Annotated[ResidencyClear, Body()] = ResidencyClear(),  # noqa: B008 - immutable
+    ) -> Response:  # fmt: skip
+        return await run(request, admin.clear_residency, caller.key_id, tenant, body.project)
+
+    @app.post(
+        "/v1/admin/tenants/{tenant}/retention", operation_id="admin_set_retention",
+        summary="A tenant's or project's retention tier (`tollgate retention set`)",
+        response_model=AdminRetention, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def set_retention(
+        request: Request, caller: AdminDep, tenant: TenantPath, body: RetentionSet
+    ) -> Response:
+        return await run(
+            request, admin.set_retention, caller.key_id, tenant, body.tier, body.project
+        )
+
+    @app.get(
+        "/v1/admin/tenants/{tenant}/data-policy", operation_id="admin_show_data_policy",
+        summary="A tenant's residency and retention, as set and in force for each project "
+        "(`tollgate data-policy`)",
+        response_model=AdminDataPolicy, responses=answers(*AUTHENTICATED, 404),
+    )  # fmt: skip
+    async def show_data_policy(request: Request, caller: AdminDep, tenant: TenantPath) -> Response:
+        return await run(request, admin.data_policy, tenant)
 
     # --- the audit trail -----------------------------------------------------------------------
 
@@ -305,10 +409,10 @@ def add_admin_routes(
             ge=0, description="the `last_id` of the previous page: the page after it, older"
         ), IntegerText] = None,
     ) -> Response:  # fmt: skip
-        page = await asyncio.to_thread(
-            audit.entries, tenant=tenant, since=since, actor=actor, after=after, limit=limit
-        )
-        return done(request, page)
+        return await run(
+            request, audit.entries, tenant=tenant, since=since, actor=actor, after=after,
+            limit=limit,
+        )  # fmt: skip
 
     @app.get(
         "/v1/audit/verify", operation_id="verify_audit",
@@ -317,4 +421,4 @@ def add_admin_routes(
         response_model=AuditReport, responses=answers(*AUTHENTICATED),
     )  # fmt: skip
     async def verify_audit(request: Request, caller: AdminDep) -> Response:
-        return done(request, await asyncio.to_thread(audit.verify))
+        return await run(request, audit.verify)

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from api.http.schemas import Usd
+from domain.control_plane.adapters import ADAPTER_NAME, MAX_PATH_CHARS, MAX_PROJECTS, MAX_RANK
+from domain.control_plane.data_policy import MAX_REGIONS, REGION, RETENTION_TIERS
 from domain.control_plane.state import MAX_MODEL_CHARS, TENANT_NAME
 from domain.governance.state import LEVEL_NAME
 from domain.types import SCOPES, TIERS
@@ -99,14 +101,27 @@ class ProjectCreate(_Body):
 
 
 class BudgetSet(_Level):
+    """Give `amount` (or its deprecated alias `usd`, not both)."""
+
     period: Literal["day", "month"]
-    usd: Usd | None = Field(
-        description='the budget in `currency`, e.g. "25.00"; null removes it'
+    amount: Usd | None = Field(
+        None, description='the budget in `currency`, e.g. "25.00"; null removes it'
     )
+    usd: Usd | None = Field(
+        None, description="deprecated: the old name of `amount` (it was always in `currency`, "
+        "not necessarily dollars), still accepted; give one of the two",
+        json_schema_extra={"deprecated": True},
+    )  # fmt: skip
     currency: Annotated[str, Field(pattern="^[A-Z]{3}$")] | None = Field(
         None, description="ISO 4217; the budget counts only spend priced in it (default: the "
         "deployment's currency)",
     )
+
+    def amount_given(self) -> dict[str, str | None]:
+        """The amount under the name it was sent as (`amount`, or the deprecated `usd`): the
+        command handler checks that exactly one was, and names it in any refusal."""
+        return {name: getattr(self, name) for name in ("amount", "usd")
+                if name in self.model_fields_set}  # fmt: skip
 
 
 class TimeZoneSet(_Body):
@@ -146,6 +161,58 @@ class ModelRegister(_Body):
     rope_dim: Dimension | None = None
     max_model_len: Dimension | None = None
     effective_at: Instant | None = Field(None, description="default: now")
+
+
+class AdapterRegister(_Body):
+    """What `tollgate adapters register` takes: the tenant is the path's."""
+
+    name: Annotated[str, Field(pattern=ADAPTER_NAME.pattern)] = Field(
+        description="what the tenant's requests ask for (`model`)"
+    )
+    base: ModelName = Field(description="the base model (name or version) it adapts")
+    path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)] = Field(
+        description="its directory, absolute, as the replicas read it"
+    )
+    rank: Annotated[int, Field(ge=1, le=MAX_RANK)] | None = Field(
+        None, description="default: `r` of PATH/adapter_config.json, read by this server"
+    )
+    projects: Annotated[list[Name], Field(max_length=MAX_PROJECTS)] = Field(
+        default_factory=list, description="only these projects' keys (default: every key)"
+    )
+
+
+class AdapterPriceSet(_Body):
+    """Per million tokens, in the deployment's currency: the adapter's own price (without one
+    it is billed at its base model's)."""
+
+    prompt: Usd
+    completion: Usd
+    cached: Usd
+    effective_at: Instant | None = Field(None, description="default: now")
+
+
+Region = Annotated[str, Field(pattern=REGION.pattern)]
+
+
+class ResidencySet(_Body):
+    regions: Annotated[list[Region], Field(min_length=1, max_length=MAX_REGIONS)] = Field(
+        description="e.g. [\"eu-west\", \"eu-central\"]: only replicas there serve it"
+    )
+    project: Name | None = Field(
+        None, description="pin one project (within the tenant's regions); default: the tenant"
+    )
+
+
+class ResidencyClear(_Body):
+    project: Name | None = Field(None, description="default: the tenant's own pin")
+
+
+class RetentionSet(_Body):
+    tier: Literal[RETENTION_TIERS] = Field(  # type: ignore[valid-type]
+        description="zero: no response kept for an Idempotency-Key replay, batch files deleted "
+        "once used"
+    )
+    project: Name | None = Field(None, description="default: the tenant")
 
 
 # --- answers -----------------------------------------------------------------------------------
@@ -219,7 +286,11 @@ class AdminBudget(BaseModel):
     level_id: str
     period: Literal["day", "month"]
     amount_micros: int | None
-    usd: str | None = Field(description="the amount, in `currency`")
+    amount: str | None = Field(description="the budget, in `currency`")
+    usd: str | None = Field(
+        description="deprecated: the same as `amount` (in `currency`)",
+        json_schema_extra={"deprecated": True},
+    )
     currency: str
     changed: bool = Field(description="false: it was already so (nothing recorded)")
 
@@ -269,6 +340,72 @@ class AdminModelProfile(ProfileShape):
     model: str
     kv_bytes_per_token: int
     history: list[ProfileVersion]
+
+
+class AdminAdapter(BaseModel):
+    object: Literal["adapter"]
+    tenant: str
+    name: str
+    base: str
+    path: str
+    rank: int
+    projects: list[str]
+    version: int = Field(description="1, then one more each re-registration")
+    engine_name: str = Field(description="what the replicas load and serve it as")
+    registered_at: str
+    revoked_at: str | None
+    priced: Literal["own", "base", "none"]
+    changed: bool | None = Field(
+        None, description="revoke only: false when it was revoked already"
+    )
+
+
+class AdminAdapterList(BaseModel):
+    object: Literal["list"]
+    data: list[AdminAdapter]
+
+
+class AdminAdapterPrice(BaseModel):
+    object: Literal["adapter_price"]
+    tenant: str
+    adapter: str
+    currency: str
+    prompt_micros_per_mtok: int
+    completion_micros_per_mtok: int
+    cached_micros_per_mtok: int
+    effective_at: str
+
+
+class AdminResidency(BaseModel):
+    object: Literal["residency"]
+    tenant: str
+    project: str | None
+    regions: list[str] | None = Field(description="null: not pinned at this level")
+    changed: bool
+
+
+class AdminRetention(BaseModel):
+    object: Literal["retention"]
+    tenant: str
+    project: str | None
+    tier: Literal["standard", "zero"]
+    changed: bool
+
+
+class ProjectPolicy(BaseModel):
+    project: str
+    regions: list[str] | None
+    retention: str
+    regions_in_force: list[str] | None
+    retention_in_force: str
+
+
+class AdminDataPolicy(BaseModel):
+    object: Literal["data_policy"]
+    tenant: str
+    regions: list[str] | None
+    retention: str
+    projects: list[ProjectPolicy]
 
 
 # --- the audit trail ---------------------------------------------------------------------------

@@ -60,13 +60,14 @@ def create_app(runtime: Runtime) -> FastAPI:
     add_error_handlers(app, runtime)
 
     @app.get(
-        "/v1/models", summary="Models on sale",
+        "/v1/models", summary="Models on sale, and the caller tenant's own LoRA adapters "
+        "(`parent`: the base model serving one)",
         response_model=ModelList, responses=answers(401, 403, 429),
     )  # fmt: skip
     async def list_models(request: Request, caller: CustomerDep) -> Response:
         return json_response(
             200,
-            {"object": "list", "data": runtime.fleet_models()},
+            {"object": "list", "data": runtime.fleet_models(caller)},
             {"X-Request-Id": request.state.request_id},
         )
 

@@ -77,7 +77,10 @@ class Model(BaseModel):
     id: str
     object: Literal["model"]
     created: int
-    owned_by: str
+    owned_by: str = Field(description="`tollgate` for a model on sale; a LoRA adapter's tenant")
+    parent: str | None = Field(
+        None, description="a LoRA adapter's only: the base model version that serves it"
+    )
 
 
 class ModelList(BaseModel):

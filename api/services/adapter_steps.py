@@ -16,7 +16,7 @@ from domain.capacity import AdapterRef
 from domain.control_plane.adapters import Adapter
 from domain.control_plane.state import ControlView
 
-__all__ = ["LoraRequest", "lora_request"]
+__all__ = ["LoraRequest", "lora_request", "listed_adapters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +42,13 @@ def lora_request(
         return None
     model = resolve(adapter.base_model)
     return None if model is None else LoraRequest(adapter, model)
+
+
+def listed_adapters(
+    control: ControlView, caller: Caller, resolve: Callable[[str], str | None]
+) -> list[LoraRequest]:
+    """The adapters the caller may ask for now, by name: its own tenant's only, by the same
+    rule as a request (`lora_request`), less any whose name a model on sale takes."""
+    found = (lora_request(control, caller, a.name, resolve)
+             for a in control.adapters.of_tenant(caller.tenant_id))  # fmt: skip
+    return [lora for lora in found if lora is not None and resolve(lora.adapter.name) is None]

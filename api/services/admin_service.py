@@ -1,5 +1,6 @@
 """The admin API's application service: what the CLI does to tenants, keys, limits, budgets,
-prices and models, for an admin key, which is recorded as the actor of every change.
+prices, models, adapters, residency and retention, for an admin key, which is recorded as the
+actor of every change.
 
 It validates nothing of its own beyond the shape the routes' models already checked: each call
 goes through the CLI's command handler (`ControlService`: the same decisions, the same events,
@@ -17,6 +18,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
+from api.services import adapter_service, data_policy_service
 from api.services.control_service import (
     ControlService,
     level_of,
@@ -40,7 +42,7 @@ PARAMS: Final = {
     "cached_micros_per_mtok": "cached",
     "discount_ppm": "percent",
     "kv_lora_rank": "mla_rank",
-    "amount_micros": "usd",
+    "amount_micros": "amount",
     "time_zone": "zone",
 }
 
@@ -55,7 +57,7 @@ def _usd(micros: int | None) -> str | None:
 
 # What the admin routes' paths name: an unknown one is a 404; an unknown workspace, project or
 # key a body names is that field's 400 (the path's resource exists).
-PATH_PARAMS: Final = frozenset({"tenant", "key_id"})
+PATH_PARAMS: Final = frozenset({"tenant", "key_id", "adapter"})
 
 
 def api_error(exc: DomainError, renames: Mapping[str, str] | None = None) -> ApiError:
@@ -182,19 +184,25 @@ class AdminService:
         return {"object": "project", "id": name, "tenant": tenant, "workspace": workspace}
 
     def set_budget(
-        self, key_id: str, tenant: str, period: str, usd: str | None,
+        self, key_id: str, tenant: str, period: str, given: Mapping[str, str | None],
         level: dict[str, str | None], *, currency: str,
     ) -> dict[str, Any]:  # fmt: skip
-        """`usd` (the amount, in `currency`) None removes the level's budget for the period."""
-        with self._control(key_id) as service:
+        """`given`: the amount (in `currency`) under the one name it was sent as, `amount` or
+        the deprecated `usd`; None removes the level's budget for the period."""
+        if len(given) != 1:
+            param = "usd" if len(given) > 1 else "amount"
+            raise ApiError(400, "give `amount` (null removes the budget), or the deprecated "
+                           "`usd`, not both", param=param, code="invalid_value")  # fmt: skip
+        [(field, text)] = given.items()
+        with self._control(key_id, {"amount_micros": field}) as service:
             kind, level_id = level_of(tenant, level.get("workspace"), level.get("project"),
                                       level.get("key"), org=True) or ("org", tenant)  # fmt: skip
-            amount = None if usd is None else usd_micros(usd, "usd")
+            amount = None if text is None else usd_micros(text, field)
             changed = service.set_budget(tenant, kind, level_id, period, amount,
                                          currency=currency)  # fmt: skip
         return {"object": "budget", "tenant": tenant, "level": kind, "level_id": level_id,
-                "period": period, "amount_micros": amount, "usd": _usd(amount),
-                "currency": currency, "changed": changed}  # fmt: skip
+                "period": period, "amount_micros": amount, "amount": _usd(amount),
+                "usd": _usd(amount), "currency": currency, "changed": changed}  # fmt: skip
 
     def set_time_zone(self, key_id: str, tenant: str, zone: str) -> dict[str, Any]:
         with self._control(key_id) as service:
@@ -248,6 +256,89 @@ class AdminService:
             }  # fmt: skip
 
         return self._read(read)
+
+
+    # --- adapters, residency, retention --------------------------------------------------------
+
+    def register_adapter(
+        self, key_id: str, tenant: str, name: str, base: str, path: str, rank: int | None,
+        projects: tuple[str, ...],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Register (or re-register, with new weights) a tenant's LoRA adapter."""
+        with self._control(key_id) as service:
+            service.view._tenant_or_error(tenant)  # before reading the path's rank: a 404 first
+            adapter = adapter_service.register(service, tenant, name, base, path, rank, projects)
+            return {"object": "adapter", **adapter_service.describe(service, adapter)}
+
+    def revoke_adapter(self, key_id: str, tenant: str, name: str) -> dict[str, Any]:
+        with self._control(key_id, ADAPTER_PATH) as service:
+            service.view._tenant_or_error(tenant)
+            changed = adapter_service.revoke(service, tenant, name)
+            return {"object": "adapter", **adapter_service.show(service, tenant, name),
+                    "changed": changed}  # fmt: skip
+
+    def adapters(self, tenant: str) -> dict[str, Any]:
+        with self._control(None) as service:
+            found = adapter_service.listing(service, tenant)
+        return {"object": "list", "data": [{"object": "adapter", **a} for a in found]}
+
+    def adapter(self, tenant: str, name: str) -> dict[str, Any]:
+        with self._control(None, ADAPTER_PATH) as service:
+            return {"object": "adapter", **adapter_service.show(service, tenant, name)}
+
+    def price_adapter(
+        self, key_id: str, tenant: str, name: str, prompt: str, completion: str, cached: str,
+        effective_at: datetime | None, *, currency: str,
+    ) -> dict[str, Any]:  # fmt: skip
+        with self._control(key_id, ADAPTER_PATH) as service:
+            service.view._tenant_or_error(tenant)
+            given = {"prompt": prompt, "completion": completion, "cached": cached}
+            micros = [usd_micros(text, field) for field, text in given.items()]
+            at = adapter_service.set_price(service, tenant, name, *micros, _aware(effective_at),
+                                    currency=currency)  # fmt: skip
+        return {"object": "adapter_price", "tenant": tenant, "adapter": name,
+                "currency": currency, "prompt_micros_per_mtok": micros[0],
+                "completion_micros_per_mtok": micros[1], "cached_micros_per_mtok": micros[2],
+                "effective_at": _iso(at)}  # fmt: skip
+
+    def set_residency(
+        self, key_id: str, tenant: str, regions: list[str], project: str | None
+    ) -> dict[str, Any]:
+        """Pin the tenant (or one project) to `regions` (each checked by the schema's pattern:
+        no comma, so joining them is the CLI's `--regions` text)."""
+        with self._control(key_id) as service:
+            changed = data_policy_service.set_residency(service, tenant, ",".join(regions), project)
+            return self._residency(service, tenant, project, changed)
+
+    def clear_residency(self, key_id: str, tenant: str, project: str | None) -> dict[str, Any]:
+        with self._control(key_id) as service:
+            changed = data_policy_service.clear_residency(service, tenant, project)
+            return self._residency(service, tenant, project, changed)
+
+    @staticmethod
+    def _residency(
+        service: ControlService, tenant: str, project: str | None, changed: bool
+    ) -> dict[str, Any]:
+        pinned = service.view.data_policy.pinned(tenant, project)
+        return {"object": "residency", "tenant": tenant, "project": project,
+                "regions": None if pinned is None else sorted(pinned),
+                "changed": changed}  # fmt: skip
+
+    def set_retention(
+        self, key_id: str, tenant: str, tier: str, project: str | None
+    ) -> dict[str, Any]:
+        with self._control(key_id) as service:
+            changed = data_policy_service.set_retention(service, tenant, tier, project)
+        return {"object": "retention", "tenant": tenant, "project": project, "tier": tier,
+                "changed": changed}  # fmt: skip
+
+    def data_policy(self, tenant: str) -> dict[str, Any]:
+        with self._control(None) as service:
+            return {"object": "data_policy", **data_policy_service.data_policy(service, tenant)}
+
+
+# The adapter routes name the adapter in their path (`{adapter}`): an unknown one is a 404.
+ADAPTER_PATH: Final = {"name": "adapter"}
 
 
 def _aware(at: datetime | None) -> datetime | None:

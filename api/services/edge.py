@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from api.metrics import Metrics
 from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
+from api.services.adapter_steps import LoraRequest, listed_adapters
 from api.services.admission import Admission, Refused
 from api.services.auth import Authenticator, Caller
 from api.services.chat_request import ChatRequest, parse_chat_request
@@ -187,6 +188,11 @@ class Edge:
 
     def resolve_model(self, requested: str, caller: Caller | None = None) -> str | None:
         return self.admission.resolve_model(requested, caller)
+
+    def adapters(self, caller: Caller) -> list[LoraRequest]:
+        """The caller's own LoRA adapters it may ask for, each with the base version serving it
+        (never another tenant's)."""
+        return listed_adapters(self.admission.control, caller, self.admission.resolve_model)
 
     # --- completions ---------------------------------------------------------------------------
 

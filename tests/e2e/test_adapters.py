@@ -159,3 +159,50 @@ def test_routing_keeps_an_adapter_where_it_is_loaded_within_the_slots(
         listed = httpx.get(f"{replica.url}/v1/models", timeout=5).json()["data"]
         assert len([c for c in listed if c["parent"] == MODEL]) <= 1, listed
     server.assert_lifecycle()
+
+
+def test_the_model_list_shows_a_tenant_its_own_adapters_and_no_one_elses(
+    fleet: Server, tmp_path: Path
+) -> None:
+    server = fleet
+    tenants = server.new_tenants({"list-a": {}, "list-b": {}})
+    a, b = tenants["list-a"], tenants["list-b"]
+    # Given an adapter of each tenant, one of A's kept to a project its key is not in, and one
+    # revoked (only A's first is asked for: the others' paths are never read)
+    server.cli("workspaces", "create", "w", "--tenant", a.name)
+    server.cli("projects", "create", "p", "--tenant", a.name, "--workspace", "w")
+    for tenant, name, *flags in [
+        (a.name, "a-support"), (a.name, "a-kept", "--project", "p"), (a.name, "a-gone"),
+        (b.name, "b-support"),
+    ]:  # fmt: skip
+        path = build(tmp_path / name) if name == "a-support" else f"/srv/adapters/{name}"
+        server.cli("adapters", "register", "--tenant", tenant, "--name", name, "--base", MODEL,
+                   "--path", str(path), "--rank", "4", *flags)  # fmt: skip
+    server.cli("adapters", "revoke", "--tenant", a.name, "--name", "a-gone")
+
+    def listed(secret: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{server.base}/v1/models", headers=auth(secret), timeout=10)
+        assert r.status_code == 200, r.text
+        return list(r.json()["data"])
+
+    def adapters_of(secret: str) -> dict[str, dict[str, Any]]:
+        return {m["id"]: m for m in listed(secret) if m["owned_by"] != "tollgate"}
+
+    poll("the edge to follow the registrations",
+         lambda: set(adapters_of(b.secret)) == {"b-support"})  # fmt: skip
+    # Then each tenant sees the models on sale and its own adapters only, with their parent
+    mine = adapters_of(a.secret)
+    assert set(mine) == {"a-support"}
+    assert mine["a-support"] == {
+        **mine["a-support"], "object": "model", "owned_by": a.name, "parent": MODEL,
+    }
+    assert set(adapters_of(b.secret)) == {"b-support"}
+    assert adapters_of(b.secret)["b-support"]["owned_by"] == b.name
+    on_sale = [m for m in listed(a.secret) if m["owned_by"] == "tollgate"]
+    assert [m["id"] for m in on_sale] == [MODEL] and "parent" not in on_sale[0]
+    # A tenant with no adapter sees the models on sale alone, as before
+    assert [m["id"] for m in listed(server.keys["demo-standard"])] == [MODEL]
+    # And what is listed is what the tenant may ask for: its adapter is served, B's is not
+    assert chat(server, a.secret, "a-support").status_code == 200
+    assert chat(server, a.secret, "b-support").status_code == 404
+    assert chat(server, a.secret, "a-kept").status_code == 404

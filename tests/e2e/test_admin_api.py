@@ -135,11 +135,14 @@ def test_an_admin_key_runs_a_tenant_from_creation_to_revoked_key(
         {"tpm": 1000},
     )
     budget = ok(server, "POST", f"/v1/admin/tenants/{tenant}/budgets", key,
-                {"period": "month", "usd": "25.50", "project": "bot"})  # fmt: skip
-    assert (budget["amount_micros"], budget["changed"]) == (25_500_000, True)
+                {"period": "month", "amount": "25.50", "project": "bot"})  # fmt: skip
+    assert (budget["amount_micros"], budget["amount"], budget["changed"]) == (
+        25_500_000, "25.5", True,
+    )  # fmt: skip
+    # `usd`, the field's deprecated old name, still sets the same budget
     again = ok(server, "POST", f"/v1/admin/tenants/{tenant}/budgets", key,
                {"period": "month", "usd": "25.5", "project": "bot"})  # fmt: skip
-    assert again["changed"] is False
+    assert (again["amount_micros"], again["changed"]) == (25_500_000, False)
     zone = ok(
         server, "POST", f"/v1/admin/tenants/{tenant}/time-zone", key, {"zone": "Europe/Paris"}
     )
@@ -171,11 +174,212 @@ def test_prices_and_models_over_http(server: Server, admin: dict[str, str]) -> N
     assert r.status_code == 400 and "--kv-heads" in r.json()["error"]["message"]
 
 
+def audited(server: Server, tenant: str) -> list[tuple[str, str, str]]:
+    """The tenant stream's audit records: (command, actor kind, actor), oldest first."""
+    read = ("SELECT payload FROM events WHERE stream_id = ? AND type = 'ChangeAudited' "
+            "ORDER BY stream_version")
+    rows = server.query(read, (f"tenant-{tenant}",))
+    records = [json.loads(r["payload"]) for r in rows]
+    return [(r["command"], r["actor_kind"], r["actor"]) for r in records]
+
+
+def test_adapters_over_http(server: Server, admin: dict[str, str]) -> None:
+    key = admin["secret"]
+    tenant = name("lora")
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/workspaces", key, {"name": "w"})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/projects", key,
+       {"name": "bot", "workspace": "w"})  # fmt: skip
+    adapters = f"/v1/admin/tenants/{tenant}/adapters"
+    # Given an adapter registered over HTTP
+    spec = {"name": "support", "base": MODEL, "path": "/srv/adapters/support", "rank": 8}
+    registered = ok(server, "POST", adapters, key, {**spec, "projects": ["bot"]})
+    assert registered == {
+        **registered, "object": "adapter", "tenant": tenant, "name": "support", "base": MODEL,
+        "rank": 8, "projects": ["bot"], "version": 1, "revoked_at": None, "priced": "base",
+    }  # fmt: skip
+    # Then it is listed and shown, as the CLI lists it
+    listed = ok(server, "GET", adapters, key)
+    assert [a["name"] for a in listed["data"]] == ["support"]
+    assert ok(server, "GET", f"{adapters}/support", key)["engine_name"] == registered[
+        "engine_name"
+    ]
+    cli_listed = json.loads(server.cli("adapters", "list", "--tenant", tenant))
+    assert [a["name"] for a in cli_listed] == ["support"]
+    # And re-registered with new weights, it is a new version; the same again changes nothing
+    again = ok(server, "POST", adapters, key, {**spec, "path": "/srv/adapters/support-2"})
+    assert (again["version"], again["projects"]) == (2, [])
+    assert ok(server, "POST", adapters, key, {**spec, "path": "/srv/adapters/support-2"})[
+        "version"
+    ] == 2
+    price = ok(server, "POST", f"{adapters}/support/price", key,
+               {"prompt": "7", "completion": "9", "cached": "1"})  # fmt: skip
+    assert (price["adapter"], price["prompt_micros_per_mtok"], price["currency"]) == (
+        "support", 7_000_000, "USD",
+    )  # fmt: skip
+    assert ok(server, "GET", f"{adapters}/support", key)["priced"] == "own"
+    revoked = ok(server, "POST", f"{adapters}/support/revoke", key)
+    assert revoked["revoked_at"] is not None and revoked["changed"] is True
+    assert ok(server, "POST", f"{adapters}/support/revoke", key)["changed"] is False
+    # Every change is the CLI's event, audited with the key as its actor
+    rows = server.query("SELECT type FROM events WHERE stream_id = ? ORDER BY stream_version",
+                        (f"tenant-{tenant}",))  # fmt: skip
+    types = [r["type"] for r in rows]
+    assert types.count("AdapterRegistered") == 2 and types.count("AdapterRevoked") == 1
+    trail = audited(server, tenant)
+    assert [c for c, _, _ in trail if "Adapter" in c] == [
+        "RegisterAdapter", "RegisterAdapter", "RevokeAdapter",
+    ]  # fmt: skip
+    assert {(kind, actor) for _, kind, actor in trail} == {("key", admin["id"])}
+    # The adapter's price is a change of the price book, audited with the same actor
+    prices = ok(server, "GET", "/v1/audit", key, actor=admin["id"], limit=500)["data"]
+    priced = [r for r in prices if r["command"] == "SetPrice"
+              and any(f"{tenant}/support" in c["subject"] for c in r["changes"])]  # fmt: skip
+    assert len(priced) == 1 and priced[0]["actor_kind"] == "key"
+
+    # Refusals name their field; the path's tenant or adapter unknown is a 404
+    before = len(types)
+    error(call(server, "POST", adapters, key, {**spec, "path": "srv/relative"}), 400, "path")
+    error(call(server, "POST", adapters, key, {**spec, "name": "Bad Name"}), 400, "name")
+    error(call(server, "POST", adapters, key, {**spec, "rank": 0}), 400, "rank")
+    error(call(server, "POST", adapters, key, {**spec, "rank": "8"}), 400, "rank")
+    error(call(server, "POST", adapters, key, {**spec, "projects": ["nope"]}), 400, "projects")
+    error(call(server, "POST", adapters, key, {**spec, "base": "no-such-model"}), 400, "base")
+    error(call(server, "POST", adapters, key, {**spec, "extra": 1}), 400, "extra")
+    error(call(server, "POST", "/v1/admin/tenants/nobody-here/adapters", key, spec), 404, "tenant")
+    error(call(server, "GET", "/v1/admin/tenants/nobody-here/adapters", key), 404, "tenant")
+    error(call(server, "GET", f"{adapters}/nope", key), 404, "adapter")
+    error(call(server, "POST", f"{adapters}/nope/revoke", key), 404, "adapter")
+    error(call(server, "POST", f"{adapters}/nope/price", key,
+               {"prompt": "1", "completion": "1", "cached": "1"}), 404, "adapter")  # fmt: skip
+    error(call(server, "POST", f"{adapters}/support/price", key,
+               {"prompt": "-1", "completion": "1", "cached": "1"}), 400, "prompt")  # fmt: skip
+    rows = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                        (f"tenant-{tenant}",))  # fmt: skip
+    assert rows[0]["n"] == before
+
+
+def test_residency_and_retention_over_http(server: Server, admin: dict[str, str]) -> None:
+    key = admin["secret"]
+    tenant = name("pin")
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/workspaces", key, {"name": "w"})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/projects", key,
+       {"name": "bot", "workspace": "w"})  # fmt: skip
+    base = f"/v1/admin/tenants/{tenant}"
+    # Given a tenant pinned to two regions and a project to one of them
+    pinned = ok(server, "POST", f"{base}/residency", key, {"regions": ["eu-west", "eu-central"]})
+    assert (pinned["regions"], pinned["project"], pinned["changed"]) == (
+        ["eu-central", "eu-west"], None, True,
+    )  # fmt: skip
+    assert ok(server, "POST", f"{base}/residency", key,
+              {"regions": ["eu-central", "eu-west"]})["changed"] is False  # fmt: skip
+    ok(server, "POST", f"{base}/residency", key, {"regions": ["eu-west"], "project": "bot"})
+    zero = ok(server, "POST", f"{base}/retention", key, {"tier": "zero", "project": "bot"})
+    assert (zero["tier"], zero["changed"]) == ("zero", True)
+    # Then the data policy shows it, over HTTP as on the CLI
+    policy = ok(server, "GET", f"{base}/data-policy", key)
+    assert policy == json.loads(server.cli("data-policy", "--tenant", tenant)) | {
+        "object": "data_policy"
+    }
+    assert policy["projects"] == [{
+        "project": "bot", "regions": ["eu-west"], "retention": "zero",
+        "regions_in_force": ["eu-west"], "retention_in_force": "zero",
+    }]  # fmt: skip
+    # Refusals name their field and record nothing
+    before = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                          (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
+    error(call(server, "POST", f"{base}/residency", key,
+               {"regions": ["us-east"], "project": "bot"}), 400, "regions")  # fmt: skip
+    error(call(server, "POST", f"{base}/residency", key, {"regions": []}), 400, "regions")
+    error(call(server, "POST", f"{base}/residency", key, {"regions": "eu-west"}), 400, "regions")
+    error(call(server, "POST", f"{base}/residency", key, {"regions": ["EU West"]}),
+          400, "regions.0")  # fmt: skip
+    error(call(server, "POST", f"{base}/residency", key, {"regions": ["eu-west"],
+                                                          "project": "nope"}), 400, "project")
+    error(call(server, "POST", f"{base}/retention", key, {"tier": "none"}), 400, "tier")
+    error(call(server, "POST", f"{base}/retention", key, {}), 400, "tier")
+    for path, body in [("residency", {"regions": ["eu-west"]}), ("residency/clear", {}),
+                       ("retention", {"tier": "zero"})]:  # fmt: skip
+        error(call(server, "POST", f"/v1/admin/tenants/nobody-here/{path}", key, body),
+              404, "tenant")  # fmt: skip
+    error(call(server, "GET", "/v1/admin/tenants/nobody-here/data-policy", key), 404, "tenant")
+    after = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                         (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
+    assert after == before
+    # Cleared, and back to standard; each change audited with the key as its actor
+    cleared = ok(server, "POST", f"{base}/residency/clear", key, {"project": "bot"})
+    assert (cleared["regions"], cleared["changed"]) == (None, True)
+    assert ok(server, "POST", f"{base}/residency/clear", key)["changed"] is True
+    assert ok(server, "POST", f"{base}/residency/clear", key)["changed"] is False
+    ok(server, "POST", f"{base}/retention", key, {"tier": "standard", "project": "bot"})
+    assert ok(server, "GET", f"{base}/data-policy", key)["projects"][0]["retention"] == "standard"
+    trail = audited(server, tenant)
+    assert [c for c, _, _ in trail if "Resid" in c or "Retention" in c] == [
+        "SetResidency", "SetResidency", "SetRetention", "ClearResidency", "ClearResidency",
+        "SetRetention",
+    ]  # fmt: skip
+    assert {(kind, actor) for _, kind, actor in trail} == {("key", admin["id"])}
+
+
+def test_the_cli_and_the_api_record_the_same_data_policy_and_adapter_events(
+    server: Server, admin: dict[str, str]
+) -> None:
+    key = admin["secret"]
+    by_cli, by_api = name("cli"), name("api")
+    server.cli("tenants", "create", by_cli, "--actor", "alice")
+    server.cli("residency", "set", "--tenant", by_cli, "--regions", "eu-west,eu-central",
+               "--actor", "alice")  # fmt: skip
+    server.cli("retention", "set", "--tenant", by_cli, "--zero", "--actor", "alice")
+    server.cli("adapters", "register", "--tenant", by_cli, "--name", "a", "--base", MODEL,
+               "--path", "/srv/a", "--rank", "4", "--actor", "alice")  # fmt: skip
+    server.cli("adapters", "revoke", "--tenant", by_cli, "--name", "a", "--actor", "alice")
+    server.cli("residency", "clear", "--tenant", by_cli, "--actor", "alice")
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": by_api})
+    base = f"/v1/admin/tenants/{by_api}"
+    ok(server, "POST", f"{base}/residency", key, {"regions": ["eu-west", "eu-central"]})
+    ok(server, "POST", f"{base}/retention", key, {"tier": "zero"})
+    ok(server, "POST", f"{base}/adapters", key,
+       {"name": "a", "base": MODEL, "path": "/srv/a", "rank": 4})  # fmt: skip
+    ok(server, "POST", f"{base}/adapters/a/revoke", key)
+    ok(server, "POST", f"{base}/residency/clear", key)
+    read = "SELECT type, payload FROM events WHERE stream_id = ? ORDER BY stream_version"
+    cli_rows = server.query(read, (f"tenant-{by_cli}",))
+    api_rows = server.query(read, (f"tenant-{by_api}",))
+    assert _shape(cli_rows, by_cli) == _shape(api_rows, by_api)
+    assert [r["type"] for r in api_rows if r["type"] != "ChangeAudited"] == [
+        "TenantRegistered", "ResidencySet", "RetentionSet", "AdapterRegistered",
+        "AdapterRevoked", "ResidencyCleared",
+    ]  # fmt: skip
+
+
 def test_other_keys_and_no_key_are_refused(server: Server) -> None:
+    tenant = "demo-standard"  # exists: the refusal is the key's, not a missing tenant's
+    writes = [
+        ("/v1/admin/tenants", {"name": name("no")}),
+        (f"/v1/admin/tenants/{tenant}/adapters",
+         {"name": "x", "base": MODEL, "path": "/srv/x", "rank": 8}),
+        (f"/v1/admin/tenants/{tenant}/adapters/x/revoke", None),
+        (f"/v1/admin/tenants/{tenant}/adapters/x/price",
+         {"prompt": "1", "completion": "1", "cached": "1"}),
+        (f"/v1/admin/tenants/{tenant}/residency", {"regions": ["eu-west"]}),
+        (f"/v1/admin/tenants/{tenant}/residency/clear", {}),
+        (f"/v1/admin/tenants/{tenant}/retention", {"tier": "zero"}),
+    ]  # fmt: skip
+    reads = ["/v1/audit", f"/v1/admin/tenants/{tenant}/adapters",
+             f"/v1/admin/tenants/{tenant}/adapters/x", f"/v1/admin/tenants/{tenant}/data-policy"]
+    before = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                          (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
     for who in ("finance", "support", "demo-standard"):
-        r = call(server, "POST", "/v1/admin/tenants", server.keys[who], {"name": name("no")})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope", who
-        assert call(server, "GET", "/v1/audit", server.keys[who]).status_code == 403
+        for path, body in writes:
+            r = call(server, "POST", path, server.keys[who], body)
+            assert r.status_code == 403, (who, path, r.text)
+            assert r.json()["error"]["code"] == "insufficient_scope", (who, path)
+        for path in reads:
+            assert call(server, "GET", path, server.keys[who]).status_code == 403, (who, path)
+    after = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
+                         (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
+    assert after == before
     assert httpx.get(server.base + "/v1/admin/tenants", timeout=10).status_code == 401
 
 
@@ -198,10 +402,14 @@ def test_bad_requests_name_their_field_and_record_nothing(
     error(call(server, "POST", limits, key, {"model": "*", "project": "nope", "rpm": 1}),
           400, "project")  # fmt: skip
     budgets = f"/v1/admin/tenants/{tenant}/budgets"
-    error(call(server, "POST", budgets, key, {"period": "week", "usd": "1"}), 400, "period")
-    detail = error(call(server, "POST", budgets, key, {"period": "day", "usd": "2000000000"}),
-                   400, "usd")  # fmt: skip
+    error(call(server, "POST", budgets, key, {"period": "week", "amount": "1"}), 400, "period")
+    detail = error(call(server, "POST", budgets, key, {"period": "day", "amount": "2000000000"}),
+                   400, "amount")  # fmt: skip
     assert "over 1,000,000,000 dollars" in detail["message"]
+    error(call(server, "POST", budgets, key, {"period": "day", "usd": "2000000000"}), 400, "usd")
+    error(call(server, "POST", budgets, key, {"period": "day"}), 400, "amount")
+    error(call(server, "POST", budgets, key, {"period": "day", "amount": "1", "usd": "1"}),
+          400, "usd")  # fmt: skip
     error(call(server, "POST", f"/v1/admin/tenants/{tenant}/time-zone", key, {"zone": "Mars/Base"}),
           400, "zone")  # fmt: skip
     error(call(server, "POST", "/v1/admin/tenants", key, {"name": tenant}), 409, "name")
@@ -260,7 +468,7 @@ def test_the_cli_and_the_api_record_the_same_events(server: Server, admin: dict[
     ok(server, "POST", "/v1/admin/tenants", key, {"name": by_api, "plan": "free"})
     ok(server, "POST", f"/v1/admin/tenants/{by_api}/limits", key,
        {"model": "*", "rpm": 9, "tpm": 900})  # fmt: skip
-    ok(server, "POST", f"/v1/admin/tenants/{by_api}/budgets", key, {"period": "day", "usd": "3"})
+    ok(server, "POST", f"/v1/admin/tenants/{by_api}/budgets", key, {"period": "day", "amount": "3"})
     read = "SELECT type, payload FROM events WHERE stream_id = ? ORDER BY stream_version"
     cli_rows = server.query(read, (f"tenant-{by_cli}",))
     api_rows = server.query(read, (f"tenant-{by_api}",))
@@ -333,3 +541,24 @@ def test_openapi_describes_the_admin_routes(server: Server) -> None:
     assert {"tenant", "since", "actor", "limit", "after"} <= audit
     limits = document["components"]["schemas"]["LimitsSet"]
     assert limits["additionalProperties"] is False and "rpm" in limits["properties"]
+    for path, method, schema in [
+        ("/v1/admin/tenants/{tenant}/adapters", "post", "AdminAdapter"),
+        ("/v1/admin/tenants/{tenant}/adapters", "get", "AdminAdapterList"),
+        ("/v1/admin/tenants/{tenant}/adapters/{adapter}", "get", "AdminAdapter"),
+        ("/v1/admin/tenants/{tenant}/adapters/{adapter}/revoke", "post", "AdminAdapter"),
+        ("/v1/admin/tenants/{tenant}/adapters/{adapter}/price", "post", "AdminAdapterPrice"),
+        ("/v1/admin/tenants/{tenant}/residency", "post", "AdminResidency"),
+        ("/v1/admin/tenants/{tenant}/residency/clear", "post", "AdminResidency"),
+        ("/v1/admin/tenants/{tenant}/retention", "post", "AdminRetention"),
+        ("/v1/admin/tenants/{tenant}/data-policy", "get", "AdminDataPolicy"),
+    ]:
+        operation = paths[path][method]
+        answer = operation["responses"]["200"]["content"]["application/json"]["schema"]
+        assert answer["$ref"].endswith(f"/{schema}"), (path, method)
+        assert operation["security"] == [{"bearer": []}] and "404" in operation["responses"]
+    schemas = document["components"]["schemas"]
+    assert schemas["RetentionSet"]["properties"]["tier"]["enum"] == ["standard", "zero"]
+    assert schemas["AdapterRegister"]["required"] == ["name", "base", "path"]
+    budget = schemas["BudgetSet"]["properties"]
+    assert "amount" in budget and budget["usd"]["deprecated"] is True
+    assert "deprecated" in budget["usd"]["description"]

@@ -402,3 +402,74 @@ def logged(db_url: str, tenant: str = "demo-enterprise") -> int:
             return int(count or 0)
     finally:
         engine.dispose()
+
+
+# --- the LoRA load row: a request for an adapter whose load on its replica fails --------------
+
+# Each request below is for an adapter its replica does not hold yet: one `engine.lora` hit
+# each, the first four faulted. `die` at a load is the edge dying with requests in flight: the
+# edge-crash rows' case. `drop` has no socket of its own to abort there (the load goes through
+# aiohttp's pool): it fails before the effect, as `before` does.
+LORA_SPEC = ("seed=9;hang=2;engine.lora:before@1;engine.lora:after@2;engine.lora:drop@3;"
+             "engine.lora:hang@4")  # fmt: skip
+LORA_INJECTED = {("engine.lora", kind): 1 for kind in ("before", "after", "drop", "hang")}
+LORA_FIRST = (503, 503, 503, 200, 200)  # the answers to the first request of each adapter
+
+
+def test_fault_matrix_lora_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant's adapters, each asked for once, the first loads faulted with each kind: a
+    failed load (`before`, `after`: loaded but answered as failed, `drop`) is the client's 503
+    `replica_unavailable` with `Retry-After`, its request ended `RequestFailed` and billed
+    nothing; a load that hangs is served, late, and billed once; nothing is half-written, so
+    each adapter is served on its next request (the one loaded behind the router's back
+    included); the edge never exits; one terminal, one refund, one bill each."""
+    from tests.e2e.conftest import TERMINALS, Server, short_body
+    from tests.vllm.tiny_adapter import build
+
+    replica = start_replica(tmp_path, MODEL, seed=9, enable_lora=True, max_loras=8, **FAST)
+    monkeypatch.setenv(faults.FAULTS_ENV, LORA_SPEC)  # the edge's (the CLI never loads one)
+    server = Server(tmp_path, [replica])
+    try:
+        server.start()
+        tenant = server.new_tenant("lora")
+        names = [f"a{i}" for i in range(len(LORA_FIRST))]
+        for name in names:
+            server.cli("adapters", "register", "--tenant", tenant.name, "--name", name,
+                       "--base", MODEL, "--path", str(build(tmp_path / name)))  # fmt: skip
+        headers = {"Authorization": f"Bearer {tenant.secret}"}
+        with httpx.Client(base_url=server.base, timeout=30) as client:
+
+            def chat(model: str) -> httpx.Response:
+                return client.post("/v1/chat/completions", headers=headers,
+                                   json=short_body(model))  # fmt: skip
+
+            poll("the edge to follow the registrations",
+                 lambda: {m["id"] for m in client.get("/v1/models", headers=headers).json()[
+                     "data"]} >= set(names))  # fmt: skip
+            first = [chat(name) for name in names]
+            again = [chat(name) for name in names]
+        alive = server.proc is not None and server.proc.poll() is None
+        server.wait_all_billed()
+        server.assert_lifecycle()
+    finally:
+        server.stop()
+        replica.stop()
+    assert alive, "the edge exited on a fault it must survive"
+    injected = Counter(re.findall(r"fault injected: (\S+) (\S+) hit", server.log.read_text()))
+    assert injected == LORA_INJECTED, injected
+    assert [r.status_code for r in first] == list(LORA_FIRST), [r.text for r in first]
+    assert [r.status_code for r in again] == [200] * len(names), [r.text for r in again]
+    for name, r in zip(names * 2, first + again, strict=True):
+        rid = r.headers["x-request-id"]
+        [terminal] = [t for t in server.event_types(rid) if t in TERMINALS]
+        bill = server.ledger(rid)
+        assert bill is not None, rid
+        if r.status_code == 503:
+            error = r.json()["error"]
+            assert error["code"] == "replica_unavailable" and int(r.headers["retry-after"]) >= 1
+            assert terminal == "RequestFailed", server.event_types(rid)
+            assert (bill["amount_micros"], bill["completion_tokens"]) == (0, 0), dict(bill)
+        else:
+            assert r.json()["model"] == name
+            assert terminal == "RequestCompleted", server.event_types(rid)
+            assert bill["completion_tokens"] == r.json()["usage"]["completion_tokens"] > 0
