@@ -65,6 +65,9 @@ class DevClusterSettings:
     # replica given none (--region): what tenants pinned to regions are confined to.
     simulated_regions: tuple[str, ...] = ()
     region: str = ""
+    # Each simulated replica's LoRA slots (--simulated-max-loras, vLLM's --max-loras): tenants'
+    # adapters are loaded and unloaded on them as requests ask for them. 0: LoRA off.
+    simulated_max_loras: int = 2
 
 
 @dataclass
@@ -130,6 +133,8 @@ class DevCluster:
         python = [sys.executable]
         tollgate = [*python, "-m", "cli"]
         replicas: list[str] = []
+        lora = (["--enable-lora", "--max-loras", str(s.simulated_max_loras)]
+                if s.simulated_max_loras else [])  # fmt: skip
         for m_index, model in enumerate(s.models):
             for i in range(s.simulated_replicas):
                 port = _free_port(s.host)
@@ -138,7 +143,7 @@ class DevCluster:
                     # `tollgate replica-sim`, which sets up the log format the others use.
                     [*tollgate, "replica-sim", "--host", s.host, "--port", str(port),
                      "--model", model, "--seed", str(7 + 100 * m_index + i),
-                     "--speed", str(s.sim_speed)],
+                     "--speed", str(s.sim_speed), *lora],
                     url=f"http://{s.host}:{port}",
                 )  # fmt: skip
                 region = simulated_region(s.simulated_regions, i, s.region)
