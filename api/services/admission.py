@@ -316,9 +316,8 @@ class Admission:
         not a downgrade)."""
         downgrade = alternatives is None
         if alternatives is None:
-            consented = (
-                self.resolve_model(m) for m in self.control.fallbacks(caller.tenant_id, model)
-            )
+            given = self.control.fallback_book.fallbacks(caller.tenant_id, model)
+            consented = (self.resolve_model(m) for m in given)
             alternatives = fallback_models(model, consented)
         for alternative in alternatives:
             self.views.withdraw(request_id)

@@ -84,7 +84,7 @@ class RoutingStep:
 
     def policy(self, caller: Caller) -> RoutingPolicy | None:
         project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
-        return self.control.routing(caller.tenant_id, project)
+        return self.control.routing_book.routing(caller.tenant_id, project)
 
     def route(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,

@@ -34,11 +34,9 @@ ALLOWED = {
     # Grown past the bounds by this round's merges (the router, residency, retention, LoRA
     # adapters, the audit trail, metrics of the router), each a step or a book of its own
     # already; the next cut: Admission's quota reservation and fallbacks as steps beside
-    # RoutingStep and Settlement, ControlView's routing consents and fallbacks as books beside
-    # DataPolicy and AdapterBook.
+    # RoutingStep and Settlement.
     "api/services/admission.py::Admission": "the round's steps [436]",
     "api/services/admission.py::Admission.admit": "the round's steps [74]",
-    "domain/control_plane/state.py::ControlView": "the round's books [350]",
     "api/metrics.py::Metrics": "the router's counter [309]",
     # The follower's reads of other writers' events joined it; the next cut: the reads beside
     # the writes (ledger/store/postgres.py, sqlite.py) in a module of their own.
