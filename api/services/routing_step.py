@@ -49,7 +49,7 @@ class Routing:
     policy: RoutingPolicy
     asked: str  # "auto", or the reference model the request named
     # The prompt as counted for the task class, and by which estimator: admission counts it
-    # once (`Admission._reserve` takes it when the served model's estimator is the same one).
+    # once (`QuotaStep.reserve` takes it when the served model's estimator is the same one).
     counted: tuple[TokenEstimator, int] | None = None
 
     def event(self, request_id: str) -> RequestModelRouted:
