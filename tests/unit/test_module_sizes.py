@@ -31,8 +31,6 @@ ALLOWED = {
     # The hierarchy's view over the one reservation mechanism (domain/reservations.py): the
     # money per level, period and currency, and runs.
     "domain/governance/budgets.py::PathView": "the hierarchy's view [309]",
-    # Grown past the bounds by this round's merges (metrics of the router).
-    "api/metrics.py::Metrics": "the router's counter [309]",
     # The follower's reads of other writers' events joined it; the next cut: the reads beside
     # the writes (ledger/store/postgres.py, sqlite.py) in a module of their own.
     "ledger/store/sql.py::SqlEventStore": "the follower's reads [353]",
