@@ -28,9 +28,6 @@ MEASURED_ONLY = ("api.http.app", "api.http.body_limits")
 # Units still over the bounds, each with why and its size when listed (in brackets). Drop an
 # entry when its unit is cut: a stale one fails.
 ALLOWED = {
-    # The hierarchy's view over the one reservation mechanism (domain/reservations.py): the
-    # money per level, period and currency, and runs.
-    "domain/governance/budgets.py::PathView": "the hierarchy's view [309]",
     # The follower's reads of other writers' events joined it; the next cut: the reads beside
     # the writes (ledger/store/postgres.py, sqlite.py) in a module of their own.
     "ledger/store/sql.py::SqlEventStore": "the follower's reads [353]",
