@@ -60,7 +60,7 @@ from ledger.writer import GroupCommitWriter
 from predictor.runtime import LoadedPredictor
 from streams.status import BATCH_RUNNER_NAME, Reconciliation, read_status
 from streams.supervisor import FoldWorkerSupervisor
-from streams.worker import FoldStatus, last_heartbeat, read_fold_status
+from streams.worker_rows import FoldStatus, last_heartbeat, read_fold_status
 
 log = logging.getLogger("tollgate")
 
