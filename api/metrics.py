@@ -1,4 +1,7 @@
-"""Prometheus metrics of one Tollgate process (a registry per app, so tests can run several)."""
+"""Prometheus metrics of one Tollgate process (a registry per app, so tests can run several):
+`Metrics`, what the request path counts, with the fleet's gauges (`Metrics.fleet`), the batch
+queue's (`Metrics.batches`) and the reconciliation's (`Metrics.reconciliation`) each a class of
+its own on the same registry."""
 
 from __future__ import annotations
 
@@ -69,12 +72,12 @@ class Metrics:
         self._tenant_labels: set[str] = set()
         self.models = ModelLabels()
         self._register_requests()
-        self._register_fleet()
+        self.fleet = FleetMetrics(self.registry)
         self._register_slo()
-        self._register_batches()
+        self.batches = BatchMetrics(self.registry)
         self._register_store()
         self._register_prediction()
-        self._register_reconciliation()
+        self.reconciliation = ReconciliationMetrics(self.registry)
 
     def _register_requests(self) -> None:
         """What became of each chat request at the edge (admitted, refused, finished, served by
@@ -137,31 +140,6 @@ class Metrics:
         self.admitted_of = Children(self.admitted, models, model_at=1)
         self.finished_of = Children(self.finished)
 
-    def _register_fleet(self) -> None:
-        """The replicas as this edge sees them, and the autoscaling signal."""
-        r = self.registry
-        self.desired_replicas = Gauge(
-            "tollgate_desired_replicas",
-            "Replicas each model version should have one cold start from now (the autoscaling "
-            "signal: KV demand forecast, waiting and reserved terms, with hysteresis).",
-            ["model"],
-            registry=r,
-        )
-        self.fleet_replicas = Gauge(
-            "tollgate_fleet_replicas",
-            "Replicas serving each model version now, or starting.",
-            ["model"],
-            registry=r,
-        )
-        self.kv_occupancy = Gauge(
-            "tollgate_replica_kv_occupancy", "Last scraped KV-cache occupancy (0..1).",
-            ["replica", "model"], registry=r,
-        )
-        self.replica_healthy = Gauge(
-            "tollgate_replica_healthy", "1 when the replica answers its scrapes.",
-            ["replica", "model"], registry=r,
-        )
-
     def _register_slo(self) -> None:
         """Objectives attained per tier, and the flex class and its preemptions."""
         r = self.registry
@@ -211,23 +189,6 @@ class Metrics:
         self.attained_of = Children(self.attained, models, model_at=2)
         self.not_attained_of = Children(self.not_attained, models, model_at=2)
         self.outcomes: dict[str, dict[str, int]] = {}  # tier -> outcome -> count, for the ratios
-
-    def _register_batches(self) -> None:
-        """Open batches and their queue."""
-        r = self.registry
-        self.batches_open = Gauge(
-            "tollgate_batches_open", "Batches not yet ended (validating to finalizing).",
-            registry=r,
-        )
-        self.batch_items_pending = Gauge(
-            "tollgate_batch_queue_depth", "Batch items without an outcome, over open batches.",
-            registry=r,
-        )
-        self.batch_age = Gauge(
-            "tollgate_batch_queue_age_seconds",
-            "Age of the oldest open batch that still has items to run (0: none).",
-            registry=r,
-        )
 
     def _register_store(self) -> None:
         """The event store and the folds behind it."""
@@ -299,43 +260,6 @@ class Metrics:
         self.output_predicted_of = Children(self.output_predicted)
         self.output_prediction_fallbacks_of = Children(self.output_prediction_fallbacks)
 
-    def _register_reconciliation(self) -> None:
-        """The continuous reconciliation's last result (streams/reconciler.py), read from the
-        store with /readyz's status: the figures an operator pages on (DESIGN §4, 14)."""
-        r = self.registry
-        self.unbilled_terminals = Gauge(
-            "tollgate_unbilled_terminals",
-            "Terminal events whose ledger row the reconciliation has not found.", registry=r,
-        )
-        self.unbilled_oldest_age = Gauge(
-            "tollgate_unbilled_terminal_oldest_age_seconds",
-            "Age of the oldest terminal event without its ledger row (0: none).", registry=r,
-        )
-        self.overdue_leases = Gauge(
-            "tollgate_overdue_leases",
-            "Admitted requests without a terminal event, unrenewed past the lease TTL + sweep.",
-            registry=r,
-        )
-        self.overdue_oldest_age = Gauge(
-            "tollgate_overdue_lease_oldest_age_seconds",
-            "Time since the oldest overdue request was last renewed (0: none).", registry=r,
-        )
-        self.reconciled_at = Gauge(
-            "tollgate_reconciliation_last_run_timestamp_seconds",
-            "When the reconciliation last checked the ledger against the log (Unix time; 0: "
-            "never).",
-            registry=r,
-        )  # fmt: skip
-
-    def observe_reconciliation(self, found: Reconciliation | None) -> None:
-        if found is None:
-            return
-        self.unbilled_terminals.set(found.unbilled_terminals)
-        self.unbilled_oldest_age.set(found.oldest_unbilled_age_s or 0.0)
-        self.overdue_leases.set(found.overdue_leases)
-        self.overdue_oldest_age.set(found.oldest_overdue_age_s or 0.0)
-        self.reconciled_at.set(time.time() - found.checked_age_s)
-
     def tenant_label(self, tenant_id: str) -> str:
         labels = self._tenant_labels
         if tenant_id in labels:
@@ -369,3 +293,88 @@ class Metrics:
                 self.attainment_ratio.labels(tier).set(a.attainment_ppm / 1e6)
             if a.goodput_ppm is not None:
                 self.goodput_ratio.labels(tier).set(a.goodput_ppm / 1e6)
+
+
+class FleetMetrics:
+    """The replicas as this edge sees them, and the autoscaling signal."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.desired_replicas = Gauge(
+            "tollgate_desired_replicas",
+            "Replicas each model version should have one cold start from now (the autoscaling "
+            "signal: KV demand forecast, waiting and reserved terms, with hysteresis).",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_replicas = Gauge(
+            "tollgate_fleet_replicas",
+            "Replicas serving each model version now, or starting.",
+            ["model"],
+            registry=r,
+        )
+        self.kv_occupancy = Gauge(
+            "tollgate_replica_kv_occupancy", "Last scraped KV-cache occupancy (0..1).",
+            ["replica", "model"], registry=r,
+        )
+        self.replica_healthy = Gauge(
+            "tollgate_replica_healthy", "1 when the replica answers its scrapes.",
+            ["replica", "model"], registry=r,
+        )
+
+
+class BatchMetrics:
+    """Open batches and their queue."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.batches_open = Gauge(
+            "tollgate_batches_open", "Batches not yet ended (validating to finalizing).",
+            registry=r,
+        )
+        self.batch_items_pending = Gauge(
+            "tollgate_batch_queue_depth", "Batch items without an outcome, over open batches.",
+            registry=r,
+        )
+        self.batch_age = Gauge(
+            "tollgate_batch_queue_age_seconds",
+            "Age of the oldest open batch that still has items to run (0: none).",
+            registry=r,
+        )
+
+
+class ReconciliationMetrics:
+    """The continuous reconciliation's last result (streams/reconciler.py), read from the
+    store with /readyz's status: the figures an operator pages on (DESIGN §4, 14)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.unbilled_terminals = Gauge(
+            "tollgate_unbilled_terminals",
+            "Terminal events whose ledger row the reconciliation has not found.", registry=r,
+        )
+        self.unbilled_oldest_age = Gauge(
+            "tollgate_unbilled_terminal_oldest_age_seconds",
+            "Age of the oldest terminal event without its ledger row (0: none).", registry=r,
+        )
+        self.overdue_leases = Gauge(
+            "tollgate_overdue_leases",
+            "Admitted requests without a terminal event, unrenewed past the lease TTL + sweep.",
+            registry=r,
+        )
+        self.overdue_oldest_age = Gauge(
+            "tollgate_overdue_lease_oldest_age_seconds",
+            "Time since the oldest overdue request was last renewed (0: none).", registry=r,
+        )
+        self.reconciled_at = Gauge(
+            "tollgate_reconciliation_last_run_timestamp_seconds",
+            "When the reconciliation last checked the ledger against the log (Unix time; 0: "
+            "never).",
+            registry=r,
+        )  # fmt: skip
+
+    def observe(self, found: Reconciliation | None) -> None:
+        if found is None:
+            return
+        self.unbilled_terminals.set(found.unbilled_terminals)
+        self.unbilled_oldest_age.set(found.oldest_unbilled_age_s or 0.0)
+        self.overdue_leases.set(found.overdue_leases)
+        self.overdue_oldest_age.set(found.oldest_overdue_age_s or 0.0)
+        self.reconciled_at.set(time.time() - found.checked_age_s)

@@ -61,7 +61,7 @@ from ledger.writer import GroupCommitWriter
 from predictor.runtime import LoadedPredictor
 from streams.status import BATCH_RUNNER_NAME, Reconciliation, read_status
 from streams.supervisor import FoldWorkerSupervisor
-from streams.worker import FoldStatus, last_heartbeat, read_fold_status
+from streams.worker_rows import FoldStatus, last_heartbeat, read_fold_status
 
 log = logging.getLogger("tollgate")
 
@@ -321,9 +321,9 @@ class Runtime:
             log.info("output predictor: now model %s", self.predictor.version)
     async def _batch_gauges(self) -> None:
         queue = await asyncio.to_thread(self.batches.queue)
-        self.metrics.batches_open.set(queue.open_batches)
-        self.metrics.batch_items_pending.set(queue.pending_items)
-        self.metrics.batch_age.set(queue.oldest_age_s)
+        self.metrics.batches.batches_open.set(queue.open_batches)
+        self.metrics.batches.batch_items_pending.set(queue.pending_items)
+        self.metrics.batches.batch_age.set(queue.oldest_age_s)
         deferred: dict[str, int] = {}
         for requested, items in queue.pending_by_model.items():
             model = self.edge.resolve_model(requested)
@@ -494,10 +494,10 @@ class Runtime:
         self.metrics.billing_dead_letters.set(folds.dead_letters)
         for fold in {*DEAD_LETTER_FOLDS, *self.dead_letters}:
             self.metrics.dead_letters.labels(fold).set(self.dead_letters.get(fold, 0))
-        self.metrics.observe_reconciliation(self.reconciliation)
+        self.metrics.reconciliation.observe(self.reconciliation)
         if self.fleet is None:
             return
         for replica in self.fleet.replicas():
             labels = (replica.replica_id, replica.replica.model)
-            self.metrics.kv_occupancy.labels(*labels).set(replica.scraped_occupancy_ppm / 1e6)
-            self.metrics.replica_healthy.labels(*labels).set(1 if replica.healthy else 0)
+            self.metrics.fleet.kv_occupancy.labels(*labels).set(replica.scraped_occupancy_ppm / 1e6)
+            self.metrics.fleet.replica_healthy.labels(*labels).set(1 if replica.healthy else 0)

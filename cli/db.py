@@ -105,7 +105,7 @@ def dead_letters_replay(database_url: str, fold: str | None) -> None:
     applies is marked replayed, each that still fails stays with its new reason. Exits 2 when
     some still fail."""
     from ledger.engine import create_engine_from_url
-    from streams.worker import replay_dead_letters
+    from streams.dead_letter_replay import replay_dead_letters
 
     engine = create_engine_from_url(database_url)
     try:

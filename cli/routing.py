@@ -96,7 +96,7 @@ def routing_revoke(tenant: str, project: str, database_url: str, actor: Actor) -
 @one_line_errors
 def routing_show(tenant: str, database_url: str) -> None:
     with control.ControlService.open(database_url) as service:
-        policies = service.view.routing_policies(tenant)
+        policies = service.view.routing_book.policies(tenant)
     if not policies:
         click.echo(f"{tenant}: no routing consent (`auto` is refused, every model served as asked)")
     for p in policies:

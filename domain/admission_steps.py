@@ -30,7 +30,7 @@ def resolve_run(
     run = tree.run(tenant_id, run_id)  # (in force: `Hierarchy.run` applies the policy)
     if run is not None:
         return run
-    run = paths.started_run(tenant_id, run_id)
+    run = paths.runs.started(tenant_id, run_id)
     if run is not None:
         return tree.in_force(run)
     project = tree.project_of_key(tenant_id, key_id)

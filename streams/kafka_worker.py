@@ -60,12 +60,8 @@ from streams.reconciler import start_reconciler
 from streams.status import BrokerWatermarks
 from streams.sweeper import GroupSweeper
 from streams.topics import DEFAULT_TOPIC, group_for
-from streams.worker import (
-    DEAD_LETTERS_IN_A_ROW,
-    WORKER_NAME,
-    FoldBroken,
-)
-from streams.worker_rows import delete_status_row, process_row, write_status_row
+from streams.worker import DEAD_LETTERS_IN_A_ROW, FoldBroken
+from streams.worker_rows import WORKER_NAME, delete_status_row, process_row, write_status_row
 
 if TYPE_CHECKING:
     from streams.faust_worker import FaustEventConsumer

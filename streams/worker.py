@@ -23,8 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -45,7 +44,6 @@ from ledger.dead_letters import DeadLetter, is_transient
 from ledger.engine import WRITE, create_engine_from_url
 from ledger.idempotency import IdempotencyStore
 from ledger.projections import ProjectionRunner
-from ledger.schema import worker_status
 from ledger.store import SqlEventStore
 from streams.batch_runner import BatchRunner
 from streams.billing import BillingFold
@@ -53,16 +51,11 @@ from streams.gc_settings import settle_for_batches
 from streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
 from streams.reconciler import Handoff, start_reconciler
 from streams.sql_tail import SqlTail
-from streams.status import DEFAULT_STALE_S
 from streams.sweeper import LeaseSweeper, resume_sweeper
-from streams.worker_rows import delete_status_row, process_row, write_status_row
+from streams.worker_rows import WORKER_NAME, delete_status_row, process_row, write_status_row
 
 log = logging.getLogger("tollgate.worker")
 
-WORKER_NAME = "folds"
-# An edge calls the folds dead when the heartbeat is older than this (by default: the edge's
-# TOLLGATE_PIPELINE_STALE_S sets it).
-HEARTBEAT_STALE_S = DEFAULT_STALE_S
 # Between two steps of a pass that is behind: time for an edge's append to take the write lock.
 CATCH_UP_PAUSE_S = 0.002
 BATCH_CREATED = BatchCreated.EVENT_TYPE
@@ -491,67 +484,6 @@ class FoldWorker:
         return read
 
 
-def last_heartbeat(engine: sa.Engine, name: str) -> datetime | None:
-    """The freshest heartbeat of the processes named `name`; None if none reported."""
-    with engine.connect() as conn:
-        found = conn.execute(
-            sa.select(sa.func.max(worker_status.c.heartbeat_at)).where(
-                worker_status.c.name == name
-            )
-        ).scalar()
-    return found  # max() keeps the column's type: a UTC instant on either backend
-
-
-@dataclass(frozen=True, slots=True)
-class FoldStatus:
-    """What an edge knows of the folds, from `worker_status`."""
-
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    billing_lag: int
-    dead_letters: int
-
-
-def read_fold_status(
-    engine: sa.Engine, now: datetime, name: str = WORKER_NAME,
-    stale_s: float = HEARTBEAT_STALE_S,
-) -> FoldStatus:
-    """The folds are alive while one of their processes reported within `stale_s` (the members
-    of a consumer group take over a dead one's partitions); their problems are the live ones'.
-    A dead member among live ones is `tollgate status`'s to show, not a reason to turn this
-    edge's traffic away."""
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.select(worker_status)
-            .where(worker_status.c.name == name)
-            .order_by(worker_status.c.heartbeat_at.desc())
-        ).mappings().all()
-    if not rows:
-        return FoldStatus(("folds: no fold worker has reported yet",), (), 0, 0)
-    problems: list[str] = []
-    warnings: list[str] = []
-    live = [r for r in rows if (now - r["heartbeat_at"]).total_seconds() <= stale_s]
-    if not live:
-        age = (now - rows[0]["heartbeat_at"]).total_seconds()
-        problems.append(
-            f"folds: the fold worker (pid {rows[0]['pid']}) last reported {age:.0f} s ago"
-        )
-        live = list(rows[:1])
-    problems += [f"folds: {r['error']}" for r in live if r["error"]]
-    dead = sum(r["dead_letters"] for r in live)
-    if dead:
-        sample: dict[str, Any] = {}
-        for r in live:
-            sample.update(orjson.loads(r["dead_letter_sample"] or "{}"))
-        warnings.append(
-            f"billing: {dead} request(s) could not be billed, e.g. "
-            + "; ".join(f"{k} ({v})" for k, v in list(sample.items())[:3])
-        )
-    return FoldStatus(
-        tuple(problems), tuple(warnings), max(r["billing_lag"] for r in live), dead
-    )
-
-
 def run_worker(
     database_url: str, *, lease_ttl_s: float = LEASE_TTL_S, parent_pid: int = 0,
     metrics_port: int = 0, metrics_host: str = "127.0.0.1",
@@ -624,83 +556,3 @@ def _batch_runner(
     )
     worker.on_batch_created = runner.nudge  # idle, it polls once a second: start a new one now
     return threading.Thread(target=runner.run, args=(stop,), name="batch-runner", daemon=True)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayOutcome:
-    """What `replay_dead_letters` did: the dead letters applied now, and those still failing
-    (each with its new reason)."""
-
-    replayed: tuple[dict[str, Any], ...]
-    failed: tuple[dict[str, Any], ...]
-
-
-def replay_dead_letters(
-    engine: sa.Engine, *, fold: str | None = None,
-    runners: Sequence[ProjectionRunner] | None = None,
-) -> ReplayOutcome:  # fmt: skip
-    """`tollgate dead-letters replay`: apply every unreplayed dead letter (of `fold`, or all)
-    again through its fold's own code: a read model writes the event's rows on top of the
-    current ones (`ProjectionRunner.replay`, in the transaction that marks it replayed), billing
-    bills the request from its stored stream (`BillingFold.replay`; its deterministic bill id
-    makes a second replay a no-op). One that still fails stays, with its new reason.
-    `runners`: the read models' runners to replay through (a worker's; default: new ones)."""
-    store = SqlEventStore(engine)
-    by_name = {
-        r.name: r
-        for r in runners or [
-            ProjectionRunner(engine, store, spec)
-            for spec in PROJECTIONS
-        ]
-    }
-    billing: BillingFold | None = None
-    with engine.connect() as conn:
-        letters = dead_letters.listing(conn, fold=fold)
-    replayed: list[dict[str, Any]] = []
-    failed: list[dict[str, Any]] = []
-    for letter in letters:
-        name, event_id = letter["fold"], letter["event_id"]
-        try:
-            record = _dead_record(store, letter)
-            if name == BillingFold.name:
-                if billing is None:  # prices as recorded now: the fix may have been a price
-                    control = ControlView()
-                    ControlLog(store, control)
-                    billing = BillingFold(store, Checkpoints(engine), control, engine=engine)
-                billing.replay(record)
-                with _write(engine) as conn:
-                    dead_letters.mark_replayed(conn, name, event_id, datetime.now(UTC))
-            elif name in by_name:
-                with _write(engine) as conn:
-                    by_name[name].replay(conn, record)
-                    dead_letters.mark_replayed(conn, name, event_id, datetime.now(UTC))
-            else:
-                raise LookupError(f"no fold named {name!r}")
-        except Exception as exc:
-            if dead_letters.is_transient(exc):
-                raise  # the database's failure, not the event's: nothing is marked
-            reason = dead_letters.reason_of(exc)
-            with _write(engine) as conn:
-                dead_letters.failed_again(conn, name, event_id, reason, datetime.now(UTC))
-            failed.append({**letter, "reason": reason})
-        else:
-            replayed.append(letter)
-    return ReplayOutcome(tuple(replayed), tuple(failed))
-
-
-def _dead_record(store: SqlEventStore, letter: dict[str, Any]) -> Recorded:
-    """The stored event a dead letter names (by its position; the id is checked)."""
-    position = letter["position"]
-    found = store.read_all(position - 1, 1) if position else []
-    if not found or dead_letters.storable(found[0].event_id, 64) != letter["event_id"]:
-        raise LookupError(f"event {letter['event_id']} is not at position {position}")
-    return found[0]
-
-
-@contextmanager
-def _write(engine: sa.Engine) -> Iterator[sa.Connection]:
-    """A write transaction on a connection of its own (WRITE: SQLite's immediate one)."""
-    with engine.connect() as conn:
-        conn.execution_options(**{WRITE: True})
-        with conn.begin():
-            yield conn

@@ -403,7 +403,7 @@ def inference(world: _World, traffic: list[Planned], calls: int, runs: int) -> d
         reqs.append((caller, req, system_prompt_bucket(caller, req)))
     counted = _Counted({id(r.messages): estimator.prompt_tokens(r.messages) for _, r, _ in reqs})
     step.tokens = lambda model: counted
-    policy = world.control.routing(reqs[0][0].tenant_id)
+    policy = world.control.routing_book.routing(reqs[0][0].tenant_id)
     assert policy is not None
     on_sale = [f"{SMALL}-{VERSION}", f"{LARGE}-{VERSION}"]
     classes = [(t, c) for (t, _, c) in world.quality.classes] or [(reqs[0][0].tenant_id, "")]
@@ -423,7 +423,7 @@ def inference(world: _World, traffic: list[Planned], calls: int, runs: int) -> d
             samples["route_cpu"].append(c1 - c0)
             samples["count"].append(t2 - t1)
             tenant, cls = classes[i % len(classes)]
-            tenant_policy = world.control.routing(tenant) or policy
+            tenant_policy = world.control.routing_book.routing(tenant) or policy
             c0, t0 = cpu(), clock()
             choose(tenant_policy, on_sale, world.quality, cls, 0.5)
             t1, c1 = clock(), cpu()

@@ -69,7 +69,7 @@ def set_price(
 def describe(service: ControlService, adapter: Adapter) -> dict[str, Any]:
     view = service.view
     now = adapter.revoked_at or adapter.registered_at
-    own_price = view._prices.get(adapter.price_key)
+    own_price = view.prices.ever_priced(adapter.price_key)
     return {
         "tenant": adapter.tenant_id,
         "name": adapter.name,

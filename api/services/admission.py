@@ -1,11 +1,12 @@
 """Admission, as the one service the edge asks: `admit` answers `Admitted` (the request's flight
 and the commands that record its admission) or `Refused` (the error the client gets, already
-recorded). Quota and hierarchy budgets (`domain.admission` over `domain.views.AdmissionViews`),
-runs, the router (`RoutingStep`, api/services/routing_step.py), capacity (`Fleet.choose`,
-`domain.capacity`), fallbacks to consented models and flex preemption are its steps, applied in
-that order; each rule is a pure decision in `domain/`
-(`domain.admission_steps` beside the quota's). `settle` gives an ended request's reservations
-back, `void` one whose admission was not recorded (both in `settlement.py`).
+recorded). Runs (`RunSteps`, run_steps.py), the router (`RoutingStep`, routing_step.py), quota
+and hierarchy budgets (`QuotaStep`, quota_step.py: `domain.admission` over
+`domain.views.AdmissionViews`), capacity (`Fleet.choose`, `domain.capacity`), fallbacks to
+consented models (`FallbackStep`, fallback_step.py) and flex preemption are its steps, applied
+in that order; each rule is a pure decision in `domain/` (`domain.admission_steps` beside the
+quota's). `settle` gives an ended request's reservations back, `void` one whose admission was
+not recorded (both in `settlement.py`).
 
 Nothing here waits on anything remote: the views are local and the fleet's is the last scrape.
 """
@@ -26,8 +27,9 @@ from api.services import refusal_errors
 from api.services.adapter_steps import LoraRequest, lora_request
 from api.services.auth import Caller
 from api.services.chat_request import ChatRequest
-from api.services.end_user_step import end_user_path
 from api.services.errors import ApiError
+from api.services.fallback_step import FallbackStep
+from api.services.quota_step import QuotaStep
 from api.services.recorder import Flight, Recorder
 from api.services.retention import RETENTION_HEADER
 from api.services.routing_step import Routing, RoutingStep, request_task_class
@@ -35,19 +37,13 @@ from api.services.run_steps import RunSteps
 from api.services.settlement import Settlement
 from domain import admission
 from domain.admission import AdmissionPolicy
-from domain.admission_steps import (
-    capacity_detail,
-    fallback_models,
-    kv_tokens,
-    may_fall_back,
-)
+from domain.admission_steps import kv_tokens
 from domain.capacity import AdapterRef, Choice, Refusal, UnknownModel
-from domain.control_plane.adapters import adapter_tpot_us
 from domain.control_plane.data_policy import ZERO
 from domain.control_plane.state import ControlView
-from domain.cost import Estimate, base_model, tpot_estimate_us
+from domain.cost import Estimate, base_model
 from domain.feedback import ImplicitSignals
-from domain.prediction import SYSTEM_PROMPT_BUCKETS, Prediction, RequestShape
+from domain.prediction import SYSTEM_PROMPT_BUCKETS, RequestShape
 from domain.requests.decide import (
     AdmitRequest,
     AskToPreempt,
@@ -55,7 +51,6 @@ from domain.requests.decide import (
     CompleteRequest,
     RouteRequest,
 )
-from domain.residency import refusal_detail
 from domain.routing import AUTO, QualityView
 from domain.runs.state import Run
 from domain.views import AdmissionViews
@@ -73,7 +68,6 @@ Reject = Callable[[str, Caller, str, str, int, str, bool], None]
 Preempt = Callable[[tuple[str, ...], str], None]
 
 _Routed = Choice[Replica] | Refusal | UnknownModel
-_Decision = admission.Admitted | admission.Rejected
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +111,12 @@ class Admission:
         self.views = views
         self.fleet = fleet
         self.metrics = metrics
-        self.tokens = tokens
         self.recorder = recorder
         self.reject = reject
         self.preempt = preempt
         self.edge_id = edge_id
         self.rng = rng
         self.clock = clock
-        self.policy = policy
-        self.tpot_target_us = tpot_target_us
         # The router's step; `quality` is the tenants' feedback folded (ledger/quality.py keeps
         # it current), `signals` what this edge remembers for the implicit feedback.
         self.router = RoutingStep(
@@ -134,6 +125,16 @@ class Admission:
             rng=rng, clock=clock, signals=signals,
         )  # fmt: skip
         self.runs = RunSteps(control=control, views=views, recorder=recorder, clock=clock)
+        self.quota = QuotaStep(
+            control=control, views=views, fleet=fleet, metrics=metrics, tokens=tokens,
+            edge_id=edge_id, rng=rng, clock=clock, policy=policy, predictor=predictor,
+            tpot_target_us=tpot_target_us,
+        )
+        self.fallbacks = FallbackStep(
+            control=control, views=views, quota=self.quota, route=self._route,
+            router=self.router, resolve=self.resolve_model, reject=reject, metrics=metrics,
+            rng=rng, policy=policy,
+        )
         self.settlement = Settlement(
             control=control, views=views, fleet=fleet, predictor=predictor, clock=clock
         )
@@ -146,7 +147,7 @@ class Admission:
 
     @predictor.setter
     def predictor(self, predictor: OutputPredictor | None) -> None:
-        self.settlement.predictor = predictor
+        self.settlement.predictor = self.quota.predictor = predictor
 
     # --- the models on sale --------------------------------------------------------------------
 
@@ -178,17 +179,11 @@ class Admission:
         idempotency_key: str | None, is_retry: bool, headers: dict[str, str],
         run_id: str | None = None, trace: RequestTrace | None = None,
     ) -> Admitted | Refused:  # fmt: skip
-        """Quota, then capacity: an admitted request's flight and the commands that record its
-        admission, or the refusal as the client will see it (and recorded). `headers` (the
-        response's) get the rate limits, and the model a request was downgraded from.
-
-        When no replica of the model can take the request and the tenant consented to another
-        model (`tollgate fallbacks allow`), that one is tried, under its own quota; without
-        consent no other model is ever served.
-
-        A tenant pinned to regions (`tollgate residency set`) is routed only there, the
-        fallback included, and refused `region_unavailable` when they have no room; a
-        zero-retention one's responses say so (`X-Tollgate-Retention: zero`)."""
+        """Runs, the router, quota, capacity, then fallbacks (`FallbackStep`: only to a model
+        its tenant consented to): the flight and the commands that record its admission, or the
+        refusal as the client will see it (and recorded). `headers` (the response's) get the
+        rate limits, where a request was routed or downgraded from, and a zero-retention
+        tenant's `X-Tollgate-Retention: zero`. A pinned tenant is served only in its regions."""
         regions = self.control.regions(caller.tenant_id, caller.key_id)
         retention = self.control.retention(caller.tenant_id, caller.key_id)
         if retention == ZERO:
@@ -204,9 +199,8 @@ class Admission:
         routing = self.router.route(caller, req, model, request_id, is_retry, bucket, run)
         if isinstance(routing, ApiError):
             return Refused(routing)
-        if routing is not None:
-            model = routing.routed.served_model
-        decision, shape = self._reserve(
+        model = model if routing is None else routing.routed.served_model
+        decision, shape = self.quota.reserve(
             caller, req, model, request_id, is_retry, bucket, run,
             counted=None if routing is None else routing.counted,
             lora_rank=lora and lora.adapter.rank,
@@ -215,14 +209,7 @@ class Admission:
             trace.quota_decided(decision)
         headers.update(refusal_errors.rate_limit_headers(decision.rate_limits))
         if isinstance(decision, admission.Rejected):
-            self.reject(
-                request_id, caller, model, decision.reason, decision.retry_after_s,
-                decision.detail, is_retry,
-            )
-            exhausted = decision.reason == "run_budget" and run is not None
-            if exhausted and self.runs.exhausted(run, decision.dimension or "", request_id):
-                self.router.run_exhausted(run)
-            return Refused(refusal_errors.refusal(decision, headers))
+            return self._quota_refused(caller, model, request_id, is_retry, run, decision, headers)
         choice = self._route(
             model, caller.tier, decision.estimate, req.service_tier, request_id, trace, regions,
             lora and lora.ref,
@@ -235,53 +222,32 @@ class Admission:
                 shape, choice, model, routing=routing, retention=retention,
                 adapter=lora.adapter.name if lora else "",
             )  # fmt: skip
-        if not may_fall_back(req.service_tier):
-            if regions is None:
-                return self._flex_refused(caller, model, request_id, is_retry, headers, choice)
-            # A pinned tenant's flex refusal says, like its other ones, that its regions had
-            # no room: what it must know is that nothing ran elsewhere.
-            self.metrics.flex_of(model, caller.tier, "refused").inc()
-        self.views.void(request_id)
-        return self._no_room(
-            caller, req, model, request_id, idempotency_key, is_retry, headers, bucket, run,
-            trace, routing, capacity_detail(choice), regions, retention,
-            lora.adapter.name if lora else model,
+        other = self.fallbacks.no_room(
+            caller, req, model, request_id, is_retry, headers, bucket, run, trace, routing,
+            choice, regions, lora.adapter.name if lora else model,
+        )  # fmt: skip
+        if isinstance(other, ApiError):
+            return Refused(other)
+        return self._admitted(
+            caller, req, request_id, idempotency_key, is_retry, bucket, run, other.decision,
+            other.shape, other.choice, other.served, downgraded_from=other.downgraded_from,
+            reason=other.reason, routing=other.routing, retention=retention,
         )  # fmt: skip
 
-    def _no_room(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str,
-        idempotency_key: str | None, is_retry: bool, headers: dict[str, str], bucket: int,
-        run: Run | None, trace: RequestTrace | None, routing: Routing | None, reason: str,
-        regions: frozenset[str] | None, retention: str, asked: str,
-    ) -> Admitted | Refused:  # fmt: skip
-        """No replica of `model` takes the request: a routed one sheds to its reference model
-        (per policy); another goes to a model the tenant consented to (`tollgate fallbacks
-        allow`) from `asked` (an adapter's name: its base model without the adapter is another
-        model), else it is the capacity refusal (`region_unavailable` for a pinned tenant)."""
-        if routing is not None:
-            return self._shed(
-                caller, req, request_id, idempotency_key, is_retry, headers, bucket, run, trace,
-                routing, reason, regions, retention,
-            )  # fmt: skip
-        fallback = None if not may_fall_back(req.service_tier) else self._fall_back(
-            caller, req, asked, request_id, is_retry, headers, bucket, run, trace, regions=regions
+    def _quota_refused(
+        self, caller: Caller, model: str, request_id: str, is_retry: bool, run: Run | None,
+        decision: admission.Rejected, headers: dict[str, str],
+    ) -> Refused:  # fmt: skip
+        """Refused by quota or a budget, and recorded; a run's budget exhausted is recorded on
+        the first refusal of its dimension (and the router told, for its implicit feedback)."""
+        self.reject(
+            request_id, caller, model, decision.reason, decision.retry_after_s, decision.detail,
+            is_retry,
         )  # fmt: skip
-        if fallback is None:
-            retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-            detail = refusal_detail(reason, regions)
-            self.reject(request_id, caller, model, "capacity", retry_after, detail, is_retry)
-            if regions is not None:
-                return Refused(
-                    refusal_errors.region_unavailable(model, regions, retry_after, headers)
-                )
-            return Refused(
-                refusal_errors.no_capacity(model, caller.tier, reason, retry_after, headers)
-            )
-        served, decision, shape, choice = fallback
-        return self._admitted(
-            caller, req, request_id, idempotency_key, is_retry, bucket, run, decision, shape,
-            choice, served, downgraded_from=asked, reason=reason, retention=retention,
-        )  # fmt: skip
+        exhausted = decision.reason == "run_budget" and run is not None
+        if exhausted and self.runs.exhausted(run, decision.dimension or "", request_id):
+            self.router.run_exhausted(run)
+        return Refused(refusal_errors.refusal(decision, headers))
 
     def _unknown(self, caller: Caller, model: str, request_id: str, is_retry: bool) -> Refused:
         """The answer a model that does not exist gets (the edge's own, for a name it could
@@ -291,54 +257,6 @@ class Admission:
             404, f"The model `{model}` does not exist or you do not have access to it.",
             param="model", code="model_not_found",
         ))  # fmt: skip
-
-    def _flex_refused(
-        self, caller: Caller, model: str, request_id: str, is_retry: bool,
-        headers: dict[str, str], refused: Refusal | UnknownModel,
-    ) -> Refused:  # fmt: skip
-        """Flex takes idle capacity or nothing: no other model, and the refusal is OpenAI's
-        flex 429 (not billed), recorded as a capacity refusal like any other."""
-        self.views.void(request_id)
-        reason = capacity_detail(refused)
-        retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-        self.metrics.flex_of(model, caller.tier, "refused").inc()
-        self.reject(request_id, caller, model, "capacity", retry_after, reason, is_retry)
-        return Refused(refusal_errors.flex_unavailable(model, reason, retry_after, headers))
-
-    def _fall_back(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
-        headers: dict[str, str], bucket: int, run: Run | None, trace: RequestTrace | None,
-        alternatives: list[str] | None = None,
-        regions: frozenset[str] | None = None,
-    ) -> tuple[str, admission.Admitted, RequestShape | None, Choice[Replica]] | None:
-        """The first consented model whose own quota admits the request and that a replica
-        takes: (that model, its quota decision, the predictor's question, the replica).
-        `alternatives`: those models instead of the consented fallbacks (the router's shedding:
-        not a downgrade)."""
-        downgrade = alternatives is None
-        if alternatives is None:
-            consented = (
-                self.resolve_model(m) for m in self.control.fallbacks(caller.tenant_id, model)
-            )
-            alternatives = fallback_models(model, consented)
-        for alternative in alternatives:
-            self.views.withdraw(request_id)
-            other, shape = self._reserve(
-                caller, req, alternative, request_id, is_retry, bucket, run
-            )
-            if isinstance(other, admission.Rejected):
-                continue  # its own quota is spent: the next consented model, or a 503
-            choice = self._route(
-                alternative, caller.tier, other.estimate, "default", request_id, trace, regions
-            )
-            if isinstance(choice, Choice):
-                headers.update(refusal_errors.rate_limit_headers(other.rate_limits))
-                if downgrade:
-                    headers["X-Tollgate-Downgraded-From"] = model
-                    self.metrics.downgraded.labels(model, alternative).inc()
-                return alternative, other, shape, choice
-            self.views.void(request_id)
-        return None
 
     def _admitted(
         self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
@@ -394,97 +312,6 @@ class Admission:
                 occupancy_ppm=choice.occupancy_ppm, region=choice.region,
             ),
         ))  # fmt: skip
-
-    def _shed(
-        self, caller: Caller, req: ChatRequest, request_id: str, idempotency_key: str | None,
-        is_retry: bool, headers: dict[str, str], bucket: int, run: Run | None,
-        trace: RequestTrace | None, routing: Routing, reason: str,
-        regions: frozenset[str] | None, retention: str,
-    ) -> Admitted | Refused:  # fmt: skip
-        """The routed model had no room: the reference model serves it, through its own quota
-        and capacity like any request (in the tenant's regions), when the policy says so
-        (`on_capacity` "asked"); else, or when it has no room either, the capacity refusal any
-        request gets."""
-        served, reference = routing.routed.served_model, routing.routed.reference_model
-        if routing.policy.on_capacity == "asked" and served != reference:
-            shed = self._fall_back(
-                caller, req, served, request_id, is_retry, headers, bucket, run, trace,
-                alternatives=[reference], regions=regions,
-            )  # fmt: skip
-            if shed is not None:
-                model, decision, shape, replica = shed
-                routing = self.router.shed(routing, caller.tenant_id)
-                self.router.label(headers, routing)
-                return self._admitted(
-                    caller, req, request_id, idempotency_key, is_retry, bucket, run, decision,
-                    shape, replica, model, routing=routing, retention=retention,
-                )  # fmt: skip
-        retry_after = self.policy.backoff.retry_after_s(self.rng.random())
-        detail = refusal_detail(reason, regions)
-        self.reject(request_id, caller, served, "capacity", retry_after, detail, is_retry)
-        if regions is not None:
-            return Refused(refusal_errors.region_unavailable(served, regions, retry_after, headers))
-        refused = refusal_errors.no_capacity(served, caller.tier, reason, retry_after, headers)
-        return Refused(refused)
-
-    # --- quota ---------------------------------------------------------------------------------
-
-    def _reserve(
-        self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,
-        system_prompt_bucket: int, run: Run | None = None,
-        counted: tuple[TokenEstimator, int] | None = None, lora_rank: int | None = None,
-    ) -> tuple[_Decision, RequestShape | None]:
-        """The quota decision for serving `req` with `model` (charged to the views if
-        admitted), and what the output predictor was asked about it. `counted`: the prompt
-        already counted (by the router), taken when `model`'s estimator is the one that did.
-        `lora_rank`: served through an adapter of that rank, whose matrices stretch each decode
-        step (`adapter_tpot_us`): the base model's KV is held that much longer."""
-        measured = self.fleet.tpot_p95(model)
-        limits = self.control.limits(caller.tenant_id, model)
-        estimator = self.tokens(model)
-        prompt_tokens = (
-            counted[1] if counted is not None and counted[0] is estimator
-            else estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
-        )  # fmt: skip
-        now = self.clock()
-        shape = predicted = None
-        if self.predictor is not None:
-            shape = RequestShape(
-                caller.tenant_id, caller.key_id, model, prompt_tokens,
-                admission.output_cap(req.max_tokens, limits), len(req.messages),
-                system_prompt_bucket, now,
-            )
-            answer = self.predictor.predict(shape)
-            if isinstance(answer, Prediction):
-                predicted = answer
-            self.metrics.count_prediction(caller.tenant_id, None if predicted else str(answer))
-        cmd = admission.ReserveQuota(
-                request_id=request_id,
-                tenant_id=caller.tenant_id,
-                key_id=caller.key_id,
-                model=model,
-                tier=caller.tier,
-                edge_id=self.edge_id,
-                prompt_tokens=prompt_tokens,
-                max_tokens=req.max_tokens,
-                min_tokens=req.upstream.get("min_tokens"),
-                kv_bytes_per_token=self.control.model_profile(model).kv_bytes_per_token,
-                tpot_us=adapter_tpot_us(tpot_estimate_us(
-                    measured.p95_us if measured else None,
-                    measured.age_s if measured else None,
-                    self.tpot_target_us,
-                ), lora_rank or 0),
-                now=now,
-                jitter=self.rng.random(),
-                is_retry=is_retry,
-                predicted_output_tokens=predicted.output_tokens if predicted else None,
-                predictor_version=predicted.model_version if predicted else "",
-                context_tokens=self.fleet.context_tokens(model),
-        )  # fmt: skip
-        path = self.control.hierarchy.policy(caller.tenant_id, caller.key_id, model, now, run)
-        path = end_user_path(self.control, self.views, path, model, req)
-        price = lambda: self.control.price(model, now)  # noqa: E731 - only on a path
-        return self.views.charge(cmd, limits, path, price, self.policy), shape
 
     # --- capacity ------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ class Routing:
     policy: RoutingPolicy
     asked: str  # "auto", or the reference model the request named
     # The prompt as counted for the task class, and by which estimator: admission counts it
-    # once (`Admission._reserve` takes it when the served model's estimator is the same one).
+    # once (`QuotaStep.reserve` takes it when the served model's estimator is the same one).
     counted: tuple[TokenEstimator, int] | None = None
 
     def event(self, request_id: str) -> RequestModelRouted:
@@ -84,7 +84,7 @@ class RoutingStep:
 
     def policy(self, caller: Caller) -> RoutingPolicy | None:
         project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
-        return self.control.routing(caller.tenant_id, project)
+        return self.control.routing_book.routing(caller.tenant_id, project)
 
     def route(
         self, caller: Caller, req: ChatRequest, model: str, request_id: str, is_retry: bool,

@@ -47,7 +47,7 @@ class RunSteps:
 
     def exhausted(self, run: Run, dimension: str, request_id: str) -> bool:
         """Record RunBudgetExhausted on the first refusal of `dimension` only (True then)."""
-        if not self.views.paths.mark_exhausted(run.tenant_id, run.run_id, dimension):
+        if not self.views.paths.runs.mark_exhausted(run.tenant_id, run.run_id, dimension):
             return False
         event = RunBudgetExhausted(run.tenant_id, run.run_id, dimension, request_id)
         self.recorder.fact(run_stream(run.tenant_id, run.run_id), run.tenant_id, event, None)

@@ -92,7 +92,7 @@ class RunService:
 
     def show(self, caller: Caller, run_id: str) -> dict[str, Any]:
         run = self._known(caller, run_id)
-        usage = self.paths.run_usage(caller.tenant_id, run_id)
+        usage = self.paths.runs.usage(caller.tenant_id, run_id)
         limits = run.limits
         status = "ended" if run.ended_at else ("exhausted" if usage.exhausted else "active")
         billed_in = limits.currency if limits.max_cost_micros is not None else (
@@ -150,7 +150,7 @@ class RunService:
         run = self._tree.run(caller.tenant_id, run_id)
         if run is not None:
             return run
-        started = self.paths.started_run(caller.tenant_id, run_id)
+        started = self.paths.runs.started(caller.tenant_id, run_id)
         if started is None:
             raise ApiError(404, f"no run {run_id!r}", param="run_id", code="not_found")
         return self._tree.in_force(started)

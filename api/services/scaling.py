@@ -70,8 +70,8 @@ class ScalingLoop:
             scaler = self.scalers.setdefault(model, Autoscaler(self.policy))
             terms = scaler.observe(sample)
             out[model] = terms
-            self.metrics.desired_replicas.labels(model).set(terms.desired_replicas)
-            self.metrics.fleet_replicas.labels(model).set(sample.replicas)
+            self.metrics.fleet.desired_replicas.labels(model).set(terms.desired_replicas)
+            self.metrics.fleet.fleet_replicas.labels(model).set(sample.replicas)
             if self.actuator is not None:
                 await self._act(model, terms.desired_replicas)
         return out

@@ -383,14 +383,13 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
                 raise DomainError(
                     "same_model", "a fallback is to another model", field="to_model"
                 )
-            given = view._fallbacks.get((command.tenant_id, command.from_model), [])
-            if command.to_model in given:
+            if command.to_model in view.fallback_book.given(command.tenant_id, command.from_model):
                 return ()
             return (FallbackAllowed(command.tenant_id, command.from_model, command.to_model),)
         case RevokeFallback():
             view._tenant_or_error(command.tenant_id)
-            if command.to_model not in view._fallbacks.get(
-                (command.tenant_id, command.from_model), []
+            if command.to_model not in view.fallback_book.given(
+                command.tenant_id, command.from_model
             ):
                 return ()
             return (FallbackRevoked(command.tenant_id, command.from_model, command.to_model),)
@@ -398,7 +397,7 @@ def decide_control(view: ControlView, command: ControlCommand) -> tuple[Event, .
         return _decide_routing(view, command)
     if isinstance(command, RevokeRouting):
         view._tenant_or_error(command.tenant_id)
-        if (command.tenant_id, command.project_id) not in view._routing:
+        if view.routing_book.own(command.tenant_id, command.project_id) is None:
             return ()
         return (RoutingRevoked(command.tenant_id, command.project_id),)
     if isinstance(command, DATA_POLICY_COMMANDS):
@@ -433,8 +432,8 @@ def _decide_adapter(view: ControlView, command: AdapterCommand) -> tuple[Event, 
         view.model_profile(command.base_model)
     except DomainError as exc:
         raise DomainError(exc.rule, exc.message, field="base") from None
-    catalogue = (view._profiles, view._prices, PROFILES)
-    if any(n in names for n in (command.name, base_model(command.name)) for names in catalogue):
+    names = (command.name, base_model(command.name))
+    if any(n in view._profiles or view.prices.ever_priced(n) or n in PROFILES for n in names):
         raise DomainError(
             "name_taken", f"{command.name!r} is a model's name; give the adapter its own",
             field="name",
@@ -478,7 +477,7 @@ def _decide_routing(view: ControlView, command: AllowRouting) -> tuple[Event, ..
         command.tenant_id, command.project_id, tuple(models), command.quality_bar_ppm,
         command.exploration_ppm, command.on_capacity, command.route_reference,
     )  # fmt: skip
-    current = view._routing.get((command.tenant_id, command.project_id))
+    current = view.routing_book.own(command.tenant_id, command.project_id)
     same = current is not None and (
         current.models, current.quality_bar_ppm, current.exploration_ppm, current.on_capacity,
         current.route_reference,
@@ -502,7 +501,7 @@ def _check_priced_currency(view: ControlView, command: HierarchyCommand) -> None
             currency = command.limits.currency
         case _:
             return
-    priced = view.price_currencies()
+    priced = view.prices.currencies()
     if priced and currency not in priced:
         raise DomainError(
             "unpriced_currency",

@@ -11,33 +11,34 @@ import bisect
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Final, TypeVar
+from typing import Final
 
 from domain.audit.events import ChangeAudited
 from domain.control_plane.adapters import ADAPTER_EVENTS, Adapter, AdapterBook
+from domain.control_plane.consents import (
+    CONSENT_EVENTS,
+    FALLBACK_EVENTS,
+    ROUTING_EVENTS,
+    FallbackBook,
+    RoutingBook,
+)
 from domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
 from domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
-    FallbackAllowed,
-    FallbackRevoked,
-    FlexDiscountSet,
     LimitsSet,
     ModelProfileRegistered,
     PlanChanged,
-    PriceSet,
     ReplicaRegistered,
-    RoutingAllowed,
-    RoutingRevoked,
     SloSet,
     TenantRegistered,
 )
+from domain.control_plane.prices import PRICE_EVENTS, PriceBook, insort
 from domain.cost import PROFILES, ModelProfile, Price, base_model
 from domain.envelope import Event, Recorded
 from domain.errors import DomainError
 from domain.goodput import DEFAULT_SLOS, Slo
 from domain.governance.state import HIERARCHY_EVENTS, Hierarchy
-from domain.routing import RoutingPolicy
 from domain.types import TIERS
 
 
@@ -143,10 +144,9 @@ class _Dated:
 # match: a fold worker hands this view every record of the log, and a request's event went
 # through every case first (a test holds this set equal to the cases).
 CONTROL_EVENTS: Final[frozenset[type[Event]]] = frozenset({
-    TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, PriceSet,
-    FlexDiscountSet, ReplicaRegistered, ModelProfileRegistered, SloSet, FallbackAllowed,
-    FallbackRevoked, RoutingAllowed, RoutingRevoked, ChangeAudited, *HIERARCHY_EVENTS,
-    *DATA_POLICY_EVENTS, *ADAPTER_EVENTS,
+    TenantRegistered, PlanChanged, LimitsSet, ApiKeyIssued, ApiKeyRevoked, *PRICE_EVENTS,
+    ReplicaRegistered, ModelProfileRegistered, SloSet, ChangeAudited,
+    *HIERARCHY_EVENTS, *DATA_POLICY_EVENTS, *ADAPTER_EVENTS, *CONSENT_EVENTS,
 })  # fmt: skip
 
 
@@ -159,15 +159,11 @@ class ControlView:
         self._overrides: dict[tuple[str, str], list[_Dated]] = {}
         self._keys: dict[str, ApiKey] = {}
         self._key_ids_by_hash: dict[str, str] = {}
-        self._prices: dict[str, list[tuple[datetime, int, Price]]] = {}
-        self._flex_discounts: dict[str, list[tuple[datetime, int, int]]] = {}
+        # Prices and flex discounts (domain/control_plane/prices.py).
+        self.prices = PriceBook()
         self._replicas: dict[str, ReplicaRegistered] = {}
         self._profiles: dict[str, list[tuple[datetime, int, ModelProfile]]] = {}
         self._slos: dict[str, list[tuple[datetime, int, Slo]]] = {}
-        # (tenant, requested model) -> models consented to, in the order consent was given
-        self._fallbacks: dict[tuple[str, str], list[str]] = {}
-        # (tenant, project or "") -> its consent to the router
-        self._routing: dict[tuple[str, str], RoutingPolicy] = {}
         self._current: dict[tuple[str, str], Limits] = {}
         # Workspaces, projects, the keys' places, level limits, budgets and runs.
         self.hierarchy = Hierarchy()
@@ -175,6 +171,9 @@ class ControlView:
         self.data_policy = DataPolicy()
         # The tenants' LoRA adapters (domain/control_plane/adapters.py).
         self.adapters = AdapterBook()
+        # The tenants' consents to fallbacks and to the router (domain/control_plane/consents.py).
+        self.fallback_book = FallbackBook()
+        self.routing_book = RoutingBook()
         self._seen: set[str] = set()
         self._versions: dict[str, int] = {}
         self._seq = 0
@@ -208,7 +207,7 @@ class ControlView:
             self._versions[stream] = recorded.stream_version
 
     def _fold_tenancy(self, event: Event, at: datetime, seq: int) -> bool:
-        """Tenants, their plans, limits, keys and consented fallbacks; False: not one of these."""
+        """Tenants, their plans, limits and keys; False: not one of these."""
         match event:
             case TenantRegistered():
                 self._tenants[event.tenant_id] = Tenant(
@@ -224,7 +223,7 @@ class ControlView:
                     tenant.cache_salt,
                     tenant.registered_at,
                 )
-                _insort(self._plans[event.tenant_id], (at, seq, event.plan))
+                insort(self._plans[event.tenant_id], (at, seq, event.plan))
             case LimitsSet():
                 values = {
                     name: value
@@ -250,29 +249,18 @@ class ControlView:
                         revoked=True,
                         revoked_at=at,
                     )
-            case FallbackAllowed():
-                allowed = self._fallbacks.setdefault((event.tenant_id, event.from_model), [])
-                if event.to_model not in allowed:
-                    allowed.append(event.to_model)
-            case FallbackRevoked():
-                allowed = self._fallbacks.get((event.tenant_id, event.from_model), [])
-                if event.to_model in allowed:
-                    allowed.remove(event.to_model)
             case _:
                 return False
         return True
 
     def _fold_policies(self, event: Event, at: datetime) -> bool:
-        """The tenants' consents, pins and adapters (the router's, residency, retention, LoRA
-        adapters) and the audit trail's records; False: none of these."""
+        """The tenants' consents, pins and adapters (fallbacks, the router's, residency,
+        retention, LoRA adapters) and the audit trail's records; False: none of these."""
         match event:
-            case RoutingAllowed():
-                self._routing[(event.tenant_id, event.project_id)] = RoutingPolicy(
-                    event.tenant_id, event.project_id, event.models, event.quality_bar_ppm,
-                    event.exploration_ppm, event.on_capacity, at, event.route_reference,
-                )  # fmt: skip
-            case RoutingRevoked():
-                self._routing.pop((event.tenant_id, event.project_id), None)
+            case _ if isinstance(event, FALLBACK_EVENTS):
+                self.fallback_book.apply(event)
+            case _ if isinstance(event, ROUTING_EVENTS):
+                self.routing_book.apply(event, at)
             case _ if isinstance(event, DATA_POLICY_EVENTS):
                 self.data_policy.apply(event)
             case ChangeAudited():
@@ -286,33 +274,19 @@ class ControlView:
     def _fold_catalogue(self, event: Event, at: datetime, seq: int) -> bool:
         """Prices, flex discounts, replicas, model profiles, objectives; False: none of these."""
         match event:
-            case PriceSet():
-                price = Price(
-                    event.model,
-                    event.prompt_micros_per_mtok,
-                    event.completion_micros_per_mtok,
-                    event.cached_micros_per_mtok,
-                    event.currency,
-                )
-                # A price is never in force before it was recorded: a back-dated PriceSet must not
-                # re-price requests that already ran (and may already be billed).
-                effective = max(event.effective_at, at)
-                _insort(self._prices.setdefault(event.model, []), (effective, seq, price))
-            case FlexDiscountSet():
-                effective = max(event.effective_at, at)  # never before it was recorded
-                discounts = self._flex_discounts.setdefault(event.model, [])
-                _insort(discounts, (effective, seq, event.discount_ppm))
+            case _ if isinstance(event, PRICE_EVENTS):
+                self.prices.apply(event, at, seq)
             case ReplicaRegistered():
                 self._replicas[event.replica_id] = event
             case ModelProfileRegistered():
                 profile = _profile_of(event)
                 # Like a price, never in force before it was recorded.
                 effective = max(event.effective_at, at)
-                _insort(self._profiles.setdefault(event.model, []), (effective, seq, profile))
+                insort(self._profiles.setdefault(event.model, []), (effective, seq, profile))
             case SloSet():
                 slo = Slo(event.ttft_ms, event.tpot_us)
                 effective = max(event.effective_at, at)
-                _insort(self._slos.setdefault(event.tier, []), (effective, seq, slo))
+                insort(self._slos.setdefault(event.tier, []), (effective, seq, slo))
             case _:
                 return False
         return True
@@ -385,31 +359,8 @@ class ControlView:
     def price(
         self, model: str, at: datetime, service_tier: str = "default", adapter: str = ""
     ) -> Price:
-        """The price in force for a model (exact version first, else its base name) at `at`;
-        for the flex class, that price less the flex discount in force at `at`. `adapter` (a
-        LoRA adapter's price key, `Adapter.price_key`): its own price first, where one was set."""
-        for name in (adapter, model, base_model(model)) if adapter else (model, base_model(model)):
-            found = _in_force(self._prices.get(name), at)
-            if found is not None:
-                if service_tier == "flex":
-                    return flex_price(found, self.flex_discount_ppm(model, at))
-                return found
-        raise DomainError("no_price", f"no price for {model!r} in force at {at}", field="model")
-
-    def flex_discount_ppm(self, model: str, at: datetime) -> int:
-        """The flex discount in force for a model at `at` (exact version first, else its base
-        name), in ppm of its price; OpenAI's 50 % where none was ever set."""
-        for name in (model, base_model(model)):
-            found = _in_force(self._flex_discounts.get(name), at)
-            if found is not None:
-                return found
-        return DEFAULT_FLEX_DISCOUNT_PPM
-
-    def price_currencies(self) -> frozenset[str]:
-        """Every currency a price was ever set in (ISO 4217 codes)."""
-        return frozenset(
-            price.currency for history in self._prices.values() for _, _, price in history
-        )
+        """The price in force (`PriceBook.price`)."""
+        return self.prices.price(model, at, service_tier, adapter)
 
     def has_price(self, model: str, at: datetime) -> bool:
         try:
@@ -455,26 +406,6 @@ class ControlView:
                 return history[index - 1][2]
         return DEFAULT_SLOS.get(tier, DEFAULT_SLOS["standard"])
 
-    def fallbacks(self, tenant_id: str, model: str) -> tuple[str, ...]:
-        """The models a tenant consented to be served instead of `model` (a version, or its
-        base name), in the order it consented."""
-        base = base_model(model)
-        exact = self._fallbacks.get((tenant_id, model), [])
-        wider = self._fallbacks.get((tenant_id, base), []) if base != model else []
-        return tuple(dict.fromkeys([*exact, *wider]))
-
-    def routing(self, tenant_id: str, project_id: str | None = None) -> RoutingPolicy | None:
-        """The router consent in force for a request of `project_id` (None: the organization's
-        key): the project's own, else the organization's, else None (nothing is routed)."""
-        if project_id:
-            own = self._routing.get((tenant_id, project_id))
-            if own is not None:
-                return own
-        return self._routing.get((tenant_id, ""))
-
-    def routing_policies(self, tenant_id: str) -> list[RoutingPolicy]:
-        return [p for (t, _), p in self._routing.items() if t == tenant_id]
-
     def regions(self, tenant_id: str, key_id: str) -> frozenset[str] | None:
         """The regions a key's requests may be served in (its tenant's pin narrowed by its
         project's); None: anywhere."""
@@ -502,9 +433,6 @@ class ControlView:
         return tenant
 
 
-_T = TypeVar("_T")
-
-
 def _profile_of(event: ModelProfileRegistered) -> ModelProfile:
     # The view keeps a profile's own max_model_len default when the event leaves it to the
     # replica: the replica's /v1/models, when it reports one, is what limits a request.
@@ -519,34 +447,3 @@ def _profile_of(event: ModelProfileRegistered) -> ModelProfile:
         rope_dim=event.rope_dim,
         **({} if event.max_model_len is None else {"max_model_len": event.max_model_len}),
     )
-
-
-def _in_force(history: list[tuple[datetime, int, _T]] | None, at: datetime) -> _T | None:
-    if not history:
-        return None
-    index = bisect.bisect_right(history, at, key=lambda entry: entry[0])
-    return history[index - 1][2] if index else None
-
-
-# The flex class's discount where a model has no FlexDiscountSet: OpenAI's flex and Batch price.
-DEFAULT_FLEX_DISCOUNT_PPM: Final = 500_000
-
-
-def flex_price(price: Price, discount_ppm: int) -> Price:
-    """`price` less `discount_ppm` of it, each rate rounded half up to a whole micro-unit."""
-
-    def off(micros: int) -> int:
-        return (micros * (1_000_000 - discount_ppm) + 500_000) // 1_000_000
-
-    return Price(
-        price.model,
-        off(price.prompt_micros_per_mtok),
-        off(price.completion_micros_per_mtok),
-        off(price.cached_micros_per_mtok),
-        price.currency,
-    )
-
-
-def _insort(history: list[tuple[datetime, int, _T]], entry: tuple[datetime, int, _T]) -> None:
-    # Ordered by (instant, seq), which is unique, so the payload is never compared.
-    bisect.insort(history, entry, key=lambda e: (e[0], e[1]))

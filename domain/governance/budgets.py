@@ -22,13 +22,13 @@ first instant.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 
 from domain.backoff import BackoffPolicy
 from domain.cost import GIB
 from domain.envelope import Recorded
 from domain.governance.end_users import END_USER, EndUserRoster, end_user_level_id
+from domain.governance.run_book import RunBook, RunUsage
 from domain.governance.state import PathPlan, PathPolicy
 from domain.requests.events import (
     BudgetReserved,
@@ -43,7 +43,6 @@ from domain.requests.events import (
     UsageBilled,
 )
 from domain.reservations import TOMBSTONE_TTL_S, Bucket, Hold, Reservations
-from domain.runs.state import Run
 
 __all__ = ["PathState", "PathView", "RatesFor", "RunUsage", "SpendEntry"]
 
@@ -52,25 +51,6 @@ RatesFor = Callable[[str, str, str, str], tuple[int | None, int | None]]
 
 _LevelKey = tuple[str, str, str]  # (tenant, level kind, level id)
 _RateKey = tuple[_LevelKey, str]  # (level, model): a level's buckets and KV·s are per model
-
-
-@dataclass(slots=True)
-class RunUsage:
-    """A run's consumption, folded from its calls' events."""
-
-    calls: int = 0
-    in_flight: int = 0
-    reserved_micros: int = 0
-    posted_micros: int = 0
-    tool_calls: int = 0
-    exhausted: str | None = None  # the first dimension a call was refused for
-    # The currency of the micro-units above: a run is billed in one currency, its first
-    # call's (`path_admission` refuses a call priced in another).
-    currency: str | None = None
-
-    @property
-    def cost_micros(self) -> int:
-        return self.reserved_micros + self.posted_micros
 
 
 class SpendEntry:
@@ -215,8 +195,8 @@ class PathView(Reservations[_RateKey, _Req]):
         self._cells: dict[tuple[tuple[_LevelKey, ...], tuple[str, str], str], _Cells] = {}
         # plan -> its state for the model and day last decided (`state`): rebuilt on demand.
         self._states: dict[PathPlan, PathState] = {}
-        self._runs: dict[tuple[str, str], RunUsage] = {}
-        self._run_defs: dict[tuple[str, str], Run] = {}  # runs this edge started itself
+        # The runs' calls, cost and tool calls (domain/governance/run_book.py).
+        self.runs = RunBook()
         # Who has an end-user level of their own, per project and day (bounded: end_users.py).
         self.end_users = EndUserRoster()
         self._handlers = {
@@ -254,31 +234,6 @@ class PathView(Reservations[_RateKey, _Req]):
         """(reserved, posted) micro-units of `currency` at one level in one period."""
         found = self._spend.get(((tenant_id, kind, level_id), period_key, currency))
         return (0, 0) if found is None else (found.reserved, found.posted)
-
-    def run_usage(self, tenant_id: str, run_id: str) -> RunUsage:
-        return self._runs.get((tenant_id, run_id)) or RunUsage()
-
-    def has_run(self, tenant_id: str, run_id: str) -> bool:
-        """Whether a call of the run was counted here (else the next one starts it)."""
-        return (tenant_id, run_id) in self._runs
-
-    def started_run(self, tenant_id: str, run_id: str) -> Run | None:
-        """A run this view started (its RunStarted may not be folded into the control view
-        yet)."""
-        return self._run_defs.get((tenant_id, run_id))
-
-    def mark_exhausted(self, tenant_id: str, run_id: str, dimension: str) -> bool:
-        """True the first time a run's call is refused (so it is recorded once per run)."""
-        run = self._runs.get((tenant_id, run_id))
-        if run is None:
-            run = self._runs[(tenant_id, run_id)] = RunUsage()
-        if run.exhausted is not None:
-            return False
-        run.exhausted = dimension
-        return True
-
-    def note_run(self, run: Run) -> None:
-        self._run_defs.setdefault((run.tenant_id, run.run_id), run)
 
     # --- the edge's own decisions -------------------------------------------------------------
 
@@ -456,16 +411,7 @@ class PathView(Reservations[_RateKey, _Req]):
         for entry in cells:
             entry.reserved += micros
         if req.run is not None:
-            run = self._runs.get(req.run)
-            if run is None:
-                run = self._runs[req.run] = RunUsage()
-            run.calls += 1
-            run.in_flight += 1
-            if run.currency is None:
-                run.currency = currency
-            if run.currency == currency:
-                req.run_money = True
-                run.reserved_micros += micros
+            req.run_money = self.runs.called(req.run, currency, micros)
 
     def _path_cells(
         self, levels: tuple[_LevelKey, ...], periods: tuple[str, str], currency: str
@@ -491,8 +437,8 @@ class PathView(Reservations[_RateKey, _Req]):
         micros = req.reserved_micros
         for entry in req.cells:
             entry.reserved -= micros
-        if req.run_money:
-            self._run_of(req).reserved_micros -= micros
+        if req.run_money and req.run is not None:
+            self.runs.unreserve(req.run, micros)
 
     def _post(self, req: _Req, amount_micros: int) -> None:
         if req.posted or req.voided:
@@ -501,32 +447,26 @@ class PathView(Reservations[_RateKey, _Req]):
         self._unreserve(req)
         for entry in req.cells:
             entry.posted += amount_micros
-        if req.run_money:
-            self._run_of(req).posted_micros += amount_micros
-
-    def _run_of(self, req: _Req) -> RunUsage:
-        assert req.run is not None  # (a request counted in a run)
-        return self._runs[req.run]
+        if req.run_money and req.run is not None:
+            self.runs.post(req.run, amount_micros)
 
     def _count_tools(self, req: _Req, tool_calls: int) -> None:
         if req.tools or req.run is None or tool_calls <= 0:
             return
         req.tools = True
-        self._runs[req.run].tool_calls += tool_calls
+        self.runs.tools(req.run, tool_calls)
 
     # --- the reservation mechanism's hooks: money and runs ------------------------------------
 
     def _voided(self, hold: _Req) -> None:
         if not hold.posted:
             self._unreserve(hold)
-        run = self._runs.get(hold.run) if hold.run else None
-        if run is not None:
-            run.calls -= 1
+        if hold.run is not None:
+            self.runs.voided(hold.run)
 
     def _released(self, hold: _Req) -> None:
-        run = self._runs.get(hold.run) if hold.run else None
-        if run is not None:
-            run.in_flight -= 1
+        if hold.run is not None:
+            self.runs.released(hold.run)
 
     def _settled(self, hold: _Req, horizon: float) -> bool:
         # Kept until its money is posted (or voided), however old: the bill may come late.

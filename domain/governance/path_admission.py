@@ -121,7 +121,7 @@ def reserve(
                 "run_budget", f"run {run.run_id!r}", dimension, retry_after, detail, requests,
                 tokens,
             )  # fmt: skip
-        starts_run = not view.has_run(tenant, run.run_id)
+        starts_run = not view.runs.has(tenant, run.run_id)
     event = BudgetReserved(
         request_id, tenant, path.key_id, path.workspace_id, path.project_id,
         run.run_id if run else None, model, path.day, path.month, micros, reserved_tokens,
@@ -129,7 +129,7 @@ def reserve(
     )  # fmt: skip
     view.take_on_path(event, now_s, state)
     if run is not None:
-        view.note_run(run)
+        view.runs.note(run)
     return PathAdmitted(event, requests, tokens, starts_run)
 
 
@@ -289,7 +289,7 @@ def _run_refusal(
     """The run dimension a call would pass, with what to say of it, or None. A run is billed in
     one currency — its cost limit's, else its first call's — so that its cost is one sum: a
     call priced in another (the deployment's currency changed mid-run) is refused, for good."""
-    usage = view.run_usage(run.tenant_id, run.run_id)
+    usage = view.runs.usage(run.tenant_id, run.run_id)
     limits = run.limits
     name = repr(run.run_id)
     if run.ended_at is not None:

@@ -22,7 +22,8 @@ from ledger.idempotency import IdempotencyConflict, IdempotencyStore
 from ledger.schema import ledger_entries, request_log, upgrade, worker_status
 from ledger.store import NewEvent, SqlEventStore
 from streams.status import dead_letter_problem, read_status
-from streams.worker import FoldWorker, read_fold_status
+from streams.worker import FoldWorker
+from streams.worker_rows import read_fold_status
 from tests import builders as b
 
 PRICED = "llama-3.1-8b-2026-05"

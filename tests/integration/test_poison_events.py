@@ -30,8 +30,9 @@ from ledger.engine import create_engine_from_url
 from ledger.schema import dead_letters as dead_table
 from ledger.schema import ledger_entries, request_log, upgrade
 from ledger.store import NewEvent, SqlEventStore
+from streams.dead_letter_replay import replay_dead_letters
 from streams.status import dead_letter_problem, read_status, render_table
-from streams.worker import FoldWorker, replay_dead_letters
+from streams.worker import FoldWorker
 from tests import builders as b
 
 PRICED = "llama-3.1-8b-2026-05"

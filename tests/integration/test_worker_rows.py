@@ -23,8 +23,7 @@ from ledger.engine import create_engine_from_url
 from ledger.schema import upgrade, worker_status
 from ledger.store import SqlEventStore
 from streams.status import FORGET_AFTER_S, read_status
-from streams.worker import read_fold_status
-from streams.worker_rows import write_status_row
+from streams.worker_rows import read_fold_status, write_status_row
 from tests.integration import test_kafka_worker
 from tests.integration.test_kafka_worker import PARTITIONS, _price, _Relaying, _requests, _worker
 

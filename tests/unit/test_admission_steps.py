@@ -33,7 +33,7 @@ def test_a_run_nobody_started_starts_with_its_first_call_implicitly() -> None:
 def test_a_run_this_edge_started_is_the_one_its_next_call_joins() -> None:
     paths = PathView()
     started = Run(b.TENANT, "task-1", None, RunLimits(), b.at(0), implicit=True)
-    paths.note_run(started)
+    paths.runs.note(started)
     # It started at its first call (not this one), under the run policy in force then.
     assert resolve_run(Hierarchy(), paths, b.TENANT, b.KEY, "task-1", b.at(9)) == started
     # Another tenant's run of the same name is not this one.

@@ -137,7 +137,7 @@ def test_a_run_is_billed_in_its_first_calls_currency() -> None:
     no = refused(ask(org, PRICE, run=run))
     assert (no.reason, no.dimension, no.retry_after_s) == ("run_budget", "currency", 0)
     assert "billed in EUR" in no.detail and "priced in USD" in no.detail
-    usage = org.paths.run_usage(b.TENANT, "run-1")
+    usage = org.paths.runs.usage(b.TENANT, "run-1")
     assert (usage.calls, usage.currency, usage.reserved_micros) == (1, "EUR", MAX_COST)
 
 

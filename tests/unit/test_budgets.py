@@ -400,7 +400,7 @@ def test_a_run_bounds_its_cost_with_the_reservation_then_the_bill() -> None:
     assert refused(org.ask(run=run), "run_budget").dimension == "cost"
     org.finish(first, completion=0)  # 100 posted of the 300 reserved: 100 + 300 + 300 > 600
     assert refused(org.ask(run=run), "run_budget").dimension == "cost"
-    assert org.paths.run_usage(b.TENANT, "run-1").cost_micros == 400
+    assert org.paths.runs.usage(b.TENANT, "run-1").cost_micros == 400
 
 
 def test_a_run_stops_once_the_engine_returned_its_max_tool_calls() -> None:

@@ -242,13 +242,20 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     import textwrap
 
     from domain.control_plane.adapters import ADAPTER_EVENTS
+    from domain.control_plane.consents import FallbackBook, RoutingBook
     from domain.control_plane.data_policy import DATA_POLICY_EVENTS
+    from domain.control_plane.prices import PriceBook
     from domain.control_plane.state import CONTROL_EVENTS, ControlView
     from domain.governance.state import HIERARCHY_EVENTS
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(ControlView)))
+    # The view's own cases and those of the books it hands the consents and prices to.
+    trees = [
+        ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        for cls in (ControlView, FallbackBook, RoutingBook, PriceBook)
+    ]
     cased = {
         case.pattern.cls.id
+        for tree in trees
         for node in ast.walk(tree) if isinstance(node, ast.Match)
         for case in node.cases if isinstance(case.pattern, ast.MatchClass)
     }

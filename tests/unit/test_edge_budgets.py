@@ -161,7 +161,7 @@ def test_a_call_with_a_new_run_id_starts_the_run_and_counts_its_tool_calls() -> 
         await org.chat(run_id="task-1")
         starts = [r.event for r in org.sink.store.read_stream(run_stream(b.TENANT, "task-1"))]
         assert len(starts) == 1 and isinstance(starts[0], RunStarted) and starts[0].implicit
-        usage = org.edge.paths.run_usage(b.TENANT, "task-1")
+        usage = org.edge.paths.runs.usage(b.TENANT, "task-1")
         assert (usage.calls, usage.in_flight, usage.posted_micros) == (1, 0, COST)
         assert not any(isinstance(e, ToolCallsReturned) for e in org.stored(1))
 

@@ -21,7 +21,8 @@ from domain.capacity import (
 )
 from domain.control_plane.decide import SetFlexDiscount, decide_control
 from domain.control_plane.events import FlexDiscountSet
-from domain.control_plane.state import DEFAULT_FLEX_DISCOUNT_PPM, ControlView
+from domain.control_plane.prices import DEFAULT_FLEX_DISCOUNT_PPM
+from domain.control_plane.state import ControlView
 from domain.errors import DomainError
 from domain.requests.decide import PreemptRequest
 from domain.requests.events import QuotaRefunded, RequestPreempted
@@ -174,7 +175,7 @@ def priced_view(*discounts: tuple[int, int]) -> ControlView:
 def test_flex_costs_the_price_in_force_less_the_discount_in_force() -> None:
     view = priced_view((250_000, 100))
     listed = view.price(b.MODEL, b.at(50))
-    assert view.flex_discount_ppm(b.MODEL, b.at(50)) == DEFAULT_FLEX_DISCOUNT_PPM
+    assert view.prices.flex_discount_ppm(b.MODEL, b.at(50)) == DEFAULT_FLEX_DISCOUNT_PPM
     half = view.price(b.MODEL, b.at(50), "flex")
     assert half.prompt_micros_per_mtok * 2 == listed.prompt_micros_per_mtok
     quarter_off = view.price(b.MODEL, b.at(150), "flex")

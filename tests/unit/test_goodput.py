@@ -80,13 +80,13 @@ def test_fallback_consent_is_given_revoked_and_never_to_the_same_model() -> None
     view.apply(b.record(b.tenant_registered(), stream_id="tenant-acme"))
     (allowed,) = decide_control(view, AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b"))
     view.apply(b.record(allowed, version=2, stream_id="tenant-acme"))
-    assert view.fallbacks(b.TENANT, "llama-3.1-8b-2026-05") == ("llama-3.1-70b",)
-    assert view.fallbacks("other", "llama-3.1-8b-2026-05") == ()
+    assert view.fallback_book.fallbacks(b.TENANT, "llama-3.1-8b-2026-05") == ("llama-3.1-70b",)
+    assert view.fallback_book.fallbacks("other", "llama-3.1-8b-2026-05") == ()
     again = AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b")
     assert decide_control(view, again) == ()
     (revoked,) = decide_control(view, RevokeFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-70b"))
     view.apply(b.record(revoked, version=3, stream_id="tenant-acme"))
-    assert view.fallbacks(b.TENANT, "llama-3.1-8b") == ()
+    assert view.fallback_book.fallbacks(b.TENANT, "llama-3.1-8b") == ()
     with pytest.raises(DomainError) as err:
         decide_control(view, AllowFallback(b.TENANT, "llama-3.1-8b", "llama-3.1-8b-2026-05"))
     assert err.value.rule == "same_model"

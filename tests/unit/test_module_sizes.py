@@ -28,18 +28,6 @@ MEASURED_ONLY = ("api.http.app", "api.http.body_limits")
 # Units still over the bounds, each with why and its size when listed (in brackets). Drop an
 # entry when its unit is cut: a stale one fails.
 ALLOWED = {
-    # The hierarchy's view over the one reservation mechanism (domain/reservations.py): the
-    # money per level, period and currency, and runs.
-    "domain/governance/budgets.py::PathView": "the hierarchy's view [309]",
-    # Grown past the bounds by this round's merges (the router, residency, retention, LoRA
-    # adapters, the audit trail, metrics of the router), each a step or a book of its own
-    # already; the next cut: Admission's quota reservation and fallbacks as steps beside
-    # RoutingStep and Settlement, ControlView's routing consents and fallbacks as books beside
-    # DataPolicy and AdapterBook.
-    "api/services/admission.py::Admission": "the round's steps [436]",
-    "api/services/admission.py::Admission.admit": "the round's steps [74]",
-    "domain/control_plane/state.py::ControlView": "the round's books [350]",
-    "api/metrics.py::Metrics": "the router's counter [309]",
     # The follower's reads of other writers' events joined it; the next cut: the reads beside
     # the writes (ledger/store/postgres.py, sqlite.py) in a module of their own.
     "ledger/store/sql.py::SqlEventStore": "the follower's reads [353]",

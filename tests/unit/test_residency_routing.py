@@ -149,7 +149,7 @@ class PinnedHarness(Harness):
                 replica_id = f"{model}@{region}"
                 fleet.add(PlacedReplica(replica_id, model), region=region)
                 feed(fleet, replica_id, occupancy.get(replica_id, 0.1))
-        self.edge.fleet = self.edge.admission.fleet = fleet
+        self.edge.fleet = self.edge.admission.fleet = self.edge.admission.quota.fleet = fleet
         facts: list[Any] = [FallbackAllowed(b.TENANT, MODEL, OTHER)]
         if pin is not None:
             facts.append(ResidencySet(b.TENANT, "", pin))

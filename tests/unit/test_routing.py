@@ -153,8 +153,9 @@ def test_consent_is_recorded_once_and_a_repeat_changes_nothing_unless_drift_is_r
     (event,) = decide_control(view, command)
     assert event == RoutingAllowed(b.TENANT, "", (SMALL, LARGE), 800_000, 50_000, "asked")
     view.apply(b.record(event, version=2, stream_id="tenant-acme", seconds=5))
-    assert view.routing(b.TENANT) == policy(exploration_ppm=50_000, since=b.at(5))
-    assert view.routing(b.TENANT, "some-project") == view.routing(b.TENANT)  # the org's
+    book = view.routing_book
+    assert book.routing(b.TENANT) == policy(exploration_ppm=50_000, since=b.at(5))
+    assert book.routing(b.TENANT, "some-project") == book.routing(b.TENANT)  # the org's
     assert decide_control(view, command) == ()
     assert decide_control(view, replace(command, reset_drift=True)) == (event,)
     assert decide_control(view, RevokeRouting(b.TENANT)) == (RoutingRevoked(b.TENANT, ""),)
