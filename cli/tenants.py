@@ -124,12 +124,17 @@ def _non_negative(ctx: click.Context, param: click.Parameter, value: int | None)
 
 
 def _level(
-    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
-) -> tuple[str, str] | None:
-    """The one level named by --workspace / --project / --key (None: the organization)."""
+    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool,
+    per_end_user: bool = False,
+) -> tuple[str, str] | None:  # fmt: skip
+    """The one level named by --workspace / --project / --key (None: the organization), or with
+    --per-end-user the end users of --project (the admin API's rule: control.level_of)."""
     try:
-        return control.level_of(tenant, workspace, project, key, org=org)
+        return control.level_of(tenant, workspace, project, key, org=org,
+                                per_end_user=per_end_user)  # fmt: skip
     except DomainError:
+        if per_end_user:
+            raise click.UsageError("--per-end-user takes --project (and no other level)") from None
         raise click.UsageError("give at most one of --workspace, --project, --key") from None
 
 
@@ -206,9 +211,10 @@ def limits_set(
     limits (and daily budget) of each end user of the project, each on its own."""
     if per_end_user or usd_per_day is not None or amount_per_day is not None:
         _end_user_limits_set(
-            tenant, project, workspace or key_id, model or "*", rpm, tpm, usd_per_day,
-            amount_per_day, currency, database_url, actor,
-            rest=(max_context, max_output, kv_seconds, reserved_kv_seconds),
+            tenant, _level(tenant, workspace, project, key_id, org=False, per_end_user=True),
+            model or "*", usd_per_day, amount_per_day, currency, database_url, actor,
+            limits={"rpm": rpm, "tpm": tpm, "max_context": max_context, "max_output": max_output,
+                    "kv_gib_seconds": kv_seconds, "reserved_kv_gib_seconds": reserved_kv_seconds},
         )  # fmt: skip
         return
     if model is None:
@@ -229,36 +235,35 @@ def limits_set(
 
 
 def _end_user_limits_set(
-    tenant: str, project: str | None, other_level: str | None, model: str, rpm: int | None,
-    tpm: int | None, usd_per_day: str | None, amount_per_day: str | None, currency: str,
-    database_url: str, actor: Actor, *, rest: tuple[int | None, ...],
+    tenant: str, level: tuple[str, str] | None, model: str, usd_per_day: str | None,
+    amount_per_day: str | None, currency: str, database_url: str, actor: Actor, *,
+    limits: dict[str, int | None],
 ) -> None:  # fmt: skip
     """`limits set --project P --per-end-user`: the rate limits and the daily budget every end
     user of P gets on its own (domain/governance/end_users.py), each recorded as a control-plane
-    event (LevelLimitsSet, BudgetSet at level end_user of P) with its actor."""
-    if project is None or other_level is not None:
-        raise click.UsageError("--per-end-user takes --project (and no other level)")
-    if any(value is not None for value in rest):
-        raise click.UsageError("--per-end-user takes --rpm, --tpm and a daily budget only")
+    event (LevelLimitsSet, BudgetSet at level end_user of P) with its actor. Which limits an end
+    user takes (rpm, tpm) and that its budget is daily are the command handler's rules, the
+    admin API's too."""
+    assert level is not None
     if usd_per_day is not None and amount_per_day is not None:
         raise click.UsageError("give --usd-per-day or --amount-per-day, not both")
     budget = usd_per_day if usd_per_day is not None else amount_per_day
     if budget is not None and usd_per_day is not None:
         currency = "USD"
-    if rpm is None and tpm is None and budget is None:
+    given = {name: value for name, value in limits.items() if value is not None}
+    if not given and budget is None:
         raise click.UsageError("give --rpm, --tpm, --usd-per-day or --amount-per-day")
+    option = "--usd-per-day" if usd_per_day is not None else "--amount-per-day"
+    amount = None if budget is None else micros(budget, option)  # before anything is recorded
     with control.ControlService.open(database_url, actor) as service:
-        if rpm is not None or tpm is not None:
-            service.set_level_limits(tenant, "end_user", project, model, rpm=rpm, tpm=tpm)
-        if budget is not None:
-            option = "--usd-per-day" if usd_per_day is not None else "--amount-per-day"
-            service.set_budget(
-                tenant, "end_user", project, "day", micros(budget, option), currency=currency
-            )
-    shown = [f"{name} {value}" for name, value in (("rpm", rpm), ("tpm", tpm)) if value is not None]
+        if given:
+            service.set_limits_at(tenant, level, model, **limits)
+        if amount is not None:
+            service.set_budget(tenant, *level, "day", amount, currency=currency)
+    shown = [f"{name} {value}" for name, value in given.items()]
     if budget is not None:
         shown.append(f"{budget} {currency} a day")
-    click.echo(f"limits per end user of project {project} of {tenant}: {', '.join(shown)}")
+    click.echo(f"limits per end user of project {level[1]} of {tenant}: {', '.join(shown)}")
 
 
 @limits.command("show")

@@ -162,17 +162,18 @@ def add_admin_routes(
 
     @app.post(
         "/v1/admin/tenants/{tenant}/limits", operation_id="admin_set_limits",
-        summary="Limits of the organization, or of one workspace, project or key "
-        "(`tollgate limits set`)",
+        summary="Limits of the organization, of one workspace, project or key, or of each end "
+        "user of a project (`tollgate limits set [--per-end-user]`)",
         response_model=LimitsRecorded, responses=answers(*AUTHENTICATED, 404),
     )  # fmt: skip
     async def set_limits(
         request: Request, caller: AdminDep, tenant: TenantPath, body: LimitsSet
     ) -> Response:
-        limits = body.model_dump(exclude={"model", *LEVEL})
+        limits = body.model_dump(exclude={"model", "per_end_user", *LEVEL})
         return await run(
-            request, admin.set_limits, caller.key_id, tenant, body.model, level(body), limits
-        )
+            request, admin.set_limits, caller.key_id, tenant, body.model, level(body), limits,
+            per_end_user=body.per_end_user,
+        )  # fmt: skip
 
     @app.get(
         "/v1/admin/tenants/{tenant}/limits", operation_id="admin_show_limits",
@@ -210,7 +211,8 @@ def add_admin_routes(
 
     @app.post(
         "/v1/admin/tenants/{tenant}/budgets", operation_id="admin_set_budget",
-        summary="A spend budget per calendar day or month at one level (`tollgate budgets set`)",
+        summary="A spend budget per calendar day or month at one level, or per day for each end "
+        "user of a project (`tollgate budgets set`, `tollgate limits set --per-end-user`)",
         response_model=AdminBudget, responses=answers(*AUTHENTICATED, 404),
     )  # fmt: skip
     async def set_budget(
@@ -218,7 +220,7 @@ def add_admin_routes(
     ) -> Response:
         return await run(
             request, admin.set_budget, caller.key_id, tenant, body.period, body.amount_given(),
-            level(body), currency=body.currency or currency,
+            level(body), currency=body.currency or currency, per_end_user=body.per_end_user,
         )  # fmt: skip
 
     @app.post(

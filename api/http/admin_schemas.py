@@ -18,7 +18,7 @@ from api.http.schemas import Usd
 from domain.control_plane.adapters import ADAPTER_NAME, MAX_PATH_CHARS, MAX_PROJECTS, MAX_RANK
 from domain.control_plane.data_policy import MAX_REGIONS, REGION, RETENTION_TIERS
 from domain.control_plane.state import MAX_MODEL_CHARS, TENANT_NAME
-from domain.governance.state import LEVEL_NAME
+from domain.governance.state import LEVEL_NAME, LevelKind
 from domain.types import SCOPES, TIERS
 
 # RFC 3339, as `format: date-time` means it (a date alone or an instant without its offset is not
@@ -46,13 +46,20 @@ class _Body(BaseModel):
 
 
 class _Level(_Body):
-    """At most one level below the organization (none: the organization's own)."""
+    """At most one level below the organization (none: the organization's own), or each end
+    user of a project (`per_end_user` with `project`)."""
 
     workspace: Name | None = Field(None, description="a workspace of the tenant")
     project: Name | None = Field(None, description="a project of the tenant")
     key: Annotated[str, Field(max_length=64)] | None = Field(
         None, description="an API key id of the tenant"
     )
+    per_end_user: bool = Field(
+        False, description="with `project` (and no other level): what each end user of the "
+        "project gets on its own (the request's `user`, `safety_identifier` or "
+        "X-Tollgate-End-User), at level `end_user`; limits `rpm` and `tpm` only, a budget "
+        "`period` `day` only",
+    )  # fmt: skip
 
 
 class TenantCreate(_Body):
@@ -246,7 +253,7 @@ class IssuedKey(AdminKey):
 class LimitsRecorded(BaseModel):
     object: Literal["limits"]
     tenant: str
-    level: Literal["org", "workspace", "project", "key"]
+    level: LevelKind = Field(description="`end_user`: each end user of the project `level_id`")
     level_id: str
     model: str
     recorded: dict[str, int]
@@ -282,7 +289,7 @@ class AdminProject(BaseModel):
 class AdminBudget(BaseModel):
     object: Literal["budget"]
     tenant: str
-    level: Literal["org", "workspace", "project", "key"]
+    level: LevelKind = Field(description="`end_user`: each end user of the project `level_id`")
     level_id: str
     period: Literal["day", "month"]
     amount_micros: int | None

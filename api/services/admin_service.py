@@ -156,11 +156,13 @@ class AdminService:
 
     def set_limits(
         self, key_id: str, tenant: str, model: str, level: dict[str, str | None],
-        limits: dict[str, int | None],
+        limits: dict[str, int | None], *, per_end_user: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
+        """`per_end_user`: each end user of the project (level "end_user" of it), bounded by
+        rpm and tpm only (the command handler refuses any other, naming it)."""
         with self._control(key_id) as service:
             chosen = level_of(tenant, level.get("workspace"), level.get("project"),
-                              level.get("key"), org=False)  # fmt: skip
+                              level.get("key"), org=False, per_end_user=per_end_user)  # fmt: skip
             service.set_limits_at(tenant, chosen, model, **limits)
         kind, level_id = chosen or ("org", tenant)
         recorded = {name: value for name, value in limits.items() if value is not None}
@@ -185,10 +187,11 @@ class AdminService:
 
     def set_budget(
         self, key_id: str, tenant: str, period: str, given: Mapping[str, str | None],
-        level: dict[str, str | None], *, currency: str,
+        level: dict[str, str | None], *, currency: str, per_end_user: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         """`given`: the amount (in `currency`) under the one name it was sent as, `amount` or
-        the deprecated `usd`; None removes the level's budget for the period."""
+        the deprecated `usd`; None removes the level's budget for the period. `per_end_user`:
+        each end user's of the project, daily only (the command handler's rule)."""
         if len(given) != 1:
             param = "usd" if len(given) > 1 else "amount"
             raise ApiError(400, "give `amount` (null removes the budget), or the deprecated "
@@ -196,7 +199,8 @@ class AdminService:
         [(field, text)] = given.items()
         with self._control(key_id, {"amount_micros": field}) as service:
             kind, level_id = level_of(tenant, level.get("workspace"), level.get("project"),
-                                      level.get("key"), org=True) or ("org", tenant)  # fmt: skip
+                                      level.get("key"), org=True,
+                                      per_end_user=per_end_user) or ("org", tenant)  # fmt: skip
             amount = None if text is None else usd_micros(text, field)
             changed = service.set_budget(tenant, kind, level_id, period, amount,
                                          currency=currency)  # fmt: skip

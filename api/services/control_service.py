@@ -62,6 +62,7 @@ from domain.governance.decide import (
     SetRunPolicy,
     SetTimeZone,
 )
+from domain.governance.end_users import END_USER
 from domain.projections import PROJECTIONS_BY_NAME
 from domain.runs.state import RunLimits
 from ledger.audit import stream_rows
@@ -114,12 +115,22 @@ def usd_micros(text: str, field: str) -> int:
 
 
 def level_of(
-    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool
-) -> tuple[str, str] | None:
+    tenant: str, workspace: str | None, project: str | None, key: str | None, *, org: bool,
+    per_end_user: bool = False,
+) -> tuple[str, str] | None:  # fmt: skip
     """The one level named by a workspace, a project or a key (none: the organization's own when
-    `org`, else None)."""
+    `org`, else None). `per_end_user`: each end user of the project, set at level "end_user" of
+    the project, which must be named, and alone."""
     given = [(kind, value) for kind, value in
              (("workspace", workspace), ("project", project), ("key", key)) if value]  # fmt: skip
+    if per_end_user:
+        others = [kind for kind, _ in given if kind != "project"]
+        if project is None or others:
+            raise DomainError(
+                "bad_level", "per-end-user limits and budgets are a project's, with no other "
+                "level", field=others[0] if others else "project",
+            )  # fmt: skip
+        return (END_USER, project)
     if len(given) > 1:
         raise DomainError(
             "bad_level", "give at most one of workspace, project, key", field=given[1][0]

@@ -10,6 +10,7 @@ from typing import Any, Final
 from domain.cost import CURRENCY_CODE
 from domain.envelope import Event
 from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
+from domain.governance.end_users import END_USER, END_USER_LIMIT_FIELDS
 from domain.governance.events import (
     BudgetSet,
     KeyAssigned,
@@ -197,6 +198,10 @@ def _set_level_limits(
     values = {name: getattr(command, name) for name in LEVEL_LIMIT_FIELDS}
     for name, value in values.items():
         check_quantity(name, value)
+        if command.level == END_USER and value is not None and name not in END_USER_LIMIT_FIELDS:
+            raise DomainError(
+                "bad_limit", f"a per-end-user limit is rpm or tpm, not {name}", field=name
+            )
     if all(value is None for value in values.values()):
         raise DomainError("empty_limits", "no limit given")
     return (LevelLimitsSet(tenant, command.level, command.level_id, command.model, **values),)
@@ -211,7 +216,7 @@ def _decide_budget(t: _Tenant, command: SetBudget, key_tenant: str | None) -> tu
             f"period {command.period!r} is not one of {BUDGET_PERIODS}",
             field="period",
         )
-    if command.level == "end_user" and command.period != "day":
+    if command.level == END_USER and command.period != "day":
         # End users are tracked per budget day (domain/governance/end_users.py).
         raise DomainError("bad_period", "a per-end-user budget is daily", field="period")
     amount = command.amount_micros
@@ -315,7 +320,7 @@ def _require_level(
         _require(t.projects, level_id, "project")
     elif level == "key":
         _require_key(key_tenant, tenant, level_id)
-    elif level == "end_user":  # per-end-user limits and budgets are set per project
+    elif level == END_USER:  # per-end-user limits and budgets are set per project
         _require(t.projects, level_id, "project")
     else:
         raise DomainError("bad_level", f"level {level!r} is not one of {LEVELS}", field="level")

@@ -26,11 +26,15 @@ from typing import Final
 from domain.governance.state import Hierarchy, Level, LevelRule, PathPolicy
 
 __all__ = [
-    "END_USER", "MAX_END_USER_CHARS", "MAX_END_USERS_PER_PROJECT", "OVERFLOW", "EndUserRoster",
-    "end_user_hash", "end_user_level_id", "on_path",
+    "END_USER", "END_USER_LIMIT_FIELDS", "MAX_END_USER_CHARS", "MAX_END_USERS_PER_PROJECT",
+    "OVERFLOW", "EndUserRoster", "end_user_hash", "end_user_level_id", "on_path",
 ]  # fmt: skip
 
 END_USER: Final = "end_user"  # the level kind (its limits are set at level_id = the project)
+# What a project may bound each of its end users by, besides a daily budget: a rate. A
+# per-request cap (max_context, max_output) would be the same for every end user, so it is the
+# project's to set; the KV in flight is the fleet's concern, not one customer's.
+END_USER_LIMIT_FIELDS: Final = ("rpm", "tpm")
 # OpenAI documents no bound on `user`; 256 characters holds any id, email or UUID a tenant uses.
 MAX_END_USER_CHARS: Final = 256
 # End users tracked per project and budget day: 10,000 × (a 32-character hash, two buckets and

@@ -1,8 +1,8 @@
-"""Issue 30, items 4 and 5 over real HTTP: the admin API (`/v1/admin/...`) does what the CLI does
-to tenants, keys, limits, budgets, prices and models, through the same command handler (the same
-events, the same validation), with the calling admin key as the actor of every change; the audit
-trail (`GET /v1/audit`, `tollgate audit`) names it, with each value's old and new. On a SQLite
-`tollgate serve` and on one over PostgreSQL."""
+"""Issue 30, items 4, 5 and 6 over real HTTP: the admin API (`/v1/admin/...`) does what the CLI
+does to tenants, keys, limits (per end user too), budgets, prices and models, through the same
+command handler (the same events, the same validation), with the calling admin key as the actor
+of every change; the audit trail (`GET /v1/audit`, `tollgate audit`) names it, with each value's
+old and new. On a SQLite `tollgate serve` and on one over PostgreSQL."""
 
 from __future__ import annotations
 
@@ -389,9 +389,29 @@ def test_bad_requests_name_their_field_and_record_nothing(
     key = admin["secret"]
     tenant = name("bad")
     ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/workspaces", key, {"name": "w"})
+    ok(server, "POST", f"/v1/admin/tenants/{tenant}/projects", key,
+       {"name": "bot", "workspace": "w"})  # fmt: skip
     before = server.query("SELECT count(*) AS n FROM events WHERE stream_id = ?",
                           (f"tenant-{tenant}",))[0]["n"]  # fmt: skip
     limits = f"/v1/admin/tenants/{tenant}/limits"
+    # Per end user: a project's alone, a rate only (the CLI's rules, from the same handler)
+    each = {"model": "*", "per_end_user": True, "rpm": 1}
+    error(call(server, "POST", limits, key, each), 400, "project")
+    error(call(server, "POST", limits, key, each | {"project": "bot", "key": "k"}), 400, "key")
+    error(call(server, "POST", limits, key, each | {"project": "bot", "workspace": "w"}),
+          400, "workspace")  # fmt: skip
+    error(call(server, "POST", limits, key, each | {"project": "nope"}), 400, "project")
+    for field in ("max_context", "max_output", "kv_gib_seconds", "reserved_kv_gib_seconds"):
+        error(call(server, "POST", limits, key, each | {"project": "bot", field: 5}), 400, field)
+    error(call(server, "POST", limits, key, each | {"project": "bot", "per_end_user": 1}),
+          400, "per_end_user")  # fmt: skip
+    monthly = {"period": "month", "amount": "1", "project": "bot", "per_end_user": True}
+    detail = error(call(server, "POST", f"/v1/admin/tenants/{tenant}/budgets", key, monthly),
+                   400, "period")  # fmt: skip
+    assert "daily" in detail["message"]
+    error(call(server, "POST", f"/v1/admin/tenants/{tenant}/budgets", key,
+               {"period": "day", "amount": "1", "per_end_user": True}), 400, "project")  # fmt: skip
     error(call(server, "POST", limits, key, {"model": "*", "rpm": -1}), 400, "rpm")
     error(call(server, "POST", limits, key, {"model": "*", "rpm": "7"}), 400, "rpm")
     error(call(server, "POST", limits, key, {"model": "*", "rpms": 7}), 400, "rpms")
@@ -481,6 +501,89 @@ def test_the_cli_and_the_api_record_the_same_events(server: Server, admin: dict[
     assert actors == {admin["id"]}
 
 
+def test_per_end_user_limits_over_http_refuse_that_end_user_only(
+    server: Server, admin: dict[str, str]
+) -> None:
+    key = admin["secret"]
+    tenant = name("eu")
+    base = f"/v1/admin/tenants/{tenant}"
+    # Given a tenant with a project and a key in it, all over HTTP
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": tenant, "plan": "enterprise"})
+    ok(server, "POST", f"{base}/workspaces", key, {"name": "w"})
+    ok(server, "POST", f"{base}/projects", key, {"name": "bot", "workspace": "w"})
+    secret = ok(server, "POST", f"{base}/keys", key, {"project": "bot"})["secret"]
+    server.wait_key(secret)
+    # When each end user of the project gets 1 request a minute and a daily budget
+    limits = ok(server, "POST", f"{base}/limits", key,
+                {"model": "*", "project": "bot", "per_end_user": True, "rpm": 1})  # fmt: skip
+    assert (limits["level"], limits["level_id"], limits["recorded"]) == (
+        "end_user", "bot", {"rpm": 1},
+    )  # fmt: skip
+    budget = ok(server, "POST", f"{base}/budgets", key, {"period": "day", "amount": "5",
+                "project": "bot", "per_end_user": True})  # fmt: skip
+    assert (budget["level"], budget["level_id"], budget["period"], budget["changed"]) == (
+        "end_user", "bot", "day", True,
+    )  # fmt: skip
+
+    def chat(**kw: Any) -> httpx.Response:
+        return httpx.post(server.base + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+            **kw.pop("body", {})}, headers={**auth(secret), **kw})  # fmt: skip
+
+    # Then once the edge follows the change (within a poll), a second request of one end user
+    # in the minute is refused with the end user's own code
+    refused = poll("the per-end-user rpm to refuse bob",
+                   lambda: (r if (r := chat(body={"user": "bob"})).status_code == 429 else None))
+    detail = refused.json()["error"]
+    assert (detail["code"], detail["param"]) == ("end_user_limit_exceeded", "user"), detail
+    assert "bob" not in refused.text
+    # While another end user of the same key (named by the header) is admitted, once a minute
+    first = chat(**{"X-Tollgate-End-User": "carol"})
+    assert first.status_code == 200, first.text
+    second = chat(**{"X-Tollgate-End-User": "carol"})
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == "end_user_limit_exceeded"
+    # And both changes are audited with the admin key as their actor
+    trail = audited(server, tenant)
+    assert [c for c, _, _ in trail][-2:] == ["SetLevelLimits", "SetBudget"]
+    assert {(kind, actor) for _, kind, actor in trail} == {("key", admin["id"])}
+
+
+def test_the_cli_and_the_api_record_the_same_per_end_user_events(
+    server: Server, admin: dict[str, str]
+) -> None:
+    key = admin["secret"]
+    by_cli, by_api = name("cli"), name("api")
+    server.cli("tenants", "create", by_cli, "--actor", "alice")
+    server.cli("workspaces", "create", "w", "--tenant", by_cli, "--actor", "alice")
+    server.cli("projects", "create", "bot", "--tenant", by_cli, "--workspace", "w",
+               "--actor", "alice")  # fmt: skip
+    out = server.cli("limits", "set", "--tenant", by_cli, "--project", "bot", "--per-end-user",
+                     "--rpm", "2", "--tpm", "500", "--amount-per-day", "1.50", "--actor",
+                     "alice")  # fmt: skip
+    assert "rpm 2, tpm 500, 1.50 USD a day" in out
+    base = f"/v1/admin/tenants/{by_api}"
+    ok(server, "POST", "/v1/admin/tenants", key, {"name": by_api})
+    ok(server, "POST", f"{base}/workspaces", key, {"name": "w"})
+    ok(server, "POST", f"{base}/projects", key, {"name": "bot", "workspace": "w"})
+    ok(server, "POST", f"{base}/limits", key,
+       {"model": "*", "project": "bot", "per_end_user": True, "rpm": 2, "tpm": 500})  # fmt: skip
+    ok(server, "POST", f"{base}/budgets", key, {"period": "day", "amount": "1.50",
+       "project": "bot", "per_end_user": True})  # fmt: skip
+    read = "SELECT type, payload FROM events WHERE stream_id = ? ORDER BY stream_version"
+    cli_rows = server.query(read, (f"tenant-{by_cli}",))
+    api_rows = server.query(read, (f"tenant-{by_api}",))
+    assert _shape(cli_rows, by_cli) == _shape(api_rows, by_api)
+    shaped = dict(_shape(api_rows, by_api)[-4:])  # the last two events and their audits
+    assert shaped["LevelLimitsSet"] == shaped["LevelLimitsSet"] | {
+        "level": "end_user", "level_id": "bot", "model": "*", "rpm": 2, "tpm": 500,
+    }  # fmt: skip
+    assert shaped["BudgetSet"] == shaped["BudgetSet"] | {
+        "level": "end_user", "level_id": "bot", "period": "day", "amount_micros": 1_500_000,
+        "currency": "USD",
+    }  # fmt: skip
+
+
 def test_the_audit_trail_names_the_actor_and_each_old_and_new_value(
     server: Server, admin: dict[str, str]
 ) -> None:
@@ -560,5 +663,10 @@ def test_openapi_describes_the_admin_routes(server: Server) -> None:
     assert schemas["RetentionSet"]["properties"]["tier"]["enum"] == ["standard", "zero"]
     assert schemas["AdapterRegister"]["required"] == ["name", "base", "path"]
     budget = schemas["BudgetSet"]["properties"]
+    for body in ("LimitsSet", "BudgetSet"):
+        flag = schemas[body]["properties"]["per_end_user"]
+        assert (flag["type"], flag["default"]) == ("boolean", False), flag
+    for answer in ("LimitsRecorded", "AdminBudget"):
+        assert "end_user" in schemas[answer]["properties"]["level"]["enum"]
     assert "amount" in budget and budget["usd"]["deprecated"] is True
     assert "deprecated" in budget["usd"]["description"]

@@ -5,6 +5,7 @@ what the running server actually answers (tests/e2e/test_api_fuzz.py then fuzzes
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import httpx
@@ -232,3 +233,37 @@ def test_the_server_answers_what_the_document_says(
     ]
     for e in errors:
         conforms(document, "Error", e.json())
+
+
+def test_per_end_user_limits_and_budgets_are_described_and_answered_as_described(
+    server: Server, document: dict[str, Any]
+) -> None:
+    schemas = document["components"]["schemas"]
+    for body in ("LimitsSet", "BudgetSet"):
+        flag = schemas[body]["properties"]["per_end_user"]
+        assert (flag["type"], flag["default"]) == ("boolean", False), (body, flag)
+        assert "project" in flag["description"] and "end user" in flag["description"]
+        assert "per_end_user" not in schemas[body].get("required", [])
+    key, tenant = server.keys["admin"], f"oa-{uuid.uuid4().hex[:8]}"
+    base = f"{server.base}/v1/admin/tenants"
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = httpx.post(f"{base}{path}", json=body, headers=auth(key), timeout=30)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    post("", {"name": tenant})
+    post(f"/{tenant}/workspaces", {"name": "w"})
+    post(f"/{tenant}/projects", {"name": "bot", "workspace": "w"})
+    each = {"project": "bot", "per_end_user": True}
+    limits = post(f"/{tenant}/limits", {"model": "*", "rpm": 3, **each})
+    conforms(document, response_schema(document, "/v1/admin/tenants/{tenant}/limits", "post",
+                                       200), limits)  # fmt: skip
+    budget = post(f"/{tenant}/budgets", {"period": "day", "amount": "2", **each})
+    conforms(document, response_schema(document, "/v1/admin/tenants/{tenant}/budgets", "post",
+                                       200), budget)  # fmt: skip
+    assert (limits["level"], budget["level"]) == ("end_user", "end_user")
+    refused = httpx.post(f"{base}/{tenant}/budgets", headers=auth(key), timeout=30,
+                         json={"period": "month", "amount": "2", **each})  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "period"
+    conforms(document, "Error", refused.json())

@@ -125,6 +125,39 @@ def test_amounts_that_are_not_amounts_are_refused_naming_the_option(url: str) ->
     assert "25.00 USD" in ok(*budget, "--usd", "25.00", url=url)
 
 
+def test_per_end_user_limits_take_a_project_and_a_rate_or_a_daily_budget(url: str) -> None:
+    ok("tenants", "create", "acme", url=url)
+    ok("workspaces", "create", "ws", "--tenant", "acme", url=url)
+    ok("projects", "create", "bot", "--tenant", "acme", "--workspace", "ws", url=url)
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        before = conn.execute(sa.text("SELECT COUNT(*) FROM events")).scalar()
+    per_end_user = ["limits", "set", "--tenant", "acme", "--per-end-user"]
+    for args, words in [
+        (("--rpm", "1"), ("--per-end-user takes --project",)),
+        (("--project", "bot", "--workspace", "ws", "--rpm", "1"), ("no other level",)),
+        (("--project", "bot", "--rpm", "1", "--max-context", "9"), ("rpm or tpm", "max_context")),
+        # The budget alone is valid: the other limit is refused before anything is recorded.
+        (("--project", "bot", "--usd-per-day", "1", "--kv-seconds", "9"), ("kv_gib_seconds",)),
+        (("--project", "bot", "--rpm", "1", "--reserved-kv-seconds", "9"), ("organization",)),
+        (("--project", "bot", "--rpm", "1", "--usd-per-day", "x"), ("--usd-per-day",)),
+    ]:
+        done = run(*per_end_user, *args, url=url)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert all(word in done.stderr for word in words), (args, done.stderr)
+    with engine.connect() as conn:
+        after = conn.execute(sa.text("SELECT COUNT(*) FROM events")).scalar()
+    assert after == before
+    out = ok(*per_end_user, "--project", "bot", "--rpm", "2", "--usd-per-day", "1", url=url)
+    assert "rpm 2, 1 USD a day" in out
+    with engine.connect() as conn:
+        kinds = [r[0] for r in conn.execute(sa.text(
+            "SELECT type FROM events WHERE type IN ('LevelLimitsSet', 'BudgetSet')"
+        ))]  # fmt: skip
+    engine.dispose()
+    assert sorted(kinds) == ["BudgetSet", "LevelLimitsSet"]
+
+
 def test_an_invoice_is_for_the_current_month_unless_a_period_is_named(url: str) -> None:
     from ledger.schema import ledger_entries
 

@@ -82,6 +82,17 @@ def test_a_per_end_user_budget_is_daily_and_set_on_a_project() -> None:
     assert unknown.value.field == "project"
 
 
+def test_an_end_user_is_bounded_by_a_rate_only() -> None:
+    org = tree()
+    for name in ("max_context", "max_output", "kv_gib_seconds"):
+        with pytest.raises(DomainError) as refused:
+            org.do(SetLevelLimits(b.TENANT, "end_user", "search-bot", "*", rpm=1, **{name: 5}))
+        assert (refused.value.rule, refused.value.field) == ("bad_limit", name)
+    org.do(SetLevelLimits(b.TENANT, "end_user", "search-bot", "*", rpm=1, tpm=100))
+    # The same fields at the project itself are still its own to set.
+    org.do(SetLevelLimits(b.TENANT, "project", "search-bot", "*", max_context=5))
+
+
 def test_past_the_bound_new_end_users_share_the_overflow_level() -> None:
     org = tree()
     org.do(SetLevelLimits(b.TENANT, "end_user", "search-bot", "*", rpm=2))
