@@ -40,9 +40,6 @@ ALLOWED = {
     "api/services/admission.py::Admission.admit": "the round's steps [74]",
     "domain/control_plane/state.py::ControlView": "the round's books [350]",
     "api/metrics.py::Metrics": "the router's counter [309]",
-    # The follower's reads of other writers' events joined it; the next cut: the reads beside
-    # the writes (ledger/store/postgres.py, sqlite.py) in a module of their own.
-    "ledger/store/sql.py::SqlEventStore": "the follower's reads [353]",
 }
 
 
