@@ -167,6 +167,10 @@ class SqlEventStore(EventStore):
     ) -> list[AppendResult]:  # fmt: skip
         if self.can_try_append:
             return self._sqlite_append(batches, prepared, check_ids=check_ids, wait=wait)
+        if self._pg and not (check_ids or self.before_commit):
+            return postgres.append(
+                self._engine, batches, prepared, copy_min_rows=self._copy_min_rows
+            )
         try:
             with self._write_transaction() as conn:
                 # expected_version 0 needs no read: version 1 of an existing stream is already

@@ -45,17 +45,26 @@ def stream() -> str:
     return f"req-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "memory",
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("postgres-insert", marks=pytest.mark.postgres),
+    ]
+)
 def store(request: pytest.FixtureRequest) -> Iterator[EventStore]:
     if request.param == "memory":
         yield InMemoryEventStore()
         return
-    url = request.getfixturevalue(f"{request.param}_url")
+    url = request.getfixturevalue(f"{request.param.split('-')[0]}_url")
     schema.upgrade(url)
     engine = create_engine_from_url(url)
     try:
-        # Multi-event appends take PostgreSQL's COPY path, single events the INSERT path.
-        yield SqlEventStore(engine, copy_min_rows=2)
+        # "postgres": multi-event appends take PostgreSQL's COPY path, single events the
+        # one-statement insert; "postgres-insert": every append the one-statement insert.
+        copy_min_rows = 10**9 if request.param == "postgres-insert" else 2
+        yield SqlEventStore(engine, copy_min_rows=copy_min_rows)
     finally:
         engine.dispose()
 
