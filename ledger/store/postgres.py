@@ -1,12 +1,28 @@
-"""The event store's PostgreSQL write path: contiguous positions reserved in one round trip, and
-the rows written by one executemany or, for a large group commit, by COPY on the driver."""
+"""The event store's PostgreSQL write path. An append's first attempt (`append`) runs on the
+driver alone, in psycopg's pipeline mode: the lock, the rows (one statement for a group, or COPY
+for a large one) and COMMIT in one or two round trips. The retry that looks ids up, and appends
+with inline hooks, go through SQLAlchemy (`insert_rows`): contiguous positions reserved in one
+round trip, the rows written by one executemany or by COPY."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import UTC
+from typing import Any
+
 import sqlalchemy as sa
 
+from ledger.errors import StoreUnavailable
 from ledger.schema import events as events_table
-from ledger.store.planning import COLUMNS, Stored
+from ledger.store.planning import (
+    COLUMNS,
+    IdsNeedChecking,
+    Stored,
+    StoredRow,
+    finish_appends,
+    plan_appends,
+)
+from ledger.store.port import AppendBatch, AppendResult
 
 _INSERT = events_table.insert()
 _PG_COPY = f"COPY events ({', '.join(COLUMNS)}) FROM STDIN"
@@ -20,10 +36,11 @@ def _copy_text(value: str) -> str:
 
 # setval(nextval + n - 1) reserves n contiguous positions in one round trip; contiguity holds
 # because appends run under the table lock.
-_PG_RESERVE = sa.text(
-    "SELECT setval(s::regclass, nextval(s::regclass) + :n - 1) "
+_RESERVE_SQL = (
+    "SELECT setval(s::regclass, nextval(s::regclass) + {} - 1) "
     "FROM pg_get_serial_sequence('events', 'position') AS s"
 )
+_PG_RESERVE = sa.text(_RESERVE_SQL.format(":n"))
 
 
 def insert_rows(conn: sa.Connection, to_write: list[Stored], *, copy_min_rows: int) -> int:
@@ -56,10 +73,12 @@ def insert_rows(conn: sa.Connection, to_write: list[Stored], *, copy_min_rows: i
 
 
 def _copy(conn: sa.Connection, to_write: list[Stored], first: int) -> None:
+    _copy_rows(conn.connection.driver_connection, to_write, first)
+
+
+def _copy_rows(dbapi: Any, to_write: list[Stored], first: int) -> None:
     import psycopg
 
-    dbapi = conn.connection.driver_connection
-    assert isinstance(dbapi, psycopg.Connection)
     # One text-format buffer written at once: several times faster than write_row per row,
     # which adapts every value in Python.
     lines = []
@@ -76,3 +95,121 @@ def _copy(conn: sa.Connection, to_write: list[Stored], first: int) -> None:
     except psycopg.errors.IntegrityError as exc:
         # COPY runs on the driver directly; present its failure like SQLAlchemy's.
         raise sa.exc.IntegrityError(_PG_COPY, None, exc) from exc
+
+
+# A group's rows in one statement: the positions reserved (setval, as _PG_RESERVE) and the rows
+# written from one array per column, numbered from the reservation by their ordinality; the
+# first position comes back. The CTE with setval is materialized: evaluated once.
+_ARRAYS = ("text", "text", "integer", "text", "timestamptz", "text", "integer", "text")
+_INSERT_GROUP = (
+    "WITH r AS MATERIALIZED (SELECT setval(s::regclass, nextval(s::regclass) + %(n)s - 1) "
+    "- %(n)s AS before FROM pg_get_serial_sequence('events', 'position') AS s), "
+    f"w AS (INSERT INTO events ({', '.join(COLUMNS)}) "
+    f"SELECT r.before + v.i, {', '.join('v.' + c for c in COLUMNS[1:])} FROM r, unnest("
+    + ", ".join(f"%({c})s::{t}[]" for c, t in zip(COLUMNS[1:], _ARRAYS, strict=True))
+    + f") WITH ORDINALITY AS v({', '.join(COLUMNS[1:])}, i)) "
+    "SELECT before + 1 FROM r"
+)
+_LOCK = "LOCK TABLE events IN EXCLUSIVE MODE"
+_VERSIONS = (
+    "SELECT s.id, (SELECT max(e.stream_version) FROM events e WHERE e.stream_id = s.id) "
+    "FROM unnest(%s::text[]) AS s(id)"
+)
+_BY_IDS = f"SELECT {', '.join(COLUMNS)} FROM events WHERE event_id = ANY(%s)"
+
+
+def append(
+    engine: sa.Engine, batches: Sequence[AppendBatch], prepared: list[list[StoredRow]], *,
+    copy_min_rows: int,
+) -> list[AppendResult]:  # fmt: skip
+    """An append_many's first attempt (ids not looked up) on the driver, in psycopg's pipeline
+    mode: BEGIN, the table lock, the rows and COMMIT go in one round trip when no batch needs
+    its stream's version (a new stream's, expected version 0: an admission), two when one does
+    (the versions are read with the lock, and the plan made, before the rows). Through
+    SQLAlchemy, with psycopg's own BEGIN, the lock, the version read, the reservation, the rows
+    and COMMIT were a round trip each, and a thread waited on each. COMMIT's answer is read
+    before this returns: nothing is reported written before it is durable.
+    Raises IdsNeedChecking on a UNIQUE violation (plan again with ids looked up) and
+    StoreUnavailable when the database cannot be reached."""
+    import psycopg
+
+    try:
+        conn = engine.connect()
+    except sa.exc.OperationalError as exc:
+        raise StoreUnavailable(f"event store unavailable: {exc.orig or exc}") from exc
+    try:
+        db = conn.connection.driver_connection
+        assert isinstance(db, psycopg.Connection)
+        db.autocommit = True  # the transaction is this pipeline's own BEGIN ... COMMIT
+        try:
+            return _append(db, batches, prepared, copy_min_rows)
+        except (psycopg.errors.IntegrityError, sa.exc.IntegrityError):
+            raise IdsNeedChecking() from None
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            conn.invalidate()  # a broken connection does not go back to the pool
+            raise StoreUnavailable(f"event store unavailable: {exc}") from exc
+        finally:
+            if not conn.invalidated:
+                try:
+                    if db.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                        db.execute("ROLLBACK")
+                    db.autocommit = False
+                except Exception:
+                    # Never back to the pool in autocommit: SQLAlchemy's transactions on it
+                    # would commit statement by statement.
+                    conn.invalidate()
+    finally:
+        conn.close()
+
+
+def _append(
+    db: Any, batches: Sequence[AppendBatch], prepared: list[list[StoredRow]], copy_min_rows: int
+) -> list[AppendResult]:
+    streams = list(dict.fromkeys(b.stream_id for b in batches if b.expected_version != 0))
+    with db.cursor() as cursor, db.cursor() as inserted:
+        with db.pipeline():
+            cursor.execute("BEGIN")
+            cursor.execute(_LOCK)
+            versions: dict[str, int] = {}
+            if streams:  # fetching the versions sends what is queued: a round trip
+                cursor.execute(_VERSIONS, [streams])
+                versions = {s: int(v) for s, v in cursor.fetchall() if v is not None}
+
+            def lookup(ids: list[str]) -> dict[str, Stored]:
+                cursor.execute(_BY_IDS, [ids])
+                return {r[1]: _stored(r) for r in cursor.fetchall()}
+
+            plan = plan_appends(batches, prepared, versions, lookup, check_ids=False)
+            rows = plan.to_write
+            if 0 < len(rows) < copy_min_rows:
+                inserted.execute(_INSERT_GROUP, _arrays(rows))
+            if len(rows) < copy_min_rows:
+                cursor.execute("COMMIT")  # its answer is read as the pipeline closes
+        if len(rows) >= copy_min_rows:  # COPY does not run in a pipeline
+            n = len(rows)
+            first = int(cursor.execute(_RESERVE_SQL.format("%s"), [n]).fetchone()[0]) - n + 1
+            _copy_rows(db, rows, first)
+            cursor.execute("COMMIT")
+        else:
+            first = int(inserted.fetchone()[0]) if rows else 0
+    return finish_appends(plan, batches, first)
+
+
+def _arrays(rows: list[Stored]) -> dict[str, Any]:
+    return {
+        "n": len(rows),
+        "event_id": [s.row.event_id for s in rows],
+        "stream_id": [s.row.stream_id for s in rows],
+        "stream_version": [s.stream_version for s in rows],
+        "tenant_id": [s.row.tenant_id for s in rows],
+        "occurred_at": [s.row.occurred_at for s in rows],
+        "type": [s.row.type for s in rows],
+        "version": [s.row.version for s in rows],
+        "payload": [s.row.payload for s in rows],
+    }
+
+
+def _stored(r: tuple[Any, ...]) -> Stored:
+    position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
+    row = StoredRow(event_id, stream_id, tenant_id, at.astimezone(UTC), type_, version, payload)
+    return Stored(row, stream_version, position)

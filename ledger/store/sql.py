@@ -1,6 +1,6 @@
 """`SqlEventStore`: the event store on SQLite or PostgreSQL through SQLAlchemy Core (with
-PostgreSQL's write path, COPY for large group commits, in ledger.store.postgres, and SQLite's
-hot paths on the driver in ledger.store.sqlite)."""
+PostgreSQL's write path, COPY for large group commits, in ledger.store.postgres, SQLite's hot
+paths on the driver in ledger.store.sqlite, and a log follower's reads in ledger.store.tails)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ledger import faults
 from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
 from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
 from ledger.schema import events as events_table
-from ledger.store import postgres, sqlite
+from ledger.store import postgres, sqlite, tails
 from ledger.store.planning import (
     COLUMNS,
     IdsNeedChecking,
@@ -48,8 +48,6 @@ _PG_VERSIONS = sa.text(
     "SELECT s.id, (SELECT max(e.stream_version) FROM events e WHERE e.stream_id = s.id) "
     "FROM unnest(:ids) AS s(id)"
 ).bindparams(sa.bindparam("ids", type_=ARRAY(sa.String())))
-# Positions per query of a filtered tail (read_all with types or prefixes) on PostgreSQL.
-_TAIL_WINDOW = 20_000
 
 
 class _ConflictHandled(logging.Filter):
@@ -169,6 +167,10 @@ class SqlEventStore(EventStore):
     ) -> list[AppendResult]:  # fmt: skip
         if self.can_try_append:
             return self._sqlite_append(batches, prepared, check_ids=check_ids, wait=wait)
+        if self._pg and not (check_ids or self.before_commit):
+            return postgres.append(
+                self._engine, batches, prepared, copy_min_rows=self._copy_min_rows
+            )
         try:
             with self._write_transaction() as conn:
                 # expected_version 0 needs no read: version 1 of an existing stream is already
@@ -189,7 +191,7 @@ class SqlEventStore(EventStore):
                         return self._by_ids(conn, ids)
 
                 plan = plan_appends(batches, prepared, versions, lookup, check_ids=check_ids)
-                first = self._insert(conn, plan.to_write) if plan.to_write else 0
+                first = _insert(conn, plan.to_write, self._pg, self._copy_min_rows)
                 results = finish_appends(plan, batches, first)
                 if self.before_commit and plan.to_write:
                     written = [s.recorded() for s in plan.to_write]
@@ -223,12 +225,6 @@ class SqlEventStore(EventStore):
             for r in conn.execute(_SELECT.where(events_table.c.event_id.in_(chunk))):
                 found[r.event_id] = _stored_from_row(r)
         return found
-
-    def _insert(self, conn: sa.Connection, to_write: list[Stored]) -> int:
-        """Write the rows at consecutive positions; returns the first position."""
-        if not self._pg:
-            return _sqlite_insert(conn, to_write)
-        return postgres.insert_rows(conn, to_write, copy_min_rows=self._copy_min_rows)
 
     def _sqlite_append(
         self,
@@ -316,7 +312,7 @@ class SqlEventStore(EventStore):
         out: list[Recorded] = []
         low = after_position
         while low < head and len(out) < limit:
-            high = min(low + _TAIL_WINDOW, head)
+            high = min(low + tails.TAIL_WINDOW, head)
             window = query.where(c.position > low, c.position <= high)
             out += self._read(window.order_by(c.position).limit(limit - len(out)))
             low = high
@@ -327,53 +323,10 @@ class SqlEventStore(EventStore):
         self, after_position: int, limit: int, event_types: Sequence[str],
         excluding_id_suffix: str = "",
     ) -> tuple[list[Recorded], int]:  # fmt: skip
-        if not self._pg:
-            return self._sqlite_read_tail(after_position, limit, event_types, excluding_id_suffix)
-        c = events_table.c
-        # The head in the same statement as the window's events (a left join keeps its row
-        # when no event matches): a follower near the head asks once per read, not twice.
-        head = sa.select(sa.func.coalesce(sa.func.max(c.position), 0).label("p")).cte("head")
-        out: list[Recorded] = []
-        low = after_position
+        read = tails.postgres_read_tail if self._pg else tails.sqlite_read_tail
         with self._connect() as conn:
-            while True:
-                high = sa.func.least(low + _TAIL_WINDOW, head.c.p)
-                match = [c.position > low, c.position <= high]
-                if event_types:
-                    match.append(c.type.in_(list(event_types)))
-                if excluding_id_suffix:
-                    match.append(c.event_id.notlike(f"%{excluding_id_suffix}"))
-                query = (
-                    sa.select(head.c.p, *(c[name] for name in COLUMNS))
-                    .select_from(head.outerjoin(events_table, sa.and_(*match)))
-                    .order_by(c.position)
-                    .limit(limit - len(out))
-                )
-                rows = conn.execute(query).all()
-                top = int(rows[0][0])
-                out += [_recorded_from_row(*r[1:]) for r in rows if r[1] is not None]
-                if len(out) >= limit:
-                    return out, out[-1].position
-                low = min(low + _TAIL_WINDOW, top)
-                if low >= top:
-                    return out, max(top, after_position)
-
-    def _sqlite_read_tail(
-        self, after: int, limit: int, types: Sequence[str], excluding_id_suffix: str
-    ) -> tuple[list[Recorded], int]:
-        with self._connect() as conn:
-            cursor = conn.connection.driver_connection.cursor()
-            try:
-                # The head first, then the tail bounded by it: the position returned never passes
-                # an event the tail did not see (one writer: positions commit in order).
-                head = cursor.execute("SELECT coalesce(max(position), 0) FROM events").fetchone()
-                sql, params = sqlite.follow_sql(after, int(head[0]), limit, types,
-                                                excluding_id_suffix)  # fmt: skip
-                rows = cursor.execute(sql, params).fetchall()
-            finally:
-                cursor.close()
-        out = [sqlite.recorded_from_row(r) for r in rows]
-        return out, (out[-1].position if len(out) >= limit else max(int(head[0]), after))
+            db = conn.connection.driver_connection
+            return read(db, after_position, limit, event_types, excluding_id_suffix)
 
     def read_streams_with_prefix(self, prefix: str | Sequence[str]) -> list[Recorded]:
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
@@ -431,17 +384,9 @@ class SqlEventStore(EventStore):
     def _sqlite_tail(
         self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = ()
     ) -> list[Recorded]:
-        params: list[Any] = [after_position]
-        for prefix in prefixes:
-            params += [len(prefix), prefix]
-        params += [*types, limit]
         with self._connect() as conn:
-            cursor = conn.connection.driver_connection.cursor()
-            try:
-                rows = cursor.execute(sqlite.tail_sql(len(prefixes), len(types)), params).fetchall()
-            finally:
-                cursor.close()
-        return [sqlite.recorded_from_row(r) for r in rows]
+            db = conn.connection.driver_connection
+            return tails.sqlite_read_all(db, after_position, limit, prefixes, types)
 
     @faults.seam("store.read")
     def _read(self, query: sa.Select[Any]) -> list[Recorded]:
@@ -451,6 +396,15 @@ class SqlEventStore(EventStore):
 
     def _connect(self) -> Any:
         return _Reading(self._engine)
+
+
+def _insert(conn: sa.Connection, to_write: list[Stored], pg: bool, copy_min_rows: int) -> int:
+    """Write the rows at consecutive positions; returns the first position (0 for none)."""
+    if not to_write:
+        return 0
+    if pg:
+        return postgres.insert_rows(conn, to_write, copy_min_rows=copy_min_rows)
+    return _sqlite_insert(conn, to_write)
 
 
 def _sqlite_insert(conn: sa.Connection, to_write: list[Stored]) -> int:

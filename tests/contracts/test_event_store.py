@@ -22,6 +22,7 @@ from ledger.store import (
     NewEvent,
     SqlEventStore,
     WrongExpectedVersion,
+    tails,
 )
 from tests.fakes import InMemoryEventStore
 
@@ -44,17 +45,26 @@ def stream() -> str:
     return f"req-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "memory",
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("postgres-insert", marks=pytest.mark.postgres),
+    ]
+)
 def store(request: pytest.FixtureRequest) -> Iterator[EventStore]:
     if request.param == "memory":
         yield InMemoryEventStore()
         return
-    url = request.getfixturevalue(f"{request.param}_url")
+    url = request.getfixturevalue(f"{request.param.split('-')[0]}_url")
     schema.upgrade(url)
     engine = create_engine_from_url(url)
     try:
-        # Multi-event appends take PostgreSQL's COPY path, single events the INSERT path.
-        yield SqlEventStore(engine, copy_min_rows=2)
+        # "postgres": multi-event appends take PostgreSQL's COPY path, single events the
+        # one-statement insert; "postgres-insert": every append the one-statement insert.
+        copy_min_rows = 10**9 if request.param == "postgres-insert" else 2
+        yield SqlEventStore(engine, copy_min_rows=copy_min_rows)
     finally:
         engine.dispose()
 
@@ -336,6 +346,26 @@ def test_a_followers_tail_skips_its_own_writes_and_moves_past_what_it_skipped(
     assert at == more[0].position
     # No suffix: every event of the types.
     assert len(store.read_tail(0, 10, kinds)[0]) == 5
+
+
+def test_a_followers_tail_read_in_windows_is_the_tail_read_at_once(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PostgreSQL reads a tail in windows of positions; two positions a window here, so that
+    # a read crosses several, some of them holding only skipped events.
+    monkeypatch.setattr(tails, "TAIL_WINDOW", 2)
+    ours, theirs = tagged_event_ids("0badcafe"), tagged_event_ids("feedf00d")
+    s = stream()
+    made = [ours, ours, ours, theirs, ours, theirs, theirs, ours]
+    events = [NewEvent(m(), s, "acme", T0, RequestRouted(s, "replica", n)) for n, m in
+              enumerate(made, 1)]  # fmt: skip
+    written = store.append(s, 0, events)
+    theirs_at = [r.position for r, m in zip(written, made, strict=True) if m is theirs]
+    read, at = store.read_tail(0, 10, ("RequestRouted",), "0badcafe")
+    assert [r.position for r in read] == theirs_at and at == written[-1].position
+    assert read == [r for r in store.read_all(0, 10) if r.position in theirs_at]
+    read, at = store.read_tail(0, 2, ("RequestRouted",), "0badcafe")
+    assert [r.position for r in read] == theirs_at[:2] and at == theirs_at[1]
 
 
 def test_tagged_event_ids_are_uuids_ending_with_the_writers_tag() -> None:
