@@ -79,8 +79,8 @@ class RoutingStep:
         self.rng = rng
         self.clock = clock
         self.signals = signals or ImplicitSignals()
-        # (tenant, project) -> (the policy, valid until, its models on sale cheapest first)
-        self._ladders: dict[tuple[str, str], tuple[RoutingPolicy, datetime, list[str]]] = {}
+        # tenant -> project -> (the policy, valid until, its models on sale cheapest first)
+        self._ladders: dict[str, dict[str, tuple[RoutingPolicy, datetime, list[str]]]] = {}
 
     def policy(self, caller: Caller) -> RoutingPolicy | None:
         project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
@@ -136,13 +136,17 @@ class RoutingStep:
         """The policy's models on sale, cheapest first, as of at most LADDER_TTL ago: resolving
         and pricing them was most of the step's cost, and they change when an operator acts."""
         now = self.clock()
-        key = (policy.tenant_id, policy.project_id)
-        kept = self._ladders.get(key)
+        projects = self._ladders.get(policy.tenant_id)
+        if projects is None:
+            projects = self._ladders[policy.tenant_id] = {}
+        kept = projects.get(policy.project_id)
         if kept is not None and kept[0] is policy and now < kept[1]:
             return kept[2]
         on_sale = [m for m in dict.fromkeys(self.resolve(name) for name in policy.models) if m]
         on_sale.sort(key=lambda m: (unit_price(self.control.price(m, now)), m))
-        self._ladders[key] = (policy, now + LADDER_TTL, on_sale)
+        if kept is not None and kept[2] == on_sale:
+            on_sale = kept[2]  # the same order: the same list, which `choose`'s plans compare
+        projects[policy.project_id] = (policy, now + LADDER_TTL, on_sale)
         return on_sale
 
     # --- implicit feedback ---------------------------------------------------------------------
