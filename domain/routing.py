@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Final
 
 from domain.envelope import Recorded
+from domain.prediction import SYSTEM_PROMPT_BUCKETS
 from domain.requests.events import FeedbackRecorded
 from domain.router_model import RouterModel
 
@@ -62,10 +63,32 @@ def task_class(
 ) -> str:  # fmt: skip
     """The request's task class, e.g. "p1.t0.ft.r0.b7": prompt band, tools present, response
     format, part of a run, the tenant-keyed system-prompt bucket (-1: none). All known at
-    admission; nothing of the text."""
+    admission; nothing of the text. Read from `_CLASSES` (every class of a bucket in range,
+    made once): admission formats no string for it."""
     band = bisect.bisect_right(PROMPT_BANDS, prompt_tokens)
-    fmt = RESPONSE_FORMATS.get(response_format, "t")
-    return f"p{band}.t{int(tools)}.f{fmt}.r{int(in_run)}.b{system_prompt_bucket}"
+    fmt = _FORMAT_INDEX.get(response_format, 0)
+    if -1 <= system_prompt_bucket < SYSTEM_PROMPT_BUCKETS:
+        return _CLASSES[system_prompt_bucket + 1][band][tools][fmt][in_run]
+    return _format_class(system_prompt_bucket, band, tools, _FORMATS[fmt], in_run)
+
+
+def _format_class(bucket: int, band: int, tools: bool, fmt: str, in_run: bool) -> str:
+    return f"p{band}.t{int(tools)}.f{fmt}.r{int(in_run)}.b{bucket}"
+
+
+_FORMATS: Final = tuple(RESPONSE_FORMATS.values())
+_FORMAT_INDEX: Final = {name: i for i, name in enumerate(RESPONSE_FORMATS)}
+# [bucket + 1][band][tools][format][in run] -> the class
+_CLASSES: Final = [
+    [
+        [
+            [[_format_class(b, band, tools, f, run) for run in (False, True)] for f in _FORMATS]
+            for tools in (False, True)
+        ]
+        for band in range(len(PROMPT_BANDS) + 1)
+    ]
+    for b in range(-1, SYSTEM_PROMPT_BUCKETS)
+]
 
 
 def shape_of(cls: str) -> str:
@@ -188,15 +211,18 @@ class QualityView:
             window.append(recorded.occurred_at, score)
         plans = self.plans.get(tenant)
         if plans:  # decided again here, for the classes whose estimates this may have moved
-            for stale in [c for c in plans if c == cls or shape_of(c) == shape]:
-                plan = plans[stale]
-                plans[stale] = _decide(plan.policy, plan.on_sale, self, stale)
+            # (a copy of the keys: the edge folds feedback on another thread than admission's,
+            # which may add a class meanwhile, decided on the tallies as it read them)
+            for stale in [c for c in list(plans) if c == cls or shape_of(c) == shape]:
+                plan = plans.get(stale)
+                if plan is not None:
+                    plans[stale] = _decide(plan.policy, plan.on_sale, self, stale)
 
     def use_model(self, model: RouterModel | None) -> None:
         """Read `model`'s estimates from now on where its guard holds (None: Wilson only)."""
         self.learned = {} if model is None else model.table()
         self.model_version = "" if model is None else model.version
-        self.plans.clear()
+        self.plans = {}
 
     def estimate(self, tenant_id: str, model: str, cls: str) -> tuple[int, int, float]:
         """(lower bound ppm, upper bound ppm, evidence) of `model` for `cls`: the trained

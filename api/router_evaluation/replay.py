@@ -45,6 +45,7 @@ from api.services.auth import Caller
 from api.services.chat_request import parse_chat_request
 from api.services.outcomes import Outcomes
 from api.services.recorder import Flight, Recorder
+from api.services.routing_step import REFRESH_S
 from domain.admission import DEFAULT_POLICY
 from domain.control_plane.decide import (
     AllowFallback,
@@ -318,6 +319,7 @@ async def _replay(
     policy = world.policy
     out = Outcome(policy)
     refit_every = max(1, len(traffic) // RETRAINS) if policy == "router_model" else 0
+    refresh_at = START
     draws = random.Random(setup.seed + 1)
     ends: list[tuple[datetime, int, Flight, Planned]] = []
     late = len(traffic) * 3 // 4
@@ -328,6 +330,9 @@ async def _replay(
             world.clock.now = ended_at
             _end(world, flight, done, setup, draws, out)
         world.clock.now = at
+        if at >= refresh_at:  # as the edge's runtime does, every REFRESH_S, off the request path
+            world.admission.router.refresh()
+            refresh_at = at + timedelta(seconds=REFRESH_S)
         if refit_every and n and n % refit_every == 0 and train is not None:
             _refit(world, train, n, out)
         out.requests += 1
