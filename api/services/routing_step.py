@@ -43,9 +43,12 @@ REFRESH_S = LADDER_TTL.total_seconds() / 2
 Fact = Callable[[str, str, Event, int | None], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Routing:
-    """The router's answer for one request, and the consent it was given under."""
+    """The router's answer for one request, and the consent it was given under. Not frozen:
+    one is made per routed request, and a frozen dataclass's constructor costs three times as
+    much (each field set through object.__setattr__); nothing changes one once made (`shed`
+    makes another)."""
 
     routed: Routed
     policy: RoutingPolicy

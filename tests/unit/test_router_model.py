@@ -15,9 +15,11 @@ import pytest
 from domain.requests.events import FeedbackRecorded, RequestModelRouted
 from domain.router_model import RouterModel, TenantRouterModel
 from domain.routing import QualityView, choose, task_class
+from ledger.store import NewEvent
 from predictor import router_file
-from predictor.router_train import RouterTrainConfig, fit
+from predictor.router_train import NotEnoughFeedback, RouterTrainConfig, fit, train_and_save
 from tests import builders as b
+from tests.fakes import InMemoryEventStore
 from tests.unit.test_routing import CLS, LARGE, SMALL, Router, policy, scores
 
 GOOD = task_class(3, 100, False, "json_object", False)  # the small model does it well
@@ -87,6 +89,22 @@ def test_the_exported_file_loads_without_torch(trained: RouterModel, tmp_path: P
     (tmp_path / "bad.json").write_text('{"format": "tollgate-router-model", "format_version": 1}')
     with pytest.raises(router_file.RouterFileError):
         router_file.load(tmp_path / "bad.json")
+
+
+def test_training_reads_the_log_s_feedback_and_writes_the_newest_file(tmp_path: Path) -> None:
+    store = InMemoryEventStore()
+    with pytest.raises(NotEnoughFeedback):
+        train_and_save(store, RouterTrainConfig(), tmp_path)
+    for i, event in enumerate(feedback()):
+        store.append(event.request_id, 0, [
+            NewEvent(f"fb-{i}", event.request_id, event.tenant_id, b.at(i), event)])  # fmt: skip
+    path, model, training = train_and_save(store, RouterTrainConfig(), tmp_path)
+    assert training["feedback_events"] == 805 and router_file.latest(tmp_path) == path
+    assert path.name == f"router-model-{model.version}.json"
+    assert model.version.startswith("rm-") and router_file.load(path).tenants == model.tenants
+    # The same log and seed: the same weights as fitting the events directly.
+    direct = fit(feedback(), version="x")
+    assert direct is not None and direct.tenants == model.tenants
 
 
 def hand_model(evidence: float, p_logit: float = 4.0) -> RouterModel:
