@@ -53,6 +53,12 @@ def main() -> None:
     from predictor.router_train import fit
 
     traffic = generate(args.requests, args.rate, args.seed, args.drift_at)
+    # As `tollgate serve` runs the edge (api/serve.py), for the replays' timing of admission
+    # too: start-up objects (here the generated traffic and the imported modules) frozen out
+    # of the collector, full collections rarer.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(700, 10, 1000)
     settings: dict[str, Any] = {}
     world = None
     for name, (exploration, feedback) in SETTINGS.items():
@@ -66,11 +72,8 @@ def main() -> None:
         settings[name] = result
         for policy in ("router", "router_model"):
             print(name, policy, json.dumps(result["policies"][policy])[:400], flush=True)
-    # As `tollgate serve` runs the edge (api/serve.py): start-up objects frozen out of the
-    # collector, full collections rarer.
     gc.collect()
     gc.freeze()
-    gc.set_threshold(700, 10, 1000)
     timing = inference(world, traffic, args.calls, args.runs)
     write_result(RESULTS, {
         "requests": args.requests, "rate_per_s": args.rate, "seed": args.seed,
