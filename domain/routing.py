@@ -174,7 +174,7 @@ class QualityView:
     `use_model` adds a trained estimate (`domain.router_model`), read where its coverage guard
     holds. `plans` keeps, per tenant and class, what `choose` decided from all of it: a
     feedback decides again the classes of its shape as it is folded, a new trained model
-    forgets them all, a new policy or price order decides again at the next request. So
+    every class as it is loaded, a new policy or price order at the next request. So
     admission reads a decision; it makes one only for a class, policy or price order new to
     it."""
 
@@ -222,7 +222,12 @@ class QualityView:
         """Read `model`'s estimates from now on where its guard holds (None: Wilson only)."""
         self.learned = {} if model is None else model.table()
         self.model_version = "" if model is None else model.version
-        self.plans = {}
+        # Every class decided again now, as the model is loaded, rather than by the next
+        # request of each (a fresh dict: admission's thread may be reading the old one).
+        self.plans = {
+            tenant: {cls: _decide(p.policy, p.on_sale, self, cls) for cls, p in list(plans.items())}
+            for tenant, plans in list(self.plans.items())
+        }
 
     def estimate(self, tenant_id: str, model: str, cls: str) -> tuple[int, int, float]:
         """(lower bound ppm, upper bound ppm, evidence) of `model` for `cls`: the trained

@@ -159,3 +159,9 @@ def test_the_decision_kept_for_a_class_is_made_again_when_its_inputs_change() ->
     assert choose(kept, ladder, view, CLS, 0.99).served_model == LARGE
     # The same inputs: the same answer object, nothing made again.
     assert choose(kept, ladder, view, CLS, 0.5) is choose(kept, ladder, view, CLS, 0.5)
+    # A model loaded: every class kept is decided again then, not by its next request.
+    before = view.plans[b.TENANT][CLS]
+    view.use_model(hand_model(evidence=100))
+    after = view.plans[b.TENANT][CLS]
+    assert after is not before and after.meets is not None and after.meets.served_model == SMALL
+    assert choose(kept, ladder, view, CLS, 0.5) is after.meets
