@@ -33,6 +33,7 @@ from api.services.batch_service import BatchService
 from api.services.edge import Edge
 from api.services.feedback_service import FeedbackService
 from api.services.idempotency_service import AsyncIdempotency
+from api.services.routing_step import REFRESH_S
 from api.services.runs_service import RunService
 from api.services.scaling import Actuator, ScalingLoop
 from api.services.tracing import from_env as tracing_from_env
@@ -58,6 +59,7 @@ from ledger.quality import QualityLog
 from ledger.schema import upgrade
 from ledger.store import SqlEventStore
 from ledger.writer import GroupCommitWriter
+from predictor import router_file
 from predictor.runtime import LoadedPredictor
 from streams.status import BATCH_RUNNER_NAME, Reconciliation, read_status
 from streams.supervisor import FoldWorkerSupervisor
@@ -118,6 +120,7 @@ class Runtime:
         # The router's statistics: the tenants' feedback, folded here at start and followed with
         # the control plane; this edge's own feedback is folded as it is recorded.
         self.quality_log = QualityLog(self.store)
+        self._router_model()
         self.feedback = FeedbackService(
             self.store, CommandHandler(self.store), self.quality_log.view
         )
@@ -247,6 +250,8 @@ class Runtime:
             loop.create_task(self._every(self.settings.sqlite_checkpoint_s, self._checkpoint)),
             loop.create_task(self._every(SLOW_READER_CHECK_S, self._check_slow_readers)),
             loop.create_task(self._every(2.0, self._batch_gauges)),
+            loop.create_task(self._every(REFRESH_S, self.edge.admission.router.refresh)),
+            loop.create_task(self._every(self.settings.predictor_reload_s, self._router_model)),
         ]
         policy = ScalePolicy(
             cold_start_s=self.settings.cold_start_s,
@@ -302,6 +307,23 @@ class Runtime:
 
     def _check_slow_readers(self) -> None:
         self.edge.check_slow_readers(time.monotonic())
+
+    def _router_model(self) -> None:
+        """The newest router model `tollgate router train` wrote to the predictor directory,
+        read where its coverage guard holds (domain.router_model); none, or a file that is not
+        one: Wilson's bound alone, as before."""
+        path = router_file.latest(self.settings.predictor_dir())
+        view = self.quality_log.view
+        if path is None or path.stem.endswith(view.model_version or "-"):
+            return
+        try:
+            model = router_file.load(path)
+        except (OSError, router_file.RouterFileError) as exc:
+            log.warning("router model %s not read: %s", path, exc)
+            return
+        view.use_model(model)
+        log.info("router model %s: %d (tenant, model, class) covered", model.version,
+                 len(view.learned))  # fmt: skip
 
     def _predictor_path(self) -> Path:
         configured = self.settings.predictor_path

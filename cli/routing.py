@@ -3,12 +3,18 @@ model that meets its quality bar on the tenant's own feedback), and what it save
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import click
 
+from api.config import Settings
 from api.services import control_service as control
 from cli.common import control_options, database_option, one_line_errors
+from cli.options import settings_options
 from domain.audit.events import Actor
 from domain.control_plane.decide import AllowRouting
+from domain.router_model import MODEL_MIN_EVIDENCE
 from domain.routing import DEFAULT_EXPLORATION_PPM, ON_CAPACITY
 
 
@@ -146,15 +152,19 @@ def routing_savings(tenant: str | None, month: str, database_url: str) -> None:
 @click.option("--on-capacity", type=click.Choice(ON_CAPACITY), default="asked", show_default=True)
 @click.option("--inference-calls", default=0, show_default=True, type=click.IntRange(min=0),
               help="also time the routing step at admission, this many calls (3 runs)")  # fmt: skip
+@click.option("--no-model", is_flag=True,
+              help="skip `router_model` (the router with a model trained with torch)")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="the whole result as JSON")
 def routing_evaluate(
     requests: int, rate: float, seed: int, drift_at: float, quality_bar: float,
     exploration: float, feedback_share: float, on_capacity: str, inference_calls: int,
-    as_json: bool,
+    no_model: bool, as_json: bool,
 ) -> None:  # fmt: skip
     """Judge the router on generated traffic with a known ground truth per task kind, replayed
     through the real admission in simulated time: `auto` with consent against always the
-    reference model and an oracle (api/router_evaluation/). Needs no database or server."""
+    reference model and an oracle (api/router_evaluation/); with torch installed, also the
+    router reading a model refitted on the feedback logged so far (`router_model`: Wilson's
+    bound where the model's coverage guard fails). Needs no database or server."""
     import asyncio
     import json
 
@@ -163,7 +173,10 @@ def routing_evaluate(
 
     setup = Setup(quality_bar, exploration, on_capacity, feedback_share, seed=seed)
     traffic = generate(requests, rate, seed, drift_at if drift_at < 1 else None)
-    result = asyncio.run(evaluate(traffic, setup))
+    train = None
+    if not no_model and importlib.util.find_spec("torch") is not None:
+        from predictor.router_train import fit as train
+    result = asyncio.run(evaluate(traffic, setup, train))
     world = result.pop("router_world")
     if inference_calls:
         result["inference"] = inference(world, traffic, inference_calls, runs=3)
@@ -178,16 +191,64 @@ def routing_evaluate(
             f"{name},{p['admitted']},{p['capacity_refusals']},{p['saving_vs_asked']},"
             f"{p['cost_vs_oracle']},{p['bar_attainment']},{p['share_routed_away']},{reasons}"
         )
+    for name, p in result["policies"].items():
+        t = p.get("routing_step")
+        if t:
+            click.echo(f"{name}: routing step timed in the replay, {t['decisions']} decisions: "
+                       f"p50 {t['p50_us']} us, p99 {t['p99_us']} us, "
+                       f"p99.9 {t['p999_us']} us")  # fmt: skip
+    click.echo(f"load average {result['load_average']}")
     if inference_calls:
         t = result["inference"]
         click.echo(f"routing step at admission: p50 {t['route_p50_us']} us, p99 "
                    f"{t['route_p99_us']} us (CPU p99 {t['route_cpu_p99_us']} us)")  # fmt: skip
 
 
-# `tollgate router evaluate`, as the issue names it: the same command.
+@click.command("train")
+@settings_options("database_url")
+@click.option("--out", default=None,
+              help="directory for the model file (default: the data directory's "
+              "predictor/)")  # fmt: skip
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--holdout-every", default=5, show_default=True, type=click.IntRange(min=2),
+              help="every N-th feedback event is held out to calibrate the margin")  # fmt: skip
+@click.option("--min-evidence", default=MODEL_MIN_EVIDENCE, show_default=True,
+              type=click.FloatRange(min=1),
+              help="fitted feedback a class needs for the model's estimate to be used")  # fmt: skip
+@one_line_errors
+def router_train(
+    settings: Settings, out: str | None, seed: int, holdout_every: int, min_evidence: float
+) -> None:
+    """Fit the router's quality model with torch on the log's feedback and write a model file;
+    `tollgate serve` reads the newest at start (admission never imports torch)."""
+    if importlib.util.find_spec("torch") is None:
+        raise click.ClickException(
+            "training needs torch: pip install 'tollgate[predictor]' (torch, the CPU build)"
+        )
+    from cli.predictor import _store
+    from predictor.router_train import NotEnoughFeedback, RouterTrainConfig, train_and_save
+
+    config = RouterTrainConfig(seed=seed, holdout_every=holdout_every, min_evidence=min_evidence)
+    with _store(settings) as store:
+        try:
+            path, model, training = train_and_save(
+                store, config, Path(out) if out else settings.predictor_dir()
+            )
+        except NotEnoughFeedback as exc:
+            raise click.ClickException(str(exc)) from None
+    covered = len(model.table())
+    click.echo(f"router model {model.version}: {training['feedback_events']} feedback events, "
+               f"{len(model.tenants)} tenants, {covered} (tenant, model, class) covered, "
+               f"{training['seconds']} s")  # fmt: skip
+    for tenant, t in sorted(model.tenants.items()):
+        click.echo(f"{tenant}: bias {t.bias:+.3f}, spread {t.spread:.3f}")
+    click.echo(str(path))
+
+
+# `tollgate router evaluate | train`, as the issue names them.
 router = click.Group(
-    "router", commands={"evaluate": routing_evaluate},
-    help="The router's evaluation (also `tollgate routing evaluate`).",
+    "router", commands={"evaluate": routing_evaluate, "train": router_train},
+    help="The router's model and evaluation (`evaluate` is also `tollgate routing evaluate`).",
 )  # fmt: skip
 
 COMMANDS = (routing, router)

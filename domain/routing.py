@@ -16,7 +16,9 @@ from datetime import datetime
 from typing import Final
 
 from domain.envelope import Recorded
+from domain.prediction import SYSTEM_PROMPT_BUCKETS
 from domain.requests.events import FeedbackRecorded
+from domain.router_model import RouterModel
 
 __all__ = [
     "AUTO",
@@ -61,10 +63,32 @@ def task_class(
 ) -> str:  # fmt: skip
     """The request's task class, e.g. "p1.t0.ft.r0.b7": prompt band, tools present, response
     format, part of a run, the tenant-keyed system-prompt bucket (-1: none). All known at
-    admission; nothing of the text."""
+    admission; nothing of the text. Read from `_CLASSES` (every class of a bucket in range,
+    made once): admission formats no string for it."""
     band = bisect.bisect_right(PROMPT_BANDS, prompt_tokens)
-    fmt = RESPONSE_FORMATS.get(response_format, "t")
-    return f"p{band}.t{int(tools)}.f{fmt}.r{int(in_run)}.b{system_prompt_bucket}"
+    fmt = _FORMAT_INDEX.get(response_format, 0)
+    if -1 <= system_prompt_bucket < SYSTEM_PROMPT_BUCKETS:
+        return _CLASSES[system_prompt_bucket + 1][band][tools][fmt][in_run]
+    return _format_class(system_prompt_bucket, band, tools, _FORMATS[fmt], in_run)
+
+
+def _format_class(bucket: int, band: int, tools: bool, fmt: str, in_run: bool) -> str:
+    return f"p{band}.t{int(tools)}.f{fmt}.r{int(in_run)}.b{bucket}"
+
+
+_FORMATS: Final = tuple(RESPONSE_FORMATS.values())
+_FORMAT_INDEX: Final = {name: i for i, name in enumerate(RESPONSE_FORMATS)}
+# [bucket + 1][band][tools][format][in run] -> the class
+_CLASSES: Final = [
+    [
+        [
+            [[_format_class(b, band, tools, f, run) for run in (False, True)] for f in _FORMATS]
+            for tools in (False, True)
+        ]
+        for band in range(len(PROMPT_BANDS) + 1)
+    ]
+    for b in range(-1, SYSTEM_PROMPT_BUCKETS)
+]
 
 
 def shape_of(cls: str) -> str:
@@ -145,7 +169,14 @@ class _Window:
 @dataclass(slots=True)
 class QualityView:
     """The tenant's feedback folded per (tenant, model, class) and per (tenant, model, shape),
-    and each class's recent routed scores (drift). A redelivered event changes nothing."""
+    and each class's recent routed scores (drift). A redelivered event changes nothing.
+
+    `use_model` adds a trained estimate (`domain.router_model`), read where its coverage guard
+    holds. `plans` keeps, per tenant and class, what `choose` decided from all of it: a
+    feedback decides again the classes of its shape as it is folded, a new trained model
+    every class as it is loaded, a new policy or price order at the next request. So
+    admission reads a decision; it makes one only for a class, policy or price order new to
+    it."""
 
     classes: dict[tuple[str, str, str], _Tally] = field(default_factory=dict)
     shapes: dict[tuple[str, str, str], _Tally] = field(default_factory=dict)
@@ -153,6 +184,11 @@ class QualityView:
     recent: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     position: int = 0
+    # The trained model's lower bounds, (tenant, model, class) -> ppm, where its guard holds.
+    learned: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    model_version: str = ""
+    # tenant -> class -> the decision made for it (`choose`)
+    plans: dict[str, dict[str, _Plan]] = field(default_factory=dict)
 
     def apply(self, recorded: Recorded) -> None:
         event = recorded.event
@@ -165,23 +201,48 @@ class QualityView:
         score = event.score_ppm / 1_000_000
         weight = 1.0 if event.source == "client" else IMPLICIT_WEIGHT
         tenant, model, cls = event.tenant_id, event.model, event.task_class
+        shape = shape_of(cls)
         self.classes.setdefault((tenant, model, cls), _Tally()).add(score, weight)
-        self.shapes.setdefault((tenant, model, shape_of(cls)), _Tally()).add(score, weight)
+        self.shapes.setdefault((tenant, model, shape), _Tally()).add(score, weight)
         if event.routed_from and event.source == "client":
             window = self.recent.get((tenant, model, cls))
             if window is None:
                 window = self.recent[(tenant, model, cls)] = _Window()
             window.append(recorded.occurred_at, score)
+        plans = self.plans.get(tenant)
+        if plans:  # decided again here, for the classes whose estimates this may have moved
+            # (a copy of the keys: the edge folds feedback on another thread than admission's,
+            # which may add a class meanwhile, decided on the tallies as it read them)
+            for stale in [c for c in list(plans) if c == cls or shape_of(c) == shape]:
+                plan = plans.get(stale)
+                if plan is not None:
+                    plans[stale] = _decide(plan.policy, plan.on_sale, self, stale)
+
+    def use_model(self, model: RouterModel | None) -> None:
+        """Read `model`'s estimates from now on where its guard holds (None: Wilson only)."""
+        self.learned = {} if model is None else model.table()
+        self.model_version = "" if model is None else model.version
+        # Every class decided again now, as the model is loaded, rather than by the next
+        # request of each (a fresh dict: admission's thread may be reading the old one).
+        self.plans = {
+            tenant: {cls: _decide(p.policy, p.on_sale, self, cls) for cls, p in list(plans.items())}
+            for tenant, plans in list(self.plans.items())
+        }
 
     def estimate(self, tenant_id: str, model: str, cls: str) -> tuple[int, int, float]:
-        """(lower bound ppm, upper bound ppm, evidence) of `model` for `cls`: at the class when
-        it has MIN_EVIDENCE, else at its shape, else none (0, 1e6, what there is)."""
+        """(lower bound ppm, upper bound ppm, evidence) of `model` for `cls`: the trained
+        model's lower bound where it covers the class, else Wilson's at the class when it has
+        MIN_EVIDENCE, else at its shape, else none (0, 1e6, what there is). The upper bound
+        is always Wilson's (exploration rules a model out by it)."""
+        learned = self.learned.get((tenant_id, model, cls)) if self.learned else None
         for level, key in ((self.classes, cls), (self.shapes, shape_of(cls))):
             tally = level.get((tenant_id, model, key))
             if tally is not None and tally.weight >= MIN_EVIDENCE:
-                return (*tally.bounds_ppm(), tally.weight)
+                low, high = tally.bounds_ppm()
+                return (low if learned is None else learned), high, tally.weight
         tally = self.classes.get((tenant_id, model, cls))
-        return 0, 1_000_000, 0.0 if tally is None else tally.weight
+        weight = 0.0 if tally is None else tally.weight
+        return (0 if learned is None else learned), 1_000_000, weight
 
     def drifted(
         self, tenant_id: str, model: str, cls: str, bar_ppm: int, since: datetime
@@ -210,6 +271,19 @@ class Routed:
     alternatives: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What `choose` answers for a class under a policy and a price order, until a feedback of
+    the class's shape (or a new model) moves its estimates: the model that meets the bar (or
+    the reference, latched), else the one exploration may try, and the reference."""
+
+    policy: RoutingPolicy
+    on_sale: list[str]
+    meets: Routed | None
+    explore: Routed | None
+    reference: Routed
+
+
 def choose(
     policy: RoutingPolicy, cheapest_first: list[str], quality: QualityView, cls: str,
     draw: float,
@@ -220,23 +294,49 @@ def choose(
     else the reference (the most expensive). When the model that meets the bar has drifted (its
     recent routed answers score under the bar), the class is latched to the reference; a drifted
     model is not explored either. Only a model the router relies on can latch a class: the low
-    scores of a model tried by exploration rule it out by its upper bound, not by drift."""
+    scores of a model tried by exploration rule it out by its upper bound, not by drift.
+
+    Decided once per class and kept (`QualityView.plans`): a request of a known class reads its
+    answer and the draw, and allocates nothing."""
+    plans = quality.plans.get(policy.tenant_id)
+    plan = None if plans is None else plans.get(cls)
+    if plan is None or plan.policy is not policy or plan.on_sale != cheapest_first:
+        plan = _decide(policy, cheapest_first, quality, cls)
+        if plans is None:
+            plans = quality.plans[policy.tenant_id] = {}
+        plans[cls] = plan
+    if plan.meets is not None:
+        return plan.meets
+    if plan.explore is not None and draw * 1_000_000 < policy.exploration_ppm:
+        return plan.explore
+    return plan.reference
+
+
+def _decide(
+    policy: RoutingPolicy, cheapest_first: list[str], quality: QualityView, cls: str
+) -> _Plan:
     reference = cheapest_first[-1]
     tenant, bar = policy.tenant_id, policy.quality_bar_ppm
     estimates = {m: quality.estimate(tenant, m, cls) for m in cheapest_first}
-    alternatives = tuple(f"{m}={low}/{round(n)}" for m, (low, _, n) in estimates.items())
+    learned = quality.learned
+    alternatives = tuple(
+        f"{m}={low}/{round(n)}{'/model' if (tenant, m, cls) in learned else ''}"
+        for m, (low, _, n) in estimates.items()
+    )
 
     def answer(model: str, reason: str) -> Routed:
         return Routed(model, reference, cls, estimates[model][0], bar, reason, alternatives)
 
     since = policy.since
+    meets = explore = None
     for model in cheapest_first[:-1]:
         if estimates[model][0] >= bar:
-            if quality.drifted(tenant, model, cls, bar, since):
-                return answer(reference, "latched")
-            return answer(model, "meets_bar")
-    if draw * 1_000_000 < policy.exploration_ppm:
+            drifted = quality.drifted(tenant, model, cls, bar, since)
+            meets = answer(reference, "latched") if drifted else answer(model, "meets_bar")
+            break
+    if meets is None:
         for model in cheapest_first[:-1]:
             if estimates[model][1] >= bar and not quality.drifted(tenant, model, cls, bar, since):
-                return answer(model, "explore")
-    return answer(reference, "below_bar")
+                explore = answer(model, "explore")
+                break
+    return _Plan(policy, list(cheapest_first), meets, explore, answer(reference, "below_bar"))

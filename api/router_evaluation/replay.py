@@ -24,10 +24,12 @@ import asyncio
 import hashlib
 import heapq
 import itertools
+import os
 import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -36,13 +38,14 @@ import aiohttp
 import orjson
 
 from api.metrics import Metrics
-from api.ports import EventSink
+from api.ports import EventSink, TokenEstimator
 from api.router_evaluation.traffic import LARGE, MODELS, PRICES, SMALL, SPEED_MS, TENANTS, Planned
 from api.services.admission import Admission, Refused, system_prompt_bucket
 from api.services.auth import Caller
 from api.services.chat_request import parse_chat_request
 from api.services.outcomes import Outcomes
 from api.services.recorder import Flight, Recorder
+from api.services.routing_step import REFRESH_S
 from domain.admission import DEFAULT_POLICY
 from domain.control_plane.decide import (
     AllowFallback,
@@ -62,7 +65,8 @@ from domain.quota import QuotaView
 from domain.refusals import RefusalSampler
 from domain.remote_flex import RemoteFlex
 from domain.requests.decide import AdmitRequest, CompleteRequest
-from domain.requests.events import RequestModelRouted
+from domain.requests.events import FeedbackRecorded, RequestModelRouted
+from domain.router_model import RouterModel
 from domain.routing import AUTO, QualityView, choose
 from domain.views import AdmissionViews
 from engine_adapter.estimators import WordTokenEstimator
@@ -73,6 +77,12 @@ from ledger.store import AppendBatch, AppendResult
 __all__ = ["POLICIES", "Setup", "evaluate", "inference"]
 
 POLICIES = ("asked", "router", "oracle")
+# `router_model`: the router with a model trained on the feedback logged so far, refitted this
+# many times over the replay (as an operator would run `tollgate router train` nightly).
+RETRAINS = 10
+# Fits a model to the feedback of the log (predictor.router_train.fit, given by the caller: the
+# replay itself never imports torch).
+Train = Callable[[Sequence[FeedbackRecorded]], "RouterModel | None"]
 VERSION = "2026-05"  # the versions the fleet serves: llama-3.1-8b-2026-05, ...
 START = datetime(2026, 5, 4, 9, tzinfo=UTC)
 BLOCK_TOKENS = 16
@@ -110,6 +120,9 @@ class Outcome:
     drifted: Counter[str] = field(default_factory=Counter)  # the drifting kind after the drift
     scores: int = 0
     decisions_recorded: int = 0  # RequestModelRouted events the recorder decided
+    route_ns: list[int] = field(default_factory=list)  # each routing decision's wall time
+    route_cpu_ns: list[int] = field(default_factory=list)  # and its thread's CPU time
+    trainings: list[dict[str, Any]] = field(default_factory=list)  # router_model: each refit
 
     def summary(self, asked: Outcome | None, oracle: Outcome | None) -> dict[str, Any]:
         def share(n: float, d: float) -> float | None:
@@ -134,6 +147,9 @@ class Outcome:
             "reasons": dict(sorted(self.reasons.items())),
             "scores_recorded": self.scores,
             "decisions_recorded": self.decisions_recorded,
+            "routing_step": _timing(self.route_ns),
+            "routing_step_cpu": _timing(self.route_cpu_ns),
+            "trainings": self.trainings,
             "by_kind": {k: {
                 "admitted": self.kind_admitted[k],
                 "small_share": share(self.served[(k, SMALL)], self.kind_admitted[k]),
@@ -212,36 +228,98 @@ class _World:
                             refusals=RefusalSampler(), clock=self.clock)  # fmt: skip
         estimator = WordTokenEstimator()
         self.quality = QualityView()
+        self.feedback: list[FeedbackRecorded] = []  # the log's feedback, for `router_model`
         self.admission = Admission(
             control=self.control, views=views, fleet=self.fleet, metrics=metrics,
             tokens=lambda model: estimator, recorder=self.recorder, reject=outcomes.reject,
             preempt=lambda ids, by: None, edge_id="eval", rng=rng, clock=self.clock,
             policy=DEFAULT_POLICY, predictor=None, tpot_target_us=40_000, quality=self.quality,
         )  # fmt: skip
+        # Each routing decision's wall time, as admission made it during the replay.
+        self.route_ns: list[int] = []
+        self.route_cpu_ns: list[int] = []  # the same, as the thread's CPU time
+        if policy.startswith("router"):
+            self._time_routing()
+
+    def _time_routing(self) -> None:
+        """Time each `RoutingStep.route` as admission calls it, less the prompt count it makes
+        for admission's quota step (which admission makes with or without a router)."""
+        step = self.admission.router
+        route, tokens, clock, samples = step.route, step.tokens, time.perf_counter_ns, self.route_ns
+        counting = [0]
+
+        class _Timed:
+            def __init__(self, inner: TokenEstimator) -> None:
+                self.inner = inner
+
+            def prompt_tokens(self, messages: Any, tools: Any = None) -> int:
+                t0 = clock()
+                n = self.inner.prompt_tokens(messages, tools)
+                counting[0] += clock() - t0
+                return n
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.inner, name)
+
+        cpu, cpu_samples = time.thread_time_ns, self.route_cpu_ns
+
+        def timed(*args: Any) -> Any:
+            counting[0] = 0
+            c0 = cpu()
+            t0 = clock()
+            answer = route(*args)
+            t1 = clock()
+            c1 = cpu()
+            samples.append(t1 - t0 - counting[0])
+            cpu_samples.append(c1 - c0 - counting[0])
+            return answer
+
+        wrapped: dict[int, TokenEstimator] = {}
+
+        def timed_tokens(model: str) -> TokenEstimator:
+            inner = tokens(model)
+            found = wrapped.get(id(inner))
+            if found is None:
+                found = wrapped[id(inner)] = cast(TokenEstimator, _Timed(inner))
+            return found
+
+        # Admission's own estimators the same objects, so that it takes the router's count.
+        step.tokens = self.admission.tokens = timed_tokens
+        step.route = timed  # type: ignore[method-assign]
 
 
-async def evaluate(traffic: list[Planned], setup: Setup) -> dict[str, Any]:
+async def evaluate(
+    traffic: list[Planned], setup: Setup, train: Train | None = None
+) -> dict[str, Any]:
+    """Each policy replayed; with `train`, `router_model` too (the router reading a model
+    refitted RETRAINS times on the feedback logged so far)."""
     callers = {
         t: Caller(f"key-{t}", t, "customer", "enterprise", "salt") for t in TENANTS
     }  # fmt: skip
     outcomes: dict[str, Outcome] = {}
     worlds: dict[str, _World] = {}
-    for policy in POLICIES:
+    load = os.getloadavg()
+    for policy in POLICIES + (("router_model",) if train is not None else ()):
         worlds[policy] = _World(policy, setup, callers)
-        outcomes[policy] = await _replay(worlds[policy], traffic, setup, callers)
+        outcomes[policy] = await _replay(worlds[policy], traffic, setup, callers, train)
     asked, oracle = outcomes["asked"], outcomes["oracle"]
     return {
         "setup": setup.__dict__,
+        "load_average": {"before": [round(x, 2) for x in load],
+                         "after": [round(x, 2) for x in os.getloadavg()]},  # fmt: skip
         "policies": {p: o.summary(asked, oracle) for p, o in outcomes.items()},
         "router_world": worlds["router"],  # for `inference`, popped by the caller
     }
 
 
 async def _replay(
-    world: _World, traffic: list[Planned], setup: Setup, callers: dict[str, Caller]
-) -> Outcome:
+    world: _World, traffic: list[Planned], setup: Setup, callers: dict[str, Caller],
+    train: Train | None = None,
+) -> Outcome:  # fmt: skip
     policy = world.policy
     out = Outcome(policy)
+    refit_every = max(1, len(traffic) // RETRAINS) if policy == "router_model" else 0
+    refresh_at = START
     draws = random.Random(setup.seed + 1)
     ends: list[tuple[datetime, int, Flight, Planned]] = []
     late = len(traffic) * 3 // 4
@@ -252,8 +330,13 @@ async def _replay(
             world.clock.now = ended_at
             _end(world, flight, done, setup, draws, out)
         world.clock.now = at
+        if at >= refresh_at:  # as the edge's runtime does, every REFRESH_S, off the request path
+            world.admission.router.refresh()
+            refresh_at = at + timedelta(seconds=REFRESH_S)
+        if refit_every and n and n % refit_every == 0 and train is not None:
+            _refit(world, train, n, out)
         out.requests += 1
-        ask = AUTO if policy == "router" else (
+        ask = AUTO if policy.startswith("router") else (
             planned.good_enough(setup.bar) if policy == "oracle" else LARGE
         )  # fmt: skip
         req = parse_chat_request(orjson.dumps({**planned.body, "model": ask}))
@@ -282,7 +365,31 @@ async def _replay(
         world.clock.now = ended_at
         _end(world, flight, done, setup, draws, out)
     out.decisions_recorded = world.sink.routed
+    out.route_ns, out.route_cpu_ns = world.route_ns, world.route_cpu_ns
     return out
+
+
+def _refit(world: _World, train: Train, n: int, out: Outcome) -> None:
+    started = time.monotonic()
+    model = train(world.feedback)
+    world.quality.use_model(model)
+    out.trainings.append({
+        "at_request": n, "feedback": len(world.feedback),
+        "covered": len(world.quality.learned), "seconds": round(time.monotonic() - started, 2),
+    })  # fmt: skip
+
+
+def _timing(samples_ns: list[int]) -> dict[str, Any] | None:
+    """p50 / p99 / p99.9 / max of the routing decisions timed in a replay, in µs."""
+    if not samples_ns:
+        return None
+    s = sorted(samples_ns)
+
+    def at(q: float) -> float:
+        return round(s[min(len(s) - 1, int(len(s) * q))] / 1000, 2)
+
+    return {"decisions": len(s), "p50_us": at(0.5), "p99_us": at(0.99), "p999_us": at(0.999),
+            "max_us": round(s[-1] / 1000, 2)}  # fmt: skip
 
 
 def _admitted(
@@ -331,6 +438,7 @@ def _end(
     command_ = RecordFeedback(flight.request_id, flight.tenant_id, 1_000_000 if good else 0)
     for event in decide_feedback(flight.state, command_):
         out.scores += 1
+        world.feedback.append(event)
         world.quality.apply(Recorded(
             world.new_id(), flight.request_id, flight.state.version + 1, flight.tenant_id,
             world.clock.now, event, out.scores,
@@ -350,7 +458,7 @@ def _control(policy: str, setup: Setup, callers: dict[str, Caller]) -> ControlVi
             # Quota out of the way: the evaluation is of the router and capacity.
             SetLimits(tenant, "*", rpm=10**7, tpm=10**10, kv_gib_seconds=10**9),
         ]
-        if policy == "router":
+        if policy.startswith("router"):
             commands.append(AllowRouting(
                 tenant, MODELS, round(setup.bar * 1e6), round(setup.exploration * 1e6),
                 setup.on_capacity,

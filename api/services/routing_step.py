@@ -36,14 +36,19 @@ __all__ = ["Routing", "RoutingStep", "request_task_class", "unit_price"]
 Reject = Callable[[str, Caller, str, str, int, str, bool], None]
 # How long the models on sale of a policy, in price order, are taken as known (`_ladder`).
 LADDER_TTL = timedelta(seconds=1)
+# How often the edge orders them again off the request path (`RoutingStep.refresh`).
+REFRESH_S = LADDER_TTL.total_seconds() / 2
 # How a fact of another stream is recorded without waiting (`Recorder.fact`): (stream id,
 # tenant, event, expected version).
 Fact = Callable[[str, str, Event, int | None], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Routing:
-    """The router's answer for one request, and the consent it was given under."""
+    """The router's answer for one request, and the consent it was given under. Not frozen:
+    one is made per routed request, and a frozen dataclass's constructor costs three times as
+    much (each field set through object.__setattr__); nothing changes one once made (`shed`
+    makes another)."""
 
     routed: Routed
     policy: RoutingPolicy
@@ -79,8 +84,8 @@ class RoutingStep:
         self.rng = rng
         self.clock = clock
         self.signals = signals or ImplicitSignals()
-        # (tenant, project) -> (the policy, valid until, its models on sale cheapest first)
-        self._ladders: dict[tuple[str, str], tuple[RoutingPolicy, datetime, list[str]]] = {}
+        # tenant -> project -> (the policy, valid until, its models on sale cheapest first)
+        self._ladders: dict[str, dict[str, tuple[RoutingPolicy, datetime, list[str]]]] = {}
 
     def policy(self, caller: Caller) -> RoutingPolicy | None:
         project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
@@ -134,16 +139,41 @@ class RoutingStep:
 
     def _ladder(self, policy: RoutingPolicy) -> list[str]:
         """The policy's models on sale, cheapest first, as of at most LADDER_TTL ago: resolving
-        and pricing them was most of the step's cost, and they change when an operator acts."""
+        and pricing them was most of the step's cost, and they change when an operator acts.
+        `refresh`, on a timer beside admission, keeps them current so that a request finds
+        them ready; a request orders them itself only for a policy new to the step, or when
+        no refresh came in time."""
         now = self.clock()
-        key = (policy.tenant_id, policy.project_id)
-        kept = self._ladders.get(key)
+        projects = self._ladders.get(policy.tenant_id)
+        kept = None if projects is None else projects.get(policy.project_id)
         if kept is not None and kept[0] is policy and now < kept[1]:
             return kept[2]
+        return self._order(policy, now)
+
+    def _order(self, policy: RoutingPolicy, now: datetime) -> list[str]:
+        projects = self._ladders.get(policy.tenant_id)
+        if projects is None:
+            projects = self._ladders[policy.tenant_id] = {}
+        kept = projects.get(policy.project_id)
         on_sale = [m for m in dict.fromkeys(self.resolve(name) for name in policy.models) if m]
         on_sale.sort(key=lambda m: (unit_price(self.control.price(m, now)), m))
-        self._ladders[key] = (policy, now + LADDER_TTL, on_sale)
+        if kept is not None and kept[2] == on_sale:
+            on_sale = kept[2]  # the same order: the same list, which `choose`'s plans compare
+        projects[policy.project_id] = (policy, now + LADDER_TTL, on_sale)
         return on_sale
+
+    def refresh(self) -> None:
+        """Order again the models of every policy a request has used (the policy in force for
+        it now, a new price, a new model version on sale), off the request path: the edge's
+        runtime calls this every REFRESH_S, so that admission reads a ready ladder."""
+        now = self.clock()
+        for tenant_id, projects in list(self._ladders.items()):
+            for project_id in list(projects):
+                policy = self.control.routing(tenant_id, project_id or None)
+                if policy is None or policy.project_id != project_id:
+                    del projects[project_id]  # revoked, or the project's own one is gone
+                else:
+                    self._order(policy, now)
 
     # --- implicit feedback ---------------------------------------------------------------------
 

@@ -56,3 +56,25 @@ def test_a_small_fleet_without_room_sheds_to_the_reference_or_refuses_per_policy
     assert shed["reasons"].get("shed_capacity", 0) > 0 and shed["capacity_refusals"] == 0
     refused = run(1_000, exploration=0.2, small_kv_tokens=2_000, on_capacity="refuse")["router"]
     assert refused["capacity_refusals"] > 0 and "shed_capacity" not in refused["reasons"]
+
+
+def test_the_router_with_a_trained_model_is_judged_beside_it_and_each_decision_is_timed() -> None:
+    from predictor.router_train import fit
+
+    traffic = generate(1_500, 20.0, 3, 0.5)
+    result = asyncio.run(evaluate(traffic, Setup(exploration=0.2, feedback_share=1.0), fit))
+    result.pop("router_world")
+    policies = result["policies"]
+    learned = policies["router_model"]
+    assert learned["admitted"] + sum(learned["refused"].values()) == 1_500
+    assert learned["decisions_recorded"] == learned["admitted"]
+    # Refitted on the feedback logged so far, nine times over the replay; the later fits
+    # cover classes (the earlier may have too little feedback to calibrate on).
+    fits = learned["trainings"]
+    assert [f["at_request"] for f in fits] == list(range(150, 1_500, 150))
+    assert fits[-1]["feedback"] > fits[0]["feedback"] and fits[-1]["covered"] > 0
+    # Every routing decision was timed as admission made it; the others route nothing.
+    for name in ("router", "router_model"):
+        assert policies[name]["routing_step"]["decisions"] == 1_500
+    assert policies["asked"]["routing_step"] is None
+    assert len(result["load_average"]["before"]) == 3
