@@ -169,7 +169,7 @@ class RoutingStep:
         now = self.clock()
         for tenant_id, projects in list(self._ladders.items()):
             for project_id in list(projects):
-                policy = self.control.routing(tenant_id, project_id or None)
+                policy = self.control.routing_book.routing(tenant_id, project_id or None)
                 if policy is None or policy.project_id != project_id:
                     del projects[project_id]  # revoked, or the project's own one is gone
                 else:
