@@ -23,11 +23,11 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from domain.batches.state import window_seconds
-from domain.capacity import FLEX_CEILING_PPM
-from domain.control_plane.data_policy import REGION
-from domain.leases import LEASE_RENEW_S, LEASE_TTL_S
-from engine_adapter.exchange import MAX_BUFFERED_CHUNKS
+from tollgate_llm.domain.batches.state import window_seconds
+from tollgate_llm.domain.capacity import FLEX_CEILING_PPM
+from tollgate_llm.domain.control_plane.data_policy import REGION
+from tollgate_llm.domain.leases import LEASE_RENEW_S, LEASE_TTL_S
+from tollgate_llm.engine_adapter.exchange import MAX_BUFFERED_CHUNKS
 
 DEFAULT_MODELS = ("llama-3.1-8b-2026-05", "llama-3.1-70b-2026-05")
 ENV_PREFIX = "TOLLGATE_"

@@ -17,12 +17,12 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from domain.capacity import AdapterRef, Choice, Refusal, TpotEstimate, UnknownModel
-from domain.prediction import Prediction, RequestShape, Skip
-from engine_adapter.exchange import ChatExchange
-from ledger.idempotency import StoredResponse
-from ledger.ids import Clock, IdSource
-from ledger.store import AppendBatch, AppendResult
+from tollgate_llm.domain.capacity import AdapterRef, Choice, Refusal, TpotEstimate, UnknownModel
+from tollgate_llm.domain.prediction import Prediction, RequestShape, Skip
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.ledger.idempotency import StoredResponse
+from tollgate_llm.ledger.ids import Clock, IdSource
+from tollgate_llm.ledger.store import AppendBatch, AppendResult
 
 __all__ = [
     "Clock", "EventSink", "Fleet", "IdSource", "Idempotency", "OutputPredictor", "Replica",

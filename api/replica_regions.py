@@ -10,8 +10,8 @@ bearer token), so `http://10.0.0.5:8000@eu-west` can mean nothing else.
 
 from __future__ import annotations
 
-from domain.control_plane.data_policy import check_region
-from domain.errors import DomainError
+from tollgate_llm.domain.control_plane.data_policy import check_region
+from tollgate_llm.domain.errors import DomainError
 
 __all__ = ["simulated_region", "split_region"]
 

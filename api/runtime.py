@@ -22,48 +22,52 @@ from typing import Any
 
 import aiohttp
 
-from api.config import Settings
-from api.http.sessions import Sessions, load_secret
-from api.metrics import Metrics
-from api.services.admin_service import AdminService
-from api.services.audit_service import AuditTrail
-from api.services.auth import Caller
-from api.services.backoffice import Backoffice
-from api.services.batch_service import BatchService
-from api.services.edge import Edge
-from api.services.feedback_service import FeedbackService
-from api.services.idempotency_service import AsyncIdempotency
-from api.services.routing_step import REFRESH_S
-from api.services.runs_service import RunService
-from api.services.scaling import Actuator, ScalingLoop
-from api.services.tracing import from_env as tracing_from_env
-from domain import remote_flex
-from domain.autoscale import ScalePolicy
-from domain.capacity import FlexPolicy
-from domain.envelope import Recorded
-from domain.quota import QuotaView
-from engine_adapter.discovery import ServedModel, discover
-from engine_adapter.estimators import WordTokenEstimator
-from engine_adapter.fleet import Fleet
-from engine_adapter.vllm_http import VLLMReplica
-from ledger.batches import BatchStore
-from ledger.budgets import catch_up
-from ledger.commands import CommandHandler
-from ledger.commits import LoopCommits
-from ledger.control import ControlLog
-from ledger.dead_letters import FOLDS as DEAD_LETTER_FOLDS
-from ledger.engine import DEFAULT_WAL_AUTOCHECKPOINT, checkpoint_wal, create_engine_from_url
-from ledger.idempotency import IdempotencyStore
-from ledger.ids import new_writer_tag, tagged_event_ids
-from ledger.quality import QualityLog
-from ledger.schema import upgrade
-from ledger.store import SqlEventStore
-from ledger.writer import GroupCommitWriter
-from predictor import router_file
-from predictor.runtime import LoadedPredictor
-from streams.status import BATCH_RUNNER_NAME, Reconciliation, read_status
-from streams.supervisor import FoldWorkerSupervisor
-from streams.worker_rows import FoldStatus, last_heartbeat, read_fold_status
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.http.sessions import Sessions, load_secret
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.services.admin_service import AdminService
+from tollgate_llm.api.services.audit_service import AuditTrail
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.backoffice import Backoffice
+from tollgate_llm.api.services.batch_service import BatchService
+from tollgate_llm.api.services.edge import Edge
+from tollgate_llm.api.services.feedback_service import FeedbackService
+from tollgate_llm.api.services.idempotency_service import AsyncIdempotency
+from tollgate_llm.api.services.routing_step import REFRESH_S
+from tollgate_llm.api.services.runs_service import RunService
+from tollgate_llm.api.services.scaling import Actuator, ScalingLoop
+from tollgate_llm.api.services.tracing import from_env as tracing_from_env
+from tollgate_llm.domain import remote_flex
+from tollgate_llm.domain.autoscale import ScalePolicy
+from tollgate_llm.domain.capacity import FlexPolicy
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.engine_adapter.discovery import ServedModel, discover
+from tollgate_llm.engine_adapter.estimators import WordTokenEstimator
+from tollgate_llm.engine_adapter.fleet import Fleet
+from tollgate_llm.engine_adapter.vllm_http import VLLMReplica
+from tollgate_llm.ledger.batches import BatchStore
+from tollgate_llm.ledger.budgets import catch_up
+from tollgate_llm.ledger.commands import CommandHandler
+from tollgate_llm.ledger.commits import LoopCommits
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.dead_letters import FOLDS as DEAD_LETTER_FOLDS
+from tollgate_llm.ledger.engine import (
+    DEFAULT_WAL_AUTOCHECKPOINT,
+    checkpoint_wal,
+    create_engine_from_url,
+)
+from tollgate_llm.ledger.idempotency import IdempotencyStore
+from tollgate_llm.ledger.ids import new_writer_tag, tagged_event_ids
+from tollgate_llm.ledger.quality import QualityLog
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.ledger.writer import GroupCommitWriter
+from tollgate_llm.predictor import router_file
+from tollgate_llm.predictor.runtime import LoadedPredictor
+from tollgate_llm.streams.status import BATCH_RUNNER_NAME, Reconciliation, read_status
+from tollgate_llm.streams.supervisor import FoldWorkerSupervisor
+from tollgate_llm.streams.worker_rows import FoldStatus, last_heartbeat, read_fold_status
 
 log = logging.getLogger("tollgate")
 
@@ -424,7 +428,7 @@ class Runtime:
         # `tollgate worker`, told this process's pid so that it stops when the edge is gone. A
         # process, not an import: the command line (cli/) is the layer above this one.
         return [
-            sys.executable, "-m", "cli", "worker",
+            sys.executable, "-m", "tollgate_llm.cli", "worker",
             "--database-url", self.settings.database_url,
             "--lease-ttl", str(self.settings.lease_ttl_s),
             "--parent-pid", str(os.getpid()),

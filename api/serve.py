@@ -21,14 +21,14 @@ import uvicorn
 import uvloop
 from uvicorn.config import LOGGING_CONFIG
 
-from api.config import DEFAULT_MODELS, Settings
-from api.http.app import create_app
-from api.logs import setup_logging
-from api.replica_regions import simulated_region, split_region
-from api.runtime import Runtime
-from api.services.control_service import SYSTEM, ControlService
-from api.services.scaling import Actuator
-from engine_adapter.fleet import Fleet
+from tollgate_llm.api.config import DEFAULT_MODELS, Settings
+from tollgate_llm.api.http.app import create_app
+from tollgate_llm.api.logs import setup_logging
+from tollgate_llm.api.replica_regions import simulated_region, split_region
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.control_service import SYSTEM, ControlService
+from tollgate_llm.api.services.scaling import Actuator
+from tollgate_llm.engine_adapter.fleet import Fleet
 
 log = logging.getLogger("tollgate.serve")
 
@@ -78,7 +78,7 @@ def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
     (Outside the demo an unpriced model is simply not offered: see Edge.models.)"""
     from datetime import UTC, datetime
 
-    from domain.cost import base_model
+    from tollgate_llm.domain.cost import base_model
 
     with ControlService.open(settings.database_url, SYSTEM) as service:
         for model in models:
@@ -88,8 +88,8 @@ def ensure_demo_prices(settings: Settings, models: list[str]) -> None:
 
 
 async def start_simulated_replica_of(settings: Settings, model: str, index: int) -> Any:
-    from engine_adapter.simulator.engine import SimConfig
-    from engine_adapter.simulator.server import start_simulated_replica
+    from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+    from tollgate_llm.engine_adapter.simulator.server import start_simulated_replica
 
     m_index = list(settings.models).index(model) if model in settings.models else 0
     config = SimConfig(

@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain.admission import Admitted, ReserveQuota, decide  # noqa: E402
-from domain.control_plane.state import PLAN_LIMITS  # noqa: E402
-from domain.cost import profile_for  # noqa: E402
-from domain.quota import QuotaView  # noqa: E402
+from tollgate_llm.domain.admission import Admitted, ReserveQuota, decide  # noqa: E402
+from tollgate_llm.domain.control_plane.state import PLAN_LIMITS  # noqa: E402
+from tollgate_llm.domain.cost import profile_for  # noqa: E402
+from tollgate_llm.domain.quota import QuotaView  # noqa: E402
 
 DECISIONS = 100_000
 RUNS = 5

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from ledger.schema import upgrade
+from tollgate_llm.ledger.schema import upgrade
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"

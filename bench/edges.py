@@ -41,12 +41,12 @@ import sqlalchemy as sa
 
 from bench.common import ROOT, free_port, fresh_schema, uptime, write_result
 from bench.harness import run_wrk
-from ledger.engine import create_engine_from_url
-from ledger.schema import events
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import events
 
 MODEL = "llama-3.1-8b-2026-05"
 TENANT = "demo-standard"
-TOLLGATE = [sys.executable, "-m", "cli"]
+TOLLGATE = [sys.executable, "-m", "tollgate_llm.cli"]
 # The bound stated in api/README.md: the other edges' admissions within one propagation delay.
 # As a ratio target at this flood: within 10 % of what the tenant may have.
 TARGET_RATIO = 1.10

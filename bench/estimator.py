@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from engine_adapter.simulator.tokenizer import count_prompt_tokens  # noqa: E402
-from engine_adapter.tokenizers import ChatTemplateEstimator  # noqa: E402
 from tests.vllm.engine import engine_python, tiny_model  # noqa: E402
 from tests.vllm.prompts import CHATS  # noqa: E402
+from tollgate_llm.engine_adapter.simulator.tokenizer import count_prompt_tokens  # noqa: E402
+from tollgate_llm.engine_adapter.tokenizers import ChatTemplateEstimator  # noqa: E402
 
 
 def per_call_us(fn: object, repeat: int) -> float:

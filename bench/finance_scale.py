@@ -41,20 +41,20 @@ import sqlalchemy as sa  # noqa: E402
 from sqlalchemy import event as sa_event  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from api.services.backoffice import Backoffice  # noqa: E402
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain.control_plane.events import ApiKeyIssued, PriceSet, TenantRegistered
-from domain.control_plane.state import (
+from tollgate_llm.api.services.backoffice import Backoffice  # noqa: E402
+from tollgate_llm.domain.control_plane.events import ApiKeyIssued, PriceSet, TenantRegistered
+from tollgate_llm.domain.control_plane.state import (
     CONTROL_PREFIXES,
     PLAN_LIMITS,
     ControlView,
     price_stream,
     tenant_stream,
 )
-from domain.cost import Price, amount_micros, est_kv_byte_seconds, profile_for  # noqa: E402
-from domain.envelope import Recorded
-from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
-from domain.requests.events import (
+from tollgate_llm.domain.cost import Price, amount_micros, est_kv_byte_seconds, profile_for  # noqa: E402
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY  # noqa: E402
+from tollgate_llm.domain.requests.events import (
     FirstTokenStreamed,
     LeaseProgress,
     LeasesRenewed,
@@ -67,10 +67,10 @@ from domain.requests.events import (
     RequestRouted,
     UsageBilled,
 )
-from ledger import schema  # noqa: E402
-from ledger.engine import create_engine_from_url  # noqa: E402
-from ledger.projections import ProjectionRunner  # noqa: E402
-from ledger.store import AppendBatch, NewEvent, SqlEventStore  # noqa: E402
+from tollgate_llm.ledger import schema  # noqa: E402
+from tollgate_llm.ledger.engine import create_engine_from_url  # noqa: E402
+from tollgate_llm.ledger.projections import ProjectionRunner  # noqa: E402
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore  # noqa: E402
 
 RESULTS = RESULTS_DIR / "finance_scale.json"
 T0 = datetime(2026, 9, 1, tzinfo=UTC)  # data covers 2026-09-01 .. 2026-10-31 (60 days)

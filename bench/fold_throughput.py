@@ -16,10 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain.control_plane.state import PLAN_LIMITS  # noqa: E402
-from domain.envelope import Event, Recorded
-from domain.quota import QuotaView  # noqa: E402
-from domain.requests.events import (
+from tollgate_llm.domain.control_plane.state import PLAN_LIMITS  # noqa: E402
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.quota import QuotaView  # noqa: E402
+from tollgate_llm.domain.requests.events import (
     FirstTokenStreamed,
     LeaseProgress,
     LeasesRenewed,
@@ -32,7 +32,7 @@ from domain.requests.events import (
     RequestRouted,
     UsageBilled,
 )
-from domain.requests.evolve import fold as request_fold  # noqa: E402
+from tollgate_llm.domain.requests.evolve import fold as request_fold  # noqa: E402
 
 STREAMS = 20_000
 RUNS = 7

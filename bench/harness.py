@@ -197,7 +197,7 @@ def start_upstream(kind: str, gap_ms: float, log_dir: Path) -> tuple[Proc, str]:
         cmd = [
             sys.executable,
             "-m",
-            "engine_adapter.simulator",
+            "tollgate_llm.engine_adapter.simulator",
             "--port",
             str(port),
             "--model",
@@ -405,7 +405,7 @@ def start_distributed(
     all of the checkout `tree` (another commit's, for an A/B; each call its own broker, schema
     and topic). Returns the edge, its URL and key, the relay and worker, and the pipeline's pids
     (relay, worker, broker; the broker is stopped by `stack`)."""
-    from streams.dev_broker import DevBroker
+    from tollgate_llm.streams.dev_broker import DevBroker
 
     broker = DevBroker(log_path=work / f"bench-broker-{name}.log")
     broker.start()

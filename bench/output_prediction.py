@@ -100,7 +100,7 @@ def generate(data: Path, requests: int, rate: float, seed: int, speed: float) ->
 
 
 def inference(store: Any, mf: Any, shapes: list[Any], runs: int, calls: int) -> dict[str, Any]:
-    from predictor.runtime import LoadedPredictor
+    from tollgate_llm.predictor.runtime import LoadedPredictor
 
     loaded = LoadedPredictor(mf)
     loaded.warm(store)
@@ -151,12 +151,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.train_seeds = min(args.requests, 3_000), "0"
-    from domain.prediction import Prediction  # noqa: F401 - fail early without the package
-    from ledger.control import ControlLog
-    from ledger.store import SqlEventStore, create_engine_from_url
-    from predictor.dataset import read_requests
-    from predictor.evaluate import Replay, evaluate, held_out
-    from predictor.train import TrainConfig, train
+    from tollgate_llm.domain.prediction import Prediction  # noqa: F401 - fail early without the package
+    from tollgate_llm.ledger.control import ControlLog
+    from tollgate_llm.ledger.store import SqlEventStore, create_engine_from_url
+    from tollgate_llm.predictor.dataset import read_requests
+    from tollgate_llm.predictor.evaluate import Replay, evaluate, held_out
+    from tollgate_llm.predictor.train import TrainConfig, train
 
     with tempfile.TemporaryDirectory(prefix="tollgate-bench-pred-") as tmp:
         data = Path(args.data) if args.data else Path(tmp) / "data"
@@ -292,7 +292,7 @@ def _generator_ceiling(
     import math
     import random
 
-    from predictor.generate import SHARES, plan_request
+    from tollgate_llm.predictor.generate import SHARES, plan_request
 
     rng, follow = random.Random(seed), random.Random(seed + 1)
     kinds = list(SHARES)

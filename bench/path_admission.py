@@ -19,20 +19,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, write_result  # noqa: E402
-from domain.admission import Admitted, ReserveQuota, decide, decide_on_path  # noqa: E402
-from domain.control_plane.decide import IssueApiKey, RegisterTenant, decide_control
-from domain.control_plane.state import PLAN_LIMITS, ControlView, tenant_stream
-from domain.cost import Price, amount_micros, profile_for  # noqa: E402
-from domain.envelope import Recorded  # noqa: E402
-from domain.governance.budgets import PathView  # noqa: E402
-from domain.governance.decide import (
+from tollgate_llm.domain.admission import Admitted, ReserveQuota, decide, decide_on_path  # noqa: E402
+from tollgate_llm.domain.control_plane.decide import IssueApiKey, RegisterTenant, decide_control
+from tollgate_llm.domain.control_plane.state import PLAN_LIMITS, ControlView, tenant_stream
+from tollgate_llm.domain.cost import Price, amount_micros, profile_for  # noqa: E402
+from tollgate_llm.domain.envelope import Recorded  # noqa: E402
+from tollgate_llm.domain.governance.budgets import PathView  # noqa: E402
+from tollgate_llm.domain.governance.decide import (
     CreateProject,
     CreateWorkspace,
     SetBudget,
     SetLevelLimits,
     StartRun,
 )
-from domain.runs.state import RunLimits, run_stream  # noqa: E402
+from tollgate_llm.domain.runs.state import RunLimits, run_stream  # noqa: E402
 
 DECISIONS = 100_000
 RUNS = 5
@@ -90,7 +90,7 @@ def run_once(
     """(wall-clock ns, this thread's CPU ns) per decision. The CPU time leaves out the time the
     process was not running: on a shared machine a decision that straddles a preemption takes
     milliseconds of wall clock, and a longer decision straddles one more often."""
-    from domain.quota import QuotaView
+    from tollgate_llm.domain.quota import QuotaView
 
     limits = PLAN_LIMITS["standard"]
     quota = QuotaView(lambda tenant, model: limits)

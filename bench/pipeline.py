@@ -38,19 +38,25 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.common import ROOT, fresh_schema, machine, uptime, write_result
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.requests.decide import AdmitRequest, Command, CompleteRequest, RouteRequest, decide
-from domain.requests.evolve import evolve_event
-from domain.requests.state import RequestState
-from ledger.engine import create_engine_from_url
-from ledger.ids import new_event_id, new_request_id
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from streams.dev_broker import DevBroker
-from streams.kafka_consumer import KafkaEventConsumer
-from streams.kafka_worker import KafkaFoldWorker
-from streams.relay import OutboxRelay
-from streams.topics import group_for
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import (
+    AdmitRequest,
+    Command,
+    CompleteRequest,
+    RouteRequest,
+    decide,
+)
+from tollgate_llm.domain.requests.evolve import evolve_event
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.ids import new_event_id, new_request_id
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.streams.dev_broker import DevBroker
+from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
+from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
+from tollgate_llm.streams.relay import OutboxRelay
+from tollgate_llm.streams.topics import group_for
 
 MODEL = "llama-3.1-8b-2026-05"
 TARGET = 10_000
@@ -193,7 +199,7 @@ def sustained_run(
             **os.environ, "TOLLGATE_KAFKA_BOOTSTRAP": broker.bootstrap,
             "TOLLGATE_KAFKA_TOPIC": topic, "PYTHONPATH": str(ROOT),
         }  # fmt: skip
-        tollgate = [sys.executable, "-m", "cli"]
+        tollgate = [sys.executable, "-m", "tollgate_llm.cli"]
         names = ["relay", *(f"worker-{i + 1}" for i in range(workers))]
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:

@@ -34,9 +34,9 @@ BATCH = 10_000
 def fill(engine: sa.Engine, events: int, feedback_share: float) -> int:
     """Insert the log in bulk (the store's append path would take an hour per million here);
     returns how many FeedbackRecorded it holds."""
-    from domain.registry import dumps
-    from domain.requests.events import FeedbackRecorded, FirstTokenStreamed
-    from ledger.schema import events as table
+    from tollgate_llm.domain.registry import dumps
+    from tollgate_llm.domain.requests.events import FeedbackRecorded, FirstTokenStreamed
+    from tollgate_llm.ledger.schema import events as table
 
     t0 = datetime(2026, 5, 1, tzinfo=UTC)
     every = max(1, round(1 / feedback_share))
@@ -73,8 +73,8 @@ def fill(engine: sa.Engine, events: int, feedback_share: float) -> int:
 
 
 def startup(engine: sa.Engine, runs: int) -> dict[str, Any]:
-    from ledger.quality import QualityLog
-    from ledger.store import SqlEventStore
+    from tollgate_llm.ledger.quality import QualityLog
+    from tollgate_llm.ledger.store import SqlEventStore
 
     store = SqlEventStore(engine)
     seconds, folded = [], 0
@@ -88,8 +88,8 @@ def startup(engine: sa.Engine, runs: int) -> dict[str, Any]:
 
 
 def measure(url: str, events: int, share: float, runs: int) -> dict[str, Any]:
-    from ledger.engine import create_engine_from_url
-    from ledger.schema import upgrade
+    from tollgate_llm.ledger.engine import create_engine_from_url
+    from tollgate_llm.ledger.schema import upgrade
 
     upgrade(url)
     engine = create_engine_from_url(url)

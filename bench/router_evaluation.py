@@ -48,9 +48,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.calls, args.runs = min(args.requests, 5_000), 10_000, 3
-    from api.router_evaluation.replay import Setup, evaluate, inference
-    from api.router_evaluation.traffic import KINDS, TENANTS, generate
-    from predictor.router_train import fit
+    from tollgate_llm.api.router_evaluation.replay import Setup, evaluate, inference
+    from tollgate_llm.api.router_evaluation.traffic import KINDS, TENANTS, generate
+    from tollgate_llm.predictor.router_train import fit
 
     traffic = generate(args.requests, args.rate, args.seed, args.drift_at)
     # As `tollgate serve` runs the edge (api/serve.py), for the replays' timing of admission

@@ -25,8 +25,8 @@ import orjson
 import psycopg
 from sqlalchemy.engine import make_url
 
-from domain.registry import to_payload
-from domain.requests.events import (
+from tollgate_llm.domain.registry import to_payload
+from tollgate_llm.domain.requests.events import (
     FirstTokenStreamed,
     QuotaRefunded,
     RequestAdmitted,
@@ -34,10 +34,10 @@ from domain.requests.events import (
     RequestEstimated,
     RequestRouted,
 )
-from ledger import schema
-from ledger.engine import create_engine_from_url
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from ledger.writer import GroupCommitWriter
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.ledger.writer import GroupCommitWriter
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 RESULTS = Path(__file__).parent / "results" / "store_append.json"

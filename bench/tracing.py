@@ -25,15 +25,15 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from api.metrics import Metrics
-from api.services.auth import Caller
-from api.services.edge import Edge, StreamOutcome
-from api.services.tracing import Tracing
 from bench.common import RESULTS_DIR, machine, write_result
-from domain.control_plane.state import ControlView
-from domain.quota import QuotaView
 from tests import builders as b
 from tests.fakes import FakeClock, FakeFleet, FakeIdempotency, FakeReplica, FakeSink, FixedTokens
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.edge import Edge, StreamOutcome
+from tollgate_llm.api.services.tracing import Tracing
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.quota import QuotaView
 
 WARM_UP = 200
 CALLER = Caller(b.KEY, b.TENANT, "customer", "standard", "salt-acme")

@@ -19,7 +19,7 @@ import orjson
 import uvloop
 
 from bench.common import free_port
-from engine_adapter.vllm_http import VLLMReplica, make_session
+from tollgate_llm.engine_adapter.vllm_http import VLLMReplica, make_session
 
 MODEL = "bench-model"
 
@@ -153,7 +153,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "engine_adapter.simulator",
+            "tollgate_llm.engine_adapter.simulator",
             "--port",
             str(port),
             "--model",

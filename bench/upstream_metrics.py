@@ -11,9 +11,9 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapter.simulator.engine import SimConfig
-from engine_adapter.simulator.server import start_simulated_replica
-from engine_adapter.vllm_http import parse_metrics
+from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import start_simulated_replica
+from tollgate_llm.engine_adapter.vllm_http import parse_metrics
 
 
 async def _scrape_text() -> bytes:

@@ -41,11 +41,11 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import streams.worker as worker_mod
-from domain.projections import PROJECTIONS
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
-from streams.worker import FoldWorker
+import tollgate_llm.streams.worker as worker_mod
+from tollgate_llm.domain.projections import PROJECTIONS
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.streams.worker import FoldWorker
 
 COLS = (
     "event_id, stream_id, stream_version, type, version, tenant_id, occurred_at, payload, "
@@ -67,7 +67,7 @@ def _embedded_worker(engine: Any) -> FoldWorker:
     """The worker as `tollgate serve` starts it: no /metrics port, so no billing-lag histogram
     (a tree from before the pipeline metrics takes no such argument)."""
     try:
-        from streams.metrics import PipelineMetrics
+        from tollgate_llm.streams.metrics import PipelineMetrics
     except ImportError:
         return FoldWorker(engine)
     return FoldWorker(engine, metrics=PipelineMetrics(billing=False))
@@ -290,8 +290,7 @@ def main() -> None:
         help="experiment: the worker engine's wal_autocheckpoint (default: the code's)",
     )
     args = p.parse_args()
-    import streams
-
+    from tollgate_llm import streams
     workdir = args.workdir or tempfile.mkdtemp(prefix="worker-cpu-")
     profile = cProfile.Profile() if args.profile else None
     results = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cli import (
+from tollgate_llm.cli import (
     adapters,
     audit,
     billing,
@@ -19,7 +19,7 @@ from cli import (
     support,
     tenants,
 )
-from cli.common import LazyCommand
+from tollgate_llm.cli.common import LazyCommand
 
 
 @click.group()
@@ -36,13 +36,13 @@ for _module in (
 
 
 def _loadgen() -> click.Command:
-    from loadgen.cli import loadgen
+    from tollgate_llm.loadgen.cli import loadgen
 
     return loadgen
 
 
 def _predictor() -> click.Command:
-    from cli.predictor import predictor
+    from tollgate_llm.cli.predictor import predictor
 
     return predictor
 

@@ -1,6 +1,6 @@
-"""`python -m cli`: the `tollgate` command without its installed script (tests, bench, the
+"""`python -m tollgate_llm.cli`: the `tollgate` command without its installed script (tests, bench, the
 embedded fold worker)."""
 
-from cli import main
+from tollgate_llm.cli import main
 
 main()

@@ -7,12 +7,18 @@ import json
 
 import click
 
-from api.config import Settings
-from api.services import adapter_service as adapters_svc
-from api.services import control_service as control
-from cli.common import control_options, database_option, instant, micros, one_line_errors
-from cli.options import settings_options
-from domain.audit.events import Actor
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.services import adapter_service as adapters_svc
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import (
+    control_options,
+    database_option,
+    instant,
+    micros,
+    one_line_errors,
+)
+from tollgate_llm.cli.options import settings_options
+from tollgate_llm.domain.audit.events import Actor
 
 
 @click.group()

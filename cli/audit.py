@@ -8,11 +8,11 @@ from datetime import UTC, datetime
 import click
 import orjson
 
-from api.services.audit_service import AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX, AuditTrail
-from cli.common import database_option, instant, one_line_errors
-from cli.support import since_instant
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
+from tollgate_llm.api.services.audit_service import AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX, AuditTrail
+from tollgate_llm.cli.common import database_option, instant, one_line_errors
+from tollgate_llm.cli.support import since_instant
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
 
 
 def _trail(database_url: str) -> AuditTrail:

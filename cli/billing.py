@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from api.config import Settings
-from api.services import control_service as control
-from cli.common import (
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import (
     F,
     control_options,
     database_option,
@@ -18,8 +18,8 @@ from cli.common import (
     micros,
     one_line_errors,
 )
-from cli.options import settings_options
-from domain.audit.events import Actor
+from tollgate_llm.cli.options import settings_options
+from tollgate_llm.domain.audit.events import Actor
 
 
 @click.group()
@@ -94,7 +94,7 @@ def _with_range(fn: F) -> F:
 
 
 def _emit(rows: list[dict[str, Any]], fmt: str, columns: tuple[str, ...], title: str) -> None:
-    from api.services.backoffice import to_csv
+    from tollgate_llm.api.services.backoffice import to_csv
 
     if fmt == "json":
         import orjson
@@ -146,7 +146,7 @@ def ledger_usage(
     fmt: str,
     database_url: str,
 ) -> None:
-    from api.services.backoffice import GROUP_COLUMNS, USAGE_COLUMNS, parse_range
+    from tollgate_llm.api.services.backoffice import GROUP_COLUMNS, USAGE_COLUMNS, parse_range
 
     with control.open_backoffice(database_url) as bo:
         if tenant is not None:
@@ -175,7 +175,7 @@ def ledger_entries(
     fmt: str,
     database_url: str,
 ) -> None:
-    from api.services.backoffice import ENTRY_COLUMNS, parse_range
+    from tollgate_llm.api.services.backoffice import ENTRY_COLUMNS, parse_range
 
     with control.open_backoffice(database_url) as bo:
         if tenant is not None:
@@ -192,7 +192,7 @@ def ledger_entries(
 @database_option
 @one_line_errors
 def ledger_invoice(tenant: str, period: str | None, fmt: str, database_url: str) -> None:
-    from api.services.backoffice import INVOICE_COLUMNS
+    from tollgate_llm.api.services.backoffice import INVOICE_COLUMNS
 
     with control.open_backoffice(database_url) as bo:
         invoice = bo.invoice(tenant, period, datetime.now(UTC))
@@ -233,8 +233,8 @@ def ledger_goodput(
     """Requests that ended in the range, by outcome against their tier's objective (attained,
     missed_ttft, missed_tpot, cancelled, failed, ..., refused_quota, invalid), with attainment
     (attained / served) and goodput (attained / offered) in parts per million."""
-    from api.services.backoffice import groups, parse_range
-    from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
+    from tollgate_llm.api.services.backoffice import groups, parse_range
+    from tollgate_llm.ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
 
     chosen = groups(group_by, GOODPUT_GROUPS, ("tier",), "group-by")
     with control.open_backoffice(database_url) as bo:
@@ -254,7 +254,7 @@ def ledger_reconcile(start: str | None, end: str | None, database_url: str) -> N
     mismatch."""
     import orjson
 
-    from api.services.backoffice import parse_range
+    from tollgate_llm.api.services.backoffice import parse_range
 
     with control.open_backoffice(database_url) as bo:
         lo, hi = parse_range(start, end, datetime.now(UTC))

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 
 import click
 
-from api.config import Settings
-from api.services.control_service import operator, usd_micros
-from cli.options import SettingsProblem, settings_options
-from domain.audit.events import Actor
-from domain.errors import DomainError
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.services.control_service import operator, usd_micros
+from tollgate_llm.cli.options import SettingsProblem, settings_options
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.errors import DomainError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from api.config import Settings, shown
-from cli.common import one_line_errors
-from cli.options import settings_options
+from tollgate_llm.api.config import Settings, shown
+from tollgate_llm.cli.common import one_line_errors
+from tollgate_llm.cli.options import settings_options
 
 
 def _toml(value: Any) -> str:

@@ -7,10 +7,10 @@ import json
 
 import click
 
-from api.services import control_service as control
-from api.services import data_policy_service as policy
-from cli.common import control_options, database_option, one_line_errors
-from domain.audit.events import Actor
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.api.services import data_policy_service as policy
+from tollgate_llm.cli.common import control_options, database_option, one_line_errors
+from tollgate_llm.domain.audit.events import Actor
 
 
 @click.group()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from api.services import control_service as control
-from cli.common import (
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import (
     database_option,
     one_line_errors,
 )
@@ -67,8 +67,8 @@ def dead_letters_list(
     topic, partition and offset when a Kafka worker met it), the event and why it failed."""
     import orjson
 
-    from ledger import dead_letters
-    from ledger.engine import create_engine_from_url
+    from tollgate_llm.ledger import dead_letters
+    from tollgate_llm.ledger.engine import create_engine_from_url
 
     engine = create_engine_from_url(database_url)
     try:
@@ -104,8 +104,8 @@ def dead_letters_replay(database_url: str, fold: str | None) -> None:
     """Apply the dead letters again through their folds' own code (after the fix); each that
     applies is marked replayed, each that still fails stays with its new reason. Exits 2 when
     some still fail."""
-    from ledger.engine import create_engine_from_url
-    from streams.dead_letter_replay import replay_dead_letters
+    from tollgate_llm.ledger.engine import create_engine_from_url
+    from tollgate_llm.streams.dead_letter_replay import replay_dead_letters
 
     engine = create_engine_from_url(database_url)
     try:

@@ -6,14 +6,14 @@ from datetime import UTC, datetime
 
 import click
 
-from api.services import control_service as control
-from cli.common import (
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import (
     control_options,
     database_option,
     instant,
     one_line_errors,
 )
-from domain.audit.events import Actor
+from tollgate_llm.domain.audit.events import Actor
 
 # --- model profiles ------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
-from api.config import ENV_PREFIX, ConfigFileError, Settings, load_settings
+from tollgate_llm.api.config import ENV_PREFIX, ConfigFileError, Settings, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -6,10 +6,10 @@ import os
 
 import click
 
-from api.config import Settings
-from api.logs import setup_logging
-from cli.common import one_line_errors
-from cli.options import settings_options
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.logs import setup_logging
+from tollgate_llm.cli.common import one_line_errors
+from tollgate_llm.cli.options import settings_options
 
 # The embedded fold worker runs at this lower CPU priority than the edge (nice(2) steps).
 EMBEDDED_WORKER_NICENESS = 10
@@ -21,7 +21,7 @@ def _start_process(settings: Settings, postgres_only: str | None = None) -> str:
     """What every long-running process of the pipeline does first: log to stderr in the
     settings' format, check the store (`postgres_only`: the error to give when it is not
     PostgreSQL), migrate it. Returns the store's URL."""
-    from ledger.schema import upgrade
+    from tollgate_llm.ledger.schema import upgrade
 
     url = settings.store_url()
     if postgres_only and not url.startswith("postgresql"):
@@ -42,10 +42,10 @@ def worker(settings: Settings, parent_pid: int) -> None:
     Without a Kafka cluster they tail the SQL log (`tollgate serve` starts one itself; run this
     when serving with --no-fold-worker). With --kafka-bootstrap (TOLLGATE_KAFKA_BOOTSTRAP) they
     read the event topic the relay fills, as one member of a consumer group: run several."""
-    from streams.worker import BatchRunnerSettings, run_worker
+    from tollgate_llm.streams.worker import BatchRunnerSettings, run_worker
 
     if parent_pid:  # `tollgate serve`'s child: killed by the kernel when serve dies
-        from streams.supervisor import die_with_parent
+        from tollgate_llm.streams.supervisor import die_with_parent
 
         die_with_parent(parent_pid)
     url = _start_process(settings)
@@ -56,11 +56,11 @@ def worker(settings: Settings, parent_pid: int) -> None:
     # The embedded fold worker (`tollgate serve`'s child, --parent-pid) always tails the SQL
     # log, whatever the environment says.
     if settings.kafka_bootstrap and not parent_pid:
-        from streams.kafka_worker import run_kafka_worker
+        from tollgate_llm.streams.kafka_worker import run_kafka_worker
 
         if not url.startswith("postgresql"):
             raise click.UsageError("the Kafka worker needs the PostgreSQL store (--database-url)")
-        from streams.topics import KafkaSettingError
+        from tollgate_llm.streams.topics import KafkaSettingError
 
         try:
             run_kafka_worker(
@@ -94,7 +94,7 @@ def relay(settings: Settings) -> None:
 
     At least once, keyed by tenant id; resumes from its own place; re-publishes from the store
     when the broker lost the topic."""
-    from streams.relay import TopicMismatch, run_relay
+    from tollgate_llm.streams.relay import TopicMismatch, run_relay
 
     if not settings.kafka_bootstrap:
         raise click.UsageError("--kafka-bootstrap (or TOLLGATE_KAFKA_BOOTSTRAP) is required")
@@ -127,7 +127,7 @@ def status(settings: Settings, as_json: bool) -> None:
     request past its lease that nothing ended, a reconciliation that stopped."""
     import orjson
 
-    from streams.status import cluster_status, render_table
+    from tollgate_llm.streams.status import cluster_status, render_table
 
     found = cluster_status(
         settings.store_url(), settings.kafka_bootstrap, settings.pipeline_stale_s,
@@ -153,7 +153,7 @@ def batch_runner(settings: Settings) -> None:
     it is not in a process listing). `tollgate serve` runs its own runner in the fold worker.
     The edges of the distributed mode refuse to create a batch (503 batch_runner_unavailable)
     while no runner has reported for TOLLGATE_PIPELINE_STALE_S."""
-    from streams.batch_runner import run_batch_runner
+    from tollgate_llm.streams.batch_runner import run_batch_runner
 
     if not settings.edge_url:
         raise click.UsageError("--edge-url (or TOLLGATE_EDGE_URL) is required")

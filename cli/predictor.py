@@ -15,13 +15,13 @@ from pathlib import Path
 import click
 import httpx
 
-from api.config import Settings
-from api.services import control_service as control
-from cli.common import one_line_errors
-from cli.options import settings_options
-from ledger.control import ControlLog
-from ledger.store import SqlEventStore, create_engine_from_url
-from predictor import model_file
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import one_line_errors
+from tollgate_llm.cli.options import settings_options
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.store import SqlEventStore, create_engine_from_url
+from tollgate_llm.predictor import model_file
 
 model_option = click.option(
     "--model", "model_path", default=None,
@@ -77,9 +77,9 @@ def train(
     """Train on the completed and cancelled requests of the event log; write a model file."""
     if importlib.util.find_spec("torch") is None:
         raise click.ClickException(
-            "training needs torch: pip install 'tollgate[predictor]' (torch, the CPU build)"
+            "training needs torch: pip install 'tollgate-llm[predictor]' (torch, the CPU build)"
         )
-    from predictor.train import NotEnoughData, TrainConfig, train_and_save
+    from tollgate_llm.predictor.train import NotEnoughData, TrainConfig, train_and_save
     config = TrainConfig(quantile=quantile, seed=seed, holdout=holdout, max_seconds=max_seconds,
                          max_requests=max_requests, min_calibration=min_calibration,
                          hidden=hidden)  # fmt: skip
@@ -110,7 +110,7 @@ def status(settings: Settings, model_path: str | None, as_json: bool) -> None:
     """The model `tollgate serve` loads, its training window, and per tenant its realised
     coverage (read from the log: requests this model predicted, over the last 500 each)."""
     path, mf = _model(model_path, settings)
-    from predictor.status import realised
+    from tollgate_llm.predictor.status import realised
 
     with _store(settings) as store:
         tenants = realised(store, mf)
@@ -154,10 +154,10 @@ def evaluate(
     tpm: int | None, tpm_per_offered: float | None, kv_gib_seconds: int | None, as_json: bool,
 ) -> None:
     """Replay a held-out slice through admission with max_tokens, the model, and an oracle."""
-    from domain.registry import parse_instant
-    from predictor.dataset import read_requests
-    from predictor.evaluate import Replay, held_out
-    from predictor.evaluate import evaluate as run_evaluation
+    from tollgate_llm.domain.registry import parse_instant
+    from tollgate_llm.predictor.dataset import read_requests
+    from tollgate_llm.predictor.evaluate import Replay, held_out
+    from tollgate_llm.predictor.evaluate import evaluate as run_evaluation
 
     _, mf = _model(model_path, settings)
     override = {k: v for k, v in (("tpm", tpm), ("kv_gib_seconds", kv_gib_seconds)) if v}
@@ -211,7 +211,7 @@ def generate(
 ) -> None:
     """Send chat, summarisation and agent traffic (per-tenant answer lengths; every client
     asks max_tokens=4096) through a running Tollgate, for `train` and `evaluate`."""
-    from predictor.generate import TENANT_KINDS, drive
+    from tollgate_llm.predictor.generate import TENANT_KINDS, drive
 
     keys: dict[str, list[str]] = {}
     actor = control.operator(settings.actor, required=settings.require_actor)

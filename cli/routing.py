@@ -8,14 +8,14 @@ from pathlib import Path
 
 import click
 
-from api.config import Settings
-from api.services import control_service as control
-from cli.common import control_options, database_option, one_line_errors
-from cli.options import settings_options
-from domain.audit.events import Actor
-from domain.control_plane.decide import AllowRouting
-from domain.router_model import MODEL_MIN_EVIDENCE
-from domain.routing import DEFAULT_EXPLORATION_PPM, ON_CAPACITY
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import control_options, database_option, one_line_errors
+from tollgate_llm.cli.options import settings_options
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.control_plane.decide import AllowRouting
+from tollgate_llm.domain.router_model import MODEL_MIN_EVIDENCE
+from tollgate_llm.domain.routing import DEFAULT_EXPLORATION_PPM, ON_CAPACITY
 
 
 @click.group()
@@ -122,8 +122,8 @@ def routing_show(tenant: str, database_url: str) -> None:
 def routing_savings(tenant: str | None, month: str, database_url: str) -> None:
     """Per tenant: what routed requests were billed, what the reference model would have
     billed for the same tokens, the saving, and the customers' mean score of each side."""
-    from api.services.errors import ApiError
-    from api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
+    from tollgate_llm.api.services.errors import ApiError
+    from tollgate_llm.api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
 
     with control.ControlService.open(database_url) as service:
         try:
@@ -168,14 +168,14 @@ def routing_evaluate(
     import asyncio
     import json
 
-    from api.router_evaluation.replay import Setup, evaluate, inference
-    from api.router_evaluation.traffic import generate
+    from tollgate_llm.api.router_evaluation.replay import Setup, evaluate, inference
+    from tollgate_llm.api.router_evaluation.traffic import generate
 
     setup = Setup(quality_bar, exploration, on_capacity, feedback_share, seed=seed)
     traffic = generate(requests, rate, seed, drift_at if drift_at < 1 else None)
     train = None
     if not no_model and importlib.util.find_spec("torch") is not None:
-        from predictor.router_train import fit as train
+        from tollgate_llm.predictor.router_train import fit as train
     result = asyncio.run(evaluate(traffic, setup, train))
     world = result.pop("router_world")
     if inference_calls:
@@ -223,10 +223,14 @@ def router_train(
     `tollgate serve` reads the newest at start (admission never imports torch)."""
     if importlib.util.find_spec("torch") is None:
         raise click.ClickException(
-            "training needs torch: pip install 'tollgate[predictor]' (torch, the CPU build)"
+            "training needs torch: pip install 'tollgate-llm[predictor]' (torch, the CPU build)"
         )
-    from cli.predictor import _store
-    from predictor.router_train import NotEnoughFeedback, RouterTrainConfig, train_and_save
+    from tollgate_llm.cli.predictor import _store
+    from tollgate_llm.predictor.router_train import (
+        NotEnoughFeedback,
+        RouterTrainConfig,
+        train_and_save,
+    )
 
     config = RouterTrainConfig(seed=seed, holdout_every=holdout_every, min_evidence=min_evidence)
     with _store(settings) as store:

@@ -6,9 +6,9 @@ from typing import Any
 
 import click
 
-from api.config import Settings
-from cli.common import one_line_errors
-from cli.options import settings_options
+from tollgate_llm.api.config import Settings
+from tollgate_llm.cli.common import one_line_errors
+from tollgate_llm.cli.options import settings_options
 
 # The settings `tollgate serve` and `tollgate api` take on the command line, in --help's order
 # (every other setting is still read from the environment and the file).
@@ -24,13 +24,13 @@ SERVE_OPTIONS = (
 
 
 def run_serve(settings: Settings) -> None:
-    from api.serve import run
+    from tollgate_llm.api.serve import run
 
     settings.store_url()  # the default SQLite file's directory, before anything opens it
     actuator_factory = None
     if settings.autoscale:
         # A development tool (simulated replicas), imported only when asked for.
-        from cli.dev.actuator import SimulatedActuator
+        from tollgate_llm.cli.dev.actuator import SimulatedActuator
 
         actuator_factory = SimulatedActuator
     run(settings, actuator_factory)

@@ -8,13 +8,13 @@ from datetime import UTC, datetime, timedelta
 
 import click
 
-from api.services import control_service as control
-from cli.common import (
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import (
     database_option,
     instant,
     one_line_errors,
 )
-from domain.projections import REQUEST_LOG_STATUSES
+from tollgate_llm.domain.projections import REQUEST_LOG_STATUSES
 
 # `--since 90m`, `--since 6h`, `--since 2d`: that long before now.
 AGO = re.compile(r"^([0-9]+)([mhd])$")
@@ -31,7 +31,7 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
     the limits in force at admission, and anomalies."""
     import orjson
 
-    from api.services.backoffice import timeline_json
+    from tollgate_llm.api.services.backoffice import timeline_json
 
     with control.open_backoffice(database_url) as bo:
         timeline = timeline_json(bo.timeline(request_id, "support", "", datetime.now(UTC)))
@@ -113,7 +113,7 @@ def requests_list(
 ) -> None:  # fmt: skip
     """A tenant's requests, newest first, with the same filters and bounds as GET /v1/requests
     (a range of at most 366 days)."""
-    from api.services.backoffice import parse_range
+    from tollgate_llm.api.services.backoffice import parse_range
 
     now = datetime.now(UTC)
     start = since_instant(since, now)

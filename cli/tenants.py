@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 
-from api.config import Settings
-from api.services import control_service as control
-from cli.common import (
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.services import control_service as control
+from tollgate_llm.cli.common import (
     F,
     control_options,
     database_option,
@@ -17,9 +17,9 @@ from cli.common import (
     micros,
     one_line_errors,
 )
-from cli.options import settings_options
-from domain.audit.events import Actor
-from domain.errors import DomainError
+from tollgate_llm.cli.options import settings_options
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.errors import DomainError
 
 # --- tenants, keys, limits, prices ---------------------------------------------------------------
 
@@ -442,7 +442,7 @@ def run_limits(
 ) -> Any:  # fmt: skip
     """The limits the options give; a cost limit is in `currency` (the deployment's setting),
     or in USD with --max-usd."""
-    from domain.runs.state import RunLimits
+    from tollgate_llm.domain.runs.state import RunLimits
 
     if max_cost is not None and max_usd is not None:
         raise click.UsageError("give --max-cost or --max-usd, not both")

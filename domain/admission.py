@@ -36,17 +36,23 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import NamedTuple
 
-from domain.backoff import BackoffPolicy
-from domain.control_plane.state import Limits
-from domain.cost import GIB, Estimate, Price, est_kv_byte_seconds
-from domain.errors import DomainError
-from domain.governance.budgets import PathView
-from domain.governance.path_admission import PathRefused, Rate, max_cost_micros, narrow, reserve
-from domain.governance.state import PathPolicy
-from domain.quota import QuotaView
-from domain.requests.events import BudgetReserved
-from domain.reservations import Bucket
-from domain.types import RESERVED_TIER, RejectReason
+from tollgate_llm.domain.backoff import BackoffPolicy
+from tollgate_llm.domain.control_plane.state import Limits
+from tollgate_llm.domain.cost import GIB, Estimate, Price, est_kv_byte_seconds
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.path_admission import (
+    PathRefused,
+    Rate,
+    max_cost_micros,
+    narrow,
+    reserve,
+)
+from tollgate_llm.domain.governance.state import PathPolicy
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.requests.events import BudgetReserved
+from tollgate_llm.domain.reservations import Bucket
+from tollgate_llm.domain.types import RESERVED_TIER, RejectReason
 
 __all__ = [
     "AdmissionPolicy", "Admitted", "RateLimitInfo", "Rejected", "ReserveQuota", "decide",

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from domain.capacity import Refusal, UnknownModel
-from domain.cost import Estimate
-from domain.governance.budgets import PathView
-from domain.governance.state import Hierarchy
-from domain.runs.state import Run
+from tollgate_llm.domain.capacity import Refusal, UnknownModel
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.state import Hierarchy
+from tollgate_llm.domain.runs.state import Run
 
 __all__ = ["capacity_detail", "fallback_models", "kv_tokens", "may_fall_back", "resolve_run"]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from domain.errors import DomainError
+from tollgate_llm.domain.errors import DomainError
 
 __all__ = ["Autoscaler", "FleetSample", "ScalePolicy", "ScaleTerms"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from domain.errors import DomainError
+from tollgate_llm.domain.errors import DomainError
 
 # vLLM's `priority` request field: lower is served first. The tier sets it, never the client.
 ENGINE_PRIORITY: Final[dict[str, int]] = {"enterprise": 0, "standard": 1, "free": 2}

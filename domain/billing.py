@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
 
-from domain.cost import Price
-from domain.errors import DomainError
-from domain.requests.decide import BillUsage, decide
-from domain.requests.events import UsageBilled
-from domain.requests.state import RequestState
+from tollgate_llm.domain.cost import Price
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import BillUsage, decide
+from tollgate_llm.domain.requests.events import UsageBilled
+from tollgate_llm.domain.requests.state import RequestState
 
 __all__ = ["Bill", "bill_event_id", "bill_terminal"]
 

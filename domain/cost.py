@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from domain.errors import DomainError
+from tollgate_llm.domain.errors import DomainError
 
 KIB = 1024
 GIB = 1024**3

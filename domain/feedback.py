@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Final
 
-from domain.errors import DomainError
-from domain.requests.events import FeedbackRecorded, RequestCancelled
-from domain.requests.state import RequestState
-from domain.text import check_text
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestCancelled
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.domain.text import check_text
 
 __all__ = [
     "MAX_LABEL_CHARS",

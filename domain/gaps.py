@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from domain.envelope import Recorded
-from domain.leases import LEASE_TTL_S, LeaseBook
-from domain.requests.events import TERMINAL_EVENTS
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.leases import LEASE_TTL_S, LeaseBook
+from tollgate_llm.domain.requests.events import TERMINAL_EVENTS
 
 __all__ = ["OVERDUE_GRACE_S", "GapBook", "GapReport"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
-from domain.errors import DomainError
+from tollgate_llm.domain.errors import DomainError
 
 __all__ = [
     "DEFAULT_SLOS",

@@ -15,9 +15,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.requests.events import TERMINAL_EVENTS, LeaseProgress, LeasesRenewed, RequestAdmitted
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.events import (
+    TERMINAL_EVENTS,
+    LeaseProgress,
+    LeasesRenewed,
+    RequestAdmitted,
+)
 
 # The renewal interval and the time without one after which a lease expires. What a crashed
 # edge leaves unbilled of what its clients saw is what the engine reported after its last

@@ -11,8 +11,8 @@ from datetime import UTC, timedelta
 from types import MappingProxyType
 from typing import Any, Final, TypeAlias
 
-from domain.envelope import Recorded
-from domain.requests.events import (
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.events import (
     TERMINAL_STATUS_OF,
     FirstTokenStreamed,
     LeaseExpired,

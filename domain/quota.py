@@ -16,9 +16,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TypeAlias
 
-from domain.control_plane.state import Limits
-from domain.envelope import Recorded
-from domain.requests.events import (
+from tollgate_llm.domain.control_plane.state import Limits
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.events import (
     LeaseExpired,
     QuotaRefunded,
     RequestAdmitted,
@@ -29,7 +29,7 @@ from domain.requests.events import (
     RequestPreempted,
     RequestRejected,
 )
-from domain.reservations import TOMBSTONE_TTL_S, Bucket, Hold, Reservations
+from tollgate_llm.domain.reservations import TOMBSTONE_TTL_S, Bucket, Hold, Reservations
 
 __all__ = ["QuotaKey", "QuotaView", "quota_key"]
 

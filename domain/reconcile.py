@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from domain.envelope import Recorded
-from domain.requests.decide import billed_counts, refund_due
-from domain.requests.events import (
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.decide import billed_counts, refund_due
+from tollgate_llm.domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     QuotaRefunded,

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeAlias, get_type_hints
 
-from domain.audit.events import AuditedChange, ChangeAudited
-from domain.batches.events import (
+from tollgate_llm.domain.audit.events import AuditedChange, ChangeAudited
+from tollgate_llm.domain.batches.events import (
     BatchCancelRequested,
     BatchCreated,
     BatchEnded,
@@ -20,9 +20,13 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
-from domain.control_plane.adapters import AdapterRegistered, AdapterRevoked
-from domain.control_plane.data_policy import ResidencyCleared, ResidencySet, RetentionSet
-from domain.control_plane.events import (
+from tollgate_llm.domain.control_plane.adapters import AdapterRegistered, AdapterRevoked
+from tollgate_llm.domain.control_plane.data_policy import (
+    ResidencyCleared,
+    ResidencySet,
+    RetentionSet,
+)
+from tollgate_llm.domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     FallbackAllowed,
@@ -38,9 +42,9 @@ from domain.control_plane.events import (
     SloSet,
     TenantRegistered,
 )
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.governance.events import (
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.events import (
     BudgetSet,
     KeyAssigned,
     LevelLimitsSet,
@@ -50,7 +54,7 @@ from domain.governance.events import (
     TimeZoneSet,
     WorkspaceCreated,
 )
-from domain.requests.events import (
+from tollgate_llm.domain.requests.events import (
     BudgetReserved,
     FeedbackRecorded,
     FirstTokenStreamed,
@@ -73,7 +77,7 @@ from domain.requests.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
+from tollgate_llm.domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
 
 EVENT_CLASSES: dict[str, type[Event]] = {
     cls.EVENT_TYPE: cls

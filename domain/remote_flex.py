@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from domain.envelope import Event, Recorded
-from domain.requests.events import (
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.requests.events import (
     TERMINAL_EVENTS,
     PreemptionRequested,
     RequestAdmitted,

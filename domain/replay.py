@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from domain.control_plane.state import LIMIT_FIELDS, ControlView
-from domain.envelope import Recorded
-from domain.errors import DomainError
-from domain.leases import LEASE_TTL_S
-from domain.reconcile import account
-from domain.registry import to_payload
-from domain.requests.events import (
+from tollgate_llm.domain.control_plane.state import LIMIT_FIELDS, ControlView
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.leases import LEASE_TTL_S
+from tollgate_llm.domain.reconcile import account
+from tollgate_llm.domain.registry import to_payload
+from tollgate_llm.domain.requests.events import (
     FeedbackRecorded,
     FirstTokenStreamed,
     LeaseExpired,
@@ -31,8 +31,8 @@ from domain.requests.events import (
     RequestRouted,
     UsageBilled,
 )
-from domain.requests.evolve import evolve
-from domain.requests.state import INITIAL, RequestState
+from tollgate_llm.domain.requests.evolve import evolve
+from tollgate_llm.domain.requests.state import INITIAL, RequestState
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from datetime import datetime
 from typing import Any, Final, Generic, TypeVar
 
-from domain.envelope import Event, Recorded
+from tollgate_llm.domain.envelope import Event, Recorded
 
 __all__ = ["MINUTE_S", "TOMBSTONE_TTL_S", "Bucket", "Hold", "Reservations"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final, TypeVar
 
-from domain.capacity import ReplicaLoad
+from tollgate_llm.domain.capacity import ReplicaLoad
 
 __all__ = ["REGION_UNAVAILABLE", "confine", "in_region", "refusal_detail"]
 

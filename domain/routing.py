@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
-from domain.envelope import Recorded
-from domain.prediction import SYSTEM_PROMPT_BUCKETS
-from domain.requests.events import FeedbackRecorded
-from domain.router_model import RouterModel
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.prediction import SYSTEM_PROMPT_BUCKETS
+from tollgate_llm.domain.requests.events import FeedbackRecorded
+from tollgate_llm.domain.router_model import RouterModel
 
 __all__ = [
     "AUTO",

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from domain.cost import Price, amount_micros
-from domain.envelope import Recorded
-from domain.requests.events import FeedbackRecorded, RequestModelRouted, UsageBilled
+from tollgate_llm.domain.cost import Price, amount_micros
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted, UsageBilled
 
 __all__ = ["SavingsRow", "savings"]
 

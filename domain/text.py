@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Final
 
-from domain.errors import DomainError
+from tollgate_llm.domain.errors import DomainError
 
 _UNSTORABLE: Final = re.compile("[\x00\ud800-\udfff]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")

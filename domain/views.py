@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 
-from domain import admission
-from domain.control_plane.state import Limits
-from domain.cost import Price
-from domain.envelope import Recorded
-from domain.governance.budgets import PathView
-from domain.governance.state import PathPolicy
-from domain.quota import QuotaView
-from domain.remote_flex import RemoteFlex
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.control_plane.state import Limits
+from tollgate_llm.domain.cost import Price
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.state import PathPolicy
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.remote_flex import RemoteFlex
 
 __all__ = ["AdmissionViews"]
 

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import aiohttp
 
-from engine_adapter.tokenizers import PromptTokenEstimator, estimator_for
-from engine_adapter.vllm_http import ModelCard, ReplicaUnavailable, VLLMReplica, fetch_models
+from tollgate_llm.engine_adapter.tokenizers import PromptTokenEstimator, estimator_for
+from tollgate_llm.engine_adapter.vllm_http import (
+    ModelCard,
+    ReplicaUnavailable,
+    VLLMReplica,
+    fetch_models,
+)
 
 log = logging.getLogger("tollgate.discovery")
 

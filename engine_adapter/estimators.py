@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine_adapter.simulator.tokenizer import count_prompt_tokens
+from tollgate_llm.engine_adapter.simulator.tokenizer import count_prompt_tokens
 
 
 class WordTokenEstimator:

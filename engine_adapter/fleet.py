@@ -20,7 +20,7 @@ from typing import Protocol
 
 import aiohttp
 
-from domain.capacity import (
+from tollgate_llm.domain.capacity import (
     DEFAULT_FLEX,
     PPM,
     AdapterRef,
@@ -42,9 +42,14 @@ from domain.capacity import (
     slot_plan,
     tier_ceiling_ppm,
 )
-from domain.residency import REGION_UNAVAILABLE, in_region
-from engine_adapter.lora import AdapterBound, ReplicaLoras, ScrapedReplica, fetch_adapters
-from engine_adapter.vllm_http import (
+from tollgate_llm.domain.residency import REGION_UNAVAILABLE, in_region
+from tollgate_llm.engine_adapter.lora import (
+    AdapterBound,
+    ReplicaLoras,
+    ScrapedReplica,
+    fetch_adapters,
+)
+from tollgate_llm.engine_adapter.vllm_http import (
     ReplicaMetrics,
     ReplicaSlow,
     ReplicaUnavailable,

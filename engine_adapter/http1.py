@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from ledger import faults
+from tollgate_llm.ledger import faults
 
 # vLLM's uvicorn closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a connection
 # idle for longer than this is not reused, so a request never races the server's close.

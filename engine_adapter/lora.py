@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from domain.capacity import AdapterRef, AdapterSlots, SlotPlan
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.vllm_http import ReplicaUnavailable, Served
-from ledger import faults
+from tollgate_llm.domain.capacity import AdapterRef, AdapterSlots, SlotPlan
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.engine_adapter.vllm_http import ReplicaUnavailable, Served
+from tollgate_llm.ledger import faults
 
 log = logging.getLogger("tollgate.lora")
 

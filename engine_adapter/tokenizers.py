@@ -4,7 +4,7 @@ simulator's splitter for simulated replicas.
 
 Each has `prompt_tokens(messages, tools=None) -> int`, the shape of the gateway's
 `TokenEstimator` port (structural typing: nothing here imports api). The real one needs the
-`tokenizers` package (`pip install 'tollgate[tokenizer]'`, a ~3 MB wheel; no torch, no
+`tokenizers` package (`pip install 'tollgate-llm[tokenizer]'`, a ~3 MB wheel; no torch, no
 transformers); the chat template is rendered with jinja2 in the sandbox and with the options
 transformers uses, which is what vLLM calls.
 """
@@ -252,7 +252,7 @@ def estimator_for(
     `--tokenizer` flag, or the `root` vLLM reports in /v1/models) and `tokenizers` is installed.
     None when neither: the caller says so, and admission keeps its rough estimate."""
     if simulated:
-        from engine_adapter.estimators import WordTokenEstimator
+        from tollgate_llm.engine_adapter.estimators import WordTokenEstimator
 
         return WordTokenEstimator()
     if model_dir is None or not (Path(model_dir) / "tokenizer.json").exists():
@@ -260,5 +260,5 @@ def estimator_for(
     try:
         return ChatTemplateEstimator.from_model_dir(model_dir)
     except ImportError:
-        log.warning("`tokenizers` is not installed (pip install 'tollgate[tokenizer]')")
+        log.warning("`tokenizers` is not installed (pip install 'tollgate-llm[tokenizer]')")
         return None

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.http1 import Connection, Http1Pool
-from ledger import faults
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.engine_adapter.http1 import Connection, Http1Pool
+from tollgate_llm.ledger import faults
 
 _STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 

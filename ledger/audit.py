@@ -11,9 +11,9 @@ from datetime import datetime
 import orjson
 import sqlalchemy as sa
 
-from domain.audit.chain import AUDIT_TYPE, AUDITED_PREFIXES, AuditRow
-from domain.control_plane.state import tenant_stream
-from ledger.schema import events
+from tollgate_llm.domain.audit.chain import AUDIT_TYPE, AUDITED_PREFIXES, AuditRow
+from tollgate_llm.domain.control_plane.state import tenant_stream
+from tollgate_llm.ledger.schema import events
 
 __all__ = ["AuditEntry", "audit_entries", "audited_streams", "stream_rows"]
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from ledger.schema import batch_files, batch_results, batches
+from tollgate_llm.ledger.schema import batch_files, batch_results, batches
 
 
 @dataclass(frozen=True, slots=True)

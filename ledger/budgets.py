@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from domain.governance.budgets import PathView
-from domain.requests.events import BudgetReserved
-from ledger.store import EventStore
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.requests.events import BudgetReserved
+from tollgate_llm.ledger.store import EventStore
 
 __all__ = ["catch_up"]
 

@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from ledger import faults
-from ledger.schema import projection_checkpoints as t
-from ledger.store import sqlite_instant
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.schema import projection_checkpoints as t
+from tollgate_llm.ledger.store import sqlite_instant
 
 # Built once: a statement built per call costs more to construct and cache-key than to run.
 _GET = sa.select(t.c.position).where(t.c.name == sa.bindparam("b_name"))

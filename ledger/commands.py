@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, TypeVar
 
-from domain.batches.evolve import fold as batch_fold
-from domain.batches.state import BatchState, batch_stream
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.requests.evolve import fold as request_fold
-from domain.requests.state import RequestState
-from ledger.errors import WrongExpectedVersion
-from ledger.ids import Clock, IdSource, new_event_id, utcnow
-from ledger.store import AppendBatch, EventStore, NewEvent
+from tollgate_llm.domain.batches.evolve import fold as batch_fold
+from tollgate_llm.domain.batches.state import BatchState, batch_stream
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.evolve import fold as request_fold
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.errors import WrongExpectedVersion
+from tollgate_llm.ledger.ids import Clock, IdSource, new_event_id, utcnow
+from tollgate_llm.ledger.store import AppendBatch, EventStore, NewEvent
 
 __all__ = [
     "CommandHandler",

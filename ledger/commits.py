@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 from concurrent.futures import Future as ThreadFuture
 
-from ledger.store import AppendBatch, AppendResult
-from ledger.writer import GroupCommitWriter
+from tollgate_llm.ledger.store import AppendBatch, AppendResult
+from tollgate_llm.ledger.writer import GroupCommitWriter
 
 
 class LoopCommits:

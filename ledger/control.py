@@ -3,9 +3,9 @@ kept current: what the edges, the fold worker, the CLI and the back office all r
 
 from __future__ import annotations
 
-from domain.control_plane.state import CONTROL_PREFIXES, ControlView
-from ledger.commands import StreamLoader
-from ledger.store import EventStore
+from tollgate_llm.domain.control_plane.state import CONTROL_PREFIXES, ControlView
+from tollgate_llm.ledger.commands import StreamLoader
+from tollgate_llm.ledger.store import EventStore
 
 __all__ = ["ControlLog"]
 

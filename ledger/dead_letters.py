@@ -25,12 +25,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from domain.envelope import Recorded
-from domain.errors import DomainError
-from domain.projections import PROJECTIONS
-from ledger import faults
-from ledger.errors import StoreBusy, StoreUnavailable
-from ledger.schema import dead_letters as t
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.projections import PROJECTIONS
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.errors import StoreBusy, StoreUnavailable
+from tollgate_llm.ledger.schema import dead_letters as t
 
 __all__ = [
     "FOLDS",

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
 
-from ledger.errors import BadDatabaseUrl, StoreUnavailable
+from tollgate_llm.ledger.errors import BadDatabaseUrl, StoreUnavailable
 
 # Execution option a store sets on a connection that is about to write; on SQLite it turns the
 # next BEGIN into BEGIN IMMEDIATE (see _sqlite_begin).

@@ -262,7 +262,7 @@ def db_error(message: str = "server closed the connection unexpectedly") -> Exce
 
 
 def store_error() -> Exception:
-    from ledger.errors import StoreUnavailable
+    from tollgate_llm.ledger.errors import StoreUnavailable
 
     return StoreUnavailable("event store unavailable: server closed the connection (fault)")
 

@@ -16,11 +16,11 @@ from typing import Any, Final
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from domain.goodput import OUTCOMES, Attainment, Slo, outcome
-from domain.reconcile import account
-from ledger import faults
-from ledger.schema import ledger_entries, request_log, usage_hourly
-from ledger.store import EventStore
+from tollgate_llm.domain.goodput import OUTCOMES, Attainment, Slo, outcome
+from tollgate_llm.domain.reconcile import account
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.schema import ledger_entries, request_log, usage_hourly
+from tollgate_llm.ledger.store import EventStore
 
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "amount_micros")
 

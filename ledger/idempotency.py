@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from ledger.schema import idempotency_records
+from tollgate_llm.ledger.schema import idempotency_records
 
 RETENTION = timedelta(hours=24)
 

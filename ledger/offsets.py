@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from ledger import faults
-from ledger.schema import consumer_offsets as t
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.schema import consumer_offsets as t
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from ledger import faults
-from ledger.schema import relay_state as t
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.schema import relay_state as t
 
 _READ = sa.text(
     "SELECT txid::text::bigint AS txid, position, event_id, stream_id, stream_version, "

@@ -15,13 +15,13 @@ from typing import Any, Protocol
 import orjson
 import sqlalchemy as sa
 
-from domain.envelope import Recorded
-from ledger import faults
-from ledger.checkpoints import read_position, save_position
-from ledger.engine import WRITE
-from ledger.errors import ProjectionError
-from ledger.schema import UTCDateTime, metadata, projection_checkpoints
-from ledger.store import EventStore, sqlite_instant, sqlite_utc
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.checkpoints import read_position, save_position
+from tollgate_llm.ledger.engine import WRITE
+from tollgate_llm.ledger.errors import ProjectionError
+from tollgate_llm.ledger.schema import UTCDateTime, metadata, projection_checkpoints
+from tollgate_llm.ledger.store import EventStore, sqlite_instant, sqlite_utc
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]

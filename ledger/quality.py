@@ -3,9 +3,9 @@ events and kept current: what every edge's admission reads to route `auto` reque
 
 from __future__ import annotations
 
-from domain.requests.events import FeedbackRecorded
-from domain.routing import QualityView
-from ledger.store import EventStore
+from tollgate_llm.domain.requests.events import FeedbackRecorded
+from tollgate_llm.domain.routing import QualityView
+from tollgate_llm.ledger.store import EventStore
 
 __all__ = ["QualityLog"]
 

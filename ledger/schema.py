@@ -336,7 +336,7 @@ batch_results = sa.Table(
 def _alembic_config(url: str) -> Any:
     from alembic.config import Config
 
-    here = Path(str(resources.files("migrations")))
+    here = Path(str(resources.files("tollgate_llm.migrations")))
     config = Config(str(here / "alembic.ini"))
     config.set_main_option("script_location", str(here))
     config.attributes["url"] = url
@@ -372,7 +372,7 @@ def current(url: str) -> str | None:
     """The revision the database is at, or None for an empty database."""
     from alembic.runtime.migration import MigrationContext
 
-    from ledger.engine import create_engine_from_url
+    from tollgate_llm.ledger.engine import create_engine_from_url
 
     engine = create_engine_from_url(url)
     try:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from domain.envelope import Recorded
-from ledger.errors import StoreBusy, StoreError
-from ledger.store import AppendBatch, AppendResult, EventStore, check_batch
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.ledger.errors import StoreBusy, StoreError
+from tollgate_llm.ledger.store import AppendBatch, AppendResult, EventStore, check_batch
 
 
 class WriterClosed(StoreError):

@@ -9,4 +9,4 @@ SDK or raw httpx; `reconcile` compares the tokens the clients saw with the finan
 """
 
 # The parts a plain install of Tollgate leaves out, named in the one line that says so.
-EXTRA_HINT = "pip install 'tollgate[loadgen]'"
+EXTRA_HINT = "pip install 'tollgate-llm[loadgen]'"

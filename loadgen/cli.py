@@ -20,8 +20,8 @@ import httpx
 import orjson
 from rich.console import Console
 
-from loadgen import EXTRA_HINT
-from loadgen.profiles import DEMO_TIERS, ProfileError, available_profiles, load_profile
+from tollgate_llm.loadgen import EXTRA_HINT
+from tollgate_llm.loadgen.profiles import DEMO_TIERS, ProfileError, available_profiles, load_profile
 
 NON_TENANT_KEYS = {"finance", "support", "admin"}
 
@@ -185,7 +185,7 @@ def loadgen(base_url: str, keys_file: Path | None, demo: bool, rate: float | Non
         assert keys_file is not None
         keys, tiers, finance = load_keys(keys_file)
 
-    from loadgen.runner import RunConfig
+    from tollgate_llm.loadgen.runner import RunConfig
 
     cfg = RunConfig(
         base_url=base, keys=keys, tiers=tiers, profile=profile, rate=rate,
@@ -206,7 +206,7 @@ def loadgen(base_url: str, keys_file: Path | None, demo: bool, rate: float | Non
 
 
 async def _billing_lag(base: str) -> float | None:
-    from loadgen.runner import parse_metrics
+    from tollgate_llm.loadgen.runner import parse_metrics
 
     try:
         async with httpx.AsyncClient(base_url=base, timeout=2.0) as http:
@@ -219,10 +219,10 @@ async def _billing_lag(base: str) -> float | None:
 async def _main(cfg: Any, console: Console, finance: str | None, reconcile_timeout: float,
                 no_reconcile: bool, live: bool, plot_dir: str | None,
                 out_file: Path | None) -> int:
-    from loadgen import reconcile as rc
-    from loadgen.live import live_view
-    from loadgen.runner import Runner
-    from loadgen.summary import print_reconciliation, print_summary, result_json
+    from tollgate_llm.loadgen import reconcile as rc
+    from tollgate_llm.loadgen.live import live_view
+    from tollgate_llm.loadgen.runner import Runner
+    from tollgate_llm.loadgen.summary import print_reconciliation, print_summary, result_json
 
     p = cfg.profile
     tenants = sorted(cfg.keys)
@@ -299,7 +299,7 @@ async def _main(cfg: Any, console: Console, finance: str | None, reconcile_timeo
         out_file.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
         out_console.print(f"result written to {out_file}")
     if plot_dir:
-        from loadgen.plots import write_plots
+        from tollgate_llm.loadgen.plots import write_plots
 
         for path in write_plots(plot_dir, stats.attempts, runner.kv_samples, p.name):
             out_console.print(f"plot written to {path}")

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from loadgen.profiles import RequestSpec
+from tollgate_llm.loadgen.profiles import RequestSpec
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from loadgen.clients import Attempt
+from tollgate_llm.loadgen.clients import Attempt
 
 
 def write_plots(directory: str, attempts: list[Attempt],

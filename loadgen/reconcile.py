@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from loadgen.clients import Attempt
+from tollgate_llm.loadgen.clients import Attempt
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "amount_micros")
 CHARGED = ("prompt_tokens", "completion_tokens", "cached_tokens", "amount_micros")

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from loadgen.arrivals import make_arrivals
-from loadgen.clients import Attempt, make_client, prepare
-from loadgen.profiles import (
+from tollgate_llm.loadgen.arrivals import make_arrivals
+from tollgate_llm.loadgen.clients import Attempt, make_client, prepare
+from tollgate_llm.loadgen.profiles import (
     Profile,
     RequestClass,
     RequestSpec,
@@ -26,8 +26,8 @@ from loadgen.profiles import (
     tier_of,
     weighted_choice,
 )
-from loadgen.prompts import build_messages
-from loadgen.stats import Stats
+from tollgate_llm.loadgen.prompts import build_messages
+from tollgate_llm.loadgen.stats import Stats
 
 _KV_RE = re.compile(r"^tollgate_replica_kv_occupancy\{([^}]*)\}\s+(\S+)", re.M)
 _LAG_RE = re.compile(r"^tollgate_billing_lag_events\s+(\S+)", re.M)

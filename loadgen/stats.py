@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadgen.clients import Attempt
+from tollgate_llm.loadgen.clients import Attempt
 
 KINDS = ("ok", "cancelled", "429", "503", "4xx", "5xx", "error")
 

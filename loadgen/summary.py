@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadgen.stats import Group, Stats
+from tollgate_llm.loadgen.stats import Group, Stats
 
 
 def _ms(v: float | None) -> str:

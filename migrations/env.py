@@ -10,9 +10,9 @@ import os
 
 from alembic import context
 
-from ledger.engine import create_engine_from_url, parse_url
-from ledger.errors import BadDatabaseUrl
-from ledger.schema import metadata
+from tollgate_llm.ledger.engine import create_engine_from_url, parse_url
+from tollgate_llm.ledger.errors import BadDatabaseUrl
+from tollgate_llm.ledger.schema import metadata
 
 config = context.config
 

@@ -15,14 +15,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
-from domain.prediction import History, RequestShape
-from domain.requests.events import (
+from tollgate_llm.domain.prediction import History, RequestShape
+from tollgate_llm.domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     RequestAdmitted,
     RequestEstimated,
 )
-from ledger.store import EventStore
+from tollgate_llm.ledger.store import EventStore
 
 REQUEST_STREAMS = ("req_",)
 PAGE = 5_000

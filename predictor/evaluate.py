@@ -26,14 +26,14 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from domain import admission
-from domain.control_plane.state import ControlView, Limits
-from domain.prediction import CoverageTracker, Forecaster, History, Prediction
-from domain.quota import QuotaView
-from domain.reservations import Bucket
-from predictor.dataset import LoggedRequest, timeline
-from predictor.model_file import ModelFile
-from predictor.runtime import COVERAGE_MARGIN, COVERAGE_MIN_SAMPLES, COVERAGE_WINDOW
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.control_plane.state import ControlView, Limits
+from tollgate_llm.domain.prediction import CoverageTracker, Forecaster, History, Prediction
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.reservations import Bucket
+from tollgate_llm.predictor.dataset import LoggedRequest, timeline
+from tollgate_llm.predictor.model_file import ModelFile
+from tollgate_llm.predictor.runtime import COVERAGE_MARGIN, COVERAGE_MIN_SAMPLES, COVERAGE_WINDOW
 
 Policy = Literal["max_tokens", "predicted", "oracle"]
 POLICIES: tuple[Policy, ...] = ("max_tokens", "predicted", "oracle")

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from loadgen.prompts import nonce_words, words
+from tollgate_llm.loadgen.prompts import nonce_words, words
 
 TENANT_KINDS = ("chat", "summarisation", "agents")
 SHARES = {"chat": 0.45, "summarisation": 0.35, "agents": 0.20}  # of the requests

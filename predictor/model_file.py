@@ -11,8 +11,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from domain.prediction import ExportedModel, Layer
-from domain.registry import parse_instant
+from tollgate_llm.domain.prediction import ExportedModel, Layer
+from tollgate_llm.domain.registry import parse_instant
 
 FORMAT = "tollgate-output-predictor"
 FORMAT_VERSION = 2  # 2: per-tenant scales; a version-1 file (no scales) is still read

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from domain.router_model import MODEL_MIN_EVIDENCE, RouterModel, TenantRouterModel
+from tollgate_llm.domain.router_model import MODEL_MIN_EVIDENCE, RouterModel, TenantRouterModel
 
 FORMAT = "tollgate-router-model"
 FORMAT_VERSION = 1

@@ -28,11 +28,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from domain.requests.events import FeedbackRecorded
-from domain.router_model import MODEL_MIN_EVIDENCE, RouterModel, TenantRouterModel, features
-from domain.routing import IMPLICIT_WEIGHT
-from ledger.store import EventStore
-from predictor import router_file
+from tollgate_llm.domain.requests.events import FeedbackRecorded
+from tollgate_llm.domain.router_model import (
+    MODEL_MIN_EVIDENCE,
+    RouterModel,
+    TenantRouterModel,
+    features,
+)
+from tollgate_llm.domain.routing import IMPLICIT_WEIGHT
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.predictor import router_file
 
 __all__ = ["RouterTrainConfig", "fit", "read_feedback", "train_and_save"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from domain.prediction import (
+from tollgate_llm.domain.prediction import (
     CoverageTracker,
     Forecaster,
     History,
@@ -15,9 +15,9 @@ from domain.prediction import (
     RequestShape,
     Skip,
 )
-from ledger.store import EventStore
-from predictor import model_file
-from predictor.dataset import read_requests, timeline
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.predictor import model_file
+from tollgate_llm.predictor.dataset import read_requests, timeline
 
 COVERAGE_MARGIN = 0.03  # the tenant falls back below quantile − 3 points
 COVERAGE_WINDOW = 500  # over its last 500 predicted, completed requests

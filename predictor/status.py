@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledger.store import EventStore
-from predictor.dataset import read_requests
-from predictor.model_file import ModelFile
-from predictor.runtime import COVERAGE_WINDOW
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.predictor.dataset import read_requests
+from tollgate_llm.predictor.model_file import ModelFile
+from tollgate_llm.predictor.runtime import COVERAGE_WINDOW
 
 RECENT_REQUESTS = 50_000
 

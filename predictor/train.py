@@ -32,10 +32,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from domain.prediction import FEATURES, ExportedModel, Layer
-from ledger.store import EventStore
-from predictor import model_file
-from predictor.dataset import Example, examples, read_requests, split_at
+from tollgate_llm.domain.prediction import FEATURES, ExportedModel, Layer
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.predictor import model_file
+from tollgate_llm.predictor.dataset import Example, examples, read_requests, split_at
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import httpx
 import orjson
 from sqlalchemy.engine import Engine
 
-from domain.batches.decide import (
+from tollgate_llm.domain.batches.decide import (
     BatchCommand,
     EndBatch,
     FailBatch,
@@ -47,8 +47,8 @@ from domain.batches.decide import (
     StartBatch,
     decide,
 )
-from domain.batches.evolve import fold
-from domain.batches.files import (
+from tollgate_llm.domain.batches.evolve import fold
+from tollgate_llm.domain.batches.files import (
     INPUT_RETENTION_S,
     OUTPUT_RETENTION_S,
     InputLine,
@@ -56,16 +56,16 @@ from domain.batches.files import (
     parse_input,
     unrun_line,
 )
-from domain.batches.state import BatchState, batch_stream
-from domain.control_plane.data_policy import ZERO
-from domain.errors import DomainError
-from ledger.batches import BatchStore, ItemResult, StoredFile
-from ledger.commands import CommandHandler, batch_stream_loader
-from ledger.idempotency import IdempotencyStore
-from ledger.ids import Clock, utcnow
-from ledger.store import EventStore
-from streams.status import BATCH_RUNNER_NAME
-from streams.worker_rows import delete_status_row, process_row, write_status_row
+from tollgate_llm.domain.batches.state import BatchState, batch_stream
+from tollgate_llm.domain.control_plane.data_policy import ZERO
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.ledger.batches import BatchStore, ItemResult, StoredFile
+from tollgate_llm.ledger.commands import CommandHandler, batch_stream_loader
+from tollgate_llm.ledger.idempotency import IdempotencyStore
+from tollgate_llm.ledger.ids import Clock, utcnow
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.streams.status import BATCH_RUNNER_NAME
+from tollgate_llm.streams.worker_rows import delete_status_row, process_row, write_status_row
 
 log = logging.getLogger("tollgate.batch")
 
@@ -600,8 +600,8 @@ def run_batch_runner(database_url: str, *, edge_url: str, token: str, concurrenc
     replays, never into a second generation or bill."""
     import signal
 
-    from ledger.engine import create_engine_from_url
-    from ledger.store import SqlEventStore
+    from tollgate_llm.ledger.engine import create_engine_from_url
+    from tollgate_llm.ledger.store import SqlEventStore
 
     engine = create_engine_from_url(database_url)
     stop = threading.Event()

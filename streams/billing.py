@@ -19,19 +19,19 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from domain.billing import Bill, bill_terminal
-from domain.control_plane.adapters import price_key_of
-from domain.control_plane.state import ControlView
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.requests.events import TERMINAL_TYPES, RequestAdmitted, UsageBilled
-from domain.requests.evolve import evolve, fold
-from domain.requests.state import INITIAL, RequestState
-from ledger import dead_letters, faults
-from ledger.checkpoints import Checkpoints
-from ledger.commands import CommandHandler, Decision, Handled, request_stream
-from ledger.engine import WRITE
-from ledger.store import EventStore, NewEvent
+from tollgate_llm.domain.billing import Bill, bill_terminal
+from tollgate_llm.domain.control_plane.adapters import price_key_of
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES, RequestAdmitted, UsageBilled
+from tollgate_llm.domain.requests.evolve import evolve, fold
+from tollgate_llm.domain.requests.state import INITIAL, RequestState
+from tollgate_llm.ledger import dead_letters, faults
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.commands import CommandHandler, Decision, Handled, request_stream
+from tollgate_llm.ledger.engine import WRITE
+from tollgate_llm.ledger.store import EventStore, NewEvent
 
 log = logging.getLogger("tollgate.billing")
 

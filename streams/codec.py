@@ -14,10 +14,10 @@ from typing import Any, Final
 
 import orjson
 
-from domain.envelope import Recorded
-from domain.errors import DomainError
-from domain.registry import from_payload, parse_instant
-from ledger.outbox import OutboxRow
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.registry import from_payload, parse_instant
+from tollgate_llm.ledger.outbox import OutboxRow
 
 EPOCH_HEADER = "tollgate-epoch"
 REASON_HEADER = "tollgate-dead-letter-reason"

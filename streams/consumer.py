@@ -9,7 +9,7 @@ from typing import Protocol
 
 import sqlalchemy as sa
 
-from domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded
 
 
 @dataclass(frozen=True, slots=True)

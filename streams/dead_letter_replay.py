@@ -13,16 +13,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from domain.control_plane.state import ControlView
-from domain.envelope import Recorded
-from domain.projections import PROJECTIONS
-from ledger import dead_letters
-from ledger.checkpoints import Checkpoints
-from ledger.control import ControlLog
-from ledger.engine import WRITE
-from ledger.projections import ProjectionRunner
-from ledger.store import SqlEventStore
-from streams.billing import BillingFold
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.projections import PROJECTIONS
+from tollgate_llm.ledger import dead_letters
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.engine import WRITE
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.billing import BillingFold
 
 __all__ = ["ReplayOutcome", "replay_dead_letters"]
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from streams.codec import BadRecord, decode
-from streams.consumer import Batch, Delivery
-from streams.kafka_consumer import SavedOffsets, _epoch
-from streams.topics import KafkaSettingError, client_settings
+from tollgate_llm.streams.codec import BadRecord, decode
+from tollgate_llm.streams.consumer import Batch, Delivery
+from tollgate_llm.streams.kafka_consumer import SavedOffsets, _epoch
+from tollgate_llm.streams.topics import KafkaSettingError, client_settings
 
 log = logging.getLogger("tollgate.faust_worker")
 

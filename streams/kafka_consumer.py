@@ -18,12 +18,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger import faults
-from ledger.offsets import PartitionPlace, claim_places, read_places, save_places
-from ledger.outbox import current_epoch
-from streams.codec import EPOCH_HEADER, REASON_HEADER, BadRecord, decode
-from streams.consumer import Batch, Delivery
-from streams.topics import client_settings, confluent, dead_letter_topic
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.offsets import PartitionPlace, claim_places, read_places, save_places
+from tollgate_llm.ledger.outbox import current_epoch
+from tollgate_llm.streams.codec import EPOCH_HEADER, REASON_HEADER, BadRecord, decode
+from tollgate_llm.streams.consumer import Batch, Delivery
+from tollgate_llm.streams.topics import client_settings, confluent, dead_letter_topic
 
 log = logging.getLogger("tollgate.kafka_consumer")
 

@@ -37,34 +37,39 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from domain.control_plane.state import ControlView
-from domain.envelope import Recorded
-from domain.leases import LEASE_TTL_S
-from domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY
-from domain.requests.events import TERMINAL_TYPES, UsageBilled
-from ledger import dead_letters, faults
-from ledger.checkpoints import Checkpoints
-from ledger.control import ControlLog
-from ledger.dead_letters import is_transient
-from ledger.engine import WRITE, create_engine_from_url
-from ledger.finance import posted
-from ledger.idempotency import IdempotencyStore
-from ledger.projections import ProjectionRunner
-from ledger.store import SqlEventStore
-from streams.billing import BillingFold
-from streams.consumer import Batch, Delivery, EventConsumer
-from streams.gc_settings import settle_for_batches
-from streams.kafka_consumer import KafkaEventConsumer
-from streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
-from streams.reconciler import start_reconciler
-from streams.status import BrokerWatermarks
-from streams.sweeper import GroupSweeper
-from streams.topics import DEFAULT_TOPIC, group_for
-from streams.worker import DEAD_LETTERS_IN_A_ROW, FoldBroken
-from streams.worker_rows import WORKER_NAME, delete_status_row, process_row, write_status_row
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.leases import LEASE_TTL_S
+from tollgate_llm.domain.projections import LEDGER_ENTRIES, PROJECTIONS, REQUEST_LOG, USAGE_HOURLY
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES, UsageBilled
+from tollgate_llm.ledger import dead_letters, faults
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.dead_letters import is_transient
+from tollgate_llm.ledger.engine import WRITE, create_engine_from_url
+from tollgate_llm.ledger.finance import posted
+from tollgate_llm.ledger.idempotency import IdempotencyStore
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.billing import BillingFold
+from tollgate_llm.streams.consumer import Batch, Delivery, EventConsumer
+from tollgate_llm.streams.gc_settings import settle_for_batches
+from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
+from tollgate_llm.streams.metrics import ConsumerLagCollector, PipelineMetrics, serve_metrics
+from tollgate_llm.streams.reconciler import start_reconciler
+from tollgate_llm.streams.status import BrokerWatermarks
+from tollgate_llm.streams.sweeper import GroupSweeper
+from tollgate_llm.streams.topics import DEFAULT_TOPIC, group_for
+from tollgate_llm.streams.worker import DEAD_LETTERS_IN_A_ROW, FoldBroken
+from tollgate_llm.streams.worker_rows import (
+    WORKER_NAME,
+    delete_status_row,
+    process_row,
+    write_status_row,
+)
 
 if TYPE_CHECKING:
-    from streams.faust_worker import FaustEventConsumer
+    from tollgate_llm.streams.faust_worker import FaustEventConsumer
 
 log = logging.getLogger("tollgate.kafka_worker")
 
@@ -405,7 +410,7 @@ def run_kafka_worker(
     group = group or group_for(topic)
     consumer: KafkaEventConsumer | FaustEventConsumer
     if client == "faust":
-        from streams.faust_worker import FaustEventConsumer
+        from tollgate_llm.streams.faust_worker import FaustEventConsumer
 
         consumer = FaustEventConsumer(engine, bootstrap, topic, group,
                                       kafka_settings=kafka_settings)  # fmt: skip

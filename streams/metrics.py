@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from domain.envelope import Recorded
-from domain.gaps import GapReport, age_s
-from domain.requests.events import UsageBilled
-from ledger.dead_letters import FOLDS, counts_by_fold
-from streams.status import Watermarks, partition_lags
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.gaps import GapReport, age_s
+from tollgate_llm.domain.requests.events import UsageBilled
+from tollgate_llm.ledger.dead_letters import FOLDS, counts_by_fold
+from tollgate_llm.streams.status import Watermarks, partition_lags
 
 # Terminal event -> ledger row: sub-second when the pipeline keeps up, minutes when it does not.
 BILLING_LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)

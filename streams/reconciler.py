@@ -30,18 +30,18 @@ from typing import Final
 
 import sqlalchemy as sa
 
-from domain.envelope import Recorded
-from domain.gaps import GapBook, GapReport
-from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S
-from ledger import faults
-from ledger.checkpoints import Checkpoints
-from ledger.engine import WRITE
-from ledger.finance import posted
-from ledger.leadership import Leadership
-from ledger.schema import reconciliation_status
-from ledger.store import EventStore
-from streams.metrics import PipelineMetrics
-from streams.sql_tail import SqlTail
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.gaps import GapBook, GapReport
+from tollgate_llm.domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.engine import WRITE
+from tollgate_llm.ledger.finance import posted
+from tollgate_llm.ledger.leadership import Leadership
+from tollgate_llm.ledger.schema import reconciliation_status
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.streams.metrics import PipelineMetrics
+from tollgate_llm.streams.sql_tail import SqlTail
 
 log = logging.getLogger("tollgate.reconciler")
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger import faults
-from ledger.outbox import OutboxReader, RelayState
-from streams.codec import EPOCH_HEADER, encode
-from streams.gc_settings import settle_for_batches
-from streams.topics import (
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.outbox import OutboxReader, RelayState
+from tollgate_llm.streams.codec import EPOCH_HEADER, encode
+from tollgate_llm.streams.gc_settings import settle_for_batches
+from tollgate_llm.streams.topics import (
     DEFAULT_PARTITIONS,
     DEFAULT_TOPIC,
     client_settings,
@@ -263,8 +263,8 @@ def run_relay(
     """`tollgate relay`: publish until SIGTERM/SIGINT (its /metrics on `metrics_port`, 0: off)."""
     import signal
 
-    from ledger.engine import create_engine_from_url
-    from streams.metrics import PipelineMetrics, serve_metrics
+    from tollgate_llm.ledger.engine import create_engine_from_url
+    from tollgate_llm.streams.metrics import PipelineMetrics, serve_metrics
 
     engine = create_engine_from_url(database_url)
     stop = threading.Event()

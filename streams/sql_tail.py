@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from domain.envelope import Recorded
-from ledger.checkpoints import Checkpoints, read_position, save_position
-from ledger.schema import projection_checkpoints
-from ledger.store import EventStore
-from streams.consumer import Batch, Delivery
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.ledger.checkpoints import Checkpoints, read_position, save_position
+from tollgate_llm.ledger.schema import projection_checkpoints
+from tollgate_llm.ledger.store import EventStore
+from tollgate_llm.streams.consumer import Batch, Delivery
 
 _IDLE_POLL_S = 0.05
 

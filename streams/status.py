@@ -22,17 +22,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from domain.gaps import OVERDUE_GRACE_S
-from ledger.dead_letters import counts_by_fold
-from ledger.outbox import backlog_after
-from ledger.schema import (
+from tollgate_llm.domain.gaps import OVERDUE_GRACE_S
+from tollgate_llm.ledger.dead_letters import counts_by_fold
+from tollgate_llm.ledger.outbox import backlog_after
+from tollgate_llm.ledger.schema import (
     consumer_offsets,
     events,
     reconciliation_status,
     relay_state,
     worker_status,
 )
-from streams.topics import client_settings, confluent, group_for
+from tollgate_llm.streams.topics import client_settings, confluent, group_for
 
 # The default threshold, also the edges' limit on a worker's heartbeat.
 DEFAULT_STALE_S = 10.0
@@ -459,7 +459,7 @@ def cluster_status(
 ) -> ClusterStatus:
     """`tollgate status`: the pipeline behind `database_url`, with the broker's watermarks when
     `bootstrap` is given (the distributed mode), else the embedded SQL-tail worker's lag."""
-    from ledger.engine import create_engine_from_url
+    from tollgate_llm.ledger.engine import create_engine_from_url
 
     engine = create_engine_from_url(database_url)
     watermarks = (

@@ -15,20 +15,20 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from domain.envelope import Event, Recorded
-from domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S, Lease, LeaseBook
-from domain.projections import REQUEST_LOG
-from domain.requests.decide import ExpireLease
-from domain.requests.decide import decide as request_decide
-from domain.requests.events import TERMINAL_TYPES, RequestAdmitted
-from domain.requests.state import RequestState
-from ledger import faults
-from ledger.checkpoints import Checkpoints, read_position
-from ledger.commands import CommandHandler, request_stream
-from ledger.leadership import Leadership
-from ledger.schema import events, request_log
-from ledger.store import EventStore, SqlEventStore
-from streams.sql_tail import SqlTail
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.leases import LEASE_EVENT_TYPES, LEASE_TTL_S, Lease, LeaseBook
+from tollgate_llm.domain.projections import REQUEST_LOG
+from tollgate_llm.domain.requests.decide import ExpireLease
+from tollgate_llm.domain.requests.decide import decide as request_decide
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES, RequestAdmitted
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.checkpoints import Checkpoints, read_position
+from tollgate_llm.ledger.commands import CommandHandler, request_stream
+from tollgate_llm.ledger.leadership import Leadership
+from tollgate_llm.ledger.schema import events, request_log
+from tollgate_llm.ledger.store import EventStore, SqlEventStore
+from tollgate_llm.streams.sql_tail import SqlTail
 
 log = logging.getLogger("tollgate.sweeper")
 

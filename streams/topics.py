@@ -31,7 +31,7 @@ def confluent() -> Any:
         import confluent_kafka
     except ImportError as exc:  # pragma: no cover - the plain install
         raise RuntimeError(
-            "the distributed mode needs confluent-kafka: pip install 'tollgate[kafka]'"
+            "the distributed mode needs confluent-kafka: pip install 'tollgate-llm[kafka]'"
         ) from exc
     return confluent_kafka
 

@@ -31,28 +31,33 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from domain.batches.events import BatchCreated
-from domain.control_plane.state import ControlView
-from domain.envelope import Recorded
-from domain.leases import LEASE_TTL_S
-from domain.projections import LEDGER_ENTRIES, PROJECTIONS
-from domain.requests.events import TERMINAL_TYPES
-from ledger import dead_letters, faults
-from ledger.checkpoints import Checkpoints
-from ledger.control import ControlLog
-from ledger.dead_letters import DeadLetter, is_transient
-from ledger.engine import WRITE, create_engine_from_url
-from ledger.idempotency import IdempotencyStore
-from ledger.projections import ProjectionRunner
-from ledger.store import SqlEventStore
-from streams.batch_runner import BatchRunner
-from streams.billing import BillingFold
-from streams.gc_settings import settle_for_batches
-from streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
-from streams.reconciler import Handoff, start_reconciler
-from streams.sql_tail import SqlTail
-from streams.sweeper import LeaseSweeper, resume_sweeper
-from streams.worker_rows import WORKER_NAME, delete_status_row, process_row, write_status_row
+from tollgate_llm.domain.batches.events import BatchCreated
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.leases import LEASE_TTL_S
+from tollgate_llm.domain.projections import LEDGER_ENTRIES, PROJECTIONS
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES
+from tollgate_llm.ledger import dead_letters, faults
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.dead_letters import DeadLetter, is_transient
+from tollgate_llm.ledger.engine import WRITE, create_engine_from_url
+from tollgate_llm.ledger.idempotency import IdempotencyStore
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.batch_runner import BatchRunner
+from tollgate_llm.streams.billing import BillingFold
+from tollgate_llm.streams.gc_settings import settle_for_batches
+from tollgate_llm.streams.metrics import DeadLettersCollector, PipelineMetrics, serve_metrics
+from tollgate_llm.streams.reconciler import Handoff, start_reconciler
+from tollgate_llm.streams.sql_tail import SqlTail
+from tollgate_llm.streams.sweeper import LeaseSweeper, resume_sweeper
+from tollgate_llm.streams.worker_rows import (
+    WORKER_NAME,
+    delete_status_row,
+    process_row,
+    write_status_row,
+)
 
 log = logging.getLogger("tollgate.worker")
 

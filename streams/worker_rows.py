@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from ledger import faults
-from ledger.engine import WRITE
-from ledger.schema import worker_status
-from streams.status import DEFAULT_STALE_S, FORGET_AFTER_S
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.engine import WRITE
+from tollgate_llm.ledger.schema import worker_status
+from tollgate_llm.streams.status import DEFAULT_STALE_S, FORGET_AFTER_S
 
 log = logging.getLogger("tollgate.worker")
 

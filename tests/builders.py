@@ -8,7 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from domain.control_plane.events import (
+from tollgate_llm.domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     LimitsSet,
@@ -17,10 +17,10 @@ from domain.control_plane.events import (
     PriceSet,
     TenantRegistered,
 )
-from domain.control_plane.state import Limits
-from domain.cost import Estimate, Price
-from domain.envelope import Event, Recorded
-from domain.requests.decide import (
+from tollgate_llm.domain.control_plane.state import Limits
+from tollgate_llm.domain.cost import Estimate, Price
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     BillUsage,
     CancelRequest,
@@ -33,7 +33,7 @@ from domain.requests.decide import (
     RouteRequest,
     decide,
 )
-from domain.requests.events import (
+from tollgate_llm.domain.requests.events import (
     FirstTokenStreamed,
     LeaseExpired,
     LeaseProgress,
@@ -48,8 +48,8 @@ from domain.requests.events import (
     RequestRouted,
     UsageBilled,
 )
-from domain.requests.evolve import evolve_event, fold
-from domain.requests.state import RequestState
+from tollgate_llm.domain.requests.evolve import evolve_event, fold
+from tollgate_llm.domain.requests.state import RequestState
 
 T0 = datetime(2026, 5, 4, 12, 0, 0, tzinfo=UTC)
 RID = "req-1"
@@ -312,7 +312,7 @@ class Scenario:
         return fold(records, self.state)
 
     def then_refused(self, rule: str) -> None:
-        from domain.errors import DomainError
+        from tollgate_llm.domain.errors import DomainError
 
         assert self.command is not None
         try:
@@ -337,7 +337,7 @@ def append_price(store: Any, model: str = PRICED) -> None:
     """A price for `model`, in force since yesterday."""
     import uuid
 
-    from ledger.store import NewEvent
+    from tollgate_llm.ledger.store import NewEvent
 
     when = datetime.now(UTC) - timedelta(days=1)
     new = NewEvent(
@@ -352,8 +352,8 @@ def append_request(
     """An admitted and routed request `age_s` old, completed unless `end` is False; its id."""
     import uuid
 
-    from domain.cost import Estimate
-    from ledger.store import NewEvent
+    from tollgate_llm.domain.cost import Estimate
+    from tollgate_llm.ledger.store import NewEvent
 
     rid = "req_" + uuid.uuid4().hex
     when = datetime.now(UTC) - timedelta(seconds=age_s)

@@ -138,7 +138,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One development broker for the session, on a free port. A test that restarts it (to
     lose every topic) leaves it running; each test makes its own topics."""
-    from streams.dev_broker import DevBroker
+    from tollgate_llm.streams.dev_broker import DevBroker
 
     broker = DevBroker(log_path=tmp_path_factory.mktemp("kafka") / "tansu.log")
     try:

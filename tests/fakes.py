@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from api.ports import (
+from tollgate_llm.api.ports import (
     EventSink,
     Fleet,
     Idempotency,
@@ -24,17 +24,17 @@ from api.ports import (
     Replica,
     TokenEstimator,
 )
-from domain.capacity import AdapterRef, Choice, Refusal, TpotEstimate, UnknownModel
-from domain.envelope import Recorded
-from domain.prediction import Prediction, RequestShape, Skip
-from domain.registry import from_payload
-from domain.residency import REGION_UNAVAILABLE, in_region
-from engine_adapter.exchange import ChatExchange, IteratorExchange
-from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
-from ledger.errors import StoreUnavailable
-from ledger.idempotency import IdempotencyConflict, StoredResponse
-from ledger.store import AppendBatch, AppendResult, EventStore, NewEvent
-from ledger.store.planning import Stored, finish_appends, plan_appends, prepare_batches
+from tollgate_llm.domain.capacity import AdapterRef, Choice, Refusal, TpotEstimate, UnknownModel
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.prediction import Prediction, RequestShape, Skip
+from tollgate_llm.domain.registry import from_payload
+from tollgate_llm.domain.residency import REGION_UNAVAILABLE, in_region
+from tollgate_llm.engine_adapter.exchange import ChatExchange, IteratorExchange
+from tollgate_llm.engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken
+from tollgate_llm.ledger.errors import StoreUnavailable
+from tollgate_llm.ledger.idempotency import IdempotencyConflict, StoredResponse
+from tollgate_llm.ledger.store import AppendBatch, AppendResult, EventStore, NewEvent
+from tollgate_llm.ledger.store.planning import Stored, finish_appends, plan_appends, prepare_batches
 
 
 class InMemoryEventStore(EventStore):

@@ -7,11 +7,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from domain.envelope import Recorded
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from streams.codec import EPOCH_HEADER, decode
-from streams.topics import confluent
 from tests import builders as b
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.streams.codec import EPOCH_HEADER, decode
+from tollgate_llm.streams.topics import confluent
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import Body, Depends, FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
-from api.http.admin_schemas import (
+from tollgate_llm.api.http.admin_schemas import (
     AdapterPriceSet,
     AdapterRegister,
     AdminAdapter,
@@ -56,11 +56,11 @@ from api.http.admin_schemas import (
     TimeZoneSet,
     WorkspaceCreate,
 )
-from api.http.schemas import AUTHENTICATED, BearerDep, IntegerText, answers
-from api.services.admin_service import AdminService
-from api.services.audit_service import AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX, AuditTrail
-from api.services.auth import Caller
-from ledger.ids import new_request_id
+from tollgate_llm.api.http.schemas import AUTHENTICATED, BearerDep, IntegerText, answers
+from tollgate_llm.api.services.admin_service import AdminService
+from tollgate_llm.api.services.audit_service import AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX, AuditTrail
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.ledger.ids import new_request_id
 
 ADMIN = frozenset({"admin"})
 TenantPath = Annotated[str, Path(description="a tenant's id", max_length=63)]

@@ -14,12 +14,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from api.http.schemas import Usd
-from domain.control_plane.adapters import ADAPTER_NAME, MAX_PATH_CHARS, MAX_PROJECTS, MAX_RANK
-from domain.control_plane.data_policy import MAX_REGIONS, REGION, RETENTION_TIERS
-from domain.control_plane.state import MAX_MODEL_CHARS, TENANT_NAME
-from domain.governance.state import LEVEL_NAME, LevelKind
-from domain.types import SCOPES, TIERS
+from tollgate_llm.api.http.schemas import Usd
+from tollgate_llm.domain.control_plane.adapters import (
+    ADAPTER_NAME,
+    MAX_PATH_CHARS,
+    MAX_PROJECTS,
+    MAX_RANK,
+)
+from tollgate_llm.domain.control_plane.data_policy import MAX_REGIONS, REGION, RETENTION_TIERS
+from tollgate_llm.domain.control_plane.state import MAX_MODEL_CHARS, TENANT_NAME
+from tollgate_llm.domain.governance.state import LEVEL_NAME, LevelKind
+from tollgate_llm.domain.types import SCOPES, TIERS
 
 # RFC 3339, as `format: date-time` means it (a date alone or an instant without its offset is not
 # one): checked before pydantic's own, laxer parsing.

@@ -12,11 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from api.http.admin_routes import add_admin_routes
-from api.http.batch_routes import add_batch_routes
-from api.http.billing_routes import add_billing_routes
-from api.http.body_limits import bounded, read_body
-from api.http.deps import (
+from tollgate_llm.api.http.admin_routes import add_admin_routes
+from tollgate_llm.api.http.batch_routes import add_batch_routes
+from tollgate_llm.api.http.billing_routes import add_billing_routes
+from tollgate_llm.api.http.body_limits import bounded, read_body
+from tollgate_llm.api.http.deps import (
     CUSTOMER,
     CustomerDep,
     authenticate,
@@ -24,23 +24,27 @@ from api.http.deps import (
     json_response,
     key_caller,
 )
-from api.http.error_handlers import add_error_handlers
-from api.http.feedback_routes import add_feedback_routes
-from api.http.openapi import install as install_openapi
-from api.http.ops_routes import add_ops_routes
-from api.http.run_routes import add_run_routes
-from api.http.schemas import ModelList, answers
-from api.http.support_routes import add_support_routes
-from api.runtime import Runtime
-from api.services.auth import Caller, single_authorization
-from api.services.edge import JsonOutcome, StreamOutcome
-from api.services.errors import ApiError, error_body, store_unavailable
-from api.services.refusals import REFUSED_STATUSES, RefusalLimits, refused_before_admission
-from domain.runs.state import RUN_ID
-from ledger.ids import new_request_id
+from tollgate_llm.api.http.error_handlers import add_error_handlers
+from tollgate_llm.api.http.feedback_routes import add_feedback_routes
+from tollgate_llm.api.http.openapi import install as install_openapi
+from tollgate_llm.api.http.ops_routes import add_ops_routes
+from tollgate_llm.api.http.run_routes import add_run_routes
+from tollgate_llm.api.http.schemas import ModelList, answers
+from tollgate_llm.api.http.support_routes import add_support_routes
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.auth import Caller, single_authorization
+from tollgate_llm.api.services.edge import JsonOutcome, StreamOutcome
+from tollgate_llm.api.services.errors import ApiError, error_body, store_unavailable
+from tollgate_llm.api.services.refusals import (
+    REFUSED_STATUSES,
+    RefusalLimits,
+    refused_before_admission,
+)
+from tollgate_llm.domain.runs.state import RUN_ID
+from tollgate_llm.ledger.ids import new_request_id
 
 if TYPE_CHECKING:
-    from api.services.tracing import RequestTrace
+    from tollgate_llm.api.services.tracing import RequestTrace
 
 
 def create_app(runtime: Runtime) -> FastAPI:
@@ -82,7 +86,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         currency=runtime.settings.currency,
     )  # fmt: skip
 
-    from api.http.web import add_web_routes  # the /ui pages (issue 4)
+    from tollgate_llm.api.http.web import add_web_routes  # the /ui pages (issue 4)
 
     add_web_routes(app, runtime)
     install_openapi(app, lambda: runtime.edge.models())

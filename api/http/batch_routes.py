@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
-from api.http.schemas import (
+from tollgate_llm.api.http.schemas import (
     AUTHENTICATED,
     Batch,
     BatchCreateRequest,
@@ -22,10 +22,10 @@ from api.http.schemas import (
     answers,
     request_body,
 )
-from api.services.auth import Caller
-from api.services.batch_service import MAX_LIST, MULTIPART_OVERHEAD_BYTES, BatchService
-from api.services.chat_request import too_large
-from domain.batches.files import MAX_FILE_BYTES
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.batch_service import MAX_LIST, MULTIPART_OVERHEAD_BYTES, BatchService
+from tollgate_llm.api.services.chat_request import too_large
+from tollgate_llm.domain.batches.files import MAX_FILE_BYTES
 
 FileId = Annotated[str, Path(description="a file id")]
 BatchId = Annotated[str, Path(description="a batch id")]

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
-from api.http.deps import (
+from tollgate_llm.api.http.deps import (
     GOODPUT_GROUPS_PATTERN,
     PERIOD,
     AnyKeyDep,
@@ -21,7 +21,7 @@ from api.http.deps import (
     json_response,
     render_rows,
 )
-from api.http.schemas import (
+from tollgate_llm.api.http.schemas import (
     AUTHENTICATED,
     GoodputRows,
     IntegerText,
@@ -31,8 +31,8 @@ from api.http.schemas import (
     UsageRows,
     answers,
 )
-from api.runtime import Runtime
-from api.services.backoffice import (
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.backoffice import (
     ENTRY_COLUMNS,
     GROUP_COLUMNS,
     INVOICE_COLUMNS,
@@ -41,9 +41,9 @@ from api.services.backoffice import (
     groups,
     parse_range,
 )
-from api.services.errors import ApiError
-from ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
-from ledger.ids import utcnow
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.ledger.finance import GOODPUT_COLUMNS, GOODPUT_GROUPS
+from tollgate_llm.ledger.ids import utcnow
 
 
 def add_billing_routes(app: FastAPI, runtime: Runtime) -> None:

@@ -18,13 +18,13 @@ from typing import Any, Final
 
 import orjson
 
-from api.http.web import MAX_LOGIN_BODY
-from api.services.batch_service import MULTIPART_OVERHEAD_BYTES
-from api.services.chat_request import too_large
-from api.services.errors import ApiError
-from api.services.runs_service import MAX_BODY_BYTES as MAX_RUN_BODY_BYTES
-from domain.batches.files import MAX_FILE_BYTES
-from ledger.ids import new_request_id
+from tollgate_llm.api.http.web import MAX_LOGIN_BODY
+from tollgate_llm.api.services.batch_service import MULTIPART_OVERHEAD_BYTES
+from tollgate_llm.api.services.chat_request import too_large
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.runs_service import MAX_BODY_BYTES as MAX_RUN_BODY_BYTES
+from tollgate_llm.domain.batches.files import MAX_FILE_BYTES
+from tollgate_llm.ledger.ids import new_request_id
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -12,15 +12,15 @@ from fastapi import Depends, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import WithJsonSchema
 
-from api.http.schemas import BearerDep
-from api.runtime import Runtime
-from api.services.auth import Caller
-from api.services.backoffice import FORMATS, GROUP_BY, to_csv
-from api.services.errors import ApiError
-from api.services.refusals import RefusalLimits
-from domain.runs.state import RUN_ID
-from ledger.finance import GOODPUT_GROUPS
-from ledger.ids import new_request_id
+from tollgate_llm.api.http.schemas import BearerDep
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.backoffice import FORMATS, GROUP_BY, to_csv
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.refusals import RefusalLimits
+from tollgate_llm.domain.runs.state import RUN_ID
+from tollgate_llm.ledger.finance import GOODPUT_GROUPS
+from tollgate_llm.ledger.ids import new_request_id
 
 CUSTOMER = frozenset({"customer", "admin"})
 ALL_SCOPES = frozenset({"customer", "finance", "support", "admin"})

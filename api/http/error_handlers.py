@@ -10,10 +10,15 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from api.http.deps import json_response
-from api.runtime import Runtime
-from api.services.errors import STORE_AWAY_ERRORS, ApiError, error_body, store_unavailable
-from ledger.ids import new_request_id
+from tollgate_llm.api.http.deps import json_response
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.errors import (
+    STORE_AWAY_ERRORS,
+    ApiError,
+    error_body,
+    store_unavailable,
+)
+from tollgate_llm.ledger.ids import new_request_id
 
 
 def add_error_handlers(app: FastAPI, runtime: Runtime) -> None:

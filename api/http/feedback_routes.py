@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
-from api.http.deps import (
+from tollgate_llm.api.http.deps import (
     PERIOD,
     AnyKeyDep,
     CustomerDep,
@@ -18,16 +18,16 @@ from api.http.deps import (
     json_response,
     render_rows,
 )
-from api.http.schemas import (
+from tollgate_llm.api.http.schemas import (
     AUTHENTICATED,
     Feedback,
     FeedbackCreate,
     RoutingSavingsRows,
     answers,
 )
-from api.runtime import Runtime
-from api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
-from ledger.ids import utcnow
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.routing_savings import SAVINGS_COLUMNS, routing_savings
+from tollgate_llm.ledger.ids import utcnow
 
 
 def add_feedback_routes(app: FastAPI, runtime: Runtime) -> None:

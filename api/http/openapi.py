@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
-from api.http.schemas import (
+from tollgate_llm.api.http.schemas import (
     REQUEST_BODIES,
     REQUEST_ID_HEADER,
     BearerDep,
@@ -28,8 +28,8 @@ from api.http.schemas import (
     error_answers,
     request_body,
 )
-from api.services.chat_request import request_schema
-from domain.runs.state import RUN_ID
+from tollgate_llm.api.services.chat_request import request_schema
+from tollgate_llm.domain.runs.state import RUN_ID
 
 JSON = "application/json"
 REF = "#/components/schemas/{model}"

@@ -9,11 +9,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.http.deps import AnyKeyDep, json_response, request_source
-from api.http.schemas import AUTHENTICATED, Fleet, Health, Readiness, answers, error_answers
-from api.runtime import Runtime
-from api.services.errors import ApiError
-from api.services.refusals import RefusalLimits
+from tollgate_llm.api.http.deps import AnyKeyDep, json_response, request_source
+from tollgate_llm.api.http.schemas import (
+    AUTHENTICATED,
+    Fleet,
+    Health,
+    Readiness,
+    answers,
+    error_answers,
+)
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.refusals import RefusalLimits
 
 
 def metrics_token(runtime: Runtime, limits: RefusalLimits, request: Request) -> None:

@@ -7,9 +7,9 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from api.http.deps import CustomerDep, RunIdPath, json_response
-from api.http.schemas import AUTHENTICATED, Run, RunCreate, answers, request_body
-from api.runtime import Runtime
+from tollgate_llm.api.http.deps import CustomerDep, RunIdPath, json_response
+from tollgate_llm.api.http.schemas import AUTHENTICATED, Run, RunCreate, answers, request_body
+from tollgate_llm.api.runtime import Runtime
 
 
 def add_run_routes(app: FastAPI, runtime: Runtime) -> None:

@@ -18,8 +18,8 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from domain.feedback import MAX_LABEL_CHARS
-from domain.runs.state import RUN_ID
+from tollgate_llm.domain.feedback import MAX_LABEL_CHARS
+from tollgate_llm.domain.runs.state import RUN_ID
 
 INTEGER = re.compile(r"-?[0-9]{1,18}")
 

@@ -8,18 +8,24 @@ from typing import Annotated, Literal
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
-from api.http.deps import AnyKeyDep, FromQuery, ModelQuery, ToQuery, json_response
-from api.http.schemas import AUTHENTICATED, IntegerText, RequestList, RequestTimeline, answers
-from api.runtime import Runtime
-from api.services.backoffice import (
+from tollgate_llm.api.http.deps import AnyKeyDep, FromQuery, ModelQuery, ToQuery, json_response
+from tollgate_llm.api.http.schemas import (
+    AUTHENTICATED,
+    IntegerText,
+    RequestList,
+    RequestTimeline,
+    answers,
+)
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.backoffice import (
     REQUEST_ID,
     REQUESTS_LIMIT_DEFAULT,
     REQUESTS_LIMIT_MAX,
     parse_range,
     timeline_json,
 )
-from domain.projections import REQUEST_LOG_STATUSES
-from ledger.ids import utcnow
+from tollgate_llm.domain.projections import REQUEST_LOG_STATUSES
+from tollgate_llm.ledger.ids import utcnow
 
 
 def add_support_routes(app: FastAPI, runtime: Runtime) -> None:

@@ -27,11 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from api.http.charts import STACKS, goodput_chart, money, time_chart, totals_chart
-from api.http.sessions import SESSION_TTL_S
-from api.runtime import Runtime
-from api.services.auth import Caller
-from api.services.backoffice import (
+from tollgate_llm.api.http.charts import STACKS, goodput_chart, money, time_chart, totals_chart
+from tollgate_llm.api.http.sessions import SESSION_TTL_S
+from tollgate_llm.api.runtime import Runtime
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.backoffice import (
     ENTRY_COLUMNS,
     INVOICE_COLUMNS,
     REQUEST_ID,
@@ -41,11 +41,11 @@ from api.services.backoffice import (
     timeline_json,
     to_csv,
 )
-from api.services.errors import ApiError
-from domain.projections import REQUEST_LOG_STATUSES
-from domain.requests.events import LeaseExpired, QuotaRefunded, UsageBilled
-from ledger.finance import currency_totals
-from ledger.ids import new_request_id, utcnow
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.projections import REQUEST_LOG_STATUSES
+from tollgate_llm.domain.requests.events import LeaseExpired, QuotaRefunded, UsageBilled
+from tollgate_llm.ledger.finance import currency_totals
+from tollgate_llm.ledger.ids import new_request_id, utcnow
 
 COOKIE = "tollgate_session"
 OLD_COOKIE = "tollgate_key"  # the raw key, as pages before sessions kept it: cleared on sight

@@ -37,17 +37,25 @@ from typing import Any, cast
 import aiohttp
 import orjson
 
-from api.metrics import Metrics
-from api.ports import EventSink, TokenEstimator
-from api.router_evaluation.traffic import LARGE, MODELS, PRICES, SMALL, SPEED_MS, TENANTS, Planned
-from api.services.admission import Admission, Refused, system_prompt_bucket
-from api.services.auth import Caller
-from api.services.chat_request import parse_chat_request
-from api.services.outcomes import Outcomes
-from api.services.recorder import Flight, Recorder
-from api.services.routing_step import REFRESH_S
-from domain.admission import DEFAULT_POLICY
-from domain.control_plane.decide import (
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import EventSink, TokenEstimator
+from tollgate_llm.api.router_evaluation.traffic import (
+    LARGE,
+    MODELS,
+    PRICES,
+    SMALL,
+    SPEED_MS,
+    TENANTS,
+    Planned,
+)
+from tollgate_llm.api.services.admission import Admission, Refused, system_prompt_bucket
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import parse_chat_request
+from tollgate_llm.api.services.outcomes import Outcomes
+from tollgate_llm.api.services.recorder import Flight, Recorder
+from tollgate_llm.api.services.routing_step import REFRESH_S
+from tollgate_llm.domain.admission import DEFAULT_POLICY
+from tollgate_llm.domain.control_plane.decide import (
     AllowFallback,
     AllowRouting,
     ControlCommand,
@@ -56,23 +64,23 @@ from domain.control_plane.decide import (
     SetLimits,
     SetPrice,
 )
-from domain.control_plane.state import ControlView
-from domain.cost import amount_micros, base_model
-from domain.envelope import Recorded
-from domain.feedback import RecordFeedback, decide_feedback
-from domain.governance.budgets import PathView
-from domain.quota import QuotaView
-from domain.refusals import RefusalSampler
-from domain.remote_flex import RemoteFlex
-from domain.requests.decide import AdmitRequest, CompleteRequest
-from domain.requests.events import FeedbackRecorded, RequestModelRouted
-from domain.router_model import RouterModel
-from domain.routing import AUTO, QualityView, choose
-from domain.views import AdmissionViews
-from engine_adapter.estimators import WordTokenEstimator
-from engine_adapter.fleet import Fleet
-from engine_adapter.vllm_http import ReplicaMetrics
-from ledger.store import AppendBatch, AppendResult
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import amount_micros, base_model
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.feedback import RecordFeedback, decide_feedback
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.refusals import RefusalSampler
+from tollgate_llm.domain.remote_flex import RemoteFlex
+from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted
+from tollgate_llm.domain.router_model import RouterModel
+from tollgate_llm.domain.routing import AUTO, QualityView, choose
+from tollgate_llm.domain.views import AdmissionViews
+from tollgate_llm.engine_adapter.estimators import WordTokenEstimator
+from tollgate_llm.engine_adapter.fleet import Fleet
+from tollgate_llm.engine_adapter.vllm_http import ReplicaMetrics
+from tollgate_llm.ledger.store import AppendBatch, AppendResult
 
 __all__ = ["POLICIES", "Setup", "evaluate", "inference"]
 
@@ -465,7 +473,7 @@ def _control(policy: str, setup: Setup, callers: dict[str, Caller]) -> ControlVi
             ))  # fmt: skip
         if policy == "oracle":
             commands.append(AllowFallback(tenant, SMALL, LARGE))
-    from domain.control_plane.decide import decide_control
+    from tollgate_llm.domain.control_plane.decide import decide_control
 
     for i, command in enumerate(commands):
         for event in decide_control(view, command):

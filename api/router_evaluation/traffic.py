@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.prompts import nonce_words, words
+from tollgate_llm.loadgen.prompts import nonce_words, words
 
 SMALL = "llama-3.1-8b"
 LARGE = "llama-3.1-70b"

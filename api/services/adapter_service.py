@@ -10,10 +10,10 @@ from typing import Any
 
 import orjson
 
-from api.services.control_service import ControlService
-from domain.control_plane.adapters import Adapter, RegisterAdapter, RevokeAdapter
-from domain.control_plane.state import tenant_stream
-from domain.errors import DomainError
+from tollgate_llm.api.services.control_service import ControlService
+from tollgate_llm.domain.control_plane.adapters import Adapter, RegisterAdapter, RevokeAdapter
+from tollgate_llm.domain.control_plane.state import tenant_stream
+from tollgate_llm.domain.errors import DomainError
 
 
 def rank_of(path: str, rank: int | None) -> int:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from api.services.auth import Caller
-from domain.capacity import AdapterRef
-from domain.control_plane.adapters import Adapter
-from domain.control_plane.state import ControlView
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.domain.capacity import AdapterRef
+from tollgate_llm.domain.control_plane.adapters import Adapter
+from tollgate_llm.domain.control_plane.state import ControlView
 
 __all__ = ["LoraRequest", "lora_request", "listed_adapters"]
 

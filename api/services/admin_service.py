@@ -18,19 +18,19 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
-from api.services import adapter_service, data_policy_service
-from api.services.control_service import (
+from tollgate_llm.api.services import adapter_service, data_policy_service
+from tollgate_llm.api.services.control_service import (
     ControlService,
     level_of,
     profile_shape,
     usd_micros,
 )
-from api.services.errors import ApiError
-from domain.audit.events import Actor
-from domain.control_plane.state import ControlView
-from domain.errors import DomainError
-from ledger.control import ControlLog
-from ledger.store import SqlEventStore
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.store import SqlEventStore
 
 T = TypeVar("T")
 

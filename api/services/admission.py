@@ -21,43 +21,43 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from api.metrics import Metrics
-from api.ports import Clock, Fleet, OutputPredictor, Replica, TokenEstimator
-from api.services import refusal_errors
-from api.services.adapter_steps import LoraRequest, lora_request
-from api.services.auth import Caller
-from api.services.chat_request import ChatRequest
-from api.services.errors import ApiError
-from api.services.fallback_step import FallbackStep
-from api.services.quota_step import QuotaStep
-from api.services.recorder import Flight, Recorder
-from api.services.retention import RETENTION_HEADER
-from api.services.routing_step import Routing, RoutingStep, request_task_class
-from api.services.run_steps import RunSteps
-from api.services.settlement import Settlement
-from domain import admission
-from domain.admission import AdmissionPolicy
-from domain.admission_steps import kv_tokens
-from domain.capacity import AdapterRef, Choice, Refusal, UnknownModel
-from domain.control_plane.data_policy import ZERO
-from domain.control_plane.state import ControlView
-from domain.cost import Estimate, base_model
-from domain.feedback import ImplicitSignals
-from domain.prediction import SYSTEM_PROMPT_BUCKETS, RequestShape
-from domain.requests.decide import (
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import Clock, Fleet, OutputPredictor, Replica, TokenEstimator
+from tollgate_llm.api.services import refusal_errors
+from tollgate_llm.api.services.adapter_steps import LoraRequest, lora_request
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import ChatRequest
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.fallback_step import FallbackStep
+from tollgate_llm.api.services.quota_step import QuotaStep
+from tollgate_llm.api.services.recorder import Flight, Recorder
+from tollgate_llm.api.services.retention import RETENTION_HEADER
+from tollgate_llm.api.services.routing_step import Routing, RoutingStep, request_task_class
+from tollgate_llm.api.services.run_steps import RunSteps
+from tollgate_llm.api.services.settlement import Settlement
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import AdmissionPolicy
+from tollgate_llm.domain.admission_steps import kv_tokens
+from tollgate_llm.domain.capacity import AdapterRef, Choice, Refusal, UnknownModel
+from tollgate_llm.domain.control_plane.data_policy import ZERO
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import Estimate, base_model
+from tollgate_llm.domain.feedback import ImplicitSignals
+from tollgate_llm.domain.prediction import SYSTEM_PROMPT_BUCKETS, RequestShape
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     AskToPreempt,
     Command,
     CompleteRequest,
     RouteRequest,
 )
-from domain.routing import AUTO, QualityView
-from domain.runs.state import Run
-from domain.views import AdmissionViews
-from engine_adapter.usage import Progress
+from tollgate_llm.domain.routing import AUTO, QualityView
+from tollgate_llm.domain.runs.state import Run
+from tollgate_llm.domain.views import AdmissionViews
+from tollgate_llm.engine_adapter.usage import Progress
 
 if TYPE_CHECKING:
-    from api.services.tracing import RequestTrace
+    from tollgate_llm.api.services.tracing import RequestTrace
 
 __all__ = ["Admission", "Admitted", "Refused"]
 

@@ -9,8 +9,8 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 
-from domain.audit.chain import verify
-from ledger.audit import AuditEntry, audit_entries, audited_streams
+from tollgate_llm.domain.audit.chain import verify
+from tollgate_llm.ledger.audit import AuditEntry, audit_entries, audited_streams
 
 AUDIT_LIMIT_DEFAULT: Final = 100
 AUDIT_LIMIT_MAX: Final = 500

@@ -8,8 +8,8 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from api.services.errors import ApiError
-from domain.control_plane.state import ApiKey, ControlView
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.state import ApiKey, ControlView
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,16 +14,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from api.services.errors import ApiError
-from domain.control_plane.state import ControlView
-from domain.envelope import Recorded
-from domain.governance.state import Budget, month_start
-from domain.leases import edge_stream
-from domain.projections import REQUEST_LOG_STATUSES
-from domain.replay import Timeline, replay
-from domain.text import unstorable
-from ledger.finance import FinanceQueries, currency_totals, month_bounds
-from ledger.store import EventStore
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.governance.state import Budget, month_start
+from tollgate_llm.domain.leases import edge_stream
+from tollgate_llm.domain.projections import REQUEST_LOG_STATUSES
+from tollgate_llm.domain.replay import Timeline, replay
+from tollgate_llm.domain.text import unstorable
+from tollgate_llm.ledger.finance import FinanceQueries, currency_totals, month_bounds
+from tollgate_llm.ledger.store import EventStore
 
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")
 GROUP_BY = (

@@ -18,18 +18,24 @@ from typing import Any
 
 import orjson
 
-from api.services.auth import Caller
-from api.services.errors import ApiError, bad_request
-from domain.batches.decide import BatchCommand, CancelBatch, CreateBatch, decide
-from domain.batches.evolve import fold
-from domain.batches.files import INPUT_RETENTION_S, check_metadata, parse_input
-from domain.batches.state import ENDPOINTS, WINDOWS_S, BatchState, batch_stream, window_seconds
-from domain.errors import DomainError
-from domain.text import check_text, unstorable
-from ledger.batches import BatchStore, StoredFile
-from ledger.commands import CommandHandler, batch_stream_loader
-from ledger.ids import Clock, utcnow
-from ledger.store import EventStore
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.errors import ApiError, bad_request
+from tollgate_llm.domain.batches.decide import BatchCommand, CancelBatch, CreateBatch, decide
+from tollgate_llm.domain.batches.evolve import fold
+from tollgate_llm.domain.batches.files import INPUT_RETENTION_S, check_metadata, parse_input
+from tollgate_llm.domain.batches.state import (
+    ENDPOINTS,
+    WINDOWS_S,
+    BatchState,
+    batch_stream,
+    window_seconds,
+)
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.text import check_text, unstorable
+from tollgate_llm.ledger.batches import BatchStore, StoredFile
+from tollgate_llm.ledger.commands import CommandHandler, batch_stream_loader
+from tollgate_llm.ledger.ids import Clock, utcnow
+from tollgate_llm.ledger.store import EventStore
 
 PURPOSES = frozenset({"batch"})
 MAX_FILENAME_CHARS = 255  # batch_files.filename

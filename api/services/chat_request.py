@@ -23,10 +23,10 @@ from typing import Any
 
 import orjson
 
-from api.services.errors import ApiError, bad_request
-from domain.errors import DomainError
-from domain.governance.end_users import MAX_END_USER_CHARS
-from domain.text import check_metadata, unstorable
+from tollgate_llm.api.services.errors import ApiError, bad_request
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.end_users import MAX_END_USER_CHARS
+from tollgate_llm.domain.text import check_metadata, unstorable
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import orjson
 
-from api.ports import Idempotency
-from api.services.auth import Caller
-from api.services.errors import ApiError
-from api.services.flights import (
+from tollgate_llm.api.ports import Idempotency
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.flights import (
     NOT_RECORDED,
     Flights,
     complete_command,
@@ -22,9 +22,9 @@ from api.services.flights import (
     engine_error_text,
     fail_command,
 )
-from api.services.recorder import Flight
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.usage import Collector
+from tollgate_llm.api.services.recorder import Flight
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.engine_adapter.usage import Collector
 
 __all__ = ["JsonCompletion", "JsonOutcome"]
 

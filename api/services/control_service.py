@@ -21,10 +21,10 @@ from typing import Any
 
 import orjson
 
-from domain.audit.chain import AuditRow
-from domain.audit.events import Actor, ChangeAudited
-from domain.audit.record import Append, audit_record
-from domain.control_plane.decide import (
+from tollgate_llm.domain.audit.chain import AuditRow
+from tollgate_llm.domain.audit.events import Actor, ChangeAudited
+from tollgate_llm.domain.audit.record import Append, audit_record
+from tollgate_llm.domain.control_plane.decide import (
     AllowFallback,
     AllowRouting,
     ChangePlan,
@@ -41,7 +41,7 @@ from domain.control_plane.decide import (
     SetSlo,
     decide_control,
 )
-from domain.control_plane.state import (
+from tollgate_llm.domain.control_plane.state import (
     ControlView,
     Tenant,
     model_stream,
@@ -49,10 +49,10 @@ from domain.control_plane.state import (
     slo_stream,
     tenant_stream,
 )
-from domain.cost import ModelProfile, profile_from_hf_config
-from domain.envelope import Event
-from domain.errors import MAX_AMOUNT_MICROS, DomainError
-from domain.governance.decide import (
+from tollgate_llm.domain.cost import ModelProfile, profile_from_hf_config
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import MAX_AMOUNT_MICROS, DomainError
+from tollgate_llm.domain.governance.decide import (
     AssignKey,
     CreateProject,
     CreateWorkspace,
@@ -62,17 +62,17 @@ from domain.governance.decide import (
     SetRunPolicy,
     SetTimeZone,
 )
-from domain.governance.end_users import END_USER
-from domain.projections import PROJECTIONS_BY_NAME
-from domain.runs.state import RunLimits
-from ledger.audit import stream_rows
-from ledger.commands import CommandHandler
-from ledger.control import ControlLog
-from ledger.engine import create_engine_from_url
-from ledger.ids import new_event_id
-from ledger.projections import ProjectionRunner
-from ledger.schema import upgrade as schema_upgrade
-from ledger.store import SqlEventStore
+from tollgate_llm.domain.governance.end_users import END_USER
+from tollgate_llm.domain.projections import PROJECTIONS_BY_NAME
+from tollgate_llm.domain.runs.state import RunLimits
+from tollgate_llm.ledger.audit import stream_rows
+from tollgate_llm.ledger.commands import CommandHandler
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.ids import new_event_id
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.schema import upgrade as schema_upgrade
+from tollgate_llm.ledger.store import SqlEventStore
 
 # How far ahead a new SLO takes effect by default (see ControlService.set_slo).
 SLO_LEAD = timedelta(seconds=5)
@@ -167,7 +167,7 @@ def rebuild_projections(
 def open_backoffice(database_url: str) -> Iterator[Any]:
     """A Backoffice over the database, with the control view folded (the CLI acts as an
     operator: it has every scope)."""
-    from api.services.backoffice import Backoffice
+    from tollgate_llm.api.services.backoffice import Backoffice
 
     url = database_url
     upgrade(url)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.services.control_service import ControlService
-from domain.control_plane.data_policy import (
+from tollgate_llm.api.services.control_service import ControlService
+from tollgate_llm.domain.control_plane.data_policy import (
     ClearResidency,
     SetResidency,
     SetRetention,
     parse_regions,
 )
-from domain.control_plane.state import tenant_stream
+from tollgate_llm.domain.control_plane.state import tenant_stream
 
 
 def set_residency(

@@ -19,44 +19,44 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from api.metrics import Metrics
-from api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
-from api.services.adapter_steps import LoraRequest, listed_adapters
-from api.services.admission import Admission, Refused
-from api.services.auth import Authenticator, Caller
-from api.services.chat_request import ChatRequest, parse_chat_request
-from api.services.completion import JsonCompletion, JsonOutcome
-from api.services.end_user_step import identify
-from api.services.errors import ApiError
-from api.services.flights import (
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import EventSink, Fleet, Idempotency, OutputPredictor, TokenEstimator
+from tollgate_llm.api.services.adapter_steps import LoraRequest, listed_adapters
+from tollgate_llm.api.services.admission import Admission, Refused
+from tollgate_llm.api.services.auth import Authenticator, Caller
+from tollgate_llm.api.services.chat_request import ChatRequest, parse_chat_request
+from tollgate_llm.api.services.completion import JsonCompletion, JsonOutcome
+from tollgate_llm.api.services.end_user_step import identify
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.flights import (
     Flights,
     cancel_command,
     committed,
 )
-from api.services.idempotency_service import replay_frames
-from api.services.outcomes import Outcomes
-from api.services.recorder import Flight, Recorder
-from api.services.relay import StreamOutcome, StreamRelay
-from domain.admission import DEFAULT_POLICY, AdmissionPolicy
-from domain.backoff import engine_priority
-from domain.control_plane.state import ControlView
-from domain.envelope import Recorded
-from domain.governance.budgets import PathView
-from domain.leases import LEASE_KEEPALIVE_S
-from domain.quota import QuotaView
-from domain.refusals import RefusalSampler
-from domain.remote_flex import RemoteFlex
-from domain.requests.decide import Command
-from domain.requests.events import PreemptionRequested
-from domain.routing import QualityView
-from domain.views import AdmissionViews
-from engine_adapter.exchange import MAX_BUFFERED_CHUNKS
-from ledger.commands import CommandHandler
-from ledger.ids import Clock, IdSource, new_event_id, utcnow
-from ledger.store import AppendResult
+from tollgate_llm.api.services.idempotency_service import replay_frames
+from tollgate_llm.api.services.outcomes import Outcomes
+from tollgate_llm.api.services.recorder import Flight, Recorder
+from tollgate_llm.api.services.relay import StreamOutcome, StreamRelay
+from tollgate_llm.domain.admission import DEFAULT_POLICY, AdmissionPolicy
+from tollgate_llm.domain.backoff import engine_priority
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.leases import LEASE_KEEPALIVE_S
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.refusals import RefusalSampler
+from tollgate_llm.domain.remote_flex import RemoteFlex
+from tollgate_llm.domain.requests.decide import Command
+from tollgate_llm.domain.requests.events import PreemptionRequested
+from tollgate_llm.domain.routing import QualityView
+from tollgate_llm.domain.views import AdmissionViews
+from tollgate_llm.engine_adapter.exchange import MAX_BUFFERED_CHUNKS
+from tollgate_llm.ledger.commands import CommandHandler
+from tollgate_llm.ledger.ids import Clock, IdSource, new_event_id, utcnow
+from tollgate_llm.ledger.store import AppendResult
 
 if TYPE_CHECKING:
-    from api.services.tracing import RequestTrace
+    from tollgate_llm.api.services.tracing import RequestTrace
 
 __all__ = ["Caller", "Edge", "JsonOutcome", "StreamOutcome"]
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Final
 
-from api.services.auth import Caller
-from api.services.chat_request import ChatRequest
-from api.services.errors import ApiError
-from domain.control_plane.state import ControlView
-from domain.governance.end_users import MAX_END_USER_CHARS, end_user_hash, on_path
-from domain.governance.state import PathPolicy
-from domain.text import unstorable
-from domain.views import AdmissionViews
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import ChatRequest
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.governance.end_users import MAX_END_USER_CHARS, end_user_hash, on_path
+from tollgate_llm.domain.governance.state import PathPolicy
+from tollgate_llm.domain.text import unstorable
+from tollgate_llm.domain.views import AdmissionViews
 
 __all__ = ["END_USER_HEADER", "end_user_path", "identify"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from ledger.errors import StoreBusy, StoreUnavailable
+from tollgate_llm.ledger.errors import StoreBusy, StoreUnavailable
 
 # Error messages are echoed to the client and copied into refusal events; some quote a value the
 # client sent (an unknown model, a tenant name). Bounded here, once, whatever the caller built.

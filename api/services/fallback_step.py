@@ -16,27 +16,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from api.metrics import Metrics
-from api.ports import Replica
-from api.services import refusal_errors
-from api.services.auth import Caller
-from api.services.chat_request import ChatRequest
-from api.services.errors import ApiError
-from api.services.quota_step import QuotaStep
-from api.services.routing_step import Routing, RoutingStep
-from domain import admission
-from domain.admission import AdmissionPolicy
-from domain.admission_steps import capacity_detail, fallback_models, may_fall_back
-from domain.capacity import Choice, Refusal, UnknownModel
-from domain.control_plane.state import ControlView
-from domain.cost import Estimate
-from domain.prediction import RequestShape
-from domain.residency import refusal_detail
-from domain.runs.state import Run
-from domain.views import AdmissionViews
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import Replica
+from tollgate_llm.api.services import refusal_errors
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import ChatRequest
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.quota_step import QuotaStep
+from tollgate_llm.api.services.routing_step import Routing, RoutingStep
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import AdmissionPolicy
+from tollgate_llm.domain.admission_steps import capacity_detail, fallback_models, may_fall_back
+from tollgate_llm.domain.capacity import Choice, Refusal, UnknownModel
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.prediction import RequestShape
+from tollgate_llm.domain.residency import refusal_detail
+from tollgate_llm.domain.runs.state import Run
+from tollgate_llm.domain.views import AdmissionViews
 
 if TYPE_CHECKING:
-    from api.services.tracing import RequestTrace
+    from tollgate_llm.api.services.tracing import RequestTrace
 
 __all__ = ["Fallback", "FallbackStep"]
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.services.auth import Caller
-from api.services.errors import ApiError
-from domain.errors import DomainError
-from domain.feedback import SCORE_PPM_MAX, RecordFeedback, decide_feedback
-from domain.requests.evolve import fold
-from domain.requests.state import RequestState
-from domain.routing import QualityView
-from ledger.commands import CommandHandler, StreamLoader
-from ledger.store import EventStore
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.feedback import SCORE_PPM_MAX, RecordFeedback, decide_feedback
+from tollgate_llm.domain.requests.evolve import fold
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.domain.routing import QualityView
+from tollgate_llm.ledger.commands import CommandHandler, StreamLoader
+from tollgate_llm.ledger.store import EventStore
 
 __all__ = ["FeedbackService"]
 

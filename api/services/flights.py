@@ -13,28 +13,32 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from api.metrics import Metrics
-from api.ports import Clock, Idempotency
-from api.services import refusal_errors
-from api.services.admission import Admission
-from api.services.auth import Caller
-from api.services.errors import ApiError
-from api.services.outcomes import Outcomes, Terminal
-from api.services.recorder import Flight, Recorder
-from domain.envelope import Recorded
-from domain.requests.decide import (
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import Clock, Idempotency
+from tollgate_llm.api.services import refusal_errors
+from tollgate_llm.api.services.admission import Admission
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.outcomes import Outcomes, Terminal
+from tollgate_llm.api.services.recorder import Flight, Recorder
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.decide import (
     CancelRequest,
     CompleteRequest,
     FailRequest,
     PreemptRequest,
     RecordFirstToken,
 )
-from domain.requests.events import PreemptionRequested
-from domain.types import CancelReason
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.usage import Progress
-from engine_adapter.vllm_http import ReplicaHTTPError, ReplicaStreamBroken, ReplicaUnavailable
-from ledger.store import AppendResult
+from tollgate_llm.domain.requests.events import PreemptionRequested
+from tollgate_llm.domain.types import CancelReason
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.engine_adapter.usage import Progress
+from tollgate_llm.engine_adapter.vllm_http import (
+    ReplicaHTTPError,
+    ReplicaStreamBroken,
+    ReplicaUnavailable,
+)
+from tollgate_llm.ledger.store import AppendResult
 
 __all__ = [
     "NOT_RECORDED", "PREEMPTED_ERRORS", "REPLICA_ERRORS", "Flights", "Preempted", "abort_engine",

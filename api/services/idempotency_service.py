@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from api.services.errors import ApiError
-from api.services.retention import is_zero, not_retained
-from ledger.idempotency import IdempotencyConflict, IdempotencyStore, StoredResponse
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.retention import is_zero, not_retained
+from tollgate_llm.ledger.idempotency import IdempotencyConflict, IdempotencyStore, StoredResponse
 
 
 class AsyncIdempotency:

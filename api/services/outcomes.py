@@ -6,21 +6,21 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from api.metrics import Metrics
-from api.services.auth import Caller
-from api.services.recorder import Recorder
-from domain import goodput
-from domain.control_plane.state import ControlView
-from domain.refusals import RefusalSampler
-from domain.requests.decide import (
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.recorder import Recorder
+from tollgate_llm.domain import goodput
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.refusals import RefusalSampler
+from tollgate_llm.domain.requests.decide import (
     CancelRequest,
     CompleteRequest,
     FailRequest,
     PreemptRequest,
     RejectRequest,
 )
-from domain.requests.events import RefusalsCounted
-from ledger.ids import Clock
+from tollgate_llm.domain.requests.events import RefusalsCounted
+from tollgate_llm.ledger.ids import Clock
 
 __all__ = ["Outcomes", "Terminal"]
 

@@ -12,19 +12,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from api.metrics import Metrics
-from api.ports import Clock, Fleet, OutputPredictor, TokenEstimator
-from api.services.auth import Caller
-from api.services.chat_request import ChatRequest
-from api.services.end_user_step import end_user_path
-from domain import admission
-from domain.admission import AdmissionPolicy
-from domain.control_plane.adapters import adapter_tpot_us
-from domain.control_plane.state import ControlView
-from domain.cost import tpot_estimate_us
-from domain.prediction import Prediction, RequestShape
-from domain.runs.state import Run
-from domain.views import AdmissionViews
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import Clock, Fleet, OutputPredictor, TokenEstimator
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import ChatRequest
+from tollgate_llm.api.services.end_user_step import end_user_path
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import AdmissionPolicy
+from tollgate_llm.domain.control_plane.adapters import adapter_tpot_us
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import tpot_estimate_us
+from tollgate_llm.domain.prediction import Prediction, RequestShape
+from tollgate_llm.domain.runs.state import Run
+from tollgate_llm.domain.views import AdmissionViews
 
 __all__ = ["Decision", "QuotaStep"]
 

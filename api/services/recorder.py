@@ -19,29 +19,29 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from api.metrics import Metrics
-from api.ports import EventSink, Replica
-from api.services.stored_streams import StoredStreams, settle
-from domain import leases
-from domain.capacity import Choice
-from domain.envelope import Event, Recorded
-from domain.prediction import RequestShape
-from domain.requests.decide import AskToPreempt, Command, RejectRequest
-from domain.requests.decide import decide as request_decide
-from domain.requests.events import LeaseProgress
-from domain.requests.evolve import evolve, evolve_event
-from domain.requests.state import INITIAL, RequestState
-from domain.types import CancelReason
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.usage import Progress
-from ledger.commands import CommandHandler
-from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
-from ledger.ids import Clock, IdSource
-from ledger.store import AppendBatch, AppendResult, NewEvent
-from ledger.writer import WriterOverloaded
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import EventSink, Replica
+from tollgate_llm.api.services.stored_streams import StoredStreams, settle
+from tollgate_llm.domain import leases
+from tollgate_llm.domain.capacity import Choice
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.prediction import RequestShape
+from tollgate_llm.domain.requests.decide import AskToPreempt, Command, RejectRequest
+from tollgate_llm.domain.requests.decide import decide as request_decide
+from tollgate_llm.domain.requests.events import LeaseProgress
+from tollgate_llm.domain.requests.evolve import evolve, evolve_event
+from tollgate_llm.domain.requests.state import INITIAL, RequestState
+from tollgate_llm.domain.types import CancelReason
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.engine_adapter.usage import Progress
+from tollgate_llm.ledger.commands import CommandHandler
+from tollgate_llm.ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
+from tollgate_llm.ledger.ids import Clock, IdSource
+from tollgate_llm.ledger.store import AppendBatch, AppendResult, NewEvent
+from tollgate_llm.ledger.writer import WriterOverloaded
 
 if TYPE_CHECKING:
-    from api.services.tracing import RequestTrace
+    from tollgate_llm.api.services.tracing import RequestTrace
 
 log = logging.getLogger("tollgate.edge")
 

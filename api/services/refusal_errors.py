@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from api.services.errors import ApiError
-from domain.admission import RateLimitInfo, Rejected
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.admission import RateLimitInfo, Rejected
 
 # 429 is the tenant's quota, 503 our capacity, 400 a request that can never succeed.
 STATUS: Final[dict[str, int]] = {

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from api.services.chat_request import parse_chat_request
-from api.services.errors import ApiError
+from tollgate_llm.api.services.chat_request import parse_chat_request
+from tollgate_llm.api.services.errors import ApiError
 
 # Statuses that count as refusals of the request itself (a bad body, an unknown model, a body over
 # the size limit); quota and capacity answers are limits already, and 401/403 are counted per

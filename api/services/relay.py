@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from api.ports import Idempotency
-from api.services import refusal_errors
-from api.services.auth import Caller
-from api.services.chat_request import ChatRequest
-from api.services.errors import error_frame
-from api.services.flights import (
+from tollgate_llm.api.ports import Idempotency
+from tollgate_llm.api.services import refusal_errors
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import ChatRequest
+from tollgate_llm.api.services.errors import error_frame
+from tollgate_llm.api.services.flights import (
     NOT_RECORDED,
     PREEMPTED_ERRORS,
     REPLICA_ERRORS,
@@ -30,10 +30,10 @@ from api.services.flights import (
     failure_text,
     preempt_command,
 )
-from api.services.recorder import Flight
-from api.services.retention import retention_headers
-from engine_adapter.exchange import ChatExchange
-from engine_adapter.usage import DONE, relay_stream
+from tollgate_llm.api.services.recorder import Flight
+from tollgate_llm.api.services.retention import retention_headers
+from tollgate_llm.engine_adapter.exchange import ChatExchange
+from tollgate_llm.engine_adapter.usage import DONE, relay_stream
 
 __all__ = ["StreamOutcome", "StreamRelay"]
 

@@ -12,8 +12,8 @@ from typing import Final
 
 import orjson
 
-from domain.control_plane.data_policy import ZERO
-from ledger.idempotency import StoredResponse
+from tollgate_llm.domain.control_plane.data_policy import ZERO
+from tollgate_llm.ledger.idempotency import StoredResponse
 
 RETENTION_HEADER: Final = "X-Tollgate-Retention"
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from api.services.errors import ApiError
-from domain.control_plane.state import ControlView
-from domain.requests.events import RequestModelRouted
-from domain.routing_savings import savings
-from ledger.store import EventStore
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.requests.events import RequestModelRouted
+from tollgate_llm.domain.routing_savings import savings
+from tollgate_llm.ledger.store import EventStore
 
 __all__ = ["SAVINGS_COLUMNS", "routing_savings"]
 

@@ -17,18 +17,18 @@ from datetime import datetime, timedelta
 
 import orjson
 
-from api.metrics import Metrics
-from api.ports import Clock, TokenEstimator
-from api.services.auth import Caller
-from api.services.chat_request import ChatRequest
-from api.services.errors import ApiError
-from domain.control_plane.state import ControlView
-from domain.cost import Price
-from domain.envelope import Event
-from domain.feedback import Asked, ImplicitSignals
-from domain.requests.events import FeedbackRecorded, RequestModelRouted
-from domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
-from domain.runs.state import Run
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.ports import Clock, TokenEstimator
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.chat_request import ChatRequest
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import Price
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.feedback import Asked, ImplicitSignals
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted
+from tollgate_llm.domain.routing import AUTO, QualityView, Routed, RoutingPolicy, choose, task_class
+from tollgate_llm.domain.runs.state import Run
 
 __all__ = ["Routing", "RoutingStep", "request_task_class", "unit_price"]
 

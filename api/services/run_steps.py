@@ -3,16 +3,16 @@ call starts it, and recorded once exhausted when a call is refused on its budget
 
 from __future__ import annotations
 
-from api.ports import Clock
-from api.services.auth import Caller
-from api.services.recorder import Recorder
-from domain.admission_steps import resolve_run
-from domain.control_plane.state import ControlView
-from domain.governance.decide import StartRun
-from domain.governance.decide import decide as hierarchy_decide
-from domain.runs.events import RunBudgetExhausted
-from domain.runs.state import Run, run_stream
-from domain.views import AdmissionViews
+from tollgate_llm.api.ports import Clock
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.recorder import Recorder
+from tollgate_llm.domain.admission_steps import resolve_run
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.governance.decide import StartRun
+from tollgate_llm.domain.governance.decide import decide as hierarchy_decide
+from tollgate_llm.domain.runs.events import RunBudgetExhausted
+from tollgate_llm.domain.runs.state import Run, run_stream
+from tollgate_llm.domain.views import AdmissionViews
 
 __all__ = ["RunSteps"]
 

@@ -16,18 +16,18 @@ from typing import Any
 
 import orjson
 
-from api.services.auth import Caller
-from api.services.errors import ApiError
-from domain.control_plane.decide import decide_control
-from domain.cost import CURRENCY_CODE
-from domain.errors import DomainError
-from domain.governance.budgets import PathView
-from domain.governance.decide import EndRun, StartRun
-from domain.governance.state import Hierarchy
-from domain.runs.state import RUN_ID, Run, RunLimits, run_stream
-from domain.text import unstorable
-from ledger.commands import CommandHandler
-from ledger.control import ControlLog
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.decide import decide_control
+from tollgate_llm.domain.cost import CURRENCY_CODE
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.decide import EndRun, StartRun
+from tollgate_llm.domain.governance.state import Hierarchy
+from tollgate_llm.domain.runs.state import RUN_ID, Run, RunLimits, run_stream
+from tollgate_llm.domain.text import unstorable
+from tollgate_llm.ledger.commands import CommandHandler
+from tollgate_llm.ledger.control import ControlLog
 
 __all__ = ["RunService"]
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Protocol
 
-from api.metrics import Metrics
-from domain.autoscale import Autoscaler, FleetSample, ScalePolicy, ScaleTerms
-from engine_adapter.fleet import Fleet
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.domain.autoscale import Autoscaler, FleetSample, ScalePolicy, ScaleTerms
+from tollgate_llm.engine_adapter.fleet import Fleet
 
 log = logging.getLogger("tollgate.scaling")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from api.ports import Clock, Fleet, OutputPredictor
-from api.services.recorder import Flight
-from domain.control_plane.adapters import price_key_of
-from domain.control_plane.state import ControlView
-from domain.cost import amount_micros
-from domain.requests.decide import Command, CompleteRequest, PreemptRequest
-from domain.views import AdmissionViews
+from tollgate_llm.api.ports import Clock, Fleet, OutputPredictor
+from tollgate_llm.api.services.recorder import Flight
+from tollgate_llm.domain.control_plane.adapters import price_key_of
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import amount_micros
+from tollgate_llm.domain.requests.decide import Command, CompleteRequest, PreemptRequest
+from tollgate_llm.domain.views import AdmissionViews
 
 __all__ = ["Settlement"]
 

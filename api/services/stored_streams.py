@@ -11,16 +11,16 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from api.metrics import Metrics
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.requests.decide import AskToPreempt, Command
-from domain.requests.decide import decide as request_decide
-from domain.requests.evolve import evolve_event
-from domain.requests.state import RequestState
-from ledger.commands import CommandHandler, request_stream
-from ledger.errors import WrongExpectedVersion
-from ledger.ids import Clock
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import AskToPreempt, Command
+from tollgate_llm.domain.requests.decide import decide as request_decide
+from tollgate_llm.domain.requests.evolve import evolve_event
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.commands import CommandHandler, request_stream
+from tollgate_llm.ledger.errors import WrongExpectedVersion
+from tollgate_llm.ledger.ids import Clock
 
 log = logging.getLogger("tollgate.edge")
 

@@ -20,13 +20,13 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from domain.capacity import Choice
+from tollgate_llm.domain.capacity import Choice
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
 
-    from engine_adapter.usage import Progress
+    from tollgate_llm.engine_adapter.usage import Progress
 
 __all__ = ["ENDPOINT_VARIABLES", "RequestTrace", "Tracing", "TracingUnavailable", "from_env"]
 
@@ -52,7 +52,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Tracing | None:
     except ImportError as exc:
         raise TracingUnavailable(
             f"{' or '.join(ENDPOINT_VARIABLES)} is set, but OpenTelemetry is not installed "
-            f"({exc.name} is missing): pip install 'tollgate[otel]', or unset the variable"
+            f"({exc.name} is missing): pip install 'tollgate-llm[otel]', or unset the variable"
         ) from None
     # OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES) wins over ours.
     named = environ.get("OTEL_SERVICE_NAME") or "service.name=" in environ.get(
@@ -218,7 +218,7 @@ class RequestTrace:
                 if choice.preempt else "p2c below the ceiling",
             )  # fmt: skip
         else:
-            from domain.admission_steps import capacity_detail
+            from tollgate_llm.domain.admission_steps import capacity_detail
 
             span.set_attribute("tollgate.route.reason", capacity_detail(choice))  # type: ignore[arg-type]
         span.end()
@@ -245,7 +245,7 @@ class RequestTrace:
     def on_admission(self, commands: tuple[Any, ...]) -> tuple[Any, ...]:
         """The admission's commands with this trace's id on its AdmitRequest: support's replay
         of the request names the trace (RequestAdmitted.trace_id)."""
-        from domain.requests.decide import AdmitRequest
+        from tollgate_llm.domain.requests.decide import AdmitRequest
 
         return tuple(
             dataclasses.replace(c, trace_id=self.trace_id) if isinstance(c, AdmitRequest) else c

@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from api.config import DEFAULT_MODELS, Settings
-from api.logs import setup_logging
-from cli.common import one_line_errors
-from cli.options import settings_options
+from tollgate_llm.api.config import DEFAULT_MODELS, Settings
+from tollgate_llm.api.logs import setup_logging
+from tollgate_llm.cli.common import one_line_errors
+from tollgate_llm.cli.options import settings_options
 
 # The test PostgreSQL of a development machine (written here: cli/dev/cluster.py imports httpx,
 # which `tollgate serve --help` must not).
@@ -43,7 +43,7 @@ def dev_cluster(
     --simulated-max-loras slots each."""
     from pathlib import Path
 
-    from cli.dev.cluster import DevClusterSettings, run
+    from tollgate_llm.cli.dev.cluster import DevClusterSettings, run
 
     if settings.simulated_replicas < 1:
         raise click.BadParameter("a development cluster needs a replica per model",
@@ -78,7 +78,7 @@ def replica_sim(settings: Settings, host: str, port: int, model: str, seed: int,
     """Run one simulated vLLM replica (vLLM 0.33 protocol and metrics) in this process.
 
     Its options are the replica's own, not settings of Tollgate: only the log format is."""
-    from engine_adapter.simulator.cli import serve_forever
+    from tollgate_llm.engine_adapter.simulator.cli import serve_forever
 
     setup_logging(settings.log_format)
     serve_forever(host=host, port=port, model=model, seed=seed, speed=speed,

@@ -8,10 +8,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from api.config import Settings
-from api.serve import start_simulated_replica_of
-from engine_adapter.fleet import Fleet
-from engine_adapter.vllm_http import VLLMReplica
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.serve import start_simulated_replica_of
+from tollgate_llm.engine_adapter.fleet import Fleet
+from tollgate_llm.engine_adapter.vllm_http import VLLMReplica
 
 log = logging.getLogger("tollgate.serve")
 

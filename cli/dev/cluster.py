@@ -26,14 +26,14 @@ import httpx
 import psycopg
 from sqlalchemy.engine import make_url
 
-from api.config import DEFAULT_MODELS, Settings
-from api.replica_regions import simulated_region
-from api.serve import demo_keys_file, ensure_demo_prices, seed_demo
-from api.services.control_service import ControlService, hash_secret
-from cli.dev import DEV_DATABASE_URL
-from streams.dev_broker import DevBroker
-from streams.supervisor import RestartBackoff
-from streams.topics import DEFAULT_TOPIC
+from tollgate_llm.api.config import DEFAULT_MODELS, Settings
+from tollgate_llm.api.replica_regions import simulated_region
+from tollgate_llm.api.serve import demo_keys_file, ensure_demo_prices, seed_demo
+from tollgate_llm.api.services.control_service import ControlService, hash_secret
+from tollgate_llm.cli.dev import DEV_DATABASE_URL
+from tollgate_llm.streams.dev_broker import DevBroker
+from tollgate_llm.streams.supervisor import RestartBackoff
+from tollgate_llm.streams.topics import DEFAULT_TOPIC
 
 # The local test database of DESIGN.md §8 (127.0.0.1:5432, user postgres, trust auth).
 _PR_SET_PDEATHSIG = 1
@@ -131,7 +131,7 @@ class DevCluster:
             raise DevClusterError(f"the development broker did not start: {exc}") from exc
         self._broker_started_at = time.monotonic()
         python = [sys.executable]
-        tollgate = [*python, "-m", "cli"]
+        tollgate = [*python, "-m", "tollgate_llm.cli"]
         replicas: list[str] = []
         lora = (["--enable-lora", "--max-loras", str(s.simulated_max_loras)]
                 if s.simulated_max_loras else [])  # fmt: skip

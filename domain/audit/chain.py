@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, TypeGuard
 
-from domain.audit.events import ChangeAudited
+from tollgate_llm.domain.audit.events import ChangeAudited
 
 GENESIS: Final = "0" * 64
 _SEAL: Final = re.compile("[0-9a-f]{64}")

@@ -15,9 +15,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from domain.audit.events import MAX_VALUE_CHARS, AuditedChange, ChangeAudited
-from domain.control_plane.data_policy import ResidencyCleared, ResidencySet, RetentionSet
-from domain.control_plane.events import (
+from tollgate_llm.domain.audit.events import MAX_VALUE_CHARS, AuditedChange, ChangeAudited
+from tollgate_llm.domain.control_plane.data_policy import (
+    ResidencyCleared,
+    ResidencySet,
+    RetentionSet,
+)
+from tollgate_llm.domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     FallbackAllowed,
@@ -33,8 +37,8 @@ from domain.control_plane.events import (
     SloSet,
     TenantRegistered,
 )
-from domain.envelope import Event
-from domain.governance.events import (
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.governance.events import (
     BudgetSet,
     KeyAssigned,
     LevelLimitsSet,

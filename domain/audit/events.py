@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.text import check_text
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.text import check_text
 
 # key: an admin API key's id; operator: the CLI's --actor (TOLLGATE_ACTOR) or the OS user@host;
 # system: Tollgate itself (the demo `tollgate serve` seeds).

@@ -7,12 +7,12 @@ import dataclasses
 from collections.abc import Sequence
 from datetime import datetime
 
-from domain.audit.chain import AUDIT_TYPE, AuditRow, seal
-from domain.audit.changes import describe
-from domain.audit.events import Actor, ChangeAudited
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.registry import from_payload, to_payload
+from tollgate_llm.domain.audit.chain import AUDIT_TYPE, AuditRow, seal
+from tollgate_llm.domain.audit.changes import describe
+from tollgate_llm.domain.audit.events import Actor, ChangeAudited
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.registry import from_payload, to_payload
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from domain.batches.events import (
+from tollgate_llm.domain.batches.events import (
     BatchCancelRequested,
     BatchCreated,
     BatchEnded,
@@ -14,10 +14,10 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
-from domain.batches.files import MAX_LINES
-from domain.batches.state import ENDPOINTS, BatchState
-from domain.envelope import Event
-from domain.errors import DomainError
+from tollgate_llm.domain.batches.files import MAX_LINES
+from tollgate_llm.domain.batches.state import ENDPOINTS, BatchState
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, Final
 
-from domain.batches.events import (
+from tollgate_llm.domain.batches.events import (
     BatchCancelRequested,
     BatchCreated,
     BatchEnded,
@@ -16,9 +16,9 @@ from domain.batches.events import (
     BatchItemFinished,
     BatchStarted,
 )
-from domain.batches.state import BatchState
-from domain.envelope import Recorded
-from domain.errors import DomainError
+from tollgate_llm.domain.batches.state import BatchState
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.errors import DomainError
 
 
 def evolve(state: BatchState, recorded: Recorded) -> BatchState:

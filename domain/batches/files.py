@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from domain.batches.state import ENDPOINTS
-from domain.errors import DomainError
-from domain.text import check_header_value, check_text, has_surrogate, is_header_value
-from domain.text import check_metadata as _check_metadata
+from tollgate_llm.domain.batches.state import ENDPOINTS
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.text import check_header_value, check_text, has_surrogate, is_header_value
+from tollgate_llm.domain.text import check_metadata as _check_metadata
 
 # Bounds on what is stored: a file of prompts is kept in the database until its batch ends.
 MAX_FILE_BYTES: Final = 10 * 1024 * 1024

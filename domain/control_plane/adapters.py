@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar, Final
 
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.text import check_text
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.text import check_text
 
 # Lower case, so an adapter name never reads like a catalogue model's `Org/Model-7B`; no "/" or
 # "@", which the engine name uses as separators.

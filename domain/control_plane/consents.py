@@ -11,15 +11,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Final
 
-from domain.control_plane.events import (
+from tollgate_llm.domain.control_plane.events import (
     FallbackAllowed,
     FallbackRevoked,
     RoutingAllowed,
     RoutingRevoked,
 )
-from domain.cost import base_model
-from domain.envelope import Event
-from domain.routing import RoutingPolicy
+from tollgate_llm.domain.cost import base_model
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.routing import RoutingPolicy
 
 __all__ = ["CONSENT_EVENTS", "FALLBACK_EVENTS", "ROUTING_EVENTS", "FallbackBook", "RoutingBook"]
 

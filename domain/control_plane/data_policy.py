@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from domain.envelope import Event
-from domain.errors import DomainError
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
 
 REGION: Final = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # A pin is a short list an operator types; the bound keeps the event (and every edge's view of

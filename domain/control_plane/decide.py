@@ -7,18 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from domain.control_plane.adapters import (
+from tollgate_llm.domain.control_plane.adapters import (
     ADAPTER_COMMANDS,
     AdapterCommand,
     RegisterAdapter,
     decide_adapter,
 )
-from domain.control_plane.data_policy import (
+from tollgate_llm.domain.control_plane.data_policy import (
     DATA_POLICY_COMMANDS,
     DataPolicyCommand,
     decide_data_policy,
 )
-from domain.control_plane.events import (
+from tollgate_llm.domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     FallbackAllowed,
@@ -34,7 +34,7 @@ from domain.control_plane.events import (
     SloSet,
     TenantRegistered,
 )
-from domain.control_plane.state import (
+from tollgate_llm.domain.control_plane.state import (
     KEY_HASH,
     LIMIT_FIELDS,
     MAX_MODEL_CHARS,
@@ -44,10 +44,10 @@ from domain.control_plane.state import (
     ControlView,
     _profile_of,
 )
-from domain.cost import CURRENCY_CODE, PROFILES, base_model, check_profile
-from domain.envelope import Event
-from domain.errors import DomainError, check_quantity
-from domain.governance.decide import (
+from tollgate_llm.domain.cost import CURRENCY_CODE, PROFILES, base_model, check_profile
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError, check_quantity
+from tollgate_llm.domain.governance.decide import (
     HIERARCHY_COMMANDS,
     AssignKey,
     HierarchyCommand,
@@ -55,10 +55,15 @@ from domain.governance.decide import (
     SetRunPolicy,
     StartRun,
 )
-from domain.governance.decide import decide as hierarchy_decide
-from domain.routing import AUTO, DEFAULT_EXPLORATION_PPM, EXPLORATION_PPM_MAX, ON_CAPACITY
-from domain.text import check_text
-from domain.types import TIERS
+from tollgate_llm.domain.governance.decide import decide as hierarchy_decide
+from tollgate_llm.domain.routing import (
+    AUTO,
+    DEFAULT_EXPLORATION_PPM,
+    EXPLORATION_PPM_MAX,
+    ON_CAPACITY,
+)
+from tollgate_llm.domain.text import check_text
+from tollgate_llm.domain.types import TIERS
 
 
 @dataclass(frozen=True, slots=True)

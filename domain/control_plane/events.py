@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar
 
-from domain.envelope import Event
+from tollgate_llm.domain.envelope import Event
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,10 @@ import bisect
 from datetime import datetime
 from typing import Final, TypeVar
 
-from domain.control_plane.events import FlexDiscountSet, PriceSet
-from domain.cost import Price, base_model
-from domain.envelope import Event
-from domain.errors import DomainError
+from tollgate_llm.domain.control_plane.events import FlexDiscountSet, PriceSet
+from tollgate_llm.domain.cost import Price, base_model
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
 
 __all__ = [
     "DEFAULT_FLEX_DISCOUNT_PPM", "PRICE_EVENTS", "PriceBook", "flex_price", "in_force", "insort",

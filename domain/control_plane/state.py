@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
-from domain.audit.events import ChangeAudited
-from domain.control_plane.adapters import ADAPTER_EVENTS, Adapter, AdapterBook
-from domain.control_plane.consents import (
+from tollgate_llm.domain.audit.events import ChangeAudited
+from tollgate_llm.domain.control_plane.adapters import ADAPTER_EVENTS, Adapter, AdapterBook
+from tollgate_llm.domain.control_plane.consents import (
     CONSENT_EVENTS,
     FALLBACK_EVENTS,
     ROUTING_EVENTS,
     FallbackBook,
     RoutingBook,
 )
-from domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
-from domain.control_plane.events import (
+from tollgate_llm.domain.control_plane.data_policy import DATA_POLICY_EVENTS, DataPolicy
+from tollgate_llm.domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     LimitsSet,
@@ -33,13 +33,13 @@ from domain.control_plane.events import (
     SloSet,
     TenantRegistered,
 )
-from domain.control_plane.prices import PRICE_EVENTS, PriceBook, insort
-from domain.cost import PROFILES, ModelProfile, Price, base_model
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.goodput import DEFAULT_SLOS, Slo
-from domain.governance.state import HIERARCHY_EVENTS, Hierarchy
-from domain.types import TIERS
+from tollgate_llm.domain.control_plane.prices import PRICE_EVENTS, PriceBook, insort
+from tollgate_llm.domain.cost import PROFILES, ModelProfile, Price, base_model
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.goodput import DEFAULT_SLOS, Slo
+from tollgate_llm.domain.governance.state import HIERARCHY_EVENTS, Hierarchy
+from tollgate_llm.domain.types import TIERS
 
 
 @dataclass(frozen=True, slots=True)

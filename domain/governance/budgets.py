@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
-from domain.backoff import BackoffPolicy
-from domain.cost import GIB
-from domain.envelope import Recorded
-from domain.governance.end_users import END_USER, EndUserRoster, end_user_level_id
-from domain.governance.run_book import RunBook, RunUsage
-from domain.governance.state import PathPlan, PathPolicy
-from domain.requests.events import (
+from tollgate_llm.domain.backoff import BackoffPolicy
+from tollgate_llm.domain.cost import GIB
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.governance.end_users import END_USER, EndUserRoster, end_user_level_id
+from tollgate_llm.domain.governance.run_book import RunBook, RunUsage
+from tollgate_llm.domain.governance.state import PathPlan, PathPolicy
+from tollgate_llm.domain.requests.events import (
     BudgetReserved,
     LeaseExpired,
     QuotaRefunded,
@@ -42,7 +42,7 @@ from domain.requests.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.reservations import TOMBSTONE_TTL_S, Bucket, Hold, Reservations
+from tollgate_llm.domain.reservations import TOMBSTONE_TTL_S, Bucket, Hold, Reservations
 
 __all__ = ["PathState", "PathView", "RatesFor", "RunUsage", "SpendEntry"]
 

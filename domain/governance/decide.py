@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from domain.cost import CURRENCY_CODE
-from domain.envelope import Event
-from domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
-from domain.governance.end_users import END_USER, END_USER_LIMIT_FIELDS
-from domain.governance.events import (
+from tollgate_llm.domain.cost import CURRENCY_CODE
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import MAX_AMOUNT_MICROS, DomainError, check_quantity
+from tollgate_llm.domain.governance.end_users import END_USER, END_USER_LIMIT_FIELDS
+from tollgate_llm.domain.governance.events import (
     BudgetSet,
     KeyAssigned,
     LevelLimitsSet,
@@ -21,7 +21,7 @@ from domain.governance.events import (
     TimeZoneSet,
     WorkspaceCreated,
 )
-from domain.governance.state import (
+from tollgate_llm.domain.governance.state import (
     BUDGET_PERIODS,
     LEVEL_LIMIT_FIELDS,
     LEVEL_NAME,
@@ -31,8 +31,8 @@ from domain.governance.state import (
     _Tenant,
     time_zone,
 )
-from domain.runs.events import RunEnded, RunStarted
-from domain.runs.state import RUN_ID, RUN_LIMIT_FIELDS, RunLimits
+from tollgate_llm.domain.runs.events import RunEnded, RunStarted
+from tollgate_llm.domain.runs.state import RUN_ID, RUN_LIMIT_FIELDS, RunLimits
 
 
 @dataclass(frozen=True, slots=True)

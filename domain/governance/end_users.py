@@ -23,7 +23,7 @@ import hmac
 from hashlib import sha256
 from typing import Final
 
-from domain.governance.state import Hierarchy, Level, LevelRule, PathPolicy
+from tollgate_llm.domain.governance.state import Hierarchy, Level, LevelRule, PathPolicy
 
 __all__ = [
     "END_USER", "END_USER_LIMIT_FIELDS", "MAX_END_USER_CHARS", "MAX_END_USERS_PER_PROJECT",

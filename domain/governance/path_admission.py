@@ -9,14 +9,14 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Final, Literal, NamedTuple
 
-from domain.backoff import BackoffPolicy
-from domain.control_plane.state import Limits
-from domain.cost import GIB, TOKENS_PER_MTOK, Price
-from domain.governance.budgets import PathState, PathView, SpendEntry
-from domain.governance.state import Budget, LevelRule, PathPolicy, time_zone
-from domain.requests.events import BudgetReserved
-from domain.reservations import Bucket
-from domain.runs.state import Run
+from tollgate_llm.domain.backoff import BackoffPolicy
+from tollgate_llm.domain.control_plane.state import Limits
+from tollgate_llm.domain.cost import GIB, TOKENS_PER_MTOK, Price
+from tollgate_llm.domain.governance.budgets import PathState, PathView, SpendEntry
+from tollgate_llm.domain.governance.state import Budget, LevelRule, PathPolicy, time_zone
+from tollgate_llm.domain.requests.events import BudgetReserved
+from tollgate_llm.domain.reservations import Bucket
+from tollgate_llm.domain.runs.state import Run
 
 __all__ = [
     "PathAdmitted", "PathReason", "PathRefused", "Rate", "max_cost_micros", "narrow", "reserve",

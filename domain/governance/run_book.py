@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from domain.runs.state import Run
+from tollgate_llm.domain.runs.state import Run
 
 __all__ = ["RunBook", "RunKey", "RunUsage"]
 

@@ -16,10 +16,10 @@ from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any, Final, Literal, NamedTuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from domain.cost import base_model
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.governance.events import (
+from tollgate_llm.domain.cost import base_model
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.events import (
     BudgetSet,
     KeyAssigned,
     LevelLimitsSet,
@@ -29,8 +29,8 @@ from domain.governance.events import (
     TimeZoneSet,
     WorkspaceCreated,
 )
-from domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
-from domain.runs.state import RUN_LIMIT_FIELDS, Run, RunLimits
+from tollgate_llm.domain.runs.events import RunBudgetExhausted, RunEnded, RunStarted
+from tollgate_llm.domain.runs.state import RUN_LIMIT_FIELDS, Run, RunLimits
 
 # "end_user": a project's end user (domain/governance/end_users.py), below the key; its limits
 # and budget are set once per project, at level id = the project.

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from domain.control_plane.adapters import price_key as adapter_price_key
-from domain.cost import Estimate, Price, amount_micros, base_model
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.feedback import implicit_signal
-from domain.requests.events import (
+from tollgate_llm.domain.control_plane.adapters import price_key as adapter_price_key
+from tollgate_llm.domain.cost import Estimate, Price, amount_micros, base_model
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.feedback import implicit_signal
+from tollgate_llm.domain.requests.events import (
     BudgetReserved,
     FirstTokenStreamed,
     LeaseExpired,
@@ -33,8 +33,8 @@ from domain.requests.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.requests.state import RequestState
-from domain.types import (
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.domain.types import (
     CANCEL_REASONS,
     REJECT_REASONS,
     SERVICE_TIERS,

@@ -10,8 +10,8 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import ClassVar, TypeAlias, TypeGuard
 
-from domain.envelope import Event
-from domain.types import TerminalStatus
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.types import TerminalStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any, Final
 
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.requests.decide import _later_progress
-from domain.requests.events import (
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import _later_progress
+from tollgate_llm.domain.requests.events import (
     TERMINAL_STATUS_OF,
     BudgetReserved,
     FeedbackRecorded,
@@ -28,7 +28,7 @@ from domain.requests.events import (
     ToolCallsReturned,
     UsageBilled,
 )
-from domain.requests.state import _RANK, INITIAL, RequestState, _with
+from tollgate_llm.domain.requests.state import _RANK, INITIAL, RequestState, _with
 
 
 def evolve(state: RequestState, recorded: Recorded) -> RequestState:

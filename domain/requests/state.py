@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from domain.errors import DomainError
-from domain.requests.events import LeaseProgress
-from domain.types import Status
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.events import LeaseProgress
+from tollgate_llm.domain.types import Status
 
 # Non-terminal statuses only move forward; a late or reordered fact never moves them back.
 _RANK: Final = {"new": 0, "admitted": 1, "routed": 2, "streaming": 3}

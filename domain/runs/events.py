@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from domain.envelope import Event
+from tollgate_llm.domain.envelope import Event
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-from engine_adapter.simulator.cli import main
+from tollgate_llm.engine_adapter.simulator.cli import main
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from engine_adapter.simulator.state import SimConfig
-from engine_adapter.simulator.tokenizer import prompt_token_ids
+from tollgate_llm.engine_adapter.simulator.state import SimConfig
+from tollgate_llm.engine_adapter.simulator.tokenizer import prompt_token_ids
 
 _CACHE_SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 # vLLM's --max-logprobs default: more top_logprobs than this is a 400.

@@ -1,4 +1,4 @@
-"""`tollgate replica-sim` and `python -m engine_adapter.simulator`: one simulated replica in
+"""`tollgate replica-sim` and `python -m tollgate_llm.engine_adapter.simulator`: one simulated replica in
 this process until interrupted, every `SimConfig` field a flag."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import dataclasses
 import logging
 from typing import Any
 
-from engine_adapter.simulator.server import VLLM_VERSION, start_simulated_replica
-from engine_adapter.simulator.state import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import VLLM_VERSION, start_simulated_replica
+from tollgate_llm.engine_adapter.simulator.state import SimConfig
 
 
 def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m engine_adapter.simulator", description="Simulated vLLM 0.33 replica"
+        prog="python -m tollgate_llm.engine_adapter.simulator", description="Simulated vLLM 0.33 replica"
     )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -54,7 +54,7 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, **config: Any) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m engine_adapter.simulator`: plain log lines at INFO on stderr (a client's
+    """`python -m tollgate_llm.engine_adapter.simulator`: plain log lines at INFO on stderr (a client's
     disconnect is one such line); `tollgate replica-sim` takes `--log-format json` too."""
     args = _arg_parser().parse_args(argv)
     logging.basicConfig(

@@ -15,10 +15,10 @@ import random
 import time
 from typing import Any
 
-from engine_adapter.simulator.kv import BlockPool
-from engine_adapter.simulator.metrics import SimMetrics
-from engine_adapter.simulator.scheduler import Scheduler
-from engine_adapter.simulator.state import (
+from tollgate_llm.engine_adapter.simulator.kv import BlockPool
+from tollgate_llm.engine_adapter.simulator.metrics import SimMetrics
+from tollgate_llm.engine_adapter.simulator.scheduler import Scheduler
+from tollgate_llm.engine_adapter.simulator.state import (
     VOCAB_SIZE,
     SimConfig,
     SimRecord,

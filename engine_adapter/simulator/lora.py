@@ -21,8 +21,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_adapter.simulator.responses import json_response
-from engine_adapter.simulator.state import SimConfig
+from tollgate_llm.engine_adapter.simulator.responses import json_response
+from tollgate_llm.engine_adapter.simulator.state import SimConfig
 
 _TENSOR = re.compile(r"^base_model\.model\..+\.lora_[AB]\.weight$")
 

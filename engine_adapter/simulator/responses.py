@@ -11,8 +11,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_adapter.simulator.chat_body import HTTPError, Parsed
-from engine_adapter.simulator.state import VOCAB_SIZE, SimConfig, SimRequest, token_text
+from tollgate_llm.engine_adapter.simulator.chat_body import HTTPError, Parsed
+from tollgate_llm.engine_adapter.simulator.state import (
+    VOCAB_SIZE,
+    SimConfig,
+    SimRequest,
+    token_text,
+)
 
 DONE = b"data: [DONE]\n\n"
 _ROLE_CHOICE = (

@@ -8,9 +8,9 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from engine_adapter.simulator.kv import BlockPool
-from engine_adapter.simulator.metrics import SimMetrics
-from engine_adapter.simulator.state import SimConfig, SimRequest
+from tollgate_llm.engine_adapter.simulator.kv import BlockPool
+from tollgate_llm.engine_adapter.simulator.metrics import SimMetrics
+from tollgate_llm.engine_adapter.simulator.state import SimConfig, SimRequest
 
 
 class WaitingQueue:

@@ -16,18 +16,23 @@ import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from engine_adapter.simulator.chat_body import HTTPError, Parsed, parse_chat, schema_error
-from engine_adapter.simulator.engine import QueueFull, SimEngine
-from engine_adapter.simulator.lora import SimLoras
-from engine_adapter.simulator.responses import (
+from tollgate_llm.engine_adapter.simulator.chat_body import (
+    HTTPError,
+    Parsed,
+    parse_chat,
+    schema_error,
+)
+from tollgate_llm.engine_adapter.simulator.engine import QueueFull, SimEngine
+from tollgate_llm.engine_adapter.simulator.lora import SimLoras
+from tollgate_llm.engine_adapter.simulator.responses import (
     DONE,
     StreamFrames,
     error_response,
     full_body,
     json_response,
 )
-from engine_adapter.simulator.state import SimConfig, SimRecord, SimRequest
-from engine_adapter.simulator.tokenizer import prompt_token_ids, text_token_ids
+from tollgate_llm.engine_adapter.simulator.state import SimConfig, SimRecord, SimRequest
+from tollgate_llm.engine_adapter.simulator.tokenizer import prompt_token_ids, text_token_ids
 
 log = logging.getLogger("tollgate.simulator")
 

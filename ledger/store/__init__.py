@@ -3,8 +3,8 @@ is the contract, and the values that cross it), the append planning every implem
 shares (`planning`), and the SQL adapter (`sql`: SQLite and PostgreSQL, with SQLite's driver
 paths in `sqlite`). The in-memory fake for unit tests lives in tests/fakes.py."""
 
-from ledger.engine import create_engine_from_url
-from ledger.errors import (
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.errors import (
     BadDatabaseUrl,
     EventIdConflict,
     StoreBusy,
@@ -12,10 +12,10 @@ from ledger.errors import (
     StoreUnavailable,
     WrongExpectedVersion,
 )
-from ledger.store.planning import check_batch
-from ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
-from ledger.store.sql import SqlEventStore
-from ledger.store.sqlite import sqlite_instant, sqlite_utc
+from tollgate_llm.ledger.store.planning import check_batch
+from tollgate_llm.ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
+from tollgate_llm.ledger.store.sql import SqlEventStore
+from tollgate_llm.ledger.store.sqlite import sqlite_instant, sqlite_utc
 
 __all__ = [
     "AppendBatch",

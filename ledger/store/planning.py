@@ -12,10 +12,10 @@ from typing import NamedTuple
 
 import orjson
 
-from domain.envelope import Event, Recorded
-from domain.registry import from_payload, to_payload
-from ledger.errors import EventIdConflict, StoreError, WrongExpectedVersion
-from ledger.store.port import AppendBatch, AppendResult, NewEvent
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.registry import from_payload, to_payload
+from tollgate_llm.ledger.errors import EventIdConflict, StoreError, WrongExpectedVersion
+from tollgate_llm.ledger.store.port import AppendBatch, AppendResult, NewEvent
 
 # The events table's columns in the order every SQL path selects and writes them.
 COLUMNS = (

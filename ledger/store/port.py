@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-from domain.envelope import Event, Recorded
-from ledger.errors import StoreError
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.ledger.errors import StoreError
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.errors import StoreUnavailable
-from ledger.schema import events as events_table
-from ledger.store.planning import (
+from tollgate_llm.ledger.errors import StoreUnavailable
+from tollgate_llm.ledger.schema import events as events_table
+from tollgate_llm.ledger.store.planning import (
     COLUMNS,
     IdsNeedChecking,
     Stored,
@@ -22,7 +22,7 @@ from ledger.store.planning import (
     finish_appends,
     plan_appends,
 )
-from ledger.store.port import AppendBatch, AppendResult
+from tollgate_llm.ledger.store.port import AppendBatch, AppendResult
 
 _INSERT = events_table.insert()
 _PG_COPY = f"COPY events ({', '.join(COLUMNS)}) FROM STDIN"

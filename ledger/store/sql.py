@@ -16,14 +16,14 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from domain.envelope import Recorded
-from domain.registry import from_payload
-from ledger import faults
-from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
-from ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
-from ledger.schema import events as events_table
-from ledger.store import postgres, sqlite, tails
-from ledger.store.planning import (
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.registry import from_payload
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
+from tollgate_llm.ledger.errors import BadDatabaseUrl, StoreBusy, StoreUnavailable
+from tollgate_llm.ledger.schema import events as events_table
+from tollgate_llm.ledger.store import postgres, sqlite, tails
+from tollgate_llm.ledger.store.planning import (
     COLUMNS,
     IdsNeedChecking,
     Stored,
@@ -32,7 +32,7 @@ from ledger.store.planning import (
     plan_appends,
     prepare_batches,
 )
-from ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
+from tollgate_llm.ledger.store.port import AppendBatch, AppendResult, EventStore, NewEvent
 
 _SELECT = sa.select(*(events_table.c[name] for name in COLUMNS))
 _VERSIONS = (

@@ -17,17 +17,17 @@ from typing import Any
 
 import orjson
 
-from domain.envelope import Recorded
-from domain.registry import from_payload
-from ledger.errors import StoreBusy
-from ledger.store.planning import (
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.registry import from_payload
+from tollgate_llm.ledger.errors import StoreBusy
+from tollgate_llm.ledger.store.planning import (
     COLUMNS,
     Stored,
     StoredRow,
     finish_appends,
     plan_appends,
 )
-from ledger.store.port import AppendBatch, AppendResult
+from tollgate_llm.ledger.store.port import AppendBatch, AppendResult
 
 INSERT = (
     f"INSERT INTO events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"

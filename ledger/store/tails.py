@@ -17,10 +17,10 @@ from typing import Any
 
 import orjson
 
-from domain.envelope import Recorded
-from domain.registry import from_payload
-from ledger.store import sqlite
-from ledger.store.planning import COLUMNS
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.registry import from_payload
+from tollgate_llm.ledger.store import sqlite
+from tollgate_llm.ledger.store.planning import COLUMNS
 
 # Positions per query of a filtered tail on PostgreSQL: a closed range of the primary key is
 # always read through its index (asked for `position > after` alone, the planner chose a

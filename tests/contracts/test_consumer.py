@@ -15,15 +15,15 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
-from ledger.outbox import OutboxReader
-from ledger.schema import upgrade
-from ledger.store import SqlEventStore
-from streams.codec import REASON_HEADER, encode
-from streams.consumer import Batch, Delivery, EventConsumer
-from streams.sql_tail import SqlTail
-from streams.topics import confluent, dead_letter_topic, ensure_topic
 from tests.kafka_helpers import append_requests
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.outbox import OutboxReader
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.codec import REASON_HEADER, encode
+from tollgate_llm.streams.consumer import Batch, Delivery, EventConsumer
+from tollgate_llm.streams.sql_tail import SqlTail
+from tollgate_llm.streams.topics import confluent, dead_letter_topic, ensure_topic
 
 pytestmark = pytest.mark.postgres
 PARTITIONS = 4
@@ -66,8 +66,8 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
 
         publish: Callable[[], None] = lambda: None  # noqa: E731 - the log is the transport
     else:
-        from streams.faust_worker import FaustEventConsumer
-        from streams.kafka_consumer import KafkaEventConsumer
+        from tollgate_llm.streams.faust_worker import FaustEventConsumer
+        from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
 
         client = FaustEventConsumer if kind == "faust" else KafkaEventConsumer
         bootstrap = request.getfixturevalue("kafka_broker").bootstrap
@@ -276,8 +276,8 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
 def test_a_faust_member_that_its_group_refuses_fails_its_poll(kafka_harness: Harness) -> None:
     """faust only: aiokafka keeps a fatal group error for a fetch that faust never makes, so
     the consumer raises it itself instead of waiting, silent, for an assignment."""
-    from streams.faust_worker import FaustEventConsumer
-    from streams.kafka_consumer import KafkaEventConsumer
+    from tollgate_llm.streams.faust_worker import FaustEventConsumer
+    from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
 
     h = kafka_harness
     h.publish()

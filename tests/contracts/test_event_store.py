@@ -9,13 +9,14 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from domain.control_plane.events import TenantRegistered
-from domain.errors import DomainError
-from domain.requests.events import FirstTokenStreamed, RequestRejected, RequestRouted
-from ledger import schema
-from ledger.engine import create_engine_from_url
-from ledger.ids import IdSource, new_writer_tag, tagged_event_ids
-from ledger.store import (
+from tests.fakes import InMemoryEventStore
+from tollgate_llm.domain.control_plane.events import TenantRegistered
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.events import FirstTokenStreamed, RequestRejected, RequestRouted
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.ids import IdSource, new_writer_tag, tagged_event_ids
+from tollgate_llm.ledger.store import (
     AppendBatch,
     EventIdConflict,
     EventStore,
@@ -24,7 +25,6 @@ from ledger.store import (
     WrongExpectedVersion,
     tails,
 )
-from tests.fakes import InMemoryEventStore
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

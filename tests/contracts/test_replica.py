@@ -18,9 +18,12 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapter.simulator.engine import SimConfig
-from engine_adapter.simulator.server import SimulatedReplicaHandle, start_simulated_replica
-from engine_adapter.simulator.tokenizer import count_prompt_tokens
+from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import (
+    SimulatedReplicaHandle,
+    start_simulated_replica,
+)
+from tollgate_llm.engine_adapter.simulator.tokenizer import count_prompt_tokens
 
 MODEL = "my-model"
 FAST = {"step_base_ms": 1.0, "per_seq_ms": 0.05, "prefill_ms_per_1k_tokens": 1.0}

@@ -19,18 +19,23 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_adapter.lora import (
+from tests.contracts.test_replica import FAST, MODEL, Target, engine, run_on
+from tests.vllm.tiny_adapter import build
+from tollgate_llm.engine_adapter.lora import (
     AdapterLoadFailed,
     LoraDisabled,
     fetch_adapters,
     load_adapter,
     unload_adapter,
 )
-from engine_adapter.simulator.engine import SimConfig
-from engine_adapter.simulator.server import start_simulated_replica
-from engine_adapter.vllm_http import AdapterNotLoaded, Served, VLLMReplica, parse_metrics
-from tests.contracts.test_replica import FAST, MODEL, Target, engine, run_on
-from tests.vllm.tiny_adapter import build
+from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import start_simulated_replica
+from tollgate_llm.engine_adapter.vllm_http import (
+    AdapterNotLoaded,
+    Served,
+    VLLMReplica,
+    parse_metrics,
+)
 
 __all__ = ["engine"]  # the plain engines' fixture, for the test of an engine without LoRA
 

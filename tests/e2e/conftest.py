@@ -26,12 +26,12 @@ from typing import Any
 import httpx
 import pytest
 
-from domain.requests.events import TERMINAL_TYPES
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOLLGATE = (
-    [str(BIN / "tollgate")] if (BIN / "tollgate").exists() else [sys.executable, "-m", "cli"]
+    [str(BIN / "tollgate")] if (BIN / "tollgate").exists() else [sys.executable, "-m", "tollgate_llm.cli"]
 )
 
 MODEL = "llama-3.1-8b-2026-05"  # fast replicas
@@ -161,7 +161,7 @@ class Replica:
 def start_replica(tmp: Path, model: str, seed: int, **config: Any) -> Replica:
     port = free_port()
     log = tmp / f"replica-{port}.log"
-    args = [sys.executable, "-m", "engine_adapter.simulator", "--port", str(port),
+    args = [sys.executable, "-m", "tollgate_llm.engine_adapter.simulator", "--port", str(port),
             "--model", model, "--seed", str(seed)]
     for name, value in config.items():
         flag = name.replace("_", "-")

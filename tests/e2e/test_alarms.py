@@ -12,12 +12,12 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from domain.cost import Estimate
-from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
-from ledger.engine import create_engine_from_url
-from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
 from tests.e2e.conftest import FAST, MODEL, REPO, TOLLGATE, auth, poll, running_server, short_body
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 pytestmark = pytest.mark.e2e
 

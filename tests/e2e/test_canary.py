@@ -22,10 +22,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
-from ledger.idempotency import IdempotencyStore
-from ledger.schema import idempotency_records
 from tests.e2e.conftest import FAST, MODEL, Server, auth, running_server
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.idempotency import IdempotencyStore
+from tollgate_llm.ledger.schema import idempotency_records
 
 pytestmark = pytest.mark.e2e
 

@@ -23,8 +23,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from domain.requests.events import TERMINAL_TYPES
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     MODEL,
     TOLLGATE,
@@ -36,6 +34,8 @@ from tests.e2e.conftest import (
     start_replica,
     wait_http,
 )
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 

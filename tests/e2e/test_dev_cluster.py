@@ -20,8 +20,8 @@ import pytest
 import sqlalchemy as sa
 from openai import OpenAI
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, free_port, poll, spawn
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 REQUESTS = 40

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import MODEL, REPO, TOLLGATE, _stop_process, auth, poll, short_body, spawn
 from tests.e2e.test_dev_cluster import _three_free_ports
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 REQUESTS = 12

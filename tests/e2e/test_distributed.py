@@ -18,7 +18,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     MODEL,
     REPO,
@@ -31,6 +30,7 @@ from tests.e2e.conftest import (
     wait_http,
 )
 from tests.e2e.test_mixed_run import one
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 REQUESTS = 400

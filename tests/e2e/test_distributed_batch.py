@@ -20,7 +20,6 @@ import pytest
 import sqlalchemy as sa
 from openai import APIStatusError, OpenAI
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     MODEL,
     TOLLGATE,
@@ -31,6 +30,7 @@ from tests.e2e.conftest import (
     start_replica,
     wait_http,
 )
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 REPLICA = {"speed": 1, "step_base_ms": 15, "scheduling_policy": "priority"}

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     SLOW,
     SLOW_MODEL,
@@ -27,6 +26,7 @@ from tests.e2e.conftest import (
     start_replica,
     wait_http,
 )
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 STREAMS = 3

@@ -38,7 +38,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     SLOW,
     SLOW_MODEL,
@@ -55,6 +54,7 @@ from tests.e2e.conftest import (
     wait_http,
 )
 from tests.faults.tier import pick, safeguards
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -31,8 +31,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger import faults
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import MODEL, TOLLGATE, free_port, poll, start_replica
 from tests.faults.matrix import (
     EDGE_SEAMS,
@@ -44,6 +42,8 @@ from tests.faults.matrix import (
     die_rotation,
 )
 from tests.faults.tier import pick
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from cli.pipeline import EMBEDDED_WORKER_NICENESS
 from tests.e2e.conftest import FAST, MODEL, Server, auth, poll, running_server, short_body
+from tollgate_llm.cli.pipeline import EMBEDDED_WORKER_NICENESS
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
 from tests.e2e.conftest import (
     MODEL,
     REPO,
@@ -29,6 +28,7 @@ from tests.e2e.conftest import (
     spawn,
     wait_http,
 )
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 STALE_S = "2"

@@ -14,8 +14,8 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from domain.refusals import MIN_FULL_REFUSALS_PER_WINDOW, REFUSAL_WINDOW_S
 from tests.e2e.conftest import FAST, MODEL, Server, auth, poll, running_server, short_body
+from tollgate_llm.domain.refusals import MIN_FULL_REFUSALS_PER_WINDOW, REFUSAL_WINDOW_S
 
 pytestmark = pytest.mark.e2e
 

@@ -22,11 +22,11 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from domain.requests.events import TERMINAL_TYPES
 from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, auth, free_port, spawn, wait_http
 from tests.faults.clients import Operation, chat
 from tests.faults.proxy import FaultyProxy
 from tests.faults.tier import LONG
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.slow]
 

@@ -222,9 +222,9 @@ def _chat(server: UiServer, key: str, model: str, tokens: int, stream: bool) -> 
 def _inject_stalled_request(server: UiServer) -> str:
     """A request admitted by an edge that then died (no renewals, no terminal event): the lease
     sweeper expires it and bills its last known progress, and the support page must flag it."""
-    from domain.requests.events import RequestAdmitted, RequestEstimated
-    from ledger.engine import create_engine_from_url
-    from ledger.store import NewEvent, SqlEventStore
+    from tollgate_llm.domain.requests.events import RequestAdmitted, RequestEstimated
+    from tollgate_llm.ledger.engine import create_engine_from_url
+    from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
     rid = f"req_{uuid.uuid4().hex}"
     # Past the 15 s lease TTL, but not before the demo prices exist (no price: no bill).
@@ -573,7 +573,7 @@ def test_a_revoked_key_ends_its_sessions(ui: UiServer) -> None:
 def test_usage_chart_layout() -> None:
     """The chart maths without a browser: the axis spans the hours with data, gaps between them
     are zero-filled, a long span is drawn per day, stacks add up to the axis."""
-    from api.http.charts import time_chart
+    from tollgate_llm.api.http.charts import time_chart
 
     def row(when: datetime, tenant: str, tokens: int) -> dict:
         return {"tenant": tenant, "model": MODEL, "period_start": when.isoformat(),
@@ -595,7 +595,7 @@ def test_usage_chart_layout() -> None:
 
 
 def test_an_hour_of_usage_is_one_bar_across_the_chart() -> None:
-    from api.http.charts import time_chart
+    from tollgate_llm.api.http.charts import time_chart
 
     at = datetime(2026, 12, 7, 9, 30, tzinfo=UTC)
     rows = [{"tenant": "a", "model": MODEL, "period_start": at.isoformat(), "requests": 1,
@@ -613,7 +613,7 @@ def test_each_currency_is_its_own_amount_line_named_by_its_code() -> None:
     """A range billed in two currencies (the setting changed in the middle): one amount line per
     currency, each over every bucket, its points the amounts of that currency alone (never a sum
     of the two), its dots and its label saying the code."""
-    from api.http.charts import time_chart
+    from tollgate_llm.api.http.charts import time_chart
 
     t0 = datetime(2026, 12, 1, 10, tzinfo=UTC)
 

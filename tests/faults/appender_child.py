@@ -9,11 +9,11 @@ import time
 import uuid
 from datetime import UTC, datetime
 
-from domain.cost import Estimate
-from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
-from ledger.engine import create_engine_from_url
-from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 MODEL = "llama-3.1-8b-2026-05"
 

@@ -6,8 +6,8 @@ and must find what that loses: answers a client holds complete, billed other tha
 
 from __future__ import annotations
 
-from api.services import edge, recorder, relay
-from cli import main
+from tollgate_llm.api.services import edge, recorder, relay
+from tollgate_llm.cli import main
 
 
 async def _not_waiting(ended: object) -> bool:

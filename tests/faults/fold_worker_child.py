@@ -10,10 +10,10 @@ import logging
 import signal
 import threading
 
-from domain.envelope import Recorded
-from ledger import faults
-from ledger.engine import create_engine_from_url
-from streams.worker import FoldWorker
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.ledger import faults
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.streams.worker import FoldWorker
 
 
 class CheckpointFirst(FoldWorker):

@@ -42,12 +42,12 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from domain.projections import PROJECTIONS
-from domain.requests.events import TERMINAL_TYPES
-from ledger.engine import create_engine_from_url
-from ledger.projections import ProjectionRunner
-from ledger.store import SqlEventStore
 from tests.e2e.conftest import TOLLGATE as TOLLGATE_CLI
+from tollgate_llm.domain.projections import PROJECTIONS
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.store import SqlEventStore
 
 TERMINALS = tuple(sorted(TERMINAL_TYPES))
 INJECTED = re.compile(r"fault injected: (\S+) (\S+) hit")

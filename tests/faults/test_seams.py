@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.cost import Estimate
-from domain.requests.decide import AdmitRequest
-from ledger import faults, schema
-from ledger.checkpoints import Checkpoints
-from ledger.engine import create_engine_from_url
-from ledger.errors import StoreUnavailable
-from ledger.finance import FinanceQueries
-from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import AdmitRequest
+from tollgate_llm.ledger import faults, schema
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.errors import StoreUnavailable
+from tollgate_llm.ledger.finance import FinanceQueries
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,7 +114,7 @@ def test_a_dropped_read_of_the_request_list_fails_whole_and_the_next_reads_again
 ) -> None:
     """`db.read` (support's request list): a drop closes the pool's connections and raises the
     error the routes answer 503 for; the next read reconnects and answers."""
-    from api.services.errors import store_unavailable
+    from tollgate_llm.api.services.errors import store_unavailable
 
     finance = FinanceQueries(store.engine)
     since, until = datetime(2026, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
@@ -161,14 +161,14 @@ def test_an_unknown_seam_kind_or_trigger_refuses_to_start(spec: str) -> None:
     with pytest.raises(ValueError, match="TOLLGATE_FAULTS"):
         faults.parse_faults(spec)
     done = subprocess.run(
-        [sys.executable, "-c", "import ledger.faults"], cwd=ROOT, capture_output=True,
+        [sys.executable, "-c", "import tollgate_llm.ledger.faults"], cwd=ROOT, capture_output=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), "TOLLGATE_FAULTS": spec},
     )  # fmt: skip
     assert done.returncode != 0 and b"TOLLGATE_FAULTS" in done.stderr
 
 
 def test_die_kills_the_process_at_the_seam_and_old_points_still_work() -> None:
-    script = "from ledger import faults\nfaults.point('fold.after_read')\nprint('alive')"
+    script = "from tollgate_llm.ledger import faults\nfaults.point('fold.after_read')\nprint('alive')"
     for env in ({"TOLLGATE_FAULTS": "fold.after_read:die@1"},
                 {"TOLLGATE_FAULT_POINTS": "fold.after_read"}):  # fmt: skip
         done = subprocess.run(

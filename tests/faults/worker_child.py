@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cli import main
-from streams import kafka_worker
+from tollgate_llm.cli import main
+from tollgate_llm.streams import kafka_worker
 
 _init = kafka_worker.KafkaFoldWorker.__init__
 

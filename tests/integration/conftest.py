@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
-from ledger.store import SqlEventStore
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import SqlEventStore
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -13,20 +13,26 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from api.services import adapter_service as adapters
-from api.services.control_service import ControlService
-from domain.audit.events import Actor
-from domain.control_plane.adapters import price_key
-from domain.cost import Estimate, Price
-from domain.errors import DomainError
-from domain.requests.decide import AdmitRequest, BillUsage, CompleteRequest, RouteRequest, decide
-from domain.requests.evolve import evolve_event
-from domain.requests.state import RequestState
-from ledger.control import ControlLog
-from ledger.finance import FinanceQueries
-from ledger.store import SqlEventStore
 from tests.integration.test_finance import MODEL, T0, _new, _project, _seed
 from tests.vllm.tiny_adapter import build
+from tollgate_llm.api.services import adapter_service as adapters
+from tollgate_llm.api.services.control_service import ControlService
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.control_plane.adapters import price_key
+from tollgate_llm.domain.cost import Estimate, Price
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import (
+    AdmitRequest,
+    BillUsage,
+    CompleteRequest,
+    RouteRequest,
+    decide,
+)
+from tollgate_llm.domain.requests.evolve import evolve_event
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.finance import FinanceQueries
+from tollgate_llm.ledger.store import SqlEventStore
 
 
 def test_adapters_are_recorded_and_folded_back(engine: sa.Engine, tmp_path: Path) -> None:

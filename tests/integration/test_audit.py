@@ -16,14 +16,14 @@ from datetime import UTC, datetime
 import pytest
 import sqlalchemy as sa
 
-from api.services.control_service import ControlService, operator
-from domain.audit.events import Actor
-from domain.control_plane.decide import SetLimits
-from domain.control_plane.state import tenant_stream
-from domain.errors import DomainError
-from ledger.ids import new_event_id
-from ledger.store import NewEvent, SqlEventStore
 from tests.integration.test_cli import ok, one_line_error, run
+from tollgate_llm.api.services.control_service import ControlService, operator
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.control_plane.decide import SetLimits
+from tollgate_llm.domain.control_plane.state import tenant_stream
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.ledger.ids import new_event_id
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 ALICE = Actor("operator", "alice")
 EDIT = ("UPDATE events SET payload = replace(payload, :old, :new) "
@@ -151,7 +151,7 @@ def test_events_before_the_trail_are_sealed_by_the_first_record(
     store: SqlEventStore = service.store
     version = store.stream_version(tenant_stream("acme"))
     legacy = SetLimits("acme", "*", rpm=10)
-    from domain.control_plane.decide import decide_control
+    from tollgate_llm.domain.control_plane.decide import decide_control
 
     facts = decide_control(service.view, legacy)
     store.append(tenant_stream("acme"), version, [

@@ -18,16 +18,16 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from api.services.auth import Caller
-from api.services.batch_service import BatchService
-from domain.batches.files import parse_input
-from ledger.batches import BatchStore, StoredFile
-from ledger.commands import CommandHandler, batch_stream_loader
-from ledger.engine import create_engine_from_url
-from ledger.ids import utcnow
-from ledger.schema import upgrade
-from ledger.store import SqlEventStore
-from streams.batch_runner import BatchRunner
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.batch_service import BatchService
+from tollgate_llm.domain.batches.files import parse_input
+from tollgate_llm.ledger.batches import BatchStore, StoredFile
+from tollgate_llm.ledger.commands import CommandHandler, batch_stream_loader
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.ids import utcnow
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.batch_runner import BatchRunner
 
 MODEL = "llama-3.1-8b-2026-05"
 

@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ledger.batches import BatchStore, ItemResult, StoredFile
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
+from tollgate_llm.ledger.batches import BatchStore, ItemResult, StoredFile
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 

@@ -8,12 +8,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from domain.billing import BILLING_NAMESPACE_BYTES, bill_event_id
-from domain.control_plane.events import PriceSet
-from domain.control_plane.state import ControlView
-from domain.cost import Estimate
-from domain.envelope import Recorded
-from domain.requests.decide import (
+from tests import builders as b
+from tollgate_llm.domain.billing import BILLING_NAMESPACE_BYTES, bill_event_id
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     BillUsage,
     CancelRequest,
@@ -21,13 +22,12 @@ from domain.requests.decide import (
     RouteRequest,
     decide,
 )
-from domain.requests.evolve import evolve_event
-from domain.requests.evolve import fold as request_fold
-from domain.requests.state import RequestState
-from ledger.checkpoints import Checkpoints
-from ledger.store import NewEvent, SqlEventStore
-from streams.billing import BillingFold
-from tests import builders as b
+from tollgate_llm.domain.requests.evolve import evolve_event
+from tollgate_llm.domain.requests.evolve import fold as request_fold
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.billing import BillingFold
 
 PRICED = "llama-3.1-8b-2026-05"
 UNPRICED = "llama-3.1-70b-2026-05"

@@ -159,7 +159,7 @@ def test_per_end_user_limits_take_a_project_and_a_rate_or_a_daily_budget(url: st
 
 
 def test_an_invoice_is_for_the_current_month_unless_a_period_is_named(url: str) -> None:
-    from ledger.schema import ledger_entries
+    from tollgate_llm.ledger.schema import ledger_entries
 
     ok("tenants", "create", "acme", url=url)
     now = datetime.now(UTC)
@@ -209,17 +209,17 @@ def test_only_the_load_generator_imports_its_http_client() -> None:
     # `tollgate --help` lists `loadgen` without importing it; running it loads the real command.
     probe = (
         "import sys\n"
-        "from cli import main\n"
+        "from tollgate_llm.cli import main\n"
         "try:\n"
         "    main(sys.argv[1:])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(sorted(m for m in ('httpx', 'loadgen.cli') if m in sys.modules))\n"
+        "print(sorted(m for m in ('httpx', 'tollgate_llm.loadgen.cli') if m in sys.modules))\n"
     )
     for args, imported in (
         (["--help"], "[]"),
         (["serve", "--help"], "[]"),
-        (["loadgen", "--help"], "['httpx', 'loadgen.cli']"),
+        (["loadgen", "--help"], "['httpx', 'tollgate_llm.loadgen.cli']"),
     ):
         done = subprocess.run(
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60
@@ -234,11 +234,11 @@ def test_serving_imports_no_development_tool(tmp_path: Path) -> None:
     # command line is what is under test, up to the point where serving starts.
     probe = (
         "import sys\n"
-        "import api.serve\n"
+        "import tollgate_llm.api.serve\n"
         "def run(settings, actuator_factory=None):\n"
         "    print('actuator', getattr(actuator_factory, '__name__', None))\n"
         "api.serve.run = run\n"
-        "from cli import main\n"
+        "from tollgate_llm.cli import main\n"
         "try:\n"
         "    main(sys.argv[1:])\n"
         "except SystemExit:\n"
@@ -251,7 +251,7 @@ def test_serving_imports_no_development_tool(tmp_path: Path) -> None:
         (["serve", "--help"], None, "[]"),
         (["api", "--help"], None, "[]"),
         (["serve"], "actuator None", "[]"),
-        (["serve", "--autoscale"], "actuator SimulatedActuator", "['cli.dev.actuator']"),
+        (["serve", "--autoscale"], "actuator SimulatedActuator", "['tollgate_llm.cli.dev.actuator']"),
     ):
         done = subprocess.run(
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,
@@ -264,8 +264,8 @@ def test_serving_imports_no_development_tool(tmp_path: Path) -> None:
 
 
 def test_the_lazy_loadgen_entry_shows_the_commands_own_summary() -> None:
-    from cli import main
-    from loadgen.cli import loadgen
+    from tollgate_llm.cli import main
+    from tollgate_llm.loadgen.cli import loadgen
 
     lazy = main.commands["loadgen"]
     assert lazy is not loadgen

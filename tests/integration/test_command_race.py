@@ -14,16 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from domain.audit.events import ChangeAudited
-from domain.control_plane.events import TenantRegistered
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
-from ledger.store import SqlEventStore
+from tollgate_llm.domain.audit.events import ChangeAudited
+from tollgate_llm.domain.control_plane.events import TenantRegistered
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import SqlEventStore
 
 PROCESSES = 8
 GATED = """
 import os, sys, time
-import api.services.control_service as service
+import tollgate_llm.api.services.control_service as service
 gate = sys.argv[1]
 decide, first = service.decide_control, [True]
 
@@ -35,7 +35,7 @@ def gated(view, command):
     return decide(view, command)
 
 service.decide_control = gated
-from cli import main
+from tollgate_llm.cli import main
 main(["tenants", "create", "acme", "--plan", "free", "--database-url", sys.argv[2]])
 """
 

@@ -22,14 +22,20 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
-from ledger.engine import create_engine_from_url
-from ledger.schema import ledger_entries, projection_checkpoints, request_log, upgrade, usage_hourly
-from ledger.store import NewEvent, SqlEventStore
-from streams.worker import FoldWorker
 from tests import builders as b
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import (
+    ledger_entries,
+    projection_checkpoints,
+    request_log,
+    upgrade,
+    usage_hourly,
+)
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.worker import FoldWorker
 
 pytestmark = pytest.mark.slow
 

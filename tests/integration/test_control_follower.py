@@ -7,10 +7,10 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from domain.control_plane.events import PriceSet
-from ledger.control import ControlLog
-from ledger.store import NewEvent, SqlEventStore
 from tests.integration.test_fold_worker import _request
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 MODEL = "llama-3.1-8b-2026-05"
 

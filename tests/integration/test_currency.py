@@ -10,10 +10,10 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
-from api.http.schemas import Invoice, LedgerEntries, UsageRows
-from api.services.control_service import ControlService
 from tests.integration.test_cli import ok, run
 from tests.integration.test_finance import MODEL, _project, _request
+from tollgate_llm.api.http.schemas import Invoice, LedgerEntries, UsageRows
+from tollgate_llm.api.services.control_service import ControlService
 
 
 def _set_price(url: str, prompt: str, currency: str | None) -> str:
@@ -96,8 +96,8 @@ def test_a_currency_setting_that_is_not_an_iso_code_is_refused(url: str) -> None
 
 
 def test_flex_revenue_is_per_currency(engine) -> None:  # type: ignore[no-untyped-def]
-    from ledger.finance import FinanceQueries
-    from ledger.schema import ledger_entries
+    from tollgate_llm.ledger.finance import FinanceQueries
+    from tollgate_llm.ledger.schema import ledger_entries
 
     when = datetime.now(UTC)
     with engine.begin() as conn:

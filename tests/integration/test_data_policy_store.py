@@ -11,22 +11,28 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
-from api.services import data_policy_service as policy
-from api.services.control_service import ControlService
-from api.services.idempotency_service import AsyncIdempotency
-from domain.audit.events import Actor
-from domain.cost import Estimate
-from domain.errors import DomainError
-from domain.requests.decide import AdmitRequest, BillUsage, CompleteRequest, RouteRequest, decide
-from domain.requests.evolve import evolve_event
-from domain.requests.state import RequestState
-from ledger.batches import BatchStore, StoredFile
-from ledger.control import ControlLog
-from ledger.finance import FinanceQueries
-from ledger.idempotency import IdempotencyStore
-from ledger.schema import batch_files, idempotency_records
-from ledger.store import SqlEventStore
 from tests.integration.test_finance import MODEL, T0, _new, _project, _request, _seed
+from tollgate_llm.api.services import data_policy_service as policy
+from tollgate_llm.api.services.control_service import ControlService
+from tollgate_llm.api.services.idempotency_service import AsyncIdempotency
+from tollgate_llm.domain.audit.events import Actor
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import (
+    AdmitRequest,
+    BillUsage,
+    CompleteRequest,
+    RouteRequest,
+    decide,
+)
+from tollgate_llm.domain.requests.evolve import evolve_event
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.batches import BatchStore, StoredFile
+from tollgate_llm.ledger.control import ControlLog
+from tollgate_llm.ledger.finance import FinanceQueries
+from tollgate_llm.ledger.idempotency import IdempotencyStore
+from tollgate_llm.ledger.schema import batch_files, idempotency_records
+from tollgate_llm.ledger.store import SqlEventStore
 
 CANARY = f"canary-{uuid.uuid4().hex}"
 

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
-from ledger.store import NewEvent, SqlEventStore
-from streams.worker import FoldWorker
 from tests.pg_cluster import PrivateCluster
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.worker import FoldWorker
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cli import main
+from tollgate_llm.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -153,7 +153,7 @@ def test_every_setting_is_one_the_code_reads(
     rendered: tuple[str, list[dict[str, Any]]],
 ) -> None:
     _, docs = rendered
-    from api.config import ENV_PREFIX, Settings
+    from tollgate_llm.api.config import ENV_PREFIX, Settings
 
     code = "\n".join(
         p.read_text()

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from api.http.app import _DisconnectWatch
+from tollgate_llm.api.http.app import _DisconnectWatch
 
 
 def _free_port() -> int:

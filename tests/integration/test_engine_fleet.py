@@ -10,11 +10,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from domain.capacity import Choice, Refusal, UnknownModel
-from engine_adapter.fleet import Fleet, histogram_quantile
-from engine_adapter.simulator.engine import SimConfig
-from engine_adapter.simulator.server import SimulatedReplicaHandle, start_simulated_replica
-from engine_adapter.vllm_http import VLLMReplica, fetch_metrics, make_session
+from tollgate_llm.domain.capacity import Choice, Refusal, UnknownModel
+from tollgate_llm.engine_adapter.fleet import Fleet, histogram_quantile
+from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import (
+    SimulatedReplicaHandle,
+    start_simulated_replica,
+)
+from tollgate_llm.engine_adapter.vllm_http import VLLMReplica, fetch_metrics, make_session
 
 MODEL = "llama-2026-05"
 FAST = {"step_base_ms": 1.0, "per_seq_ms": 0.05, "prefill_ms_per_1k_tokens": 1.0}

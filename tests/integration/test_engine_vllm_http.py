@@ -11,9 +11,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_adapter.simulator.engine import SimConfig
-from engine_adapter.simulator.server import SimulatedReplicaHandle, start_simulated_replica
-from engine_adapter.vllm_http import (
+from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import (
+    SimulatedReplicaHandle,
+    start_simulated_replica,
+)
+from tollgate_llm.engine_adapter.vllm_http import (
     ReplicaHTTPError,
     ReplicaStreamBroken,
     ReplicaUnavailable,
@@ -239,7 +242,7 @@ def test_connection_is_reused_after_done() -> None:
 def test_fast_metrics_parser_agrees_with_prometheus_client() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine_adapter.vllm_http import parse_metrics
+    from tollgate_llm.engine_adapter.vllm_http import parse_metrics
 
     async def t(h: SimulatedReplicaHandle, replica: VLLMReplica, s: aiohttp.ClientSession) -> None:
         gen = replica.stream_chat(

@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_adapter.estimators import WordTokenEstimator
-from engine_adapter.tokenizers import ChatTemplateEstimator, estimator_for
 from tests.vllm.prompts import CHATS
+from tollgate_llm.engine_adapter.estimators import WordTokenEstimator
+from tollgate_llm.engine_adapter.tokenizers import ChatTemplateEstimator, estimator_for
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_cached_answers_are_the_computed_ones(estimator: ChatTemplateEstimator) 
 
 
 def test_simulated_replicas_get_the_simulators_count() -> None:
-    from engine_adapter.simulator.tokenizer import count_prompt_tokens
+    from tollgate_llm.engine_adapter.simulator.tokenizer import count_prompt_tokens
 
     chosen = estimator_for(simulated=True)
     assert isinstance(chosen, WordTokenEstimator)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from domain.projections import PROJECTIONS_BY_NAME
-from ledger.projections import ProjectionRunner
-from streams.kafka_worker import KafkaFoldWorker
-from streams.worker import FoldWorker
+from tollgate_llm.domain.projections import PROJECTIONS_BY_NAME
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
+from tollgate_llm.streams.worker import FoldWorker
 
 
 def _runners(worker: object) -> list[ProjectionRunner]:

@@ -9,11 +9,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet, TenantRegistered
-from domain.control_plane.state import ControlView
-from domain.cost import Estimate, amount_micros
-from domain.projections import PROJECTIONS
-from domain.requests.decide import (
+from tollgate_llm.domain.control_plane.events import PriceSet, TenantRegistered
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import Estimate, amount_micros
+from tollgate_llm.domain.projections import PROJECTIONS
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     BillUsage,
     CancelRequest,
@@ -21,11 +21,11 @@ from domain.requests.decide import (
     RouteRequest,
     decide,
 )
-from domain.requests.evolve import evolve_event
-from domain.requests.state import RequestState
-from ledger.finance import FinanceQueries, month_bounds
-from ledger.projections import ProjectionRunner
-from ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.domain.requests.evolve import evolve_event
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.ledger.finance import FinanceQueries, month_bounds
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 MODEL = "llama-3.1-8b-2026-05"
 T0 = datetime(2026, 10, 30, 22, 0, tzinfo=UTC)  # two months, a month boundary, a price change

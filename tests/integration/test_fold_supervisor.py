@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from streams.supervisor import FoldWorkerSupervisor
+from tollgate_llm.streams.supervisor import FoldWorkerSupervisor
 
 # Stands in for `tollgate worker`: runs until signalled.
 CHILD = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]

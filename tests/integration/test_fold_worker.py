@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.batches.events import BatchCreated
-from ledger.checkpoints import Checkpoints
-from ledger.engine import create_engine_from_url
-from ledger.idempotency import IdempotencyConflict, IdempotencyStore
-from ledger.schema import ledger_entries, request_log, upgrade, worker_status
-from ledger.store import NewEvent, SqlEventStore
-from streams.status import dead_letter_problem, read_status
-from streams.worker import FoldWorker
-from streams.worker_rows import read_fold_status
 from tests import builders as b
+from tollgate_llm.domain.batches.events import BatchCreated
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.idempotency import IdempotencyConflict, IdempotencyStore
+from tollgate_llm.ledger.schema import ledger_entries, request_log, upgrade, worker_status
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.status import dead_letter_problem, read_status
+from tollgate_llm.streams.worker import FoldWorker
+from tollgate_llm.streams.worker_rows import read_fold_status
 
 PRICED = "llama-3.1-8b-2026-05"
 UNPRICED = "llama-3.1-70b-2026-05"
@@ -166,7 +166,7 @@ def test_tollgate_worker_runs_until_sigterm_and_folds_what_came_before(sqlite_ur
         store = SqlEventStore(engine)
         _price(store)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "worker", "--database-url", sqlite_url],
+            [sys.executable, "-m", "tollgate_llm.cli", "worker", "--database-url", sqlite_url],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from cli.dev.cluster import FrontDoor
+from tollgate_llm.cli.dev.cluster import FrontDoor
 
 
 def _free_port() -> int:

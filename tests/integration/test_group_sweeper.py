@@ -13,12 +13,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from domain.envelope import Event
-from ledger.engine import create_engine_from_url
-from ledger.leadership import Leadership
-from ledger.store import NewEvent, SqlEventStore
-from streams.sweeper import SWEEPER_RESUME, GroupSweeper
 from tests import builders as b
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.leadership import Leadership
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.sweeper import SWEEPER_RESUME, GroupSweeper
 
 pytestmark = [pytest.mark.postgres]
 
@@ -152,8 +152,8 @@ def test_a_worker_taking_the_lead_folds_the_leaders_lease_book_again(
 def test_the_groups_first_leader_starts_from_the_requests_the_read_models_show_live(
     store: SqlEventStore,
 ) -> None:
-    from domain.projections import REQUEST_LOG
-    from ledger.projections import ProjectionRunner
+    from tollgate_llm.domain.projections import REQUEST_LOG
+    from tollgate_llm.ledger.projections import ProjectionRunner
 
     admit(store, "req-old", 0)
     complete(store, "req-old", 1)

@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from engine_adapter.exchange import IteratorExchange
-from engine_adapter.vllm_http import (
+from tollgate_llm.engine_adapter.exchange import IteratorExchange
+from tollgate_llm.engine_adapter.vllm_http import (
     ReplicaHTTPError,
     ReplicaStreamBroken,
     ReplicaUnavailable,

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
-from ledger.schema import ledger_entries
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from streams.relay import OutboxRelay
 from tests import builders as b
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
+from tollgate_llm.ledger.schema import ledger_entries
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.streams.relay import OutboxRelay
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
 MODEL = "llama-3.1-8b-2026-05"
@@ -79,13 +79,13 @@ def ledger_ids(engine: sa.Engine) -> set[str]:
 
 
 def open_consumer(client: str, engine: sa.Engine, bootstrap: str, topic: str) -> Any:
-    from streams.topics import group_for
+    from tollgate_llm.streams.topics import group_for
 
     if client == "faust":
-        from streams.faust_worker import FaustEventConsumer
+        from tollgate_llm.streams.faust_worker import FaustEventConsumer
 
         return FaustEventConsumer(engine, bootstrap, topic, group_for(topic), max_records=40)
-    from streams.kafka_consumer import KafkaEventConsumer
+    from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
 
     return KafkaEventConsumer(engine, bootstrap, topic, group_for(topic))
 
@@ -101,8 +101,8 @@ def test_a_failed_rewind_is_retried_before_anything_else_is_applied(
     rewind_failures: int,
     safeguard: str,
 ) -> None:
-    import streams.kafka_consumer as kc
-    from streams.kafka_worker import KafkaFoldWorker
+    import tollgate_llm.streams.kafka_consumer as kc
+    from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
 
     store = SqlEventStore(engine)
     truth = append_requests(store, 60, random.Random(26))
@@ -198,8 +198,8 @@ def test_a_rebalance_while_postgres_is_down_neither_skips_nor_stalls(
     down during the rebalance): confluent reads each partition from its start (`claim` drops
     what was applied), faust tries the read again until it succeeds. Before, faust's rebalance
     ended there and the worker folded nothing, reporting nothing."""
-    import streams.kafka_consumer as kc
-    from streams.kafka_worker import KafkaFoldWorker
+    import tollgate_llm.streams.kafka_consumer as kc
+    from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
 
     store = SqlEventStore(engine)
     truth = append_requests(store, 60, random.Random(27))
@@ -250,7 +250,7 @@ def test_a_poll_that_fails_after_taking_records_is_read_again(
     took records from the broker never handed them over, and the next batch committed offsets
     past them — 216 of 274 requests with a terminal event and no bill. The failed poll is now
     owed a rewind like a failed batch."""
-    from streams.kafka_worker import KafkaFoldWorker
+    from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
 
     store = SqlEventStore(engine)
     truth = append_requests(store, 60, random.Random(27))

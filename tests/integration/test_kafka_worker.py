@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.projections import PROJECTIONS, USAGE_HOURLY
-from domain.requests.decide import (
+from tests import builders as b
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.projections import PROJECTIONS, USAGE_HOURLY
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     CancelRequest,
     Command,
@@ -31,11 +32,10 @@ from domain.requests.decide import (
     FailRequest,
     RouteRequest,
 )
-from ledger.projections import ProjectionRunner
-from ledger.schema import consumer_offsets, events, ledger_entries, request_log
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from streams.relay import OutboxRelay
-from tests import builders as b
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.schema import consumer_offsets, events, ledger_entries, request_log
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.streams.relay import OutboxRelay
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def _worker(
         [
             sys.executable,
             "-m",
-            "cli",
+            "tollgate_llm.cli",
             "worker",
             "--database-url",
             postgres_url,
@@ -309,9 +309,9 @@ def test_a_ledger_row_commits_with_its_terminal_event_not_after_the_bills_trip(
     """The worker posts a bill's ledger row (and its usage_hourly share) in the transaction that
     claims the terminal event, before the relay has published the bill; the bill coming back
     through the topic then changes nothing."""
-    from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker
-    from streams.topics import group_for
+    from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
+    from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
+    from tollgate_llm.streams.topics import group_for
 
     store = SqlEventStore(engine)
     _price(store)

@@ -13,12 +13,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from domain.requests.events import FirstTokenStreamed
-from ledger import schema
-from ledger.commits import LoopCommits
-from ledger.engine import create_engine_from_url
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from ledger.writer import GroupCommitWriter
+from tollgate_llm.domain.requests.events import FirstTokenStreamed
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.commits import LoopCommits
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.ledger.writer import GroupCommitWriter
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

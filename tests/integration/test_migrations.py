@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from ledger import schema
-from ledger.engine import create_engine_from_url
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.engine import create_engine_from_url
 
 TABLES = {
     "events",

@@ -18,24 +18,24 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.requests.decide import (
+from tests import builders as b
+from tests.pg_cluster import private_cluster
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     CancelRequest,
     Command,
     CompleteRequest,
     RouteRequest,
 )
-from domain.requests.events import TERMINAL_TYPES
-from ledger.engine import create_engine_from_url
-from ledger.errors import StoreUnavailable
-from ledger.schema import events, ledger_entries, upgrade
-from ledger.store import AppendBatch, NewEvent, SqlEventStore
-from streams.consumer import Batch
-from streams.relay import OutboxRelay
-from tests import builders as b
-from tests.pg_cluster import private_cluster
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.errors import StoreUnavailable
+from tollgate_llm.ledger.schema import events, ledger_entries, upgrade
+from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
+from tollgate_llm.streams.consumer import Batch
+from tollgate_llm.streams.relay import OutboxRelay
 
 pytestmark = [pytest.mark.kafka]
 MODEL = "llama-3.1-8b-2026-05"
@@ -122,9 +122,9 @@ def _figures(engine: sa.Engine) -> tuple[set[str], dict[str, int], dict[str, int
 def test_a_postgres_restart_under_a_kafka_worker_loses_no_bill(
     kafka_broker: Any, kafka_topic: str, tmp_path: Path, safeguard: str
 ) -> None:
-    from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker
-    from streams.topics import group_for
+    from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
+    from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
+    from tollgate_llm.streams.topics import group_for
 
     class Worker(KafkaFoldWorker):
         """Stops the cluster when armed, once it holds a batch: the batch fails, then its

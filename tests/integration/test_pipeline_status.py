@@ -18,19 +18,19 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import generate_latest
 
-from ledger.engine import create_engine_from_url
-from ledger.schema import events, ledger_entries, upgrade
-from ledger.store import SqlEventStore
-from streams.kafka_consumer import KafkaEventConsumer
-from streams.kafka_worker import KafkaFoldWorker
-from streams.metrics import ConsumerLagCollector, PipelineMetrics
-from streams.relay import OutboxRelay
-from streams.status import BrokerWatermarks, read_status
-from streams.topics import group_for
-from streams.worker import FoldWorker
-from streams.worker_rows import write_status_row
 from tests.integration import test_kafka_worker
 from tests.integration.test_kafka_worker import _price, _requests
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import events, ledger_entries, upgrade
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
+from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
+from tollgate_llm.streams.metrics import ConsumerLagCollector, PipelineMetrics
+from tollgate_llm.streams.relay import OutboxRelay
+from tollgate_llm.streams.status import BrokerWatermarks, read_status
+from tollgate_llm.streams.topics import group_for
+from tollgate_llm.streams.worker import FoldWorker
+from tollgate_llm.streams.worker_rows import write_status_row
 
 pytestmark = [pytest.mark.postgres]
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def status_cli(url: str, *args: str, bootstrap: str | None = None) -> tuple[int,
     if bootstrap:
         env["TOLLGATE_KAFKA_BOOTSTRAP"] = bootstrap
     done = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--database-url", url, *args],
+        [sys.executable, "-m", "tollgate_llm.cli", "status", "--database-url", url, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode in (0, 2), done.stderr
@@ -260,7 +260,7 @@ def test_status_runs_without_confluent_kafka_and_says_what_the_kafka_view_needs(
     missing package instead of a traceback."""
     upgrade(sqlite_url)
     blocked = (
-        "import sys; sys.modules['confluent_kafka'] = None; from cli import main; "
+        "import sys; sys.modules['confluent_kafka'] = None; from tollgate_llm.cli import main; "
         "main(sys.argv[1:], prog_name='tollgate')"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
@@ -284,4 +284,4 @@ def test_status_runs_without_confluent_kafka_and_says_what_the_kafka_view_needs(
     assert "STALE:" in unfolded.stdout and "no worker has reported, " in unfolded.stdout
     kafka = run("--kafka-bootstrap", "127.0.0.1:9")
     assert kafka.returncode == 1 and "Traceback" not in kafka.stderr
-    assert "needs confluent-kafka: pip install 'tollgate[kafka]'" in kafka.stderr
+    assert "needs confluent-kafka: pip install 'tollgate-llm[kafka]'" in kafka.stderr

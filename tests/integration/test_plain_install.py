@@ -71,7 +71,7 @@ def test_plain_install_runs_every_entry_point(tmp_path: Path) -> None:
     # trained model needs nothing more: it is plain arithmetic).
     done = tollgate("predictor", "train", "--database-url", f"sqlite:///{tmp_path / 'x.db'}")
     assert done.returncode == 1
-    assert "pip install 'tollgate[predictor]'" in done.stderr
+    assert "pip install 'tollgate-llm[predictor]'" in done.stderr
 
     # No extras, so the default client is missing and says in one line how to get it.
     probe = subprocess.run(
@@ -82,5 +82,5 @@ def test_plain_install_runs_every_entry_point(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "Error: --client openai (the default) needs the openai SDK, which is not installed: "
-        "pip install 'tollgate[loadgen]', or use --client httpx"
+        "pip install 'tollgate-llm[loadgen]', or use --client httpx"
     ]

@@ -19,21 +19,21 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.envelope import Recorded
-from domain.projections import REQUEST_LOG
-from domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
-from domain.requests.events import RequestRejected
-from ledger import dead_letters, faults
-from ledger.engine import create_engine_from_url
-from ledger.schema import dead_letters as dead_table
-from ledger.schema import ledger_entries, request_log, upgrade
-from ledger.store import NewEvent, SqlEventStore
-from streams.dead_letter_replay import replay_dead_letters
-from streams.status import dead_letter_problem, read_status, render_table
-from streams.worker import FoldWorker
 from tests import builders as b
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.projections import REQUEST_LOG
+from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
+from tollgate_llm.domain.requests.events import RequestRejected
+from tollgate_llm.ledger import dead_letters, faults
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import dead_letters as dead_table
+from tollgate_llm.ledger.schema import ledger_entries, request_log, upgrade
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.dead_letter_replay import replay_dead_letters
+from tollgate_llm.streams.status import dead_letter_problem, read_status, render_table
+from tollgate_llm.streams.worker import FoldWorker
 
 PRICED = "llama-3.1-8b-2026-05"
 NUL_MODEL = "a\x00b"
@@ -352,13 +352,13 @@ def _kafka_poisoned(
     import random
     import time
 
-    from streams.kafka_consumer import KafkaEventConsumer
-    from streams.kafka_worker import KafkaFoldWorker
-    from streams.relay import OutboxRelay
-    from streams.topics import group_for
     from tests.integration.test_kafka_worker import PARTITIONS
     from tests.integration.test_kafka_worker import _price as price
     from tests.integration.test_kafka_worker import _requests as requests
+    from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
+    from tollgate_llm.streams.kafka_worker import KafkaFoldWorker
+    from tollgate_llm.streams.relay import OutboxRelay
+    from tollgate_llm.streams.topics import group_for
 
     store = SqlEventStore(engine)
     price(store)
@@ -444,7 +444,7 @@ def _tollgate(*args: str, url: str) -> Any:
     import sys
 
     return subprocess.run(
-        [sys.executable, "-m", "cli", *args, "--database-url", url],
+        [sys.executable, "-m", "tollgate_llm.cli", *args, "--database-url", url],
         capture_output=True, text=True, timeout=120, env=dict(os.environ),
     )  # fmt: skip
 
@@ -490,7 +490,7 @@ def test_a_healthy_pass_reads_once_and_dead_letters_show_on_the_worker_metrics(
     and no read of a fold's own; the worker's /metrics shows every fold's dead letters."""
     from prometheus_client import generate_latest
 
-    from streams.metrics import DeadLettersCollector, PipelineMetrics
+    from tollgate_llm.streams.metrics import DeadLettersCollector, PipelineMetrics
 
     engine = next(_engine(sqlite_url))
     try:
@@ -557,7 +557,7 @@ def test_an_event_is_not_blamed_while_the_database_does_not_answer(
 def test_a_fold_failing_on_every_event_stops_dead_lettering_and_reports(sqlite_url: str) -> None:
     """A broken fold, not a poison event: after DEAD_LETTERS_IN_A_ROW dead letters without an
     event applied, it stops moving past them and reports (billing goes on)."""
-    from streams.worker import DEAD_LETTERS_IN_A_ROW
+    from tollgate_llm.streams.worker import DEAD_LETTERS_IN_A_ROW
 
     engine = next(_engine(sqlite_url))
     try:

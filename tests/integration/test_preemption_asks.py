@@ -10,12 +10,12 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from domain.requests.decide import AskToPreempt, decide
-from domain.requests.events import TERMINAL_TYPES, PreemptionRequested
-from domain.requests.evolve import fold
-from ledger.commands import CommandHandler, request_stream
-from ledger.store import NewEvent, SqlEventStore
 from tests import builders as b
+from tollgate_llm.domain.requests.decide import AskToPreempt, decide
+from tollgate_llm.domain.requests.events import TERMINAL_TYPES, PreemptionRequested
+from tollgate_llm.domain.requests.evolve import fold
+from tollgate_llm.ledger.commands import CommandHandler, request_stream
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 pytestmark = pytest.mark.postgres
 EDGES = 8

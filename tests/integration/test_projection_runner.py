@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from domain.envelope import Recorded
-from domain.requests.events import FirstTokenStreamed, RequestRouted
-from ledger import schema
-from ledger.engine import create_engine_from_url
-from ledger.errors import ProjectionError
-from ledger.projections import ProjectionRunner
-from ledger.schema import UTCDateTime
-from ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.events import FirstTokenStreamed, RequestRouted
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.errors import ProjectionError
+from tollgate_llm.ledger.projections import ProjectionRunner
+from tollgate_llm.ledger.schema import UTCDateTime
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -247,8 +247,8 @@ def test_the_real_read_models_fold_every_kind_of_request(
     expired requests all fit the schema, and a rebuild reaches the same rows."""
     from dataclasses import replace as dc_replace
 
-    from domain.projections import PROJECTIONS
     from tests import builders as b
+    from tollgate_llm.domain.projections import PROJECTIONS
 
     engine, store = db
     t0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -327,8 +327,8 @@ def test_rows_are_read_back_as_sqlalchemy_reads_them(db: tuple[sa.Engine, SqlEve
     instant columns, NULLs, a key with an instant in it)."""
     from dataclasses import replace as dc_replace
 
-    from domain.projections import PROJECTIONS
     from tests import builders as b
+    from tollgate_llm.domain.projections import PROJECTIONS
 
     engine, store = db
     t0 = datetime(2026, 11, 1, 0, 59, 59, 999_999, tzinfo=UTC)
@@ -370,8 +370,8 @@ def test_a_ledger_row_records_when_it_was_written_and_a_rebuild_ignores_it(
 ) -> None:
     """`recorded_at` (migration 0014) is the database's clock at the insert: the billing lag's
     end (bench/pipeline.py). It is no projection column, so a rebuild has the same digest."""
-    from domain.projections import LEDGER_ENTRIES
     from tests import builders as b
+    from tollgate_llm.domain.projections import LEDGER_ENTRIES
 
     url = request.getfixturevalue(f"{db}_url")
     schema.upgrade(url)

@@ -14,15 +14,15 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from ledger.checkpoints import Checkpoints
-from ledger.schema import ledger_entries
-from ledger.store import NewEvent, SqlEventStore
-from streams.metrics import PipelineMetrics
-from streams.reconciler import Handoff, Reconciler
-from streams.status import read_status
-from streams.worker import FoldWorker
 from tests import builders as b
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.ledger.checkpoints import Checkpoints
+from tollgate_llm.ledger.schema import ledger_entries
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.metrics import PipelineMetrics
+from tollgate_llm.streams.reconciler import Handoff, Reconciler
+from tollgate_llm.streams.status import read_status
+from tollgate_llm.streams.worker import FoldWorker
 
 PRICED, UNPRICED = b.PRICED, b.UNPRICED
 _price, _request = b.append_price, b.append_request
@@ -123,7 +123,7 @@ def test_tollgate_status_exits_2_on_an_alarm(url: str, engine: sa.Engine) -> Non
 
     def status(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "cli", "status", "--database-url", url, *args],
+            [sys.executable, "-m", "tollgate_llm.cli", "status", "--database-url", url, *args],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.outbox import OutboxReader
-from ledger.schema import events as events_table
-from ledger.store import NewEvent, SqlEventStore
-from ledger.store.planning import encode as encode_row
-from streams.relay import OutboxRelay, TopicMismatch
-from streams.topics import ensure_topic, partition_count
 from tests import builders as b
 from tests.kafka_helpers import OnTopic, append_requests, read_topic
+from tollgate_llm.ledger.outbox import OutboxReader
+from tollgate_llm.ledger.schema import events as events_table
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.ledger.store.planning import encode as encode_row
+from tollgate_llm.streams.relay import OutboxRelay, TopicMismatch
+from tollgate_llm.streams.topics import ensure_topic, partition_count
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def test_a_relay_killed_mid_publish_and_restarted_leaves_every_event_on_the_topi
     append_requests(store, tenants, 500, group=200)  # 18,000 events
     reader = OutboxReader(engine)
     command = [
-        sys.executable, "-m", "cli", "relay", "--database-url", postgres_url,
+        sys.executable, "-m", "tollgate_llm.cli", "relay", "--database-url", postgres_url,
         "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic, "--partitions", "4",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -192,10 +192,10 @@ def test_a_broker_that_comes_back_empty_is_published_again_from_the_store(
 
 def _consumer(client: str, engine: sa.Engine, bootstrap: str, topic: str, name: str) -> Any:
     if client == "faust":
-        from streams.faust_worker import FaustEventConsumer
+        from tollgate_llm.streams.faust_worker import FaustEventConsumer
 
         return FaustEventConsumer(engine, bootstrap, topic, name)
-    from streams.kafka_consumer import KafkaEventConsumer
+    from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
 
     return KafkaEventConsumer(engine, bootstrap, topic, name)
 
@@ -301,7 +301,7 @@ def test_a_topic_with_another_partition_count_is_refused_with_the_count_named(
             relay.publish_once()
         assert relay.state.published == 0
         command = [
-            sys.executable, "-m", "cli", "relay", "--database-url", postgres_url,
+            sys.executable, "-m", "tollgate_llm.cli", "relay", "--database-url", postgres_url,
             "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic,
         ]  # the default count, 8
         done = subprocess.run(
@@ -356,7 +356,7 @@ def test_relay_kills_while_transactions_commit_out_of_position_order(
             time.sleep(0.002)
 
     command = [
-        sys.executable, "-m", "cli", "relay", "--database-url", postgres_url,
+        sys.executable, "-m", "tollgate_llm.cli", "relay", "--database-url", postgres_url,
         "--kafka-bootstrap", kafka_broker.bootstrap, "--topic", kafka_topic, "--partitions", "4",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

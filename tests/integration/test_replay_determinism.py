@@ -16,12 +16,13 @@ from datetime import UTC, datetime, timedelta
 import orjson
 import sqlalchemy as sa
 
-from domain.control_plane.events import PriceSet
-from domain.cost import Estimate
-from domain.envelope import Recorded
-from domain.projections import USAGE_HOURLY
-from domain.registry import to_payload
-from domain.requests.decide import (
+from tests import builders as b
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.cost import Estimate
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.projections import USAGE_HOURLY
+from tollgate_llm.domain.registry import to_payload
+from tollgate_llm.domain.requests.decide import (
     AdmitRequest,
     CancelRequest,
     Command,
@@ -29,11 +30,10 @@ from domain.requests.decide import (
     FailRequest,
     RouteRequest,
 )
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade
-from ledger.store import NewEvent, SqlEventStore
-from streams.worker import FoldWorker
-from tests import builders as b
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.streams.worker import FoldWorker
 
 MODEL = "llama-3.1-8b-2026-05"
 TENANTS = ("acme", "globex", "initech")

@@ -11,12 +11,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_adapter.discovery import ReplicaMismatch, discover
-from engine_adapter.estimators import WordTokenEstimator
-from engine_adapter.simulator.engine import SimConfig
-from engine_adapter.simulator.server import start_simulated_replica
-from engine_adapter.tokenizers import ChatTemplateEstimator
-from engine_adapter.vllm_http import VLLMReplica
+from tollgate_llm.engine_adapter.discovery import ReplicaMismatch, discover
+from tollgate_llm.engine_adapter.estimators import WordTokenEstimator
+from tollgate_llm.engine_adapter.simulator.engine import SimConfig
+from tollgate_llm.engine_adapter.simulator.server import start_simulated_replica
+from tollgate_llm.engine_adapter.tokenizers import ChatTemplateEstimator
+from tollgate_llm.engine_adapter.vllm_http import VLLMReplica
 
 GATEWAY_NAME = "house-model-2026-05"  # what Tollgate calls the model, not the engine's name
 FAST = {"step_base_ms": 1.0, "per_seq_ms": 0.05, "prefill_ms_per_1k_tokens": 1.0}
@@ -102,8 +102,8 @@ def test_output_limit_fits_what_the_context_has_left(engine: Any, max_tokens: An
 
 
 def test_a_replica_serving_several_other_models_is_a_configuration_error() -> None:
-    from engine_adapter.discovery import pick_card
-    from engine_adapter.vllm_http import ModelCard
+    from tollgate_llm.engine_adapter.discovery import pick_card
+    from tollgate_llm.engine_adapter.vllm_http import ModelCard
 
     replica = VLLMReplica("r9", "http://127.0.0.1:1", "wanted-2026-05")
     cards = [ModelCard("a", 10, None), ModelCard("b", 10, None)]

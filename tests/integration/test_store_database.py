@@ -10,11 +10,11 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from domain.requests.events import FirstTokenStreamed
-from ledger import schema
-from ledger.engine import create_engine_from_url
-from ledger.errors import BadDatabaseUrl, StoreUnavailable
-from ledger.store import NewEvent, SqlEventStore
+from tollgate_llm.domain.requests.events import FirstTokenStreamed
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.errors import BadDatabaseUrl, StoreUnavailable
+from tollgate_llm.ledger.store import NewEvent, SqlEventStore
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

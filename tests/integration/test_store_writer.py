@@ -11,20 +11,20 @@ from datetime import UTC, datetime
 
 import pytest
 
-from domain.envelope import Recorded
-from domain.requests.events import FirstTokenStreamed
-from ledger import schema
-from ledger.engine import create_engine_from_url
-from ledger.errors import StoreUnavailable
-from ledger.store import (
+from tests.fakes import InMemoryEventStore
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.requests.events import FirstTokenStreamed
+from tollgate_llm.ledger import schema
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.errors import StoreUnavailable
+from tollgate_llm.ledger.store import (
     AppendBatch,
     AppendResult,
     EventStore,
     NewEvent,
     SqlEventStore,
 )
-from ledger.writer import GroupCommitWriter, WriterClosed
-from tests.fakes import InMemoryEventStore
+from tollgate_llm.ledger.writer import GroupCommitWriter, WriterClosed
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

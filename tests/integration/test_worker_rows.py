@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.engine import create_engine_from_url
-from ledger.schema import upgrade, worker_status
-from ledger.store import SqlEventStore
-from streams.status import FORGET_AFTER_S, read_status
-from streams.worker_rows import read_fold_status, write_status_row
 from tests.integration import test_kafka_worker
 from tests.integration.test_kafka_worker import PARTITIONS, _price, _Relaying, _requests, _worker
+from tollgate_llm.ledger.engine import create_engine_from_url
+from tollgate_llm.ledger.schema import upgrade, worker_status
+from tollgate_llm.ledger.store import SqlEventStore
+from tollgate_llm.streams.status import FORGET_AFTER_S, read_status
+from tollgate_llm.streams.worker_rows import read_fold_status, write_status_row
 
 ROOT = Path(__file__).resolve().parents[2]
 engine = test_kafka_worker.engine  # the migrated PostgreSQL store's engine (a fixture)
@@ -45,7 +45,7 @@ def _status(url: str, *args: str) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--database-url", url, *args],
+        [sys.executable, "-m", "tollgate_llm.cli", "status", "--database-url", url, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode in (0, 2), done.stderr

@@ -6,15 +6,6 @@ from its port (a renamed method, a parameter more, another return type) fails
 
 from __future__ import annotations
 
-from api import ports
-from api.services.idempotency_service import AsyncIdempotency
-from engine_adapter.estimators import WordTokenEstimator
-from engine_adapter.fleet import Fleet, ScrapedReplica
-from engine_adapter.tokenizers import ChatTemplateEstimator
-from engine_adapter.vllm_http import VLLMReplica
-from ledger.commits import LoopCommits
-from ledger.ids import new_event_id, utcnow
-from predictor.runtime import LoadedPredictor
 from tests.fakes import (
     FakeClock,
     FakeFleet,
@@ -24,6 +15,15 @@ from tests.fakes import (
     FakeSink,
     FixedTokens,
 )
+from tollgate_llm.api import ports
+from tollgate_llm.api.services.idempotency_service import AsyncIdempotency
+from tollgate_llm.engine_adapter.estimators import WordTokenEstimator
+from tollgate_llm.engine_adapter.fleet import Fleet, ScrapedReplica
+from tollgate_llm.engine_adapter.tokenizers import ChatTemplateEstimator
+from tollgate_llm.engine_adapter.vllm_http import VLLMReplica
+from tollgate_llm.ledger.commits import LoopCommits
+from tollgate_llm.ledger.ids import new_event_id, utcnow
+from tollgate_llm.predictor.runtime import LoadedPredictor
 
 # --- the adapters the composition root (api/runtime.py) injects
 

@@ -14,10 +14,13 @@ from typing import Any
 import orjson
 import pytest
 
-from api.services.auth import Caller
-from api.services.edge import JsonOutcome
-from api.services.errors import ApiError
-from domain.capacity import (
+from tests import builders as b
+from tests.unit.test_edge import CALLER, MODEL, Harness
+from tests.unit.test_residency_routing import PlacedReplica
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.edge import JsonOutcome
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.capacity import (
     AdapterRef,
     AdapterSlots,
     Choice,
@@ -27,7 +30,7 @@ from domain.capacity import (
     adapter_rounds,
     slot_plan,
 )
-from domain.control_plane.adapters import (
+from tollgate_llm.domain.control_plane.adapters import (
     AdapterBook,
     AdapterRegistered,
     AdapterRevoked,
@@ -37,22 +40,19 @@ from domain.control_plane.adapters import (
     decide_adapter,
     price_key,
 )
-from domain.control_plane.decide import decide_control
-from domain.control_plane.events import ApiKeyIssued, PriceSet, TenantRegistered
-from domain.control_plane.state import ControlView
-from domain.cost import Price
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.governance.events import KeyAssigned, ProjectCreated, WorkspaceCreated
-from domain.requests.decide import BillUsage, decide
-from domain.requests.events import RequestAdmitted, RequestEstimated
-from domain.requests.evolve import fold
-from engine_adapter.fleet import Fleet
-from engine_adapter.lora import AdapterBound, ReplicaLoras
-from engine_adapter.vllm_http import ReplicaMetrics
-from tests import builders as b
-from tests.unit.test_edge import CALLER, MODEL, Harness
-from tests.unit.test_residency_routing import PlacedReplica
+from tollgate_llm.domain.control_plane.decide import decide_control
+from tollgate_llm.domain.control_plane.events import ApiKeyIssued, PriceSet, TenantRegistered
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import Price
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.events import KeyAssigned, ProjectCreated, WorkspaceCreated
+from tollgate_llm.domain.requests.decide import BillUsage, decide
+from tollgate_llm.domain.requests.events import RequestAdmitted, RequestEstimated
+from tollgate_llm.domain.requests.evolve import fold
+from tollgate_llm.engine_adapter.fleet import Fleet
+from tollgate_llm.engine_adapter.lora import AdapterBound, ReplicaLoras
+from tollgate_llm.engine_adapter.vllm_http import ReplicaMetrics
 
 PATH = "/adapters/support"
 
@@ -281,8 +281,8 @@ def test_an_adapter_is_loaded_where_there_is_a_slot_and_its_slot_held_while_it_r
     async def unload(session: Any, url: str, name: str) -> None:
         calls.append(("unload", name))
 
-    monkeypatch.setattr("engine_adapter.lora.load_adapter", load)
-    monkeypatch.setattr("engine_adapter.lora.unload_adapter", unload)
+    monkeypatch.setattr("tollgate_llm.engine_adapter.lora.load_adapter", load)
+    monkeypatch.setattr("tollgate_llm.engine_adapter.lora.unload_adapter", unload)
 
     async def opened(choice: Any) -> None:
         assert isinstance(choice, Choice)

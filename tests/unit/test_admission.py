@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from domain import admission
-from domain.admission import AdmissionPolicy, Admitted, Rejected, ReserveQuota
-from domain.control_plane.state import Limits
-from domain.cost import GIB, est_kv_byte_seconds
-from domain.errors import DomainError
-from domain.quota import QuotaView
-from domain.requests.events import RequestPreempted
 from tests import builders as b
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import AdmissionPolicy, Admitted, Rejected, ReserveQuota
+from tollgate_llm.domain.control_plane.state import Limits
+from tollgate_llm.domain.cost import GIB, est_kv_byte_seconds
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.requests.events import RequestPreempted
 
 LIMITS = Limits(rpm=60, tpm=10_000, max_context=4_000, max_output=1_000, kv_gib_seconds=16)
 ENTERPRISE = replace(LIMITS, kv_gib_seconds=16, reserved_kv_gib_seconds=64)

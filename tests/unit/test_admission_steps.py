@@ -3,22 +3,22 @@ facade over the edge's views (domain/views.py), as specifications: given, when, 
 
 from __future__ import annotations
 
-from domain.admission import DEFAULT_POLICY, Admitted, ReserveQuota
-from domain.admission_steps import (
+from tests import builders as b
+from tollgate_llm.domain.admission import DEFAULT_POLICY, Admitted, ReserveQuota
+from tollgate_llm.domain.admission_steps import (
     capacity_detail,
     fallback_models,
     kv_tokens,
     may_fall_back,
     resolve_run,
 )
-from domain.capacity import Refusal, UnknownModel
-from domain.governance.budgets import PathView
-from domain.governance.state import Hierarchy
-from domain.quota import QuotaView
-from domain.remote_flex import RemoteFlex
-from domain.runs.state import Run, RunLimits
-from domain.views import AdmissionViews
-from tests import builders as b
+from tollgate_llm.domain.capacity import Refusal, UnknownModel
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.state import Hierarchy
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.remote_flex import RemoteFlex
+from tollgate_llm.domain.runs.state import Run, RunLimits
+from tollgate_llm.domain.views import AdmissionViews
 
 
 def test_a_call_outside_a_run_belongs_to_none() -> None:

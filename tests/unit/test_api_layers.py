@@ -33,13 +33,13 @@ def _above(modules: set[tuple[str, ...]]) -> set[str]:
 
 def test_the_check_sees_every_form_of_import() -> None:
     package = ("api", "services")
-    assert _above(_imported("from api.http.app import create_app", package))
-    assert _above(_imported("import api.http.web", package))
-    assert _above(_imported("from api import http", package))
+    assert _above(_imported("from tollgate_llm.api.http.app import create_app", package))
+    assert _above(_imported("import tollgate_llm.api.http.web", package))
+    assert _above(_imported("from tollgate_llm.api import http", package))
     assert _above(_imported("from ..http import schemas", package))
-    assert _above(_imported("from api import runtime", package))
-    assert not _above(_imported("from api.services.errors import ApiError", package))
-    assert not _above(_imported("from api import metrics, ports", package))
+    assert _above(_imported("from tollgate_llm.api import runtime", package))
+    assert not _above(_imported("from tollgate_llm.api.services.errors import ApiError", package))
+    assert not _above(_imported("from tollgate_llm.api import metrics, ports", package))
     assert not _above(_imported("import http.client", package))
 
 

@@ -9,21 +9,21 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from domain.audit.chain import GENESIS, AuditRow, head, verify
-from domain.audit.changes import describe
-from domain.audit.events import Actor, AuditedChange, ChangeAudited
-from domain.audit.record import Append, audit_record
-from domain.control_plane.events import (
+from tollgate_llm.domain.audit.chain import GENESIS, AuditRow, head, verify
+from tollgate_llm.domain.audit.changes import describe
+from tollgate_llm.domain.audit.events import Actor, AuditedChange, ChangeAudited
+from tollgate_llm.domain.audit.record import Append, audit_record
+from tollgate_llm.domain.control_plane.events import (
     ApiKeyIssued,
     ApiKeyRevoked,
     LimitsSet,
     PlanChanged,
     TenantRegistered,
 )
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.governance.events import BudgetSet
-from domain.registry import from_payload, to_payload
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.events import BudgetSet
+from tollgate_llm.domain.registry import from_payload, to_payload
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 ALICE = Actor("operator", "alice")

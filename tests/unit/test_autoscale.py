@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from domain.autoscale import Autoscaler, FleetSample, ScalePolicy
-from domain.errors import DomainError
+from tollgate_llm.domain.autoscale import Autoscaler, FleetSample, ScalePolicy
+from tollgate_llm.domain.errors import DomainError
 
 CAPACITY = 100_000  # KV tokens per replica
 TOKENS_S_PER_REQUEST = 20_000.0  # KV token·s one request holds: by Little's law, held = rate × it

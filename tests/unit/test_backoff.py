@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from domain.backoff import ENGINE_PRIORITY, BackoffPolicy, engine_priority
-from domain.errors import DomainError
-from domain.types import TIERS
+from tollgate_llm.domain.backoff import ENGINE_PRIORITY, BackoffPolicy, engine_priority
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.types import TIERS
 
 
 @pytest.mark.parametrize(("jitter", "expected"), [(0.0, 5), (0.5, 8), (0.999, 10)])

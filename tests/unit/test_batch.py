@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from domain.batches.decide import (
+from tests import builders as tb
+from tollgate_llm.domain.batches.decide import (
     BatchCommand,
     CancelBatch,
     CreateBatch,
@@ -19,15 +20,20 @@ from domain.batches.decide import (
     StartBatch,
     decide,
 )
-from domain.batches.events import BatchCreated, BatchItemFinished
-from domain.batches.evolve import evolve
-from domain.batches.files import MAX_FILE_BYTES, MAX_LINES, output_line, parse_input, unrun_line
-from domain.batches.state import ENDPOINT, BatchState, window_seconds
-from domain.billing import bill_terminal
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.requests.decide import billed_counts
-from tests import builders as tb
+from tollgate_llm.domain.batches.events import BatchCreated, BatchItemFinished
+from tollgate_llm.domain.batches.evolve import evolve
+from tollgate_llm.domain.batches.files import (
+    MAX_FILE_BYTES,
+    MAX_LINES,
+    output_line,
+    parse_input,
+    unrun_line,
+)
+from tollgate_llm.domain.batches.state import ENDPOINT, BatchState, window_seconds
+from tollgate_llm.domain.billing import bill_terminal
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import billed_counts
 
 NOW = tb.at(0)
 

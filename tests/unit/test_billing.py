@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from domain.billing import bill_event_id, bill_terminal
-from domain.errors import DomainError
 from tests import builders as b
+from tollgate_llm.domain.billing import bill_event_id, bill_terminal
+from tollgate_llm.domain.errors import DomainError
 
 ENDED = (b.admitted(), b.estimated(), b.routed(), b.completed(), b.refunded())
 

@@ -9,19 +9,19 @@ from dataclasses import replace
 
 import pytest
 
-from domain import admission
-from domain.admission import Admitted, Rejected, ReserveQuota
-from domain.control_plane.decide import SetPrice
-from domain.cost import Price
-from domain.errors import DomainError
-from domain.governance.budgets import PathView
-from domain.governance.decide import SetBudget, SetRunPolicy, StartRun
-from domain.governance.events import BudgetSet
-from domain.requests.events import BudgetReserved
-from domain.runs.events import RunStarted
-from domain.runs.state import Run, RunLimits
 from tests import builders as b
 from tests.unit.test_budgets import KV, LIMITS, MAX_COST, MODEL, PRICE, Org, admitted, tree
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import Admitted, Rejected, ReserveQuota
+from tollgate_llm.domain.control_plane.decide import SetPrice
+from tollgate_llm.domain.cost import Price
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.decide import SetBudget, SetRunPolicy, StartRun
+from tollgate_llm.domain.governance.events import BudgetSet
+from tollgate_llm.domain.requests.events import BudgetReserved
+from tollgate_llm.domain.runs.events import RunStarted
+from tollgate_llm.domain.runs.state import Run, RunLimits
 
 EUR_PRICE = replace(PRICE, currency="EUR")
 

@@ -13,15 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain import admission
-from domain.admission import Admitted, Rejected, ReserveQuota
-from domain.control_plane.decide import ControlCommand, IssueApiKey, decide_control
-from domain.control_plane.state import ControlView, tenant_stream
-from domain.cost import Price, amount_micros
-from domain.envelope import Event
-from domain.errors import MAX_AMOUNT_MICROS, DomainError
-from domain.governance.budgets import PathView
-from domain.governance.decide import (
+from tests import builders as b
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import Admitted, Rejected, ReserveQuota
+from tollgate_llm.domain.control_plane.decide import ControlCommand, IssueApiKey, decide_control
+from tollgate_llm.domain.control_plane.state import ControlView, tenant_stream
+from tollgate_llm.domain.cost import Price, amount_micros
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import MAX_AMOUNT_MICROS, DomainError
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.decide import (
     AssignKey,
     CreateProject,
     CreateWorkspace,
@@ -33,13 +34,12 @@ from domain.governance.decide import (
     SetTimeZone,
     StartRun,
 )
-from domain.governance.state import Budget
-from domain.quota import QuotaView
-from domain.requests.decide import decide
-from domain.requests.events import BudgetReserved, ToolCallsReturned
-from domain.requests.state import RequestState
-from domain.runs.state import Run, RunLimits, run_stream
-from tests import builders as b
+from tollgate_llm.domain.governance.state import Budget
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.requests.decide import decide
+from tollgate_llm.domain.requests.events import BudgetReserved, ToolCallsReturned
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.domain.runs.state import Run, RunLimits, run_stream
 
 MODEL = b.MODEL
 PRICE = Price(MODEL, 1_000_000, 2_000_000, 500_000)  # $1 / $2 / $0.50 per Mtok
@@ -436,8 +436,8 @@ def test_a_run_its_first_call_started_takes_the_policy_in_force_at_its_start() -
     """The edge that started the run had not heard of the policy set a moment before (its
     RunStarted carries no limit): the run is bound by it all the same once the view learns it.
     A policy set after the run started does not reach back."""
-    from domain.governance.events import RunPolicySet
-    from domain.runs.events import RunStarted
+    from tollgate_llm.domain.governance.events import RunPolicySet
+    from tollgate_llm.domain.runs.events import RunStarted
 
     org = tree()
     org.apply(RunPolicySet(b.TENANT, "search-bot", max_calls=1), seconds=10)

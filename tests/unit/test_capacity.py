@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from domain.capacity import (
+from tollgate_llm.domain.capacity import (
     CapacityRefusal,
     Placement,
     ReplicaLoad,
@@ -112,7 +112,7 @@ def test_domain_capacity_imports_only_the_standard_library() -> None:
     import pathlib
     import sys
 
-    import domain.capacity as mod
+    import tollgate_llm.domain.capacity as mod
 
     tree = ast.parse(pathlib.Path(mod.__file__).read_text())
     roots = set()

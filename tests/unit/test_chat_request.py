@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from api.services.chat_request import MAX_MODEL_CHARS, MAX_NESTING, parse_chat_request
-from api.services.errors import ApiError
+from tollgate_llm.api.services.chat_request import MAX_MODEL_CHARS, MAX_NESTING, parse_chat_request
+from tollgate_llm.api.services.errors import ApiError
 
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

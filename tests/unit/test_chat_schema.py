@@ -11,14 +11,14 @@ from typing import Any
 import jsonschema_rs
 import pytest
 
-from api.services.chat_request import (
+from tollgate_llm.api.services.chat_request import (
     _CHECKS,
     _UNPUBLISHED,
     FIELDS,
     parse_chat_request,
     request_schema,
 )
-from api.services.errors import ApiError
+from tollgate_llm.api.services.errors import ApiError
 
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

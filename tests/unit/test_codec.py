@@ -8,10 +8,10 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from domain.registry import to_payload
-from ledger.outbox import OutboxRow
-from streams.codec import BadRecord, decode, encode
 from tests import builders as b
+from tollgate_llm.domain.registry import to_payload
+from tollgate_llm.ledger.outbox import OutboxRow
+from tollgate_llm.streams.codec import BadRecord, decode, encode
 
 
 def _row(**kw: object) -> OutboxRow:

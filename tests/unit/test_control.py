@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from domain.control_plane.decide import (
+from tests import builders as b
+from tollgate_llm.domain.control_plane.decide import (
     ChangePlan,
     ControlCommand,
     IssueApiKey,
@@ -15,11 +16,10 @@ from domain.control_plane.decide import (
     SetPrice,
     decide_control,
 )
-from domain.control_plane.events import LimitsSet, PlanChanged, TenantRegistered
-from domain.control_plane.state import LIMIT_FIELDS, PLAN_LIMITS, ControlView
-from domain.envelope import Event
-from domain.errors import MAX_QUANTITY, DomainError
-from tests import builders as b
+from tollgate_llm.domain.control_plane.events import LimitsSet, PlanChanged, TenantRegistered
+from tollgate_llm.domain.control_plane.state import LIMIT_FIELDS, PLAN_LIMITS, ControlView
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import MAX_QUANTITY, DomainError
 
 
 def view_of(*timed: tuple[float, Event]) -> ControlView:
@@ -241,12 +241,12 @@ def test_the_events_the_view_passes_over_are_exactly_those_it_has_no_case_for() 
     import inspect
     import textwrap
 
-    from domain.control_plane.adapters import ADAPTER_EVENTS
-    from domain.control_plane.consents import FallbackBook, RoutingBook
-    from domain.control_plane.data_policy import DATA_POLICY_EVENTS
-    from domain.control_plane.prices import PriceBook
-    from domain.control_plane.state import CONTROL_EVENTS, ControlView
-    from domain.governance.state import HIERARCHY_EVENTS
+    from tollgate_llm.domain.control_plane.adapters import ADAPTER_EVENTS
+    from tollgate_llm.domain.control_plane.consents import FallbackBook, RoutingBook
+    from tollgate_llm.domain.control_plane.data_policy import DATA_POLICY_EVENTS
+    from tollgate_llm.domain.control_plane.prices import PriceBook
+    from tollgate_llm.domain.control_plane.state import CONTROL_EVENTS, ControlView
+    from tollgate_llm.domain.governance.state import HIERARCHY_EVENTS
 
     # The view's own cases and those of the books it hands the consents and prices to.
     trees = [

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from domain.cost import (
+from tollgate_llm.domain.cost import (
     GIB,
     KIB,
     Price,
@@ -17,7 +17,7 @@ from domain.cost import (
     profile_for,
     tpot_estimate_us,
 )
-from domain.errors import DomainError
+from tollgate_llm.domain.errors import DomainError
 
 
 def test_llama_8b_gqa_is_128_kib_per_token() -> None:

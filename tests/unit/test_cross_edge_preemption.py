@@ -11,26 +11,26 @@ from dataclasses import replace
 
 import orjson
 
-from api.services.edge import JsonOutcome, StreamOutcome
-from domain.capacity import Choice, Refusal
-from domain.envelope import Recorded
-from domain.remote_flex import RemoteFlex, routes, routes_to_read
-from domain.requests.decide import AskToPreempt, PreemptRequest, decide
-from domain.requests.events import (
+from tests import builders as b
+from tests.builders import given
+from tests.fakes import InMemoryEventStore, Script
+from tests.unit.test_edge import MODEL, Harness, run
+from tollgate_llm.api.services.edge import JsonOutcome, StreamOutcome
+from tollgate_llm.domain.capacity import Choice, Refusal
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.remote_flex import RemoteFlex, routes, routes_to_read
+from tollgate_llm.domain.requests.decide import AskToPreempt, PreemptRequest, decide
+from tollgate_llm.domain.requests.events import (
     TERMINAL_TYPES,
     PreemptionRequested,
     QuotaRefunded,
     RequestCompleted,
     RequestPreempted,
 )
-from engine_adapter.fleet import Fleet
-from engine_adapter.vllm_http import ReplicaMetrics, VLLMReplica
-from ledger.commands import CommandHandler, request_stream
-from ledger.store import NewEvent
-from tests import builders as b
-from tests.builders import given
-from tests.fakes import InMemoryEventStore, Script
-from tests.unit.test_edge import MODEL, Harness, run
+from tollgate_llm.engine_adapter.fleet import Fleet
+from tollgate_llm.engine_adapter.vllm_http import ReplicaMetrics, VLLMReplica
+from tollgate_llm.ledger.commands import CommandHandler, request_stream
+from tollgate_llm.ledger.store import NewEvent
 
 FLEX_ROUTED = (b.admitted(service_tier="flex", edge_id="edge-b"), b.estimated(), b.routed())
 ASKED = PreemptionRequested(b.RID, "edge-a", "req-interactive", "replica-1")
@@ -304,7 +304,7 @@ def test_the_edge_needing_the_room_admits_at_once_and_asks_on_the_flex_stream() 
 
 
 def test_support_sees_the_ask_in_the_replay_of_the_flex_request() -> None:
-    from domain.replay import replay
+    from tollgate_llm.domain.replay import replay
 
     preempted = RequestPreempted(b.RID, 812, 40, 0, "replica-1", "req-interactive")
     records = b.stream(*FLEX_ROUTED, ASKED, preempted, b.refunded(refunded_tokens=1800,

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from domain.billing import bill_terminal
-from domain.control_plane.decide import SetPrice, decide_control
-from domain.control_plane.events import PriceSet
-from domain.control_plane.state import ControlView
-from domain.errors import DomainError
-from domain.registry import from_payload, to_payload
-from domain.requests.events import UsageBilled
-from ledger.finance import currency_totals
 from tests import builders as b
+from tollgate_llm.domain.billing import bill_terminal
+from tollgate_llm.domain.control_plane.decide import SetPrice, decide_control
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.registry import from_payload, to_payload
+from tollgate_llm.domain.requests.events import UsageBilled
+from tollgate_llm.ledger.finance import currency_totals
 
 ENDED = (b.admitted(), b.estimated(), b.routed(), b.completed(), b.refunded())
 

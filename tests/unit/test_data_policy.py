@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from domain.control_plane.data_policy import (
+from tests import builders as b
+from tollgate_llm.domain.control_plane.data_policy import (
     ClearResidency,
     ResidencyCleared,
     ResidencySet,
@@ -14,13 +15,12 @@ from domain.control_plane.data_policy import (
     SetRetention,
     parse_regions,
 )
-from domain.control_plane.decide import ControlCommand, decide_control
-from domain.control_plane.state import ControlView
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.governance.events import KeyAssigned, ProjectCreated, WorkspaceCreated
-from domain.registry import from_payload, to_payload
-from tests import builders as b
+from tollgate_llm.domain.control_plane.decide import ControlCommand, decide_control
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.events import KeyAssigned, ProjectCreated, WorkspaceCreated
+from tollgate_llm.domain.registry import from_payload, to_payload
 
 
 def given(*events: Event) -> ControlView:

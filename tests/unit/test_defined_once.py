@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.projections import PROJECTIONS, PROJECTIONS_BY_NAME
-from domain.requests.events import (
+from tests import builders as b
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.projections import PROJECTIONS, PROJECTIONS_BY_NAME
+from tollgate_llm.domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     TERMINAL_TYPES,
@@ -28,10 +29,9 @@ from domain.requests.events import (
     TerminalEvent,
     is_terminal,
 )
-from domain.requests.evolve import evolve, fold
-from domain.requests.state import RequestState
-from domain.types import TERMINAL_STATUSES
-from tests import builders as b
+from tollgate_llm.domain.requests.evolve import evolve, fold
+from tollgate_llm.domain.requests.state import RequestState
+from tollgate_llm.domain.types import TERMINAL_STATUSES
 
 ROOT = Path(__file__).resolve().parents[2]
 # Every folder of Python the project runs or tests: the product packages, bench and the tests.

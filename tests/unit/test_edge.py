@@ -12,15 +12,27 @@ from typing import Any
 import orjson
 import pytest
 
-from api.metrics import Metrics
-from api.services.auth import Caller
-from api.services.edge import Edge, JsonOutcome, StreamOutcome
-from api.services.errors import ApiError
-from domain.control_plane.events import FallbackAllowed, PriceSet
-from domain.control_plane.state import ControlView
-from domain.quota import QuotaView
-from domain.requests.decide import ExpireLease, decide
-from domain.requests.events import (
+from tests import builders as b
+from tests.fakes import (
+    FakeClock,
+    FakeFleet,
+    FakeIdempotency,
+    FakePredictor,
+    FakeReplica,
+    FakeSink,
+    FixedTokens,
+    Script,
+    sse_events,
+)
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.edge import Edge, JsonOutcome, StreamOutcome
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.events import FallbackAllowed, PriceSet
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.requests.decide import ExpireLease, decide
+from tollgate_llm.domain.requests.events import (
     FeedbackRecorded,
     FirstTokenStreamed,
     LeaseExpired,
@@ -35,19 +47,7 @@ from domain.requests.events import (
     RequestRejected,
     RequestRouted,
 )
-from ledger.commands import CommandHandler, request_stream
-from tests import builders as b
-from tests.fakes import (
-    FakeClock,
-    FakeFleet,
-    FakeIdempotency,
-    FakePredictor,
-    FakeReplica,
-    FakeSink,
-    FixedTokens,
-    Script,
-    sse_events,
-)
+from tollgate_llm.ledger.commands import CommandHandler, request_stream
 
 MODEL = b.MODEL
 CALLER = Caller(b.KEY, b.TENANT, "customer", "standard", "salt-acme")
@@ -423,8 +423,8 @@ def test_a_skipped_prediction_reserves_the_cap_and_is_counted_by_reason() -> Non
 
 
 def test_the_system_prompt_bucket_is_keyed_by_tenant() -> None:
-    from api.services.admission import system_prompt_bucket
-    from api.services.chat_request import parse_chat_request
+    from tollgate_llm.api.services.admission import system_prompt_bucket
+    from tollgate_llm.api.services.chat_request import parse_chat_request
 
     prompts = [f"You are assistant number {i}." for i in range(40)]
     raws = [

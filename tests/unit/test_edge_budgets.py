@@ -13,26 +13,6 @@ from datetime import UTC, datetime, timedelta
 import orjson
 import pytest
 
-from api.metrics import Metrics
-from api.services.auth import Caller
-from api.services.edge import Edge, JsonOutcome
-from api.services.errors import ApiError
-from domain.control_plane.decide import decide_control
-from domain.control_plane.events import PriceSet
-from domain.control_plane.state import ControlView
-from domain.envelope import Event
-from domain.governance.decide import (
-    AssignKey,
-    CreateProject,
-    CreateWorkspace,
-    SetBudget,
-    SetTimeZone,
-)
-from domain.quota import QuotaView
-from domain.requests.events import BudgetReserved, ToolCallsReturned
-from domain.runs.events import RunStarted
-from domain.runs.state import run_stream
-from ledger.commands import CommandHandler
 from tests import builders as b
 from tests.fakes import (
     FakeClock,
@@ -43,6 +23,26 @@ from tests.fakes import (
     FixedTokens,
     Script,
 )
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.services.auth import Caller
+from tollgate_llm.api.services.edge import Edge, JsonOutcome
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.decide import decide_control
+from tollgate_llm.domain.control_plane.events import PriceSet
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.governance.decide import (
+    AssignKey,
+    CreateProject,
+    CreateWorkspace,
+    SetBudget,
+    SetTimeZone,
+)
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.requests.events import BudgetReserved, ToolCallsReturned
+from tollgate_llm.domain.runs.events import RunStarted
+from tollgate_llm.domain.runs.state import run_stream
+from tollgate_llm.ledger.commands import CommandHandler
 
 MODEL = b.MODEL
 CALLER = Caller(b.KEY, b.TENANT, "customer", "standard", "salt-acme")

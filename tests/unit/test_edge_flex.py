@@ -10,17 +10,17 @@ from typing import Any
 import orjson
 import pytest
 
-from api.services.edge import JsonOutcome, StreamOutcome
-from api.services.errors import ApiError
-from domain.backoff import FLEX_ENGINE_PRIORITY, engine_priority
-from domain.requests.events import (
+from tests.fakes import FakeIdempotency, Script, sse_events
+from tests.unit.test_edge import CALLER, OTHER, Harness, run
+from tollgate_llm.api.services.edge import JsonOutcome, StreamOutcome
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.backoff import FLEX_ENGINE_PRIORITY, engine_priority
+from tollgate_llm.domain.requests.events import (
     QuotaRefunded,
     RequestAdmitted,
     RequestPreempted,
     RequestRejected,
 )
-from tests.fakes import FakeIdempotency, Script, sse_events
-from tests.unit.test_edge import CALLER, OTHER, Harness, run
 
 
 def rid(n: int) -> str:

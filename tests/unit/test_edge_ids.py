@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from ledger.ids import new_event_id as new_id
-from ledger.ids import new_request_id
+from tollgate_llm.ledger.ids import new_event_id as new_id
+from tollgate_llm.ledger.ids import new_request_id
 
 
 def test_event_ids_are_canonical_version_7_uuids_that_sort_by_time() -> None:

@@ -8,20 +8,20 @@ from typing import Any
 
 import pytest
 
-from domain import admission
-from domain.admission import Admitted, Rejected, ReserveQuota
-from domain.errors import DomainError
-from domain.governance.budgets import PathView
-from domain.governance.decide import SetBudget, SetLevelLimits
-from domain.governance.end_users import (
+from tests import builders as b
+from tests.unit.test_budgets import KV, LIMITS, MAX_COST, MODEL, PRICE, Org, tree
+from tollgate_llm.domain import admission
+from tollgate_llm.domain.admission import Admitted, Rejected, ReserveQuota
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.budgets import PathView
+from tollgate_llm.domain.governance.decide import SetBudget, SetLevelLimits
+from tollgate_llm.domain.governance.end_users import (
     OVERFLOW,
     EndUserRoster,
     end_user_hash,
     on_path,
 )
-from domain.requests.events import BudgetReserved
-from tests import builders as b
-from tests.unit.test_budgets import KV, LIMITS, MAX_COST, MODEL, PRICE, Org, tree
+from tollgate_llm.domain.requests.events import BudgetReserved
 
 
 def ask(org: Org, end_user: str, roster: EndUserRoster | None = None, **kw: Any) -> Any:

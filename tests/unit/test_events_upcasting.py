@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain.envelope import Event
-from domain.errors import DomainError
-from domain.registry import EVENT_CLASSES, UPCASTERS, from_payload, to_payload, upcast
-from domain.requests.events import FirstTokenStreamed, RequestEstimated
 from tests import builders as b
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.registry import EVENT_CLASSES, UPCASTERS, from_payload, to_payload, upcast
+from tollgate_llm.domain.requests.events import FirstTokenStreamed, RequestEstimated
 
 ALL_EXAMPLES = [
     b.admitted(), b.estimated(), b.rejected(), b.routed(), b.first_token(), b.renewed(),

@@ -8,9 +8,9 @@ import certifi
 import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
-from api.config import load_settings
-from streams.faust_worker import faust_credentials
-from streams.topics import KafkaSettingError, client_settings
+from tollgate_llm.api.config import load_settings
+from tollgate_llm.streams.faust_worker import faust_credentials
+from tollgate_llm.streams.topics import KafkaSettingError, client_settings
 
 
 def _auth(settings: dict[str, str]) -> dict[str, object]:

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from streams.codec import EPOCH_HEADER
-from streams.faust_worker import RESEEK_S, FaustEventConsumer
+from tollgate_llm.streams.codec import EPOCH_HEADER
+from tollgate_llm.streams.faust_worker import RESEEK_S, FaustEventConsumer
 
 TOPIC = "events"
 
@@ -100,7 +100,7 @@ def test_a_rebalance_during_the_agents_seek_to_a_new_epoch_leaves_the_partition_
     """The relay started epoch 2 and the group rebalanced before it recorded it: the rebalance
     places the partition at its saved offset of epoch 1 while the agent, which met epoch 2,
     seeks it to the start."""
-    monkeypatch.setattr("streams.faust_worker._tp", _Tp)
+    monkeypatch.setattr("tollgate_llm.streams.faust_worker._tp", _Tp)
     size = 45  # epoch 2's messages in the partition
 
     async def scenario() -> set[int]:
@@ -126,7 +126,7 @@ def test_a_rebalance_during_the_agents_seek_to_a_new_epoch_leaves_the_partition_
 def test_the_agents_seek_to_a_new_epoch_reads_the_partition_from_its_start(
     monkeypatch: Any,
 ) -> None:
-    monkeypatch.setattr("streams.faust_worker._tp", _Tp)
+    monkeypatch.setattr("tollgate_llm.streams.faust_worker._tp", _Tp)
 
     async def scenario() -> tuple[list[int], list[int]]:
         c = _consumer(saved=3, saved_epoch=1)
@@ -150,7 +150,7 @@ def test_a_new_epoch_shorter_than_the_saved_offset_is_read_from_its_first_messag
     lost it and the relay re-published only 10 messages there (epoch 1 held copies of a retried
     step): the fetch resets to the start. Waiting for offset 40 stalled the partition until 31
     more events came to it."""
-    monkeypatch.setattr("streams.faust_worker._tp", _Tp)
+    monkeypatch.setattr("tollgate_llm.streams.faust_worker._tp", _Tp)
 
     async def scenario() -> list[int]:
         c = _consumer(saved=40, saved_epoch=1)
@@ -163,7 +163,7 @@ def test_a_new_epoch_shorter_than_the_saved_offset_is_read_from_its_first_messag
 
 
 def test_a_message_of_a_void_epoch_queued_before_a_seek_is_not_taken(monkeypatch: Any) -> None:
-    monkeypatch.setattr("streams.faust_worker._tp", _Tp)
+    monkeypatch.setattr("tollgate_llm.streams.faust_worker._tp", _Tp)
 
     async def scenario() -> tuple[list[int], list[int]]:
         c = _consumer(saved=0, saved_epoch=2)
@@ -186,7 +186,7 @@ def test_a_gap_in_a_partitions_offsets_is_read_again_before_anything_after_it(
 ) -> None:
     """Offsets 3 and 4 never came (dropped between the client and the agent): taking 5 would
     move the saved order key past them, and they would never be applied."""
-    monkeypatch.setattr("streams.faust_worker._tp", _Tp)
+    monkeypatch.setattr("tollgate_llm.streams.faust_worker._tp", _Tp)
 
     async def scenario() -> tuple[list[int], list[int], list[int]]:
         c = _consumer(saved=0, saved_epoch=1)
@@ -208,7 +208,7 @@ def test_a_partition_whose_sought_messages_never_came_is_sought_again(monkeypatc
     it handed on while the placement's seek ran set that offset back past the offset sought:
     the partition's messages from 0 on were dropped before the agent saw them (the broker-loss
     test, at start-up: 0 of a partition's events in 90 s)."""
-    monkeypatch.setattr("streams.faust_worker._tp", _Tp)
+    monkeypatch.setattr("tollgate_llm.streams.faust_worker._tp", _Tp)
 
     async def scenario() -> tuple[int, int, list[int]]:
         c = _consumer(saved=0, saved_epoch=1)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from domain.errors import DomainError
-from domain.feedback import RecordFeedback, decide_feedback
-from domain.registry import from_payload, to_payload
-from domain.requests.events import FeedbackRecorded, RequestModelRouted
-from domain.requests.evolve import fold
-from domain.requests.state import RequestState
 from tests import builders as b
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.feedback import RecordFeedback, decide_feedback
+from tollgate_llm.domain.registry import from_payload, to_payload
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted
+from tollgate_llm.domain.requests.evolve import fold
+from tollgate_llm.domain.requests.state import RequestState
 
 CLASS = "p1.t0.ft.r0.b7"
 

@@ -7,8 +7,10 @@ from datetime import timedelta
 
 import pytest
 
-from domain.billing import bill_terminal
-from domain.capacity import (
+from tests import builders as b
+from tests.builders import given
+from tollgate_llm.domain.billing import bill_terminal
+from tollgate_llm.domain.capacity import (
     FLEX_CEILING_PPM,
     TIER_CEILINGS_PPM,
     CapacityRefusal,
@@ -19,15 +21,13 @@ from domain.capacity import (
     place_flex,
     preemption_plan,
 )
-from domain.control_plane.decide import SetFlexDiscount, decide_control
-from domain.control_plane.events import FlexDiscountSet
-from domain.control_plane.prices import DEFAULT_FLEX_DISCOUNT_PPM
-from domain.control_plane.state import ControlView
-from domain.errors import DomainError
-from domain.requests.decide import PreemptRequest
-from domain.requests.events import QuotaRefunded, RequestPreempted
-from tests import builders as b
-from tests.builders import given
+from tollgate_llm.domain.control_plane.decide import SetFlexDiscount, decide_control
+from tollgate_llm.domain.control_plane.events import FlexDiscountSet
+from tollgate_llm.domain.control_plane.prices import DEFAULT_FLEX_DISCOUNT_PPM
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import PreemptRequest
+from tollgate_llm.domain.requests.events import QuotaRefunded, RequestPreempted
 
 FLEX_ADMITTED = (b.admitted(service_tier="flex"), b.estimated())
 FLEX_ROUTED = (*FLEX_ADMITTED, b.routed())
@@ -150,7 +150,7 @@ def test_admission_names_a_known_service_tier_and_batch_items_are_flex() -> None
 
 
 def test_an_event_recorded_before_flex_existed_reads_as_interactive() -> None:
-    from domain.registry import from_payload, to_payload
+    from tollgate_llm.domain.registry import from_payload, to_payload
 
     payload = to_payload(b.admitted())
     del payload["service_tier"], payload["batch_item"]

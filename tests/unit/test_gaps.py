@@ -4,8 +4,8 @@ the log again from before the oldest of either."""
 
 from __future__ import annotations
 
-from domain.gaps import GapBook
 from tests import builders as b
+from tollgate_llm.domain.gaps import GapBook
 
 
 def _book(*events: object, start: int = 1) -> GapBook:

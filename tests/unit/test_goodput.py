@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from domain.control_plane.decide import AllowFallback, RevokeFallback, SetSlo, decide_control
-from domain.control_plane.events import SloSet
-from domain.control_plane.state import ControlView
-from domain.errors import DomainError
-from domain.goodput import DEFAULT_SLO, OUTCOMES, Slo, attainment, outcome
 from tests import builders as b
+from tollgate_llm.domain.control_plane.decide import (
+    AllowFallback,
+    RevokeFallback,
+    SetSlo,
+    decide_control,
+)
+from tollgate_llm.domain.control_plane.events import SloSet
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.goodput import DEFAULT_SLO, OUTCOMES, Slo, attainment, outcome
 
 SLO = Slo(ttft_ms=1_000, tpot_us=50_000)
 

@@ -3,9 +3,9 @@ headers; Retry-After on everything a retry can fix."""
 
 from __future__ import annotations
 
-from api.services import refusal_errors
-from domain.admission import RateLimitInfo, Rejected
-from domain.types import CAPACITY_REASONS, QUOTA_REASONS, REJECT_REASONS
+from tollgate_llm.api.services import refusal_errors
+from tollgate_llm.domain.admission import RateLimitInfo, Rejected
+from tollgate_llm.domain.types import CAPACITY_REASONS, QUOTA_REASONS, REJECT_REASONS
 
 INFO = RateLimitInfo(60, 0, 1_000, 10_000, 8_000, 12_000)
 

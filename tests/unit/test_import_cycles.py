@@ -94,8 +94,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_reaches_the_packages() -> None:
     graph = import_graph()
     assert len(graph) > 100
-    assert "ledger.store" in graph["streams.worker"] or any(
-        m.startswith("ledger.store") for m in graph["streams.worker"]
+    assert "tollgate_llm.ledger.store" in graph["tollgate_llm.streams.worker"] or any(
+        m.startswith("tollgate_llm.ledger.store") for m in graph["tollgate_llm.streams.worker"]
     )
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from domain import leases
-from domain.errors import DomainError
-from domain.leases import LEASE_KEEPALIVE_S, LEASE_RENEW_S, LEASE_TTL_S, LeaseBook
 from tests import builders as b
+from tollgate_llm.domain import leases
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.leases import LEASE_KEEPALIVE_S, LEASE_RENEW_S, LEASE_TTL_S, LeaseBook
 
 
 def book(*records: object) -> LeaseBook:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from domain.errors import DomainError
-from domain.requests.decide import Command, RecordFirstToken, decide
-from domain.requests.events import QuotaRefunded, RequestCancelled, RequestFailed, UsageBilled
-from domain.requests.evolve import _EVOLVERS, evolve, evolve_event, fold
-from domain.requests.state import INITIAL, RequestState, _with
 from tests import builders as b
 from tests.builders import given
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import Command, RecordFirstToken, decide
+from tollgate_llm.domain.requests.events import (
+    QuotaRefunded,
+    RequestCancelled,
+    RequestFailed,
+    UsageBilled,
+)
+from tollgate_llm.domain.requests.evolve import _EVOLVERS, evolve, evolve_event, fold
+from tollgate_llm.domain.requests.state import INITIAL, RequestState, _with
 
 ADMITTED = (b.admitted(), b.estimated())
 ROUTED = (*ADMITTED, b.routed())
@@ -284,9 +289,9 @@ def test_status_never_moves_backwards_on_a_late_fact() -> None:
 
 
 def test_evolve_knows_every_request_event() -> None:
-    from domain.batches.events import BatchItemFinished
-    from domain.registry import EVENT_CLASSES
-    from domain.requests.events import LeasesRenewed
+    from tollgate_llm.domain.batches.events import BatchItemFinished
+    from tollgate_llm.domain.registry import EVENT_CLASSES
+    from tollgate_llm.domain.requests.events import LeasesRenewed
 
     # BatchItemFinished names the request that served an item, in the batch's own stream.
     request_events = {

@@ -33,11 +33,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from domain.billing import bill_terminal
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.projections import PROJECTIONS, ProjectionSpec
-from domain.requests.decide import (
+from tests import builders as b
+from tests.faults.tier import pick
+from tollgate_llm.domain.billing import bill_terminal
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.projections import PROJECTIONS, ProjectionSpec
+from tollgate_llm.domain.requests.decide import (
     BillUsage,
     CancelRequest,
     Command,
@@ -47,7 +49,7 @@ from domain.requests.decide import (
     decide,
     refund_due,
 )
-from domain.requests.events import (
+from tollgate_llm.domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_TYPES,
     LeaseExpired,
@@ -58,11 +60,9 @@ from domain.requests.events import (
     RequestPreempted,
     UsageBilled,
 )
-from domain.requests.evolve import evolve
-from domain.requests.evolve import fold as request_fold
-from domain.requests.state import INITIAL, RequestState
-from tests import builders as b
-from tests.faults.tier import pick
+from tollgate_llm.domain.requests.evolve import evolve
+from tollgate_llm.domain.requests.evolve import fold as request_fold
+from tollgate_llm.domain.requests.state import INITIAL, RequestState
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 # The terminal paths the model drives: all but preemption, which needs a flex request that a

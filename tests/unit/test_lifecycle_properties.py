@@ -7,13 +7,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain.envelope import Event, Recorded
-from domain.errors import DomainError
-from domain.requests.decide import Command, decide
-from domain.requests.events import TERMINAL_EVENTS, QuotaRefunded, UsageBilled
-from domain.requests.evolve import evolve, fold
-from domain.requests.state import RequestState
 from tests import builders as b
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.requests.decide import Command, decide
+from tollgate_llm.domain.requests.events import TERMINAL_EVENTS, QuotaRefunded, UsageBilled
+from tollgate_llm.domain.requests.evolve import evolve, fold
+from tollgate_llm.domain.requests.state import RequestState
 
 counts = st.tuples(st.integers(0, 3000), st.integers(0, 3000)).flatmap(
     lambda pc: st.tuples(st.just(pc[0]), st.just(pc[1]), st.integers(0, pc[0]))

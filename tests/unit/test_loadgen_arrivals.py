@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from loadgen.arrivals import Bursty, Poisson, arrival_times, make_arrivals
+from tollgate_llm.loadgen.arrivals import Bursty, Poisson, arrival_times, make_arrivals
 
 
 def counts_per_window(times: list[float], horizon: float, window: float) -> list[int]:

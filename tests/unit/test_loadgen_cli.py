@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from loadgen import cli
+from tollgate_llm.loadgen import cli
 
 
 def invoke_with_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Any]]:
@@ -36,7 +36,7 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
     assert started == []
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: --plot needs matplotlib, which is not installed: pip install 'tollgate[loadgen]'"
+        "Error: --plot needs matplotlib, which is not installed: pip install 'tollgate-llm[loadgen]'"
     ]
     assert not (tmp_path / "p").exists()
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadgen.profiles import (
+from tollgate_llm.loadgen.profiles import (
     Dist,
     ProfileError,
     available_profiles,
@@ -16,8 +16,8 @@ from loadgen.profiles import (
     sample_request,
     tenant_mix,
 )
-from loadgen.prompts import build_messages, expected_prompt_tokens
-from loadgen.stats import percentile
+from tollgate_llm.loadgen.prompts import build_messages, expected_prompt_tokens
+from tollgate_llm.loadgen.stats import percentile
 
 N = 40_000
 
@@ -136,7 +136,7 @@ def test_unknown_profile_name_lists_the_known_ones() -> None:
 
 @pytest.mark.parametrize("target", [8, 9, 50, 800, 6_000, 150_000])
 def test_prompts_have_the_target_length_on_the_simulator(target: int) -> None:
-    from engine_adapter.simulator.tokenizer import count_prompt_tokens
+    from tollgate_llm.engine_adapter.simulator.tokenizer import count_prompt_tokens
 
     messages = build_messages(target, random.Random(target))
     assert count_prompt_tokens(messages) == target
@@ -144,7 +144,7 @@ def test_prompts_have_the_target_length_on_the_simulator(target: int) -> None:
 
 
 def test_shared_prefix_prompts_are_exact_and_share_the_system_message() -> None:
-    from engine_adapter.simulator.tokenizer import count_prompt_tokens
+    from tollgate_llm.engine_adapter.simulator.tokenizer import count_prompt_tokens
 
     rng = random.Random(0)
     a = build_messages(6_000, rng, 4_000, "t/agent")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadgen.clients import Attempt
-from loadgen.reconcile import by_request
+from tollgate_llm.loadgen.clients import Attempt
+from tollgate_llm.loadgen.reconcile import by_request
 
 
 def attempt(request_id: str, status: int, kind: str, **fields: Any) -> Attempt:

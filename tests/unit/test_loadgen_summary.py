@@ -7,10 +7,10 @@ from typing import Any
 
 from rich.console import Console
 
-from loadgen.clients import Attempt
-from loadgen.reconcile import client_side, compare
-from loadgen.stats import Stats
-from loadgen.summary import COLUMNS, print_reconciliation, print_summary
+from tollgate_llm.loadgen.clients import Attempt
+from tollgate_llm.loadgen.reconcile import client_side, compare
+from tollgate_llm.loadgen.stats import Stats
+from tollgate_llm.loadgen.summary import COLUMNS, print_reconciliation, print_summary
 
 
 def attempt(request_id: str, kind: str, **fields: Any) -> Attempt:

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from api.logs import QUIET_LOGGERS, JsonFormatter, setup_logging
+from tollgate_llm.api.logs import QUIET_LOGGERS, JsonFormatter, setup_logging
 
 
 @pytest.fixture

@@ -8,17 +8,17 @@ from datetime import timedelta
 
 import pytest
 
-from domain.control_plane.decide import (
+from tests import builders as b
+from tollgate_llm.domain.control_plane.decide import (
     ControlCommand,
     RegisterModelProfile,
     RegisterReplica,
     decide_control,
 )
-from domain.control_plane.state import ControlView
-from domain.cost import ModelProfile, profile_from_hf_config
-from domain.envelope import Event
-from domain.errors import DomainError
-from tests import builders as b
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.cost import ModelProfile, profile_from_hf_config
+from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.errors import DomainError
 
 
 def view_of(*timed: tuple[float, Event]) -> ControlView:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from domain.prediction import (
+from tollgate_llm.domain.prediction import (
     FEATURES,
     CoverageTracker,
     ExportedModel,

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from domain.control_plane.state import ControlView
-from domain.prediction import Prediction
-from domain.requests.events import (
+from tests import builders as b
+from tests.fakes import InMemoryEventStore
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.prediction import Prediction
+from tollgate_llm.domain.requests.events import (
     TERMINAL_EVENTS,
     TERMINAL_STATUS_OF,
     QuotaRefunded,
@@ -29,15 +31,13 @@ from domain.requests.events import (
     RequestPreempted,
     RequestRouted,
 )
-from ledger.store import NewEvent
-from predictor import dataset, model_file
-from predictor.dataset import examples, read_requests
-from predictor.evaluate import Replay, evaluate, held_out, run
-from predictor.runtime import LoadedPredictor
-from predictor.status import realised
-from predictor.train import NotEnoughData, TrainConfig, train
-from tests import builders as b
-from tests.fakes import InMemoryEventStore
+from tollgate_llm.ledger.store import NewEvent
+from tollgate_llm.predictor import dataset, model_file
+from tollgate_llm.predictor.dataset import examples, read_requests
+from tollgate_llm.predictor.evaluate import Replay, evaluate, held_out, run
+from tollgate_llm.predictor.runtime import LoadedPredictor
+from tollgate_llm.predictor.status import realised
+from tollgate_llm.predictor.train import NotEnoughData, TrainConfig, train
 
 MODEL = b.MODEL
 CAP = 4096
@@ -259,8 +259,8 @@ def test_serving_never_imports_torch() -> None:
 
 
 def test_the_simulated_model_answers_about_as_long_as_it_is_asked() -> None:
-    from engine_adapter.simulator.chat_body import _asked_length
-    from engine_adapter.simulator.engine import SimConfig, SimEngine
+    from tollgate_llm.engine_adapter.simulator.chat_body import _asked_length
+    from tollgate_llm.engine_adapter.simulator.engine import SimConfig, SimEngine
 
     ask = "some text. Answer in about 120 words."
     assert _asked_length([{"role": "user", "content": ask}]) == 120
@@ -278,9 +278,9 @@ def test_the_simulated_model_answers_about_as_long_as_it_is_asked() -> None:
 def test_calibration_picks_per_tenant_how_much_to_lean_on_the_shared_score() -> None:
     """`flat`'s answers ignore the score (its best p95 is a constant: scale 0); `follows`'s
     track it exactly (scale 1). Each keeps the pair that reserves least at the same rank."""
-    from domain.prediction import FEATURES, Layer
-    from predictor.dataset import Example
-    from predictor.train import _calibrate
+    from tollgate_llm.domain.prediction import FEATURES, Layer
+    from tollgate_llm.predictor.dataset import Example
+    from tollgate_llm.predictor.train import _calibrate
 
     n = len(FEATURES)
     weights = [0.0] * n

@@ -6,16 +6,16 @@ import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
-from domain.envelope import Recorded
-from domain.projections import (
+from tests import builders as b
+from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.projections import (
     LEDGER_ENTRIES,
     PROJECTIONS,
     REQUEST_LOG,
     USAGE_HOURLY,
     ProjectionSpec,
 )
-from domain.requests.events import RefusalsCounted, RequestDowngraded, RequestRouted
-from tests import builders as b
+from tollgate_llm.domain.requests.events import RefusalsCounted, RequestDowngraded, RequestRouted
 
 
 def run(spec: ProjectionSpec, records: list[Recorded]) -> dict[tuple[Any, ...], dict[str, Any]]:

@@ -3,8 +3,8 @@ terminal's counts; what is missing or wrong is a finding that names it."""
 
 from __future__ import annotations
 
-from domain.reconcile import account
 from tests import builders as b
+from tollgate_llm.domain.reconcile import account
 
 ENDED = (b.admitted(), b.estimated(), b.routed(), b.completed())
 NOW = b.at(3600)

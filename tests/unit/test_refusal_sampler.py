@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 
-from domain.refusals import RefusalSampler
+from tollgate_llm.domain.refusals import RefusalSampler
 
 T0 = datetime(2026, 12, 7, 8, 0, 0, tzinfo=UTC)
 

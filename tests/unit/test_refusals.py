@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from api.services.errors import ApiError
-from api.services.refusals import RefusalLimits, TokenBuckets, source_of
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.api.services.refusals import RefusalLimits, TokenBuckets, source_of
 
 
 class Clock:
@@ -98,7 +98,7 @@ def test_sources_are_addresses_and_ipv6_slash_64s() -> None:
 
 
 def test_a_forwarded_client_is_believed_only_from_a_trusted_proxy() -> None:
-    from api.services.refusals import TrustedProxies
+    from tollgate_llm.api.services.refusals import TrustedProxies
 
     proxies = TrustedProxies(["10.0.0.0/8", "127.0.0.1/32"])
     # The nearest untrusted hop, read right to left: the left part is the client's own words.
@@ -115,7 +115,7 @@ def test_a_forwarded_client_is_believed_only_from_a_trusted_proxy() -> None:
 
 
 def test_every_authentication_path_shares_one_limit_per_address() -> None:
-    from api.services.errors import ApiError
+    from tollgate_llm.api.services.errors import ApiError
 
     limits = RefusalLimits(refusals_per_minute=lambda _t: 60, auth_failures_per_minute=3)
 

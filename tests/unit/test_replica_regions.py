@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from api.config import Settings
-from api.serve import parse_replica_flags, parse_replicas, simulated_regions
+from tollgate_llm.api.config import Settings
+from tollgate_llm.api.serve import parse_replica_flags, parse_replicas, simulated_regions
 
 
 def test_a_replica_names_its_region_after_its_url_and_the_setting_covers_the_rest() -> None:

@@ -18,20 +18,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.services.edge import JsonOutcome
-from api.services.errors import ApiError
-from domain.capacity import Choice, Refusal
-from domain.control_plane.data_policy import ResidencySet, RetentionSet
-from domain.control_plane.events import FallbackAllowed
-from domain.remote_flex import RemoteFlex
-from domain.requests.events import RequestAdmitted, RequestRejected, RequestRouted
-from domain.residency import REGION_UNAVAILABLE, confine, in_region
-from engine_adapter.fleet import Fleet
-from engine_adapter.vllm_http import ReplicaMetrics
 from tests import builders as b
 from tests.fakes import FakeReplica
 from tests.unit.test_cross_edge_preemption import _records
 from tests.unit.test_edge import CALLER, MODEL, OTHER, Harness
+from tollgate_llm.api.services.edge import JsonOutcome
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.capacity import Choice, Refusal
+from tollgate_llm.domain.control_plane.data_policy import ResidencySet, RetentionSet
+from tollgate_llm.domain.control_plane.events import FallbackAllowed
+from tollgate_llm.domain.remote_flex import RemoteFlex
+from tollgate_llm.domain.requests.events import RequestAdmitted, RequestRejected, RequestRouted
+from tollgate_llm.domain.residency import REGION_UNAVAILABLE, confine, in_region
+from tollgate_llm.engine_adapter.fleet import Fleet
+from tollgate_llm.engine_adapter.vllm_http import ReplicaMetrics
 
 REGIONS = ("eu-west", "eu-central", "us-east", "")  # "": a replica given no region
 TIERS = ("free", "standard", "enterprise")

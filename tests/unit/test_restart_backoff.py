@@ -3,7 +3,7 @@ as long each time, up to the cap; one that ran a while is started again after th
 
 from __future__ import annotations
 
-from streams.supervisor import RestartBackoff
+from tollgate_llm.streams.supervisor import RestartBackoff
 
 
 def test_a_child_dying_young_waits_twice_as_long_each_time_up_to_the_cap() -> None:

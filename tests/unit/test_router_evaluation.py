@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from api.router_evaluation.replay import Setup, evaluate
-from api.router_evaluation.traffic import LARGE, SMALL, generate
+from tollgate_llm.api.router_evaluation.replay import Setup, evaluate
+from tollgate_llm.api.router_evaluation.traffic import LARGE, SMALL, generate
 
 
 def run(requests: int = 1_500, **kw: object) -> dict:  # type: ignore[type-arg]
@@ -59,7 +59,7 @@ def test_a_small_fleet_without_room_sheds_to_the_reference_or_refuses_per_policy
 
 
 def test_the_router_with_a_trained_model_is_judged_beside_it_and_each_decision_is_timed() -> None:
-    from predictor.router_train import fit
+    from tollgate_llm.predictor.router_train import fit
 
     traffic = generate(1_500, 20.0, 3, 0.5)
     result = asyncio.run(evaluate(traffic, Setup(exploration=0.2, feedback_share=1.0), fit))

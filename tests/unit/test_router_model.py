@@ -12,15 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from domain.requests.events import FeedbackRecorded, RequestModelRouted
-from domain.router_model import RouterModel, TenantRouterModel
-from domain.routing import QualityView, choose, task_class
-from ledger.store import NewEvent
-from predictor import router_file
-from predictor.router_train import NotEnoughFeedback, RouterTrainConfig, fit, train_and_save
 from tests import builders as b
 from tests.fakes import InMemoryEventStore
 from tests.unit.test_routing import CLS, LARGE, SMALL, Router, policy, scores
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted
+from tollgate_llm.domain.router_model import RouterModel, TenantRouterModel
+from tollgate_llm.domain.routing import QualityView, choose, task_class
+from tollgate_llm.ledger.store import NewEvent
+from tollgate_llm.predictor import router_file
+from tollgate_llm.predictor.router_train import (
+    NotEnoughFeedback,
+    RouterTrainConfig,
+    fit,
+    train_and_save,
+)
 
 GOOD = task_class(3, 100, False, "json_object", False)  # the small model does it well
 BAD = task_class(9, 6_000, True, "text", False)  # it does not
@@ -76,7 +81,7 @@ def test_the_exported_file_loads_without_torch(trained: RouterModel, tmp_path: P
     path = router_file.save(trained, {"seed": 0}, tmp_path)
     assert router_file.latest(tmp_path) == path
     code = (
-        "import sys; from pathlib import Path; from predictor import router_file; "
+        "import sys; from pathlib import Path; from tollgate_llm.predictor import router_file; "
         f"m = router_file.load(Path({str(path)!r})); "
         "assert 'torch' not in sys.modules, 'torch loaded'; "
         f"print(m.version, m.lower_bound_ppm({b.TENANT!r}, {SMALL!r}, {GOOD!r}))"

@@ -15,21 +15,24 @@ from typing import Any
 import orjson
 import pytest
 
-from api.metrics import Metrics
-from api.services.edge import Edge, JsonOutcome
-from api.services.errors import ApiError
-from domain.control_plane.decide import AllowRouting, RevokeRouting, decide_control
-from domain.control_plane.events import PriceSet, RoutingAllowed, RoutingRevoked
-from domain.control_plane.state import ControlView
-from domain.errors import DomainError
-from domain.quota import QuotaView
-from domain.requests.events import (
+from tests import builders as b
+from tests.fakes import FakeClock, FakeFleet, FakeIdempotency, FakeReplica, FakeSink, FixedTokens
+from tests.unit.test_edge import CALLER
+from tollgate_llm.api.metrics import Metrics
+from tollgate_llm.api.services.edge import Edge, JsonOutcome
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain.control_plane.decide import AllowRouting, RevokeRouting, decide_control
+from tollgate_llm.domain.control_plane.events import PriceSet, RoutingAllowed, RoutingRevoked
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.quota import QuotaView
+from tollgate_llm.domain.requests.events import (
     FeedbackRecorded,
     RequestAdmitted,
     RequestModelRouted,
     RequestRejected,
 )
-from domain.routing import (
+from tollgate_llm.domain.routing import (
     DRIFT_MIN,
     MIN_EVIDENCE,
     QualityView,
@@ -38,10 +41,7 @@ from domain.routing import (
     lower_bound_ppm,
     task_class,
 )
-from ledger.commands import CommandHandler
-from tests import builders as b
-from tests.fakes import FakeClock, FakeFleet, FakeIdempotency, FakeReplica, FakeSink, FixedTokens
-from tests.unit.test_edge import CALLER
+from tollgate_llm.ledger.commands import CommandHandler
 
 SMALL, LARGE = "llama-3.1-8b-2026-05", "llama-3.1-70b-2026-05"
 CLS = task_class(-1, 10, False, "text", False)

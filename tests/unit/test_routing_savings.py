@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from domain.cost import Price, amount_micros
-from domain.envelope import Event, Recorded
-from domain.requests.events import FeedbackRecorded, RequestModelRouted
-from domain.routing_savings import savings
 from tests import builders as b
+from tollgate_llm.domain.cost import Price, amount_micros
+from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted
+from tollgate_llm.domain.routing_savings import savings
 
 SMALL, LARGE = "llama-3.1-8b-2026-05", "llama-3.1-70b-2026-05"
 PRICES = {SMALL: Price(SMALL, 200_000, 600_000, 50_000), LARGE: Price(LARGE, 2_000_000, 6_000_000,

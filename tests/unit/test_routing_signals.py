@@ -4,10 +4,10 @@ content (the same client asking again on a larger model; a run that ran out of b
 
 from __future__ import annotations
 
-from domain.feedback import REASK_WINDOW, Asked, ImplicitSignals
-from domain.requests.events import FeedbackRecorded, RequestModelRouted
 from tests import builders as b
 from tests.unit.test_routing import LARGE, SMALL, Router, scores
+from tollgate_llm.domain.feedback import REASK_WINDOW, Asked, ImplicitSignals
+from tollgate_llm.domain.requests.events import FeedbackRecorded, RequestModelRouted
 
 KEY = (b.TENANT, "key-1", b"digest-of-the-messages")
 
@@ -135,8 +135,8 @@ def test_without_consent_no_implicit_signal_is_kept() -> None:
 
 
 def test_exploring_a_model_that_scores_badly_does_not_latch_the_class() -> None:
-    from domain.routing import DRIFT_MIN, QualityView, choose
     from tests.unit.test_routing import CLS, policy
+    from tollgate_llm.domain.routing import DRIFT_MIN, QualityView, choose
 
     view = QualityView()
     scores(view, SMALL, *[0.0] * DRIFT_MIN, routed_from=LARGE)  # explored, and bad
@@ -147,8 +147,8 @@ def test_exploring_a_model_that_scores_badly_does_not_latch_the_class() -> None:
 
 
 def test_a_proven_model_whose_recent_routed_answers_fall_below_the_bar_latches_the_class() -> None:
-    from domain.routing import DRIFT_MIN, QualityView, choose
     from tests.unit.test_routing import CLS, policy
+    from tollgate_llm.domain.routing import DRIFT_MIN, QualityView, choose
 
     view = QualityView()
     scores(view, SMALL, *[1.0] * 300)

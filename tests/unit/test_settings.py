@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 import cli.serve
-from api.config import DEFAULT_MODELS, Settings, load_settings
-from cli import main
+from tollgate_llm.api.config import DEFAULT_MODELS, Settings, load_settings
+from tollgate_llm.cli import main
 
 # Every option `tollgate serve` had before its options were generated (README and tests use them).
 SERVE_FLAGS = (

@@ -11,18 +11,23 @@ from typing import Any
 
 import pytest
 
-from api.services.auth import single_authorization
-from api.services.chat_request import parse_chat_request
-from api.services.errors import ApiError
-from domain import text
-from domain.batches.files import check_metadata, parse_input
-from domain.control_plane.decide import RegisterTenant, SetFlexDiscount, SetPrice, decide_control
-from domain.control_plane.state import ControlView
-from domain.errors import DomainError
-from domain.governance.decide import CreateProject, CreateWorkspace, StartRun
-from domain.runs.state import RunLimits
 from tests import builders as tb
 from tests.unit.test_budgets import tree
+from tollgate_llm.api.services.auth import single_authorization
+from tollgate_llm.api.services.chat_request import parse_chat_request
+from tollgate_llm.api.services.errors import ApiError
+from tollgate_llm.domain import text
+from tollgate_llm.domain.batches.files import check_metadata, parse_input
+from tollgate_llm.domain.control_plane.decide import (
+    RegisterTenant,
+    SetFlexDiscount,
+    SetPrice,
+    decide_control,
+)
+from tollgate_llm.domain.control_plane.state import ControlView
+from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.decide import CreateProject, CreateWorkspace, StartRun
+from tollgate_llm.domain.runs.state import RunLimits
 
 NUL = "\x00"
 SURROGATE = "\ud800"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from api.services.errors import ApiError, store_unavailable
-from ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
+from tollgate_llm.api.services.errors import ApiError, store_unavailable
+from tollgate_llm.ledger.errors import StoreBusy, StoreUnavailable, WrongExpectedVersion
 
 
 def _dbapi(cls: type[sa.exc.DBAPIError], invalidated: bool = False) -> sa.exc.DBAPIError:

@@ -17,11 +17,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from api.logs import JsonFormatter
-from api.services import tracing
-from api.services.tracing import Tracing, TracingUnavailable
-from domain.requests.events import RequestAdmitted
 from tests.unit.test_edge import CALLER, MODEL, Harness
+from tollgate_llm.api.logs import JsonFormatter
+from tollgate_llm.api.services import tracing
+from tollgate_llm.api.services.tracing import Tracing, TracingUnavailable
+from tollgate_llm.domain.requests.events import RequestAdmitted
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -47,7 +47,7 @@ def test_an_endpoint_without_the_packages_is_a_clear_error(
 ) -> None:
     name = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
     monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
-    with pytest.raises(TracingUnavailable, match=r"pip install 'tollgate\[otel\]'"):
+    with pytest.raises(TracingUnavailable, match=r"pip install 'tollgate-llm\[otel\]'"):
         tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
 
 
