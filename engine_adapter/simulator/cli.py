@@ -1,5 +1,5 @@
-"""`tollgate replica-sim` and `python -m tollgate_llm.engine_adapter.simulator`: one simulated replica in
-this process until interrupted, every `SimConfig` field a flag."""
+"""`tollgate replica-sim` and `python -m tollgate_llm.engine_adapter.simulator`: one simulated
+replica in this process until interrupted, every `SimConfig` field a flag."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from tollgate_llm.engine_adapter.simulator.state import SimConfig
 
 def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m tollgate_llm.engine_adapter.simulator", description="Simulated vLLM 0.33 replica"
+        prog="python -m tollgate_llm.engine_adapter.simulator",
+        description="Simulated vLLM 0.33 replica",
     )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -54,8 +55,8 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, **config: Any) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tollgate_llm.engine_adapter.simulator`: plain log lines at INFO on stderr (a client's
-    disconnect is one such line); `tollgate replica-sim` takes `--log-format json` too."""
+    """`python -m tollgate_llm.engine_adapter.simulator`: plain log lines at INFO on stderr (a
+    client's disconnect is one such line); `tollgate replica-sim` takes `--log-format json` too."""
     args = _arg_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

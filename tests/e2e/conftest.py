@@ -31,7 +31,9 @@ from tollgate_llm.domain.requests.events import TERMINAL_TYPES
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOLLGATE = (
-    [str(BIN / "tollgate")] if (BIN / "tollgate").exists() else [sys.executable, "-m", "tollgate_llm.cli"]
+    [str(BIN / "tollgate")]
+    if (BIN / "tollgate").exists()
+    else [sys.executable, "-m", "tollgate_llm.cli"]
 )
 
 MODEL = "llama-3.1-8b-2026-05"  # fast replicas

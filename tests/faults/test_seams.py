@@ -168,7 +168,9 @@ def test_an_unknown_seam_kind_or_trigger_refuses_to_start(spec: str) -> None:
 
 
 def test_die_kills_the_process_at_the_seam_and_old_points_still_work() -> None:
-    script = "from tollgate_llm.ledger import faults\nfaults.point('fold.after_read')\nprint('alive')"
+    script = (
+        "from tollgate_llm.ledger import faults\nfaults.point('fold.after_read')\nprint('alive')"
+    )
     for env in ({"TOLLGATE_FAULTS": "fold.after_read:die@1"},
                 {"TOLLGATE_FAULT_POINTS": "fold.after_read"}):  # fmt: skip
         done = subprocess.run(

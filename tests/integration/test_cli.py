@@ -230,20 +230,20 @@ def test_only_the_load_generator_imports_its_http_client() -> None:
 
 def test_serving_imports_no_development_tool(tmp_path: Path) -> None:
     # The dev-cluster's proxy and supervisor and --autoscale's simulated actuator live in
-    # cli/dev/, imported only by what uses them. `api.serve.run` is replaced by a probe: the
-    # command line is what is under test, up to the point where serving starts.
+    # cli/dev/, imported only by what uses them. `tollgate_llm.api.serve.run` is replaced by a
+    # probe: the command line is what is under test, up to the point where serving starts.
     probe = (
         "import sys\n"
         "import tollgate_llm.api.serve\n"
         "def run(settings, actuator_factory=None):\n"
         "    print('actuator', getattr(actuator_factory, '__name__', None))\n"
-        "api.serve.run = run\n"
+        "tollgate_llm.api.serve.run = run\n"
         "from tollgate_llm.cli import main\n"
         "try:\n"
         "    main(sys.argv[1:])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(sorted(m for m in sys.modules if m.startswith('cli.dev.')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tollgate_llm.cli.dev.')))\n"
     )
     env = {**os.environ, "TOLLGATE_DATA_DIR": str(tmp_path)}
     for args, actuator, imported in (
@@ -251,7 +251,10 @@ def test_serving_imports_no_development_tool(tmp_path: Path) -> None:
         (["serve", "--help"], None, "[]"),
         (["api", "--help"], None, "[]"),
         (["serve"], "actuator None", "[]"),
-        (["serve", "--autoscale"], "actuator SimulatedActuator", "['tollgate_llm.cli.dev.actuator']"),
+        (
+            ["serve", "--autoscale"], "actuator SimulatedActuator",
+            "['tollgate_llm.cli.dev.actuator']",
+        ),  # fmt: skip
     ):
         done = subprocess.run(
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,

@@ -219,6 +219,7 @@ def test_the_image_is_built_from_every_installed_package() -> None:
 
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     containerfile = (REPO / "deploy" / "Containerfile").read_text()
-    for pattern in config["tool"]["setuptools"]["packages"]["find"]["include"]:
-        folder = pattern.rstrip("*")
+    setuptools = config["tool"]["setuptools"]
+    folders = [p.rstrip("*") for p in setuptools["packages"]["find"]["include"]]
+    for folder in [*folders, *setuptools["package-dir"].values()]:
         assert f"COPY {folder} /src/{folder}\n" in containerfile, folder

@@ -25,11 +25,14 @@ def copy_sources(dest: Path) -> None:
     """What the wheel is built from, copied so that the build writes nothing into the checkout
     (setuptools builds in the source tree)."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    setuptools = config["tool"]["setuptools"]
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for pattern in packages:
+    # The one package (its links to the folders kept as links) and the folders it maps.
+    for pattern in setuptools["packages"]["find"]["include"]:
         name = pattern.rstrip("*")
-        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore, symlinks=True)
+    for folder in setuptools["package-dir"].values():
+        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
     for name in ("pyproject.toml", config["project"]["readme"]):
         shutil.copy2(ROOT / name, dest / name)
 
@@ -58,6 +61,32 @@ def test_plain_install_runs_every_entry_point(tmp_path: Path) -> None:
             cwd=tmp_path,
             env=env,
         )
+
+    # One top-level package: nothing else of ours lands in site-packages, where generic names
+    # (`api`, `domain`, `cli` ...) would collide with other projects' packages.
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    top = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "from importlib.metadata import distribution as d\n"
+         "print(sorted({f.parts[0] for f in d('tollgate-llm').files if f.parts[0] != '..'"
+         " and not f.parts[0].endswith(('.dist-info', '__pycache__'))}))"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, check=True,
+    )  # fmt: skip
+    assert top.stdout.strip() == "['tollgate_llm']"
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values()
+    installed = {p.name for p in (site / "tollgate_llm").iterdir() if p.is_dir()}
+    assert installed - {"__pycache__"} == set(folders)
+    for bare in ("domain", "api", "cli", "ledger"):
+        probe = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", f"import {bare}"], capture_output=True,
+            cwd=tmp_path, env=env,
+        )  # fmt: skip
+        assert probe.returncode != 0, bare
+    # The migrations are package data of the one package: a database is created from them.
+    done = tollgate("db", "upgrade", "--database-url", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    assert done.returncode == 0, done.stderr
 
     commands = ([], ["serve"], ["loadgen"], ["replica-sim"], ["predictor"], ["predictor", "train"])
     for command in commands:

@@ -36,7 +36,8 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
     assert started == []
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: --plot needs matplotlib, which is not installed: pip install 'tollgate-llm[loadgen]'"
+        "Error: --plot needs matplotlib, which is not installed: "
+        "pip install 'tollgate-llm[loadgen]'"
     ]
     assert not (tmp_path / "p").exists()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.unit.test_import_cycles import import_graph
+from tests.unit.test_import_cycles import _module, import_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASS_LINES_MAX = 300
@@ -31,11 +31,6 @@ MEASURED_ONLY = ("tollgate_llm.api.http.app", "tollgate_llm.api.http.body_limits
 ALLOWED: dict[str, str] = {}
 
 
-def _module(path: Path, root: Path) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def request_path(root: Path = ROOT) -> list[Path]:
     """The files the chat request runs through, as the module docstring defines them."""
     graph = import_graph(root, PACKAGES)
@@ -47,7 +42,7 @@ def request_path(root: Path = ROOT) -> list[Path]:
         if module not in seen:
             seen.add(module)
             todo.extend(graph[module])
-    seen.update(m for m in graph if m.startswith("engine_adapter"))
+    seen.update(m for m in graph if m.startswith("tollgate_llm.engine_adapter"))
     seen.update(m for m in MEASURED_ONLY if m in graph)
     files = (p for package in PACKAGES for p in (root / package).rglob("*.py"))
     return sorted(p for p in files if _module(p, root) in seen)

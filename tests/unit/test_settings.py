@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-import cli.serve
 from tollgate_llm.api.config import DEFAULT_MODELS, Settings, load_settings
 from tollgate_llm.cli import main
+from tollgate_llm.cli import serve as cli_serve
 
 # Every option `tollgate serve` had before its options were generated (README and tests use them).
 SERVE_FLAGS = (
@@ -40,7 +40,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def served(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
     """`tollgate serve` up to the point where it would start serving: the settings it got."""
     seen: list[Settings] = []
-    monkeypatch.setattr(cli.serve, "run_serve", seen.append)
+    monkeypatch.setattr(cli_serve, "run_serve", seen.append)
     return seen
 
 
