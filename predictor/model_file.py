@@ -121,33 +121,49 @@ def from_json(data: Any) -> ModelFile:
         raise ModelFileError(f"malformed model file: {exc}") from None
 
 
-def save(mf: ModelFile, directory: Path) -> Path:
-    """Write the file whole or not at all (a temporary file renamed into place)."""
+# --- the files of every trained model (this one and the router's, router_file.py) -------------
+
+
+def write_whole(directory: Path, name: str, data: dict[str, Any]) -> Path:
+    """Write a model's JSON whole or not at all (a temporary file renamed into place)."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{PREFIX}{mf.version}.json"
+    path = directory / name
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(to_json(mf), indent=1) + "\n")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
     return path
 
 
-def load(path: Path) -> ModelFile:
+def read_bounded(path: Path, error: type[ValueError]) -> Any:
+    """A model file's JSON, refused (as `error`, saying why) above MAX_FILE_BYTES or not JSON."""
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
-        raise ModelFileError(f"{path} is {size} bytes, above the {MAX_FILE_BYTES} a model may be")
+        raise error(f"{path} is {size} bytes, above the {MAX_FILE_BYTES} a model may be")
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ModelFileError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    return from_json(data)
+        raise error(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+
+
+def newest(directory: Path, pattern: str) -> Path | None:
+    """The newest file matching `pattern` in `directory` (versions sort by training time)."""
+    if not directory.is_dir():
+        return None
+    found = sorted(directory.glob(pattern))
+    return found[-1] if found else None
+
+
+def save(mf: ModelFile, directory: Path) -> Path:
+    return write_whole(directory, f"{PREFIX}{mf.version}.json", to_json(mf))
+
+
+def load(path: Path) -> ModelFile:
+    return from_json(read_bounded(path, ModelFileError))
 
 
 def latest(directory: Path) -> Path | None:
-    """The newest model file in `directory` (versions sort by training time), or None."""
-    if not directory.is_dir():
-        return None
-    found = sorted(directory.glob(f"{PREFIX}op-*.json"))
-    return found[-1] if found else None
+    """The newest model file in `directory`, or None."""
+    return newest(directory, f"{PREFIX}op-*.json")
 
 
 def _instant(at: datetime) -> str:

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tollgate_llm.domain.router_model import MODEL_MIN_EVIDENCE, RouterModel, TenantRouterModel
+from tollgate_llm.predictor.model_file import newest, read_bounded, write_whole
 
 FORMAT = "tollgate-router-model"
 FORMAT_VERSION = 1
-MAX_FILE_BYTES = 16 * 1024 * 1024
 PREFIX = "router-model-"
 
 
@@ -79,29 +78,13 @@ def from_json(data: Any) -> RouterModel:
 
 
 def save(model: RouterModel, training: dict[str, Any], directory: Path) -> Path:
-    """Write the file whole or not at all (a temporary file renamed into place)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{PREFIX}{model.version}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(to_json(model, training), indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_whole(directory, f"{PREFIX}{model.version}.json", to_json(model, training))
 
 
 def load(path: Path) -> RouterModel:
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise RouterFileError(f"{path} is {size} bytes, above the {MAX_FILE_BYTES} a model may be")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RouterFileError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    return from_json(data)
+    return from_json(read_bounded(path, RouterFileError))
 
 
 def latest(directory: Path) -> Path | None:
-    """The newest router model file in `directory` (versions sort by training time), or None."""
-    if not directory.is_dir():
-        return None
-    found = sorted(directory.glob(f"{PREFIX}rm-*.json"))
-    return found[-1] if found else None
+    """The newest router model file in `directory`, or None."""
+    return newest(directory, f"{PREFIX}rm-*.json")
