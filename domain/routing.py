@@ -254,7 +254,9 @@ class QualityView:
             return False
         if window.scores[0][0] >= since:  # all since the consent: the sum kept
             return window.total / len(window.scores) * 1_000_000 < bar_ppm
-        scores = [score for at, score in window.scores if at >= since]
+        # A copy first (one C call): the edge folds feedback, which appends here, on another
+        # thread than admission's, and a deque mutated while iterated raises.
+        scores = [score for at, score in tuple(window.scores) if at >= since]
         return len(scores) >= DRIFT_MIN and sum(scores) / len(scores) * 1_000_000 < bar_ppm
 
 
