@@ -472,3 +472,69 @@ def short_body(model: str = MODEL, tokens: int = 8, **extra: Any) -> dict[str, A
         "model": model, "messages": [{"role": "user", "content": "Hello there!"}],
         "max_tokens": tokens, **extra,
     }
+
+
+# --- `tollgate dev-cluster`, as its tests start it ------------------------------------------------
+
+
+def three_free_ports() -> int:
+    """A port whose next two are free too: the dev cluster's front address and its two edges."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65534 and _free(port + 1) and _free(port + 2):
+            return port
+    raise AssertionError("no three consecutive free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class DevCluster:
+    """A running `tollgate dev-cluster`: its front port (the edges are the next two), the
+    banner it printed once up, its data directory, and its database."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    banner: str
+    data: Path
+    database_url: str
+
+    def cli(self, *args: str) -> str:
+        """A `tollgate` command against the cluster's database; it must succeed."""
+        done = subprocess.run(
+            [*TOLLGATE, *args, "--database-url", self.database_url], cwd=REPO,
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "TOLLGATE_DATA_DIR": str(self.data)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+
+@contextlib.contextmanager
+def dev_cluster(postgres_url: str, tmp_path: Path, *options: str) -> Iterator[DevCluster]:
+    """`tollgate dev-cluster` on `postgres_url` with the tests' model, fast simulated replicas
+    and `options`, up once its banner is printed; stopped (every child with it) on the way out."""
+    port = three_free_ports()
+    out, data = tmp_path / "dev-cluster.out", tmp_path / "data"
+    proc = spawn(
+        [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
+         "--kafka-port", "0", "--model", MODEL, "--sim-speed", "20",
+         "--log-dir", str(tmp_path / "logs"), *options],
+        out, env={"TOLLGATE_DATA_DIR": str(data)},
+    )  # fmt: skip
+    try:
+        poll("the dev cluster's banner",
+             lambda: "Ctrl-C" in out.read_text() or proc.poll() is not None, timeout=180,
+             every=0.5)  # fmt: skip
+        banner = out.read_text()
+        assert proc.poll() is None, banner
+        yield DevCluster(proc, port, banner, data, postgres_url)
+    finally:
+        _stop_process(proc, grace=30)

@@ -20,30 +20,11 @@ import pytest
 import sqlalchemy as sa
 from openai import OpenAI
 
-from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, free_port, poll, spawn
+from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, poll, spawn, three_free_ports
 from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 REQUESTS = 40
-
-
-def _three_free_ports() -> int:
-    for _ in range(50):
-        port = free_port()
-        if port < 65534 and _free(port + 1) and _free(port + 2):
-            return port
-    raise AssertionError("no three consecutive free ports")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _alive(pid: int) -> bool:
@@ -59,7 +40,7 @@ def _alive(pid: int) -> bool:
 def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    port = _three_free_ports()
+    port = three_free_ports()
     out = tmp_path / "dev-cluster.out"
     proc = spawn(
         [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),

@@ -9,17 +9,14 @@ tests/e2e/test_adapters.py."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.e2e.conftest import MODEL, REPO, TOLLGATE, _stop_process, auth, poll, short_body, spawn
-from tests.e2e.test_dev_cluster import _three_free_ports
+from tests.e2e.conftest import MODEL, auth, dev_cluster, poll, short_body
 from tests.vllm.tiny_adapter import build
 from tollgate_llm.ledger.engine import create_engine_from_url
 
@@ -31,31 +28,10 @@ CYCLE = ("xray", "yankee", "zulu")  # with `support`: twice the replica's slots
 def test_a_tenants_adapter_is_served_through_both_edges_of_the_dev_cluster(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    port = _three_free_ports()
-    out = tmp_path / "dev-cluster.out"
-    env = {"TOLLGATE_DATA_DIR": str(tmp_path / "data")}
-    proc = spawn(
-        [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
-         "--kafka-port", "0", "--model", MODEL, "--simulated-replicas", "1",
-         "--simulated-max-loras", str(SLOTS), "--sim-speed", "20",
-         "--log-dir", str(tmp_path / "logs")],
-        out, env=env,
-    )  # fmt: skip
-
-    def cli(*args: str) -> str:
-        done = subprocess.run(
-            [*TOLLGATE, *args, "--database-url", postgres_url], cwd=REPO, capture_output=True,
-            text=True, timeout=60, env={**os.environ, **env},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    try:
-        poll("the dev cluster's banner",
-             lambda: "Ctrl-C" in out.read_text() or proc.poll() is not None, timeout=180,
-             every=0.5)  # fmt: skip
-        assert proc.poll() is None, out.read_text()
-        (replica,) = re.findall(r"^  replica-\S+\s+(http://\S+)", out.read_text(), re.M)
+    with dev_cluster(postgres_url, tmp_path, "--simulated-replicas", "1",
+                     "--simulated-max-loras", str(SLOTS)) as cluster:  # fmt: skip
+        port, cli = cluster.port, cluster.cli
+        (replica,) = re.findall(r"^  replica-\S+\s+(http://\S+)", cluster.banner, re.M)
         finance = json.loads((tmp_path / "data" / "demo-keys.json").read_text())["finance"]
         secrets = {}
         for tenant in ("acme", "bolt"):
@@ -179,5 +155,3 @@ def test_a_tenants_adapter_is_served_through_both_edges_of_the_dev_cluster(
         for edge in edges:  # and stays refused
             assert chat(edge, "acme", "support").status_code == 404
             assert chat(edge, "acme", "xray").status_code == 200
-    finally:
-        _stop_process(proc, grace=30)

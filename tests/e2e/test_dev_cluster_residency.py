@@ -5,17 +5,14 @@ say so), and a tenant pinned to a region without a replica is refused 503 region
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.e2e.conftest import MODEL, REPO, TOLLGATE, _stop_process, auth, poll, short_body, spawn
-from tests.e2e.test_dev_cluster import _three_free_ports
+from tests.e2e.conftest import auth, dev_cluster, poll, short_body
 from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
@@ -25,30 +22,9 @@ REQUESTS = 12
 def test_a_pinned_tenant_stays_in_its_region_across_the_dev_cluster(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    port = _three_free_ports()
-    out = tmp_path / "dev-cluster.out"
-    env = {"TOLLGATE_DATA_DIR": str(tmp_path / "data")}
-    proc = spawn(
-        [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
-         "--kafka-port", "0", "--model", MODEL, "--simulated-replicas", "2",
-         "--simulated-region", "eu-west,us-east", "--sim-speed", "20",
-         "--log-dir", str(tmp_path / "logs")],
-        out, env=env,
-    )  # fmt: skip
-
-    def cli(*args: str) -> str:
-        done = subprocess.run(
-            [*TOLLGATE, *args, "--database-url", postgres_url], cwd=REPO, capture_output=True,
-            text=True, timeout=60, env={**os.environ, **env},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    try:
-        poll("the dev cluster's banner",
-             lambda: "Ctrl-C" in out.read_text() or proc.poll() is not None, timeout=180,
-             every=0.5)  # fmt: skip
-        assert proc.poll() is None, out.read_text()
+    with dev_cluster(postgres_url, tmp_path, "--simulated-replicas", "2",
+                     "--simulated-region", "eu-west,us-east") as cluster:  # fmt: skip
+        port, cli = cluster.port, cluster.cli
         secrets = {}
         for name, region in (("eu", "eu-west"), ("ap", "ap-south")):
             cli("tenants", "create", f"pinned-{name}")
@@ -69,7 +45,7 @@ def test_a_pinned_tenant_stays_in_its_region_across_the_dev_cluster(
         served = [ask(secrets["eu"], i) for i in range(REQUESTS)]
         assert [r.status_code for r in served] == [200] * REQUESTS
         ids = {r.headers["x-request-id"] for r in served}
-        replicas = dict(re.findall(r"^  (replica-\S+)\s+(http://\S+)", out.read_text(), re.M))
+        replicas = dict(re.findall(r"^  (replica-\S+)\s+(http://\S+)", cluster.banner, re.M))
         assert len(replicas) == 2
 
         engine = create_engine_from_url(postgres_url)
@@ -89,5 +65,3 @@ def test_a_pinned_tenant_stays_in_its_region_across_the_dev_cluster(
             engine.dispose()
         assert {region for _, region, _ in rows} == {"eu-west"}
         assert len({replica for _, _, replica in rows}) == 1  # the one replica there
-    finally:
-        _stop_process(proc, grace=30)

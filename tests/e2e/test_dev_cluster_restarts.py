@@ -18,8 +18,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, poll, spawn
-from tests.e2e.test_dev_cluster import _alive, _three_free_ports
+from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, poll, spawn, three_free_ports
+from tests.e2e.test_dev_cluster import _alive
 from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
@@ -29,7 +29,7 @@ KILLED = ("worker-1", "relay", "edge-1", "kafka")
 def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    port = _three_free_ports()
+    port = three_free_ports()
     out = tmp_path / "dev-cluster.out"
     proc = spawn(
         [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
