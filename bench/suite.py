@@ -41,6 +41,14 @@ ARCHITECTURE_AB = (
     "--output", "bench/results/architecture_ab.json",
 )  # fmt: skip
 
+# Architecture step two (issue 28: admission as one service over steps, real ports, api/ split,
+# domain/ by stream, one installed package) and the capabilities added beside it, against the
+# commit before its first change: the same gateway path's CPU per request, paired within each run.
+STEP_TWO_AB = (
+    "--baseline-commit", "0594574", "--no-litellm", "--no-open-loop", "--connections", "16",
+    "--output", "bench/results/step_two_ab.json",
+)  # fmt: skip
+
 # Issue 15: a key on a four-level path with limits and budgets at every level, beside a key of
 # the organization, in one run.
 BUDGETS_AB = (
@@ -98,6 +106,10 @@ BENCHES: tuple[Bench, ...] = (
     Bench(
         "architecture_ab", "bench.gateway", (*ARCHITECTURE_AB, "--runs", "9"),
         (*ARCHITECTURE_AB, "--quick"), render=r.render_gateway,
+    ),
+    Bench(
+        "step_two_ab", "bench.gateway", (*STEP_TWO_AB, "--runs", "5"), (*STEP_TWO_AB, "--quick"),
+        render=r.render_gateway,
     ),
     Bench(
         "budgets_ab", "bench.gateway", (*BUDGETS_AB, "--runs", "5"), (*BUDGETS_AB, "--quick"),
