@@ -497,11 +497,12 @@ def _free(port: int) -> bool:
 
 @dataclass
 class DevCluster:
-    """A running `tollgate dev-cluster`: its front port (the edges are the next two), the
-    banner it printed once up, its data directory, and its database."""
+    """A running `tollgate dev-cluster`: its front port (the edges are the next two), its
+    output (`out`; `banner`, what it printed once up), its data directory, and its database."""
 
     proc: subprocess.Popen[bytes]
     port: int
+    out: Path
     banner: str
     data: Path
     database_url: str
@@ -518,9 +519,12 @@ class DevCluster:
 
 
 @contextlib.contextmanager
-def dev_cluster(postgres_url: str, tmp_path: Path, *options: str) -> Iterator[DevCluster]:
+def dev_cluster(
+    postgres_url: str, tmp_path: Path, *options: str, grace: float = 30
+) -> Iterator[DevCluster]:
     """`tollgate dev-cluster` on `postgres_url` with the tests' model, fast simulated replicas
-    and `options`, up once its banner is printed; stopped (every child with it) on the way out."""
+    and `options`, up once its banner is printed; stopped (every child with it, `grace` seconds
+    to go) on the way out, unless the test stopped it itself."""
     port = three_free_ports()
     out, data = tmp_path / "dev-cluster.out", tmp_path / "data"
     proc = spawn(
@@ -535,6 +539,6 @@ def dev_cluster(postgres_url: str, tmp_path: Path, *options: str) -> Iterator[De
              every=0.5)  # fmt: skip
         banner = out.read_text()
         assert proc.poll() is None, banner
-        yield DevCluster(proc, port, banner, data, postgres_url)
+        yield DevCluster(proc, port, out, banner, data, postgres_url)
     finally:
-        _stop_process(proc, grace=30)
+        _stop_process(proc, grace=grace)

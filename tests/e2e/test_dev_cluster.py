@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from openai import OpenAI
 
-from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, poll, spawn, three_free_ports
+from tests.e2e.conftest import MODEL, TOLLGATE, dev_cluster, poll
 from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
@@ -40,20 +40,9 @@ def _alive(pid: int) -> bool:
 def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    port = three_free_ports()
-    out = tmp_path / "dev-cluster.out"
-    proc = spawn(
-        [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
-         "--kafka-port", "0", "--model", MODEL, "--simulated-replicas", "2",
-         "--sim-speed", "20", "--log-dir", str(tmp_path / "logs"), "--log-format", "json"],
-        out, env={"TOLLGATE_DATA_DIR": str(tmp_path / "data")},
-    )  # fmt: skip
-    try:
-        poll("the dev cluster's banner",
-             lambda: "Ctrl-C" in out.read_text() or proc.poll() is not None, timeout=180,
-             every=0.5)  # fmt: skip
-        banner = out.read_text()
-        assert proc.poll() is None, banner
+    with dev_cluster(postgres_url, tmp_path, "--simulated-replicas", "2",
+                     "--log-format", "json", grace=60) as cluster:  # fmt: skip
+        port, proc, out, banner = cluster.port, cluster.proc, cluster.out, cluster.banner
         # The front address and the two edges behind it.
         edges = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}",
                  f"http://127.0.0.1:{port}"]  # fmt: skip
@@ -196,8 +185,6 @@ def test_dev_cluster_bills_both_edges_once_and_stops_every_child(
         # re-raise the SIGTERM it caught, exit -15, and the shutdown after it never ran).
         for name in ("batch-runner", "relay", "worker-1", "edge-1", "edge-2"):
             assert f"stopped {name} (exit 0)" in stopped, stopped[-3000:]
-    finally:
-        _stop_process(proc, grace=60)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.e2e.conftest import MODEL, TOLLGATE, _stop_process, poll, spawn, three_free_ports
+from tests.e2e.conftest import MODEL, dev_cluster, poll
 from tests.e2e.test_dev_cluster import _alive
 from tollgate_llm.ledger.engine import create_engine_from_url
 
@@ -29,20 +29,8 @@ KILLED = ("worker-1", "relay", "edge-1", "kafka")
 def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    port = three_free_ports()
-    out = tmp_path / "dev-cluster.out"
-    proc = spawn(
-        [*TOLLGATE, "dev-cluster", "--database-url", postgres_url, "--port", str(port),
-         "--kafka-port", "0", "--model", MODEL, "--simulated-replicas", "1",
-         "--sim-speed", "20", "--log-dir", str(tmp_path / "logs")],
-        out, env={"TOLLGATE_DATA_DIR": str(tmp_path / "data")},
-    )  # fmt: skip
-    try:
-        poll("the dev cluster's banner",
-             lambda: "Ctrl-C" in out.read_text() or proc.poll() is not None, timeout=180,
-             every=0.5)  # fmt: skip
-        banner = out.read_text()
-        assert proc.poll() is None, banner
+    with dev_cluster(postgres_url, tmp_path, "--simulated-replicas", "1", grace=60) as cluster:
+        port, proc, out, banner = cluster.port, cluster.proc, cluster.out, cluster.banner
         keys = json.loads((tmp_path / "data" / "demo-keys.json").read_text())
         pids = {name: int(pid) for name, pid in re.findall(r"^  (\S+) .*pid (\d+)\)?$", banner,
                                                           re.M)}  # fmt: skip
@@ -122,8 +110,6 @@ def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, out.read_text()[-3000:]
         assert not any(_alive(pid) for pid in restarted.values())
-    finally:
-        _stop_process(proc, grace=60)
 
 
 def _answers(url: str) -> bool:
