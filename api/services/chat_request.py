@@ -16,13 +16,27 @@ the same bounds, beside each other. `request_schema()` is the published schema o
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from tollgate_llm.api.services.chat_schema import (
+    AUDIO_FORMATS,
+    BOOLEAN,
+    CONTENT_REQUIRED,
+    FUNCTION_NAME,
+    IMAGE_DETAILS,
+    PARTS_BY_ROLE,
+    STRING,
+    const,
+    enum_of,
+    message_schema,
+    named_schema,
+    nullable,
+    obj,
+)
 from tollgate_llm.api.services.errors import ApiError, bad_request
 from tollgate_llm.domain.errors import DomainError
 from tollgate_llm.domain.governance.end_users import MAX_END_USER_CHARS
@@ -43,29 +57,13 @@ MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# Matched whole (`fullmatch`): with `match`, `$` also matches before a final newline.
-FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
-# Content part types by role: OpenAI's, plus the audio and video URLs vLLM takes from users.
-_PARTS_BY_ROLE: dict[str, frozenset[str]] = {
-    "system": frozenset({"text"}),
-    "developer": frozenset({"text"}),
-    "user": frozenset({"text", "image_url", "input_audio", "file", "audio_url", "video_url"}),
-    "assistant": frozenset({"text", "refusal"}),
-    "tool": frozenset({"text"}),
-    "function": frozenset(),
-}
-# Roles whose `content` may not be null (the assistant's may, with tool calls; a function result's
-# may, by the deprecated schema).
-_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
 _MESSAGE_KEYS = frozenset(
     {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call", "audio"}
 )
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
 REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
-IMAGE_DETAILS = frozenset({"auto", "low", "high"})
-AUDIO_FORMATS = frozenset({"wav", "mp3"})
 # OpenAI's `service_tier` values Tollgate serves: "auto" and "default" are the interactive class,
 # "flex" the preemptible, discounted one (domain/types.py ServiceTier).
 SERVICE_TIERS = {"auto": "default", "default": "default", "flex": "flex"}
@@ -253,7 +251,7 @@ def _check_message(message: Any) -> None:
     if type(content) is str:
         pass
     elif type(content) is list:
-        allowed = _PARTS_BY_ROLE[role]
+        allowed = PARTS_BY_ROLE[role]
         if not allowed:
             raise _Bad(".content", "must be a string", "invalid_type")
         for j, part in enumerate(content):
@@ -262,7 +260,7 @@ def _check_message(message: Any) -> None:
             except _Bad as bad:
                 raise _Bad(f".content[{j}]{bad.where}", bad.rule, bad.code) from None
     elif content is None:
-        if role in _CONTENT_REQUIRED:
+        if role in CONTENT_REQUIRED:
             raise _Bad(".content", "is required", "missing_required_parameter")
         if (
             role == "assistant"
@@ -475,7 +473,7 @@ def _check_response_format(value: Any, body: dict[str, Any]) -> None:
             raise _Bad(".type", f"must be one of {', '.join(sorted(RESPONSE_FORMATS))}")
         if value["type"] == "json_schema":
             spec = _need(value, "json_schema", dict, "an object")
-            _check_named_schema(spec, "schema", ".json_schema")
+            _checknamed_schema(spec, "schema", ".json_schema")
     except _Bad as bad:
         raise bad.at("response_format") from None
 
@@ -492,12 +490,12 @@ def _check_tools(value: Any, body: dict[str, Any]) -> None:
             if tool.get("type") != "function":
                 raise _Bad(".type", "must be function")
             function = _need(tool, "function", dict, "an object")
-            _check_named_schema(function, "parameters", ".function")
+            _checknamed_schema(function, "parameters", ".function")
         except _Bad as bad:
             raise bad.at(f"tools[{j}]") from None
 
 
-def _check_named_schema(spec: dict[str, Any], schema_key: str, where: str) -> None:
+def _checknamed_schema(spec: dict[str, Any], schema_key: str, where: str) -> None:
     """A function of `tools` or a response's json_schema: a name, a JSON schema under
     `schema_key`, an optional description and strict flag."""
     name = spec.get("name")
@@ -564,96 +562,6 @@ def _optional(obj: dict[str, Any], key: str, kind: type, expected: str, where: s
 # (stream_options only with stream, top_logprobs only with logprobs, tool_choice only with tools)
 # are stated in the body's `allOf`, nesting in its description.
 
-STRING: dict[str, Any] = {"type": "string"}
-BOOLEAN: dict[str, Any] = {"type": "boolean"}
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _obj(required: list[str], **properties: Any) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = required
-    return schema
-
-
-def _const(value: str) -> dict[str, Any]:
-    return {"type": "string", "const": value}
-
-
-def _enum(values: frozenset[str]) -> dict[str, Any]:
-    return {"type": "string", "enum": sorted(values)}
-
-
-def _url_part(kind: str, **extra: Any) -> dict[str, Any]:
-    return _obj(["type", kind], type=_const(kind), **{kind: _obj(["url"], url=STRING, **extra)})
-
-
-# What `_check_part` takes, by part type.
-_PART_SCHEMAS = {
-    "text": _obj(["type", "text"], type=_const("text"), text=STRING),
-    "refusal": _obj(["type", "refusal"], type=_const("refusal"), refusal=STRING),
-    "image_url": _url_part("image_url", detail=_nullable(_enum(IMAGE_DETAILS))),
-    "input_audio": _obj(
-        ["type", "input_audio"], type=_const("input_audio"),
-        input_audio=_obj(["data", "format"], data=STRING, format=_enum(AUDIO_FORMATS)),
-    ),
-    "file": _obj(["type", "file"], type=_const("file"), file=_obj(
-        [], **dict.fromkeys(("file_data", "file_id", "filename"), _nullable(STRING))
-    )),
-    "audio_url": _url_part("audio_url"),
-    "video_url": _url_part("video_url"),
-}  # fmt: skip
-_TOOL_CALL = _obj(
-    ["id", "function"], id=STRING, type=_const("function"),
-    function=_obj(["name", "arguments"], name=STRING, arguments=STRING),
-)  # fmt: skip
-
-
-def _message_schema(role: str) -> dict[str, Any]:
-    """What `_check_message` takes from a message of `role` (by `_PARTS_BY_ROLE` and
-    `_CONTENT_REQUIRED`)."""
-    parts = sorted(_PARTS_BY_ROLE[role])
-    content: dict[str, Any] = STRING
-    if parts:
-        content = {"anyOf": [STRING, {"type": "array", "items": {
-            "anyOf": [_PART_SCHEMAS[p] for p in parts]
-        }}]}  # fmt: skip
-    required = ["role"]
-    fields = {k: _nullable(STRING) for k in ("name", "tool_call_id", "refusal")}
-    if role in _CONTENT_REQUIRED:
-        required.append("content")
-    else:
-        content = _nullable(content)
-    if role == "tool":
-        required.append("tool_call_id")
-        fields["tool_call_id"] = STRING
-    calls = _nullable({"type": "array", "items": _TOOL_CALL}) if role == "assistant" else {
-        "type": "null"
-    }
-    schema = _obj(required, role=_const(role), content=content, **fields, tool_calls=calls)
-    if role == "assistant":  # content unless tool calls (or a legacy function_call)
-        schema["anyOf"] = [
-            {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
-            {"required": ["tool_calls"],
-             "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
-            {"required": ["function_call"],
-             "properties": {"function_call": {"not": {"type": "null"}}}},
-        ]  # fmt: skip
-    return schema
-
-
-def _named_schema(schema_key: str) -> dict[str, Any]:
-    """`_check_named_schema`'s."""
-    return _obj(
-        ["name"], name={"type": "string", "pattern": f"^{FUNCTION_NAME.pattern}$"},
-        description=_nullable(STRING), strict=_nullable(BOOLEAN),
-        **{schema_key: _nullable({"type": "object"})},
-    )  # fmt: skip
-
-
 # `max_completion_tokens` and `max_tokens`, checked by `_positive_int`.
 _POSITIVE = Spec(None, {"type": "integer", "minimum": 1, "maximum": INT64_MAX})
 
@@ -663,11 +571,11 @@ FIELDS: dict[str, Spec] = {
                   "a model name (its newest version on sale) or a pinned version "
                   "(`llama-3.1-8b-2026-05`); GET /v1/models lists them. No NUL (U+0000): a 400"),
     "messages": Spec(None, {"type": "array", "minItems": 1, "items": {
-        "oneOf": [_message_schema(role) for role in sorted(ROLES)]
+        "oneOf": [message_schema(role) for role in sorted(ROLES)]
     }}, True),
     "stream": Spec(None, BOOLEAN),
-    "stream_options": Spec(None, _obj(
-        [], include_usage=_nullable(BOOLEAN), continuous_usage_stats=_nullable(BOOLEAN)
+    "stream_options": Spec(None, obj(
+        [], include_usage=nullable(BOOLEAN), continuous_usage_stats=nullable(BOOLEAN)
     )),
     "max_completion_tokens": _POSITIVE,
     "max_tokens": _POSITIVE.described(
@@ -722,17 +630,17 @@ FIELDS: dict[str, Spec] = {
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     }),  # fmt: skip
     "response_format": Spec(_check_response_format, {"oneOf": [
-        _obj(["type"], type=_const(kind)) if kind != "json_schema" else _obj(
-            ["type", "json_schema"], type=_const(kind), json_schema=_named_schema("schema")
+        obj(["type"], type=const(kind)) if kind != "json_schema" else obj(
+            ["type", "json_schema"], type=const(kind), json_schema=named_schema("schema")
         ) for kind in sorted(RESPONSE_FORMATS)
     ]}),  # fmt: skip
-    "tools": Spec(_check_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": _obj(
-        ["type", "function"], type=_const("function"), function=_named_schema("parameters")
+    "tools": Spec(_check_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": obj(
+        ["type", "function"], type=const("function"), function=named_schema("parameters")
     )}),  # fmt: skip
-    "tool_choice": Spec(_check_tool_choice, {"anyOf": [_enum(TOOL_CHOICES), _obj(
-        ["type", "function"], type=_const("function"), function=_obj(["name"], name=STRING)
+    "tool_choice": Spec(_check_tool_choice, {"anyOf": [enum_of(TOOL_CHOICES), obj(
+        ["type", "function"], type=const("function"), function=obj(["name"], name=STRING)
     )]}),  # fmt: skip
-    "reasoning_effort": Spec(_check_reasoning_effort, _enum(REASONING_EFFORTS)),
+    "reasoning_effort": Spec(_check_reasoning_effort, enum_of(REASONING_EFFORTS)),
     "chat_template_kwargs": Spec(_check_chat_template_kwargs, {"type": "object"}),
     # The simulated replica's fault injection (engine_adapter/README.md); not published.
     "sim_fail_after_tokens": _integer("sim_fail_after_tokens", 0, INT64_MAX),
@@ -755,7 +663,7 @@ def request_schema() -> dict[str, Any]:
     for name, spec in FIELDS.items():
         if name in _UNPUBLISHED:
             continue
-        schema = spec.schema if spec.required else _nullable(spec.schema)
+        schema = spec.schema if spec.required else nullable(spec.schema)
         properties[name] = {**schema, "description": spec.description} if spec.description else (
             schema
         )
