@@ -188,13 +188,18 @@ def test_the_model_list_shows_a_tenant_its_own_adapters_and_no_one_elses(
     def adapters_of(secret: str) -> dict[str, dict[str, Any]]:
         return {m["id"]: m for m in listed(secret) if m["owned_by"] != "tollgate"}
 
-    poll("the edge to follow the registrations",
-         lambda: set(adapters_of(b.secret)) == {"b-support"})  # fmt: skip
+    # (the revoke is the last control event: until it is followed, A still lists a-gone)
+    poll("the edge to follow the registrations and the revoke",
+         lambda: set(adapters_of(b.secret)) == {"b-support"}
+         and set(adapters_of(a.secret)) == {"a-support"})  # fmt: skip
     # Then each tenant sees the models on sale and its own adapters only, with their parent
     mine = adapters_of(a.secret)
     assert set(mine) == {"a-support"}
     assert mine["a-support"] == {
-        **mine["a-support"], "object": "model", "owned_by": a.name, "parent": MODEL,
+        **mine["a-support"],
+        "object": "model",
+        "owned_by": a.name,
+        "parent": MODEL,
     }
     assert set(adapters_of(b.secret)) == {"b-support"}
     assert adapters_of(b.secret)["b-support"]["owned_by"] == b.name

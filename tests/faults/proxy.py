@@ -7,6 +7,7 @@ new ones too)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -49,31 +50,44 @@ class FaultyProxy:
             _abort(writer)
             self.resets += 1
             return
+        self._writers.add(writer)  # before the upstream connects: a close meanwhile aborts it
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
+            self._writers.discard(writer)
             _abort(writer)
             return
-        self._writers.update((writer, up_writer))
-        await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
-        )
+        if writer not in self._writers:  # reset or closed while connecting
+            _abort(up_writer)
+            return
+        self._writers.add(up_writer)
+        # Either side's end ends both: a half-open pair would keep a PostgreSQL backend (maybe
+        # inside a transaction, holding its locks) alive after its client is gone.
+        pipes = [asyncio.ensure_future(self._pipe(reader, up_writer)),
+                 asyncio.ensure_future(self._pipe(up_reader, writer))]  # fmt: skip
+        _, pending = await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        if pending:  # the other side's own close, passed on as a FIN, gets a moment to arrive
+            await asyncio.wait(pending, timeout=1.0)
         for w in (writer, up_writer):
             self._writers.discard(w)
-            w.close()
+            _abort(w)
+        for pipe in pipes:
+            pipe.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            while self.mode == "blackhole":
-                await asyncio.sleep(0.05)
-            if self.mode == "latency":
-                await asyncio.sleep(self.delay_s)
-            if writer.is_closing():
-                return
-            writer.write(data)
-            await writer.drain()
-        if not writer.is_closing() and writer.can_write_eof():
-            writer.write_eof()
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                while self.mode == "blackhole":
+                    await asyncio.sleep(0.05)
+                if self.mode == "latency":
+                    await asyncio.sleep(self.delay_s)
+                if writer.is_closing():
+                    return
+                writer.write(data)
+                await writer.drain()
+            if not writer.is_closing() and writer.can_write_eof():
+                writer.write_eof()
 
     def close(self) -> None:
         """Aborts every open connection, then stops: a stopped loop would otherwise keep its
