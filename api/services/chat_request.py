@@ -22,13 +22,16 @@ from typing import Any
 
 import orjson
 
+from tollgate_llm.api.services.chat_messages import (
+    ROLES,
+    Bad,
+    check_messages,
+    need,
+    one_of,
+)
 from tollgate_llm.api.services.chat_schema import (
-    AUDIO_FORMATS,
     BOOLEAN,
-    CONTENT_REQUIRED,
     FUNCTION_NAME,
-    IMAGE_DETAILS,
-    PARTS_BY_ROLE,
     STRING,
     const,
     enum_of,
@@ -41,8 +44,6 @@ from tollgate_llm.api.services.errors import ApiError, bad_request
 from tollgate_llm.domain.errors import DomainError
 from tollgate_llm.domain.governance.end_users import MAX_END_USER_CHARS
 from tollgate_llm.domain.text import check_metadata, unstorable
-
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 # The model name reaches the refusal event, the 404 message and the read models, whose model
 # columns are 200 characters wide (ledger/schema.py; PostgreSQL enforces it). That holds any
@@ -135,7 +136,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     messages = body.get("messages")
     if type(messages) is not list or not messages:
         raise _missing_or_type(messages, "messages", "a non-empty array")
-    _check_messages(messages)
+    check_messages(messages)
 
     stream = body.get("stream")
     if stream is None:
@@ -213,131 +214,6 @@ def _service_tier(body: dict[str, Any]) -> str:
 
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-
-
-# --- messages ------------------------------------------------------------------------------------
-
-
-class _Bad(Exception):
-    """A rule broken inside an array item, named relative to it (".type", "" for the item): the
-    loop that knows the item's index names the full field, so the ordinary path formats no
-    strings."""
-
-    def __init__(self, where: str, rule: str, code: str = "invalid_value") -> None:
-        self.where, self.rule, self.code = where, rule, code
-
-    def at(self, prefix: str) -> ApiError:
-        param = prefix + self.where
-        return bad_request(f"'{param}' {self.rule}", param, code=self.code)
-
-
-def _check_messages(messages: list[Any]) -> None:
-    for i, message in enumerate(messages):
-        try:
-            _check_message(message)
-        except _Bad as bad:
-            raise bad.at(f"messages[{i}]") from None
-
-
-def _check_message(message: Any) -> None:
-    if type(message) is not dict:
-        raise _Bad("", "must be an object", "invalid_type")
-    role = message.get("role")
-    if not _one_of(role, ROLES):
-        if role is None:
-            raise _Bad(".role", "is required", "missing_required_parameter")
-        raise _Bad(".role", f"must be one of {', '.join(sorted(ROLES))}")
-    content = message.get("content")
-    if type(content) is str:
-        pass
-    elif type(content) is list:
-        allowed = PARTS_BY_ROLE[role]
-        if not allowed:
-            raise _Bad(".content", "must be a string", "invalid_type")
-        for j, part in enumerate(content):
-            try:
-                _check_part(part, allowed, role)
-            except _Bad as bad:
-                raise _Bad(f".content[{j}]{bad.where}", bad.rule, bad.code) from None
-    elif content is None:
-        if role in CONTENT_REQUIRED:
-            raise _Bad(".content", "is required", "missing_required_parameter")
-        if (
-            role == "assistant"
-            and not message.get("tool_calls")
-            and message.get("function_call") is None
-        ):
-            raise _Bad(
-                ".content", "is required unless tool_calls is given", "missing_required_parameter"
-            )
-    else:
-        raise _Bad(".content", "must be a string or an array of content parts", "invalid_type")
-    # Role and content are all an ordinary message has.
-    if len(message) > 2 or content is None or role == "tool":
-        _check_message_extras(message, role)
-
-
-def _check_part(part: Any, allowed: frozenset[str], role: str) -> None:
-    if type(part) is not dict:
-        raise _Bad("", "must be an object", "invalid_type")
-    kind = part.get("type")
-    if not _one_of(kind, allowed):
-        raise _Bad(".type", f"must be one of {', '.join(sorted(allowed))} in a {role} message")
-    if kind == "text" or kind == "refusal":
-        _need(part, kind, str, "a string")
-    elif kind == "input_audio":
-        audio = _need(part, "input_audio", dict, "an object")
-        _need(audio, "data", str, "a string", ".input_audio")
-        if not _one_of(audio.get("format"), AUDIO_FORMATS):
-            raise _Bad(".input_audio.format", "must be wav or mp3")
-    elif kind == "file":
-        file = _need(part, "file", dict, "an object")
-        for key in ("file_data", "file_id", "filename"):
-            if file.get(key) is not None and type(file[key]) is not str:
-                raise _Bad(f".file.{key}", "must be a string", "invalid_type")
-    else:  # image_url, audio_url, video_url: {"type": T, T: {"url": ..., ...}}
-        target = _need(part, kind, dict, "an object")
-        _need(target, "url", str, "a string", "." + kind)
-        detail = target.get("detail")
-        if kind == "image_url" and detail is not None and not _one_of(detail, IMAGE_DETAILS):
-            raise _Bad(".image_url.detail", "must be auto, low or high")
-
-
-def _check_message_extras(message: dict[str, Any], role: str) -> None:
-    for key in ("name", "tool_call_id", "refusal"):
-        value = message.get(key)
-        if value is not None and type(value) is not str:
-            raise _Bad("." + key, "must be a string", "invalid_type")
-    if role == "tool" and message.get("tool_call_id") is None:
-        raise _Bad(".tool_call_id", "is required", "missing_required_parameter")
-    calls = message.get("tool_calls")
-    if calls is None:
-        return
-    if role != "assistant":
-        raise _Bad(".tool_calls", "is only allowed in assistant messages")
-    if type(calls) is not list:
-        raise _Bad(".tool_calls", "must be an array", "invalid_type")
-    for j, call in enumerate(calls):
-        try:
-            if type(call) is not dict:
-                raise _Bad("", "must be an object", "invalid_type")
-            _need(call, "id", str, "a string")
-            if call.get("type", "function") != "function":
-                raise _Bad(".type", "must be function")
-            function = _need(call, "function", dict, "an object")
-            _need(function, "name", str, "a string", ".function")
-            _need(function, "arguments", str, "a string", ".function")
-        except _Bad as bad:
-            raise _Bad(f".tool_calls[{j}]{bad.where}", bad.rule, bad.code) from None
-
-
-def _need(obj: dict[str, Any], key: str, kind: type, expected: str, where: str = "") -> Any:
-    value = obj.get(key)
-    if type(value) is not kind:
-        if value is None:
-            raise _Bad(f"{where}.{key}", "is required", "missing_required_parameter")
-        raise _Bad(f"{where}.{key}", f"must be {expected}", "invalid_type")
-    return value
 
 
 # --- the other fields, each checked only when present and not null ------------------------------
@@ -469,12 +345,12 @@ def _check_response_format(value: Any, body: dict[str, Any]) -> None:
     if type(value) is not dict:
         raise _type("response_format", "an object")
     try:
-        if not _one_of(value.get("type"), RESPONSE_FORMATS):
-            raise _Bad(".type", f"must be one of {', '.join(sorted(RESPONSE_FORMATS))}")
+        if not one_of(value.get("type"), RESPONSE_FORMATS):
+            raise Bad(".type", f"must be one of {', '.join(sorted(RESPONSE_FORMATS))}")
         if value["type"] == "json_schema":
-            spec = _need(value, "json_schema", dict, "an object")
+            spec = need(value, "json_schema", dict, "an object")
             _checknamed_schema(spec, "schema", ".json_schema")
-    except _Bad as bad:
+    except Bad as bad:
         raise bad.at("response_format") from None
 
 
@@ -486,12 +362,12 @@ def _check_tools(value: Any, body: dict[str, Any]) -> None:
     for j, tool in enumerate(value):
         try:
             if type(tool) is not dict:
-                raise _Bad("", "must be an object", "invalid_type")
+                raise Bad("", "must be an object", "invalid_type")
             if tool.get("type") != "function":
-                raise _Bad(".type", "must be function")
-            function = _need(tool, "function", dict, "an object")
+                raise Bad(".type", "must be function")
+            function = need(tool, "function", dict, "an object")
             _checknamed_schema(function, "parameters", ".function")
-        except _Bad as bad:
+        except Bad as bad:
             raise bad.at(f"tools[{j}]") from None
 
 
@@ -500,7 +376,7 @@ def _checknamed_schema(spec: dict[str, Any], schema_key: str, where: str) -> Non
     `schema_key`, an optional description and strict flag."""
     name = spec.get("name")
     if type(name) is not str or not FUNCTION_NAME.fullmatch(name):
-        raise _Bad(f"{where}.name", "must be 1-64 letters, digits, _ or -")
+        raise Bad(f"{where}.name", "must be 1-64 letters, digits, _ or -")
     _optional(spec, "description", str, "a string", where)
     _optional(spec, schema_key, dict, "an object", where)
     _optional(spec, "strict", bool, "a boolean", where)
@@ -539,7 +415,7 @@ def _check_tool_choice(value: Any, body: dict[str, Any]) -> None:
 
 
 def _check_reasoning_effort(value: Any, body: dict[str, Any]) -> None:
-    if not _one_of(value, REASONING_EFFORTS):
+    if not one_of(value, REASONING_EFFORTS):
         raise bad_request(
             f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
             "reasoning_effort",
@@ -554,7 +430,7 @@ def _check_chat_template_kwargs(value: Any, body: dict[str, Any]) -> None:
 def _optional(obj: dict[str, Any], key: str, kind: type, expected: str, where: str) -> None:
     value = obj.get(key)
     if value is not None and type(value) is not kind:
-        raise _Bad(f"{where}.{key}", f"must be {expected}", "invalid_type")
+        raise Bad(f"{where}.{key}", f"must be {expected}", "invalid_type")
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -730,11 +606,6 @@ def _too_deep(container: Any, levels: int) -> bool:
         if (kind is dict or kind is list) and _too_deep(item, below):
             return True
     return False
-
-
-def _one_of(value: Any, allowed: frozenset[str]) -> bool:
-    # The type test first: a list or an object is unhashable, and `in` would raise.
-    return type(value) is str and value in allowed
 
 
 def _flag(options: dict[str, Any], key: str, param: str) -> bool:
