@@ -64,11 +64,13 @@ def task_class(
     """The request's task class, e.g. "p1.t0.ft.r0.b7": prompt band, tools present, response
     format, part of a run, the tenant-keyed system-prompt bucket (-1: none). All known at
     admission; nothing of the text. Read from `_CLASSES` (every class of a bucket in range,
-    made once): admission formats no string for it."""
+    made once, in one flat table: a nested one costs a read of each level's list, each in
+    memory of its own, which admission reads cold): admission formats no string for it."""
     band = bisect.bisect_right(PROMPT_BANDS, prompt_tokens)
     fmt = _FORMAT_INDEX.get(response_format, 0)
     if -1 <= system_prompt_bucket < SYSTEM_PROMPT_BUCKETS:
-        return _CLASSES[system_prompt_bucket + 1][band][tools][fmt][in_run]
+        bucket_band = (system_prompt_bucket + 1) * _BANDS + band
+        return _CLASSES[((bucket_band * 2 + tools) * _FORMAT_COUNT + fmt) * 2 + in_run]
     return _format_class(system_prompt_bucket, band, tools, _FORMATS[fmt], in_run)
 
 
@@ -78,17 +80,17 @@ def _format_class(bucket: int, band: int, tools: bool, fmt: str, in_run: bool) -
 
 _FORMATS: Final = tuple(RESPONSE_FORMATS.values())
 _FORMAT_INDEX: Final = {name: i for i, name in enumerate(RESPONSE_FORMATS)}
-# [bucket + 1][band][tools][format][in run] -> the class
-_CLASSES: Final = [
-    [
-        [
-            [[_format_class(b, band, tools, f, run) for run in (False, True)] for f in _FORMATS]
-            for tools in (False, True)
-        ]
-        for band in range(len(PROMPT_BANDS) + 1)
-    ]
+_FORMAT_COUNT: Final = len(_FORMATS)
+_BANDS: Final = len(PROMPT_BANDS) + 1
+# (bucket + 1, band, tools, format, in run), in that order of significance -> the class
+_CLASSES: Final = tuple(
+    _format_class(b, band, tools, f, run)
     for b in range(-1, SYSTEM_PROMPT_BUCKETS)
-]
+    for band in range(_BANDS)
+    for tools in (False, True)
+    for f in _FORMATS
+    for run in (False, True)
+)
 
 
 def shape_of(cls: str) -> str:
@@ -244,9 +246,7 @@ class QualityView:
         weight = 0.0 if tally is None else tally.weight
         return (0 if learned is None else learned), 1_000_000, weight
 
-    def drifted(
-        self, tenant_id: str, model: str, cls: str, bar_ppm: int, since: datetime
-    ) -> bool:
+    def drifted(self, tenant_id: str, model: str, cls: str, bar_ppm: int, since: datetime) -> bool:
         """`model`'s routed answers of the class since `since` score below the bar (DRIFT_MIN
         of them at least): what its estimate, all of its history, does not show yet."""
         window = self.recent.get((tenant_id, model, cls))

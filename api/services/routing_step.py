@@ -13,7 +13,8 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Final
 
 import orjson
 
@@ -41,6 +42,22 @@ REFRESH_S = LADDER_TTL.total_seconds() / 2
 # How a fact of another stream is recorded without waiting (`Recorder.fact`): (stream id,
 # tenant, event, expected version).
 Fact = Callable[[str, str, Event, int | None], None]
+# A ladder not ordered yet: taken as expired.
+_NEVER = datetime.min.replace(tzinfo=UTC)
+
+
+@dataclass(slots=True)
+class _Ladder:
+    """A consent's models on sale, cheapest first (`RoutingStep._order`), taken as known until
+    `until`: one per (tenant, project) consent, ordered again in place; `_NO_CONSENT` for a
+    key without one."""
+
+    policy: RoutingPolicy | None
+    until: datetime
+    on_sale: list[str]
+
+
+_NO_CONSENT: Final = _Ladder(None, _NEVER, [])
 
 
 @dataclass(slots=True)
@@ -84,8 +101,14 @@ class RoutingStep:
         self.rng = rng
         self.clock = clock
         self.signals = signals or ImplicitSignals()
-        # tenant -> project -> (the policy, valid until, its models on sale cheapest first)
-        self._ladders: dict[str, dict[str, tuple[RoutingPolicy, datetime, list[str]]]] = {}
+        # tenant -> project -> its consent's models on sale
+        self._ladders: dict[str, dict[str, _Ladder]] = {}
+        # (tenant, key) -> the ladder of the consent in force for the key, while the control
+        # view's `changes` stays `_changes`: a request reads it in one look-up, where the key's
+        # project and its consent are four calls (`policy`), each of them cold at admission,
+        # whose cache misses were most of the step's tail.
+        self._keys: dict[tuple[str, str], _Ladder] = {}
+        self._changes = -1
 
     def policy(self, caller: Caller) -> RoutingPolicy | None:
         project = self.control.hierarchy.project_of_key(caller.tenant_id, caller.key_id)
@@ -99,10 +122,17 @@ class RoutingStep:
         `auto`, or the tenant's policy does not route its reference model); for `auto` without
         consent (or none of its models on sale), the error an unknown model gets, recorded:
         nothing is routed for a tenant that did not ask for it."""
-        policy = self.policy(caller)
+        if self._changes != self.control.changes:
+            self._forget()
+        ladder = self._keys.get((caller.tenant_id, caller.key_id)) or self._consent(caller)
+        policy = ladder.policy
         if model != AUTO and (policy is None or not policy.route_reference):
             return None
-        on_sale = [] if policy is None else self._ladder(policy)
+        on_sale = ladder.on_sale
+        if policy is not None:
+            now = self.clock()
+            if not now < ladder.until:
+                on_sale = self._order(ladder, now)
         if model != AUTO:
             if not on_sale or model != on_sale[-1]:
                 return None
@@ -114,9 +144,16 @@ class RoutingStep:
                 param="model", code="model_not_found",
             )  # fmt: skip
         assert policy is not None
+        upstream = req.upstream
+        tools = upstream.get("tools")
         estimator = self.tokens(on_sale[-1])
-        tokens = estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
-        cls = request_task_class(req, bucket, tokens, run)
+        tokens = estimator.prompt_tokens(req.messages, tools)
+        # `request_task_class`, inlined: a call less, which admission makes cold.
+        fmt = upstream.get("response_format")
+        cls = task_class(
+            bucket, tokens, bool(tools),
+            fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
+        )  # fmt: skip
         routed = choose(policy, on_sale, self.quality, cls, self.rng.random())
         return Routing(routed, policy, model, (estimator, tokens))
 
@@ -137,29 +174,44 @@ class RoutingStep:
         headers["X-Tollgate-Routing-Reason"] = r.reason
         self.metrics.routed_of(routing.asked, r.served_model, r.reason).inc()
 
-    def _ladder(self, policy: RoutingPolicy) -> list[str]:
-        """The policy's models on sale, cheapest first, as of at most LADDER_TTL ago: resolving
-        and pricing them was most of the step's cost, and they change when an operator acts.
-        `refresh`, on a timer beside admission, keeps them current so that a request finds
-        them ready; a request orders them itself only for a policy new to the step, or when
-        no refresh came in time."""
-        now = self.clock()
-        projects = self._ladders.get(policy.tenant_id)
-        kept = None if projects is None else projects.get(policy.project_id)
-        if kept is not None and kept[0] is policy and now < kept[1]:
-            return kept[2]
-        return self._order(policy, now)
+    def _forget(self) -> None:
+        """The control view changed: which consent each key has is looked up again. Its count
+        is read before any consent is: a change folded meanwhile is seen at the next request."""
+        self._changes = self.control.changes
+        self._keys.clear()
 
-    def _order(self, policy: RoutingPolicy, now: datetime) -> list[str]:
+    def _consent(self, caller: Caller) -> _Ladder:
+        """The ladder of the consent in force for the caller's key (`_NO_CONSENT`: none), whose
+        models on sale are taken as known for at most LADDER_TTL: resolving and pricing them
+        was most of the step's cost, and they change when an operator acts. `refresh`, on a
+        timer beside admission, keeps them current so that a request finds them ready; a
+        request orders them itself only for a consent new to the step, or when no refresh
+        came in time."""
+        policy = self.policy(caller)
+        ladder = _NO_CONSENT if policy is None else self._ladder_of(policy)
+        self._keys[(caller.tenant_id, caller.key_id)] = ladder
+        return ladder
+
+    def _ladder_of(self, policy: RoutingPolicy) -> _Ladder:
         projects = self._ladders.get(policy.tenant_id)
         if projects is None:
             projects = self._ladders[policy.tenant_id] = {}
         kept = projects.get(policy.project_id)
+        if kept is None or kept.policy is not policy:
+            # Ordered at its first request: a consent's ladder is made for its keys only.
+            on_sale = [] if kept is None else kept.on_sale
+            kept = projects[policy.project_id] = _Ladder(policy, _NEVER, on_sale)
+        return kept
+
+    def _order(self, ladder: _Ladder, now: datetime) -> list[str]:
+        policy = ladder.policy
+        assert policy is not None
         on_sale = [m for m in dict.fromkeys(self.resolve(name) for name in policy.models) if m]
         on_sale.sort(key=lambda m: (unit_price(self.control.price(m, now)), m))
-        if kept is not None and kept[2] == on_sale:
-            on_sale = kept[2]  # the same order: the same list, which `choose`'s plans compare
-        projects[policy.project_id] = (policy, now + LADDER_TTL, on_sale)
+        if ladder.on_sale == on_sale:
+            on_sale = ladder.on_sale  # the same order: the same list, which `choose` compares
+        ladder.on_sale = on_sale
+        ladder.until = now + LADDER_TTL
         return on_sale
 
     def refresh(self) -> None:
@@ -168,12 +220,12 @@ class RoutingStep:
         runtime calls this every REFRESH_S, so that admission reads a ready ladder."""
         now = self.clock()
         for tenant_id, projects in list(self._ladders.items()):
-            for project_id in list(projects):
+            for project_id, kept in list(projects.items()):
                 policy = self.control.routing_book.routing(tenant_id, project_id or None)
                 if policy is None or policy.project_id != project_id:
                     del projects[project_id]  # revoked, or the project's own one is gone
-                else:
-                    self._order(policy, now)
+                elif kept.until > _NEVER:  # one no request has ordered yet waits for one
+                    self._order(self._ladder_of(policy), now)
 
     # --- implicit feedback ---------------------------------------------------------------------
 

@@ -178,6 +178,9 @@ class ControlView:
         self._versions: dict[str, int] = {}
         self._seq = 0
         self.position = 0
+        # How many records have changed the view, counted once each is folded: what a reader
+        # keeps of it (the router's policy per key) holds while this stays the same.
+        self.changes = 0
 
     # --- folding ------------------------------------------------------------------------------
 
@@ -201,6 +204,7 @@ class ControlView:
             self.hierarchy.apply(event, at)
         self._seen.add(recorded.event_id)
         self._current.clear()
+        self.changes += 1
         self.position = max(self.position, recorded.position)
         stream = recorded.stream_id
         if recorded.stream_version > self._versions.get(stream, 0):

@@ -25,6 +25,7 @@ from tollgate_llm.domain.control_plane.decide import AllowRouting, RevokeRouting
 from tollgate_llm.domain.control_plane.events import PriceSet, RoutingAllowed, RoutingRevoked
 from tollgate_llm.domain.control_plane.state import ControlView
 from tollgate_llm.domain.errors import DomainError
+from tollgate_llm.domain.governance.events import KeyAssigned, ProjectCreated
 from tollgate_llm.domain.quota import QuotaView
 from tollgate_llm.domain.requests.events import (
     FeedbackRecorded,
@@ -290,3 +291,33 @@ def test_a_routed_request_goes_through_quota_like_any_other() -> None:
     with pytest.raises(ApiError) as err:
         router.chat()
     assert err.value.status == 429
+
+
+def test_a_key_is_routed_under_the_consent_in_force_for_it_as_the_control_plane_changes() -> None:
+    # The edge keeps which consent each key has between requests: each change of the control
+    # plane (a project's own consent, the key moved into it, a revoke) is seen at the next one.
+    router = Router()
+    router.consent()
+    scores(router.quality, SMALL, *[0.95] * 80)
+    assert router.chat().headers["X-Tollgate-Routed-To"] == SMALL
+
+    def fold(*events: Any) -> None:
+        for event in events:
+            router.control.apply(b.record(event, version=6, stream_id="tenant-acme", seconds=-10))
+
+    fold(ProjectCreated(b.TENANT, "p1", "p1", "ws"))
+    (own,) = decide_control(
+        router.control, AllowRouting(b.TENANT, (SMALL, LARGE), 990_000, 0, project_id="p1")
+    )
+    fold(own)
+    assert router.chat().headers["X-Tollgate-Routed-To"] == SMALL  # the key is not in p1 yet
+    fold(KeyAssigned(b.TENANT, CALLER.key_id, "p1"))
+    out = router.chat()  # p1's bar, 0.99, is above what the small model has shown
+    assert (out.headers["X-Tollgate-Routed-To"], out.headers["X-Tollgate-Routing-Reason"]) == (
+        LARGE, "below_bar")  # fmt: skip
+    fold(RoutingRevoked(b.TENANT, "p1"))
+    assert router.chat().headers["X-Tollgate-Routed-To"] == SMALL  # the organization's again
+    fold(RoutingRevoked(b.TENANT, ""))
+    with pytest.raises(ApiError) as err:
+        router.chat()
+    assert err.value.code == "model_not_found"
