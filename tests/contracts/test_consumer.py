@@ -27,6 +27,9 @@ from tollgate_llm.streams.topics import confluent, dead_letter_topic, ensure_top
 
 pytestmark = pytest.mark.postgres
 PARTITIONS = 4
+# How long a consumer may take to join its group (and a faust app to start) on a loaded machine;
+# what it reads is waited for after that, on the read's own deadline.
+JOIN_WAIT_S = 180.0
 
 
 @dataclass
@@ -69,7 +72,6 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
         from tollgate_llm.streams.faust_worker import FaustEventConsumer
         from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
 
-        client = FaustEventConsumer if kind == "faust" else KafkaEventConsumer
         bootstrap = request.getfixturevalue("kafka_broker").bootstrap
         topic = request.getfixturevalue("kafka_topic")
         ensure_topic(bootstrap, topic, PARTITIONS)
@@ -78,7 +80,12 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
             # A group of its own per test: the session's one broker keeps a group's protocol
             # and members across tests, and the two clients' protocols differ (a faust member
             # joining a group that confluent members formed is refused).
-            consumer = client(engine, bootstrap, topic, f"{topic}.{name}")
+            group = f"{topic}.{name}"
+            consumer = (
+                FaustEventConsumer(engine, bootstrap, topic, group, start_timeout_s=JOIN_WAIT_S)
+                if kind == "faust"
+                else KafkaEventConsumer(engine, bootstrap, topic, group)
+            )
             opened.append(consumer)
             return consumer
 
@@ -116,14 +123,31 @@ def effects(harness: Harness) -> sa.Table:
 
 
 def _read(consumer: EventConsumer, want: int, wait_s: float = 60.0) -> list[Batch]:
-    """Poll until `want` records came (bounded: a missing record fails, it never hangs)."""
+    """Poll until `want` records came, within `wait_s` of the consumer's first assignment
+    (bounded: a missing record fails, it never hangs). The group's join is waited for first, on
+    a deadline of its own, and a consumer never assigned fails: on a loaded machine the join
+    (a faust app's start with it) took over a minute, and a read whose wait it used up missed
+    records on their way (or, reading for none, passed without having read anything)."""
     batches: list[Batch] = []
-    deadline = time.monotonic() + wait_s
-    while sum(len(x) for x in batches) < want and time.monotonic() < deadline:
+    join_deadline = time.monotonic() + JOIN_WAIT_S
+    deadline: float | None = None
+    while sum(len(x) for x in batches) < want:
+        now = time.monotonic()
+        if deadline is None and _assigned(consumer):
+            deadline = now + wait_s
+        if deadline is None and now >= join_deadline:
+            pytest.fail(f"{consumer.name}: no partition assigned in {JOIN_WAIT_S:.0f} s")
+        if deadline is not None and now >= deadline:
+            break
         batch = consumer.poll(100, 0.5)
         if batch.next_offsets:
             batches.append(batch)
     return batches
+
+
+def _assigned(consumer: EventConsumer) -> bool:
+    """Whether the group gave the consumer its partitions (the SQL tail has no group: always)."""
+    return bool(getattr(consumer, "assigned", True))
 
 
 def _apply(engine: sa.Engine, consumer: EventConsumer, batch: Batch, table: sa.Table) -> int:
@@ -246,7 +270,7 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     assert producer.flush(10) == 0
     consumer = h.open("dead-letters")
     batches = _read(consumer, len(appended))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while consumer.dead_letters < 4 and time.monotonic() < deadline:
         batches.append(consumer.poll(100, 0.5))
     assert sorted(_ids(batches)) == sorted(appended)
@@ -259,7 +283,7 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     })
     reader.subscribe([dead_letter_topic(h.topic)])
     reasons: list[str] = []
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + JOIN_WAIT_S  # the reader joins a group of its own first
     while len(reasons) < 4 and time.monotonic() < deadline:
         for message in reader.consume(10, 0.5):
             if message.error() is None:
@@ -286,13 +310,15 @@ def test_a_faust_member_that_its_group_refuses_fails_its_poll(kafka_harness: Har
     formed = KafkaEventConsumer(h.engine, h.bootstrap, h.topic, group)
     refused = None
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + JOIN_WAIT_S
         while not formed.assigned and time.monotonic() < deadline:
             formed.poll(100, 0.5)
         assert formed.assigned
-        refused = FaustEventConsumer(h.engine, h.bootstrap, h.topic, group)
+        refused = FaustEventConsumer(
+            h.engine, h.bootstrap, h.topic, group, start_timeout_s=JOIN_WAIT_S
+        )
         with pytest.raises(RuntimeError, match="refused"):
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + JOIN_WAIT_S
             while time.monotonic() < deadline:
                 refused.poll(100, 0.5)
     finally:
