@@ -123,19 +123,30 @@ def effects(harness: Harness) -> sa.Table:
 
 
 def _read(consumer: EventConsumer, want: int, wait_s: float = 60.0) -> list[Batch]:
-    """Poll until `want` records came, within `wait_s` of the consumer's first assignment
-    (bounded: a missing record fails, it never hangs). The group's join is waited for first, on
-    a deadline of its own, and a consumer never assigned fails: on a loaded machine the join
-    (a faust app's start with it) took over a minute, and a read whose wait it used up missed
-    records on their way (or, reading for none, passed without having read anything)."""
+    """Poll until `want` records came, within `wait_s` of the consumer's latest placement
+    (bounded: a missing record fails, it never hangs).
+
+    The group's join is waited for first, on a deadline of its own, and a consumer never
+    assigned fails; a rebalance that places the consumer again starts the wait for the records
+    over (it reads them from the checkpoint). On a loaded machine the join (a faust app's start
+    with it) took over a minute, and a read whose wait it used up missed records on their way
+    (or, reading for none, passed without having read anything)."""
     batches: list[Batch] = []
-    join_deadline = time.monotonic() + JOIN_WAIT_S
-    deadline: float | None = None
+    start = time.monotonic()
+    give_up = start + 2 * (JOIN_WAIT_S + wait_s)  # however often the group rebalances
+    join_by: float = start + JOIN_WAIT_S
+    deadline: float | None = None  # None: waiting for a placement (until join_by)
+    placed: frozenset[int] = frozenset()
     while sum(len(x) for x in batches) < want:
         now = time.monotonic()
-        if deadline is None and _assigned(consumer):
-            deadline = now + wait_s
-        if deadline is None and now >= join_deadline:
+        held = _assignment(consumer)
+        if held != placed:  # placed, or revoked (a confluent member's, until the next placement)
+            placed = held
+            if held:
+                deadline = min(now + wait_s, give_up)
+            else:
+                deadline, join_by = None, min(now + JOIN_WAIT_S, give_up)
+        if deadline is None and now >= join_by:
             pytest.fail(f"{consumer.name}: no partition assigned in {JOIN_WAIT_S:.0f} s")
         if deadline is not None and now >= deadline:
             break
@@ -145,9 +156,9 @@ def _read(consumer: EventConsumer, want: int, wait_s: float = 60.0) -> list[Batc
     return batches
 
 
-def _assigned(consumer: EventConsumer) -> bool:
-    """Whether the group gave the consumer its partitions (the SQL tail has no group: always)."""
-    return bool(getattr(consumer, "assigned", True))
+def _assignment(consumer: EventConsumer) -> frozenset[int]:
+    """The partitions the group gave the consumer (the SQL tail has no group: all, as one)."""
+    return frozenset(getattr(consumer, "assigned", {0}))
 
 
 def _apply(engine: sa.Engine, consumer: EventConsumer, batch: Batch, table: sa.Table) -> int:
