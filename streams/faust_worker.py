@@ -73,6 +73,7 @@ class FaustEventConsumer(SavedOffsets):
         max_records: int = 5000,
         within_s: float = 0.2,
         kafka_settings: Mapping[str, str] | None = None,
+        start_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(engine, bootstrap, topic, name, kafka_settings)
         self._bootstrap = bootstrap
@@ -114,7 +115,10 @@ class FaustEventConsumer(SavedOffsets):
         self._thread = threading.Thread(target=self._run_app, name=f"faust-{name}", daemon=True)
         self._thread.start()
         # The app's start returns once the group assigned it partitions; a refusal ends the wait.
-        deadline = time.monotonic() + 60
+        # Past `start_timeout_s` the wait ends too, and only an app never built is a failure
+        # (one that is still joining its group is left to join it, and `poll` waits meanwhile).
+        # On a machine starved of CPU, building the app alone took more than a minute.
+        deadline = time.monotonic() + start_timeout_s
         while not self._started.wait(0.1) and self._refusal() is None:
             if time.monotonic() > deadline:
                 break

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from tests.kafka_helpers import append_requests
 from tollgate_llm.ledger.engine import create_engine_from_url
-from tollgate_llm.ledger.outbox import OutboxReader
+from tollgate_llm.ledger.outbox import OutboxReader, OutboxRow
 from tollgate_llm.ledger.schema import upgrade
 from tollgate_llm.ledger.store import SqlEventStore
 from tollgate_llm.streams.codec import REASON_HEADER, encode
@@ -27,6 +27,9 @@ from tollgate_llm.streams.topics import confluent, dead_letter_topic, ensure_top
 
 pytestmark = pytest.mark.postgres
 PARTITIONS = 4
+# How long a consumer may take to join its group (and a faust app to start) on a loaded machine;
+# what it reads is waited for after that, on the read's own deadline.
+JOIN_WAIT_S = 180.0
 
 
 @dataclass
@@ -45,10 +48,27 @@ def publish_store(engine: sa.Engine, bootstrap: str, topic: str) -> None:
     ck = confluent()
     ensure_topic(bootstrap, topic, PARTITIONS)
     producer = ck.Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-    for row in OutboxReader(engine).read_committed((0, 0), 100_000):
+    for row in _stored(engine):
         key, value = encode(row)
         producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
+
+
+def _stored(engine: sa.Engine) -> list[OutboxRow]:
+    """Every event the store holds, as the relay reads them, once all are readable. The relay
+    reads an event only when no transaction older than the event's is still open anywhere on
+    the server (`OutboxReader.read_committed`), and other suites' tests hold transactions open
+    on the same server: read once, the store gave part of its events or none, and a consumer's
+    read then waited its 60 s for records that were never published."""
+    reader = OutboxReader(engine)
+    held = reader.backlog((0, 0))
+    deadline = time.monotonic() + JOIN_WAIT_S
+    rows = reader.read_committed((0, 0), 100_000)
+    while len(rows) < held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rows = reader.read_committed((0, 0), 100_000)
+    assert len(rows) == held, f"{len(rows)} of the store's {held} events readable"
+    return rows
 
 
 def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> Iterator[Harness]:
@@ -69,7 +89,6 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
         from tollgate_llm.streams.faust_worker import FaustEventConsumer
         from tollgate_llm.streams.kafka_consumer import KafkaEventConsumer
 
-        client = FaustEventConsumer if kind == "faust" else KafkaEventConsumer
         bootstrap = request.getfixturevalue("kafka_broker").bootstrap
         topic = request.getfixturevalue("kafka_topic")
         ensure_topic(bootstrap, topic, PARTITIONS)
@@ -78,7 +97,12 @@ def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> It
             # A group of its own per test: the session's one broker keeps a group's protocol
             # and members across tests, and the two clients' protocols differ (a faust member
             # joining a group that confluent members formed is refused).
-            consumer = client(engine, bootstrap, topic, f"{topic}.{name}")
+            group = f"{topic}.{name}"
+            consumer = (
+                FaustEventConsumer(engine, bootstrap, topic, group, start_timeout_s=JOIN_WAIT_S)
+                if kind == "faust"
+                else KafkaEventConsumer(engine, bootstrap, topic, group)
+            )
             opened.append(consumer)
             return consumer
 
@@ -116,14 +140,42 @@ def effects(harness: Harness) -> sa.Table:
 
 
 def _read(consumer: EventConsumer, want: int, wait_s: float = 60.0) -> list[Batch]:
-    """Poll until `want` records came (bounded: a missing record fails, it never hangs)."""
+    """Poll until `want` records came, within `wait_s` of the consumer's latest placement
+    (bounded: a missing record fails, it never hangs).
+
+    The group's join is waited for first, on a deadline of its own, and a consumer never
+    assigned fails; a rebalance that places the consumer again starts the wait for the records
+    over (it reads them from the checkpoint). On a loaded machine the join (a faust app's start
+    with it) took over a minute, and a read whose wait it used up missed records on their way
+    (or, reading for none, passed without having read anything)."""
     batches: list[Batch] = []
-    deadline = time.monotonic() + wait_s
-    while sum(len(x) for x in batches) < want and time.monotonic() < deadline:
+    start = time.monotonic()
+    give_up = start + 2 * (JOIN_WAIT_S + wait_s)  # however often the group rebalances
+    join_by: float = start + JOIN_WAIT_S
+    deadline: float | None = None  # None: waiting for a placement (until join_by)
+    placed: frozenset[int] = frozenset()
+    while sum(len(x) for x in batches) < want:
+        now = time.monotonic()
+        held = _assignment(consumer)
+        if held != placed:  # placed, or revoked (a confluent member's, until the next placement)
+            placed = held
+            if held:
+                deadline = min(now + wait_s, give_up)
+            else:
+                deadline, join_by = None, min(now + JOIN_WAIT_S, give_up)
+        if deadline is None and now >= join_by:
+            pytest.fail(f"{consumer.name}: no partition assigned in {JOIN_WAIT_S:.0f} s")
+        if deadline is not None and now >= deadline:
+            break
         batch = consumer.poll(100, 0.5)
         if batch.next_offsets:
             batches.append(batch)
     return batches
+
+
+def _assignment(consumer: EventConsumer) -> frozenset[int]:
+    """The partitions the group gave the consumer (the SQL tail has no group: all, as one)."""
+    return frozenset(getattr(consumer, "assigned", {0}))
 
 
 def _apply(engine: sa.Engine, consumer: EventConsumer, batch: Batch, table: sa.Table) -> int:
@@ -234,7 +286,7 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     effects = _effects_table(h.engine)
     appended = append_requests(h.store, ["good"], 2)
     h.publish()
-    row = OutboxReader(h.engine).read_committed((0, 0), 1)[0]
+    row = _stored(h.engine)[0]
     good = orjson.loads(encode(row)[1])
     ck = confluent()
     producer = ck.Producer({"bootstrap.servers": h.bootstrap})
@@ -246,7 +298,7 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     assert producer.flush(10) == 0
     consumer = h.open("dead-letters")
     batches = _read(consumer, len(appended))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while consumer.dead_letters < 4 and time.monotonic() < deadline:
         batches.append(consumer.poll(100, 0.5))
     assert sorted(_ids(batches)) == sorted(appended)
@@ -259,7 +311,7 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     })
     reader.subscribe([dead_letter_topic(h.topic)])
     reasons: list[str] = []
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + JOIN_WAIT_S  # the reader joins a group of its own first
     while len(reasons) < 4 and time.monotonic() < deadline:
         for message in reader.consume(10, 0.5):
             if message.error() is None:
@@ -286,13 +338,15 @@ def test_a_faust_member_that_its_group_refuses_fails_its_poll(kafka_harness: Har
     formed = KafkaEventConsumer(h.engine, h.bootstrap, h.topic, group)
     refused = None
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + JOIN_WAIT_S
         while not formed.assigned and time.monotonic() < deadline:
             formed.poll(100, 0.5)
         assert formed.assigned
-        refused = FaustEventConsumer(h.engine, h.bootstrap, h.topic, group)
+        refused = FaustEventConsumer(
+            h.engine, h.bootstrap, h.topic, group, start_timeout_s=JOIN_WAIT_S
+        )
         with pytest.raises(RuntimeError, match="refused"):
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + JOIN_WAIT_S
             while time.monotonic() < deadline:
                 refused.poll(100, 0.5)
     finally:

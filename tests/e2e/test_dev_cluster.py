@@ -27,14 +27,31 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.m
 REQUESTS = 40
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, started: int | None = None) -> bool:
+    """Whether process `pid` runs (a zombie, not reaped yet, is dead too); with `started`, the
+    process that had that start time (`_started`): a pid is reused once its process is gone, and
+    pid_max is 32768 here, where a loaded CI run starts thousands of processes a minute."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is dead too (its parent has not reaped it yet).
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and started in (None, int(fields[19]))
+
+
+def _started(pid: int) -> int | None:
+    """The start time of process `pid` (clock ticks after boot), None if there is none."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from its third field (the state) on: the name before it may hold
+    spaces and parentheses."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 def test_dev_cluster_bills_both_edges_once_and_stops_every_child(

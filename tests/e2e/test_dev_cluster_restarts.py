@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.e2e.conftest import MODEL, dev_cluster, poll
-from tests.e2e.test_dev_cluster import _alive
+from tests.e2e.test_dev_cluster import _alive, _started
 from tollgate_llm.ledger.engine import create_engine_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
@@ -35,6 +35,8 @@ def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
         pids = {name: int(pid) for name, pid in re.findall(r"^  (\S+) .*pid (\d+)\)?$", banner,
                                                           re.M)}  # fmt: skip
         assert set(KILLED) <= set(pids), banner
+        # Each process by its pid and start time: a pid is reused once its process is gone.
+        born = {name: _started(pids[name]) for name in KILLED}
 
         front = f"http://127.0.0.1:{port}"
         answers: list[tuple[int, str, float]] = []  # status, request id, sent at
@@ -70,6 +72,7 @@ def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
                 name: int(pid)
                 for name, pid in re.findall(r"started (\S+) again \(pid (\d+)\)", out.read_text())
             }
+            reborn = {name: _started(pid) for name, pid in restarted.items()}
             # The restarted edge answers again, and clients keep going through the front.
             poll("edge-1 back", lambda: _answers(f"http://127.0.0.1:{port + 1}"), timeout=90)
             time.sleep(2.0)
@@ -86,8 +89,16 @@ def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
               f"{sum(a[0] != 200 for a in after)} of {len(after)} sent after the kill")  # fmt: skip
         assert [a for a in after if a[0] != 200] == [] and len(after) > 20
         assert len(failed) <= 1  # one client, one request at a time
-        assert all(_alive(restarted[name]) for name in KILLED), restarted
-        assert not any(_alive(pids[name]) for name in KILLED)
+        # Each came back once and runs: a part that died again after its restart is named,
+        # with what the supervisor said, and the end of its log.
+        said = out.read_text()
+        again = [name for name, _ in re.findall(r"started (\S+) again \(pid (\d+)\)", said)]
+        dead = [name for name in KILLED if not _alive(restarted[name], reborn[name])]
+        assert sorted(again) == sorted(KILLED) and dead == [], (
+            f"restarted: {again}, not running: {dead}\n{said.removeprefix(banner)}\n"
+            + "\n".join(_log_tail(tmp_path, name) for name in sorted(set(again) | set(dead)))
+        )
+        assert not any(_alive(pids[name], born[name]) for name in KILLED)
 
         engine = create_engine_from_url(postgres_url)
         try:
@@ -109,7 +120,13 @@ def test_dev_cluster_restarts_a_killed_worker_relay_and_edge(
         assert ok <= ids and doubled == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, out.read_text()[-3000:]
-        assert not any(_alive(pid) for pid in restarted.values())
+        assert not any(_alive(pid, reborn[name]) for name, pid in restarted.items())
+
+
+def _log_tail(tmp_path: Path, name: str) -> str:
+    log = tmp_path / "logs" / ("broker.log" if name == "kafka" else f"{name}.log")
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+    return f"--- {log.name}:\n{tail}"
 
 
 def _answers(url: str) -> bool:
