@@ -6,9 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
 
 from tests import builders as b
 from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.ledger.outbox import OutboxReader
 from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
 from tollgate_llm.streams.codec import EPOCH_HEADER, decode
 from tollgate_llm.streams.topics import confluent
@@ -89,3 +93,21 @@ def _commit(store: SqlEventStore, pending: list[AppendBatch]) -> None:
         for result in store.append_many(pending):
             result.unwrap()
         pending.clear()
+
+
+def publish_all(relay: Any, engine: sa.Engine, *, wait_s: float = 180.0) -> int:
+    """Publish every event the store holds (a fresh relay's first run); the count. The relay
+    reads an event only once no transaction older than it is still open anywhere on the server
+    (`OutboxReader.read_committed`), and other suites' tests (or their services) may hold one
+    open on the same server for a while: one pass until `publish_once` returns 0 published part
+    of the store, or none, and the test then waited for records never sent."""
+    held = OutboxReader(engine).backlog((0, 0))
+    published = 0
+    deadline = time.monotonic() + wait_s
+    while published < held and time.monotonic() < deadline:
+        n = relay.publish_once()
+        published += n
+        if not n:
+            time.sleep(0.1)
+    assert published == held, f"{published} of the store's {held} events published"
+    return published

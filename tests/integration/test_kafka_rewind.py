@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests import builders as b
+from tests.kafka_helpers import publish_all
 from tollgate_llm.domain.control_plane.events import PriceSet
 from tollgate_llm.domain.cost import Estimate
 from tollgate_llm.domain.requests.decide import AdmitRequest, CompleteRequest, RouteRequest
@@ -108,9 +109,7 @@ def test_a_failed_rewind_is_retried_before_anything_else_is_applied(
     truth = append_requests(store, 60, random.Random(26))
     relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
     relay.check_topic()
-    published = 0
-    while n := relay.publish_once():
-        published += n
+    published = publish_all(relay, engine)
     consumer = open_consumer(client, engine, kafka_broker.bootstrap, kafka_topic)
     worker = KafkaFoldWorker(engine, consumer)
     worker.rewinds_owed_first = safeguard == "on"
@@ -205,9 +204,7 @@ def test_a_rebalance_while_postgres_is_down_neither_skips_nor_stalls(
     truth = append_requests(store, 60, random.Random(27))
     relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
     relay.check_topic()
-    published = 0
-    while n := relay.publish_once():
-        published += n
+    published = publish_all(relay, engine)
     failures = {"read": 3}
     read_places = kc.read_places
 
@@ -256,9 +253,7 @@ def test_a_poll_that_fails_after_taking_records_is_read_again(
     truth = append_requests(store, 60, random.Random(27))
     relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
     relay.check_topic()
-    published = 0
-    while n := relay.publish_once():
-        published += n
+    publish_all(relay, engine)
     consumer = open_consumer(client, engine, kafka_broker.bootstrap, kafka_topic)
     worker = KafkaFoldWorker(engine, consumer)
     worker.rewinds_owed_first = safeguard == "on"

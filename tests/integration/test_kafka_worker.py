@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests import builders as b
+from tests.kafka_helpers import publish_all
 from tollgate_llm.domain.control_plane.events import PriceSet
 from tollgate_llm.domain.cost import Estimate
 from tollgate_llm.domain.projections import PROJECTIONS, USAGE_HOURLY
@@ -318,9 +319,7 @@ def test_a_ledger_row_commits_with_its_terminal_event_not_after_the_bills_trip(
     truth = _requests(store, 60, random.Random(7))
     relay = OutboxRelay(engine, kafka_broker.bootstrap, kafka_topic, partitions=PARTITIONS)
     relay.check_topic()
-    lifecycle_events = 0
-    while n := relay.publish_once():
-        lifecycle_events += n
+    lifecycle_events = publish_all(relay, engine)
     group = group_for(kafka_topic)
     consumer = KafkaEventConsumer(engine, kafka_broker.bootstrap, kafka_topic, group)
     worker = KafkaFoldWorker(engine, consumer)

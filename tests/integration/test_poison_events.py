@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests import builders as b
+from tests.kafka_helpers import publish_all
 from tollgate_llm.domain.control_plane.events import PriceSet
 from tollgate_llm.domain.cost import Estimate
 from tollgate_llm.domain.envelope import Recorded
@@ -368,9 +369,7 @@ def _kafka_poisoned(
     truth |= requests(store, 20, rng)
     relay = OutboxRelay(engine, bootstrap, topic, partitions=PARTITIONS)
     relay.check_topic()
-    published = 0
-    while n := relay.publish_once():
-        published += n
+    published = publish_all(relay, engine)
     relay.close()
     consumer = KafkaEventConsumer(engine, bootstrap, topic, group_for(topic))
     worker = KafkaFoldWorker(engine, consumer)
