@@ -124,14 +124,8 @@ class EventSink(Protocol):
         """Commit with this loop iteration's group: for what the caller awaits (admissions)."""
         ...
 
-    def soon(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        """Commit a few loop iterations from now, with what they add: for what a client waits
-        on and the engine does not (an answer's end, a stream's first token)."""
-        ...
-
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        """Commit with the next group, within milliseconds: for what nobody waits for (lease
-        renewals, refusals)."""
+        """Commit with the next group, soon: for what nobody waits for (ends, refusals)."""
         ...
 
 

@@ -9,13 +9,6 @@ to `lazy_delay_s` for company, are committed together, in this thread, when that
 waiting (`GroupCommitWriter.commit_now`: SQLite, nothing queued, the write lock free, ~0.1 ms).
 Otherwise (PostgreSQL, the fold worker holding SQLite's lock, work already queued) the same
 batches go to the writer thread, in order, and its commit answers them.
-
-What a client waits on but the engine does not (a request's end before its last bytes, a
-stream's first token before its first chunk) is committed `soon`: `hops` loop iterations later,
-with whatever those iterations added. One connection pays a few callbacks (microseconds); under
-load the ends of the requests served in those iterations share one commit instead of one each,
-which at 16 connections was a tenth of the edge's CPU per request. A lazy 5 ms wait would save
-as much and cost every answer its milliseconds.
 """
 
 from __future__ import annotations
@@ -29,15 +22,11 @@ from tollgate_llm.ledger.writer import GroupCommitWriter
 
 
 class LoopCommits:
-    def __init__(
-        self, writer: GroupCommitWriter, *, lazy_delay_s: float = 0.005, hops: int = 2
-    ) -> None:
+    def __init__(self, writer: GroupCommitWriter, *, lazy_delay_s: float = 0.005) -> None:
         self._writer = writer
         self._lazy_delay_s = lazy_delay_s
-        self._hops = hops
         self._pending: list[tuple[AppendBatch, asyncio.Future[AppendResult]]] = []
         self._flush_soon = False
-        self._hop: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
@@ -48,24 +37,18 @@ class LoopCommits:
             asyncio.get_running_loop().call_soon(self._flush)
         return future
 
-    def soon(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        """Commit `batch` `hops` loop iterations from now, with what they add (or sooner, with
-        an admission's group)."""
-        future = self._add(batch)
-        if self._hop is None and not self._flush_soon:
-            self._hop = asyncio.get_running_loop().call_soon(self._hopped, self._hops)
-        return future
-
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         """Commit `batch` with the next group, at most `lazy_delay_s` from now."""
         future = self._add(batch)
-        if self._timer is None and self._hop is None and not self._flush_soon:
+        if self._timer is None and not self._flush_soon:
             self._timer = asyncio.get_running_loop().call_later(self._lazy_delay_s, self._flush)
         return future
 
     def hand_over(self) -> None:
         """Give whatever waits here to the writer thread (before closing it)."""
-        self._cancel_waits()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         pending, self._pending = self._pending, []
         self._to_thread(pending)
 
@@ -74,22 +57,11 @@ class LoopCommits:
         self._pending.append((batch, future))
         return future
 
-    def _hopped(self, left: int) -> None:
-        self._hop = None
-        if left > 1 and not self._flush_soon:
-            self._hop = asyncio.get_running_loop().call_soon(self._hopped, left - 1)
-        elif not self._flush_soon:  # else this iteration's group takes it anyway
-            self._flush()
-
-    def _cancel_waits(self) -> None:
-        for handle in (self._hop, self._timer):
-            if handle is not None:
-                handle.cancel()
-        self._hop = self._timer = None
-
     def _flush(self) -> None:
         self._flush_soon = False
-        self._cancel_waits()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         pending, self._pending = self._pending, []
         if not pending:
             return

@@ -300,9 +300,6 @@ class FakeSink(EventSink):
     def commit(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         return self.later(batch)
 
-    def soon(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
-        return self.later(batch)
-
     def later(self, batch: AppendBatch) -> asyncio.Future[AppendResult]:
         if self.faults and batch.expected_version:
             fault = self.faults.pop(0)

@@ -157,9 +157,8 @@ class Flights:
             self.metrics.tpot_of(flight.model).observe(p.tpot_us / 1e6)
         try:
             # `now`: the answer's end (the JSON body, the final usage, [DONE]) waits for this
-            # commit, so it goes with a group a few loop iterations away (`LoopCommits.soon`),
-            # not the lazy one (up to 5 ms more per answer: at one connection, most of the
-            # edge's added latency).
+            # commit, so it goes with this loop iteration's group, not the lazy one (up to 5 ms
+            # more per answer: at one connection, most of the edge's added latency).
             flight.ended = self.recorder.record(flight, command, now=True)
         finally:
             if flight.trace is not None:

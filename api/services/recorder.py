@@ -140,8 +140,7 @@ class Recorder:
         """Decide and record; the future says whether it became durable (True once committed,
         after the retries of a store that was away or a decision taken again on the stored
         stream; False when it was not recorded). Nobody need wait for it: the batch shares the
-        next group's commit (`now`: one a few loop iterations away, for what a client waits
-        on)."""
+        next group's commit (`now`: this loop iteration's, for what a client waits on)."""
         self.stage(flight, *commands)
         return self.flush(flight, now=now)
 
@@ -162,7 +161,7 @@ class Recorder:
         self, flight: Flight, batch: AppendBatch, commands: Sequence[Command],
         waited_s: float, durable: asyncio.Future[bool], now: bool = False,
     ) -> None:  # fmt: skip
-        future = self.sink.soon(batch) if now else self.sink.later(batch)
+        future = self.sink.commit(batch) if now else self.sink.later(batch)
         future.add_done_callback(
             lambda f: self._committed(f, flight, batch, commands, waited_s, durable)
         )

@@ -228,8 +228,8 @@ class StreamRelay:
 
     async def _first_durable(self, flight: Flight) -> None:
         """The engine's prompt count is durable before the client sees a token: a first-token
-        event still staged is committed with a group a few loop iterations away, and waited
-        for. (Not whether it was recorded: the terminal event carries the counts anyway.)"""
+        event still staged is committed with this loop iteration's group, and waited for. (Not
+        whether it was recorded: the terminal event carries the counts anyway.)"""
         if flight.first_staged:
             self.flights.recorder.flush(flight, now=True)  # sets `first_durable`
         first, flight.first_durable = flight.first_durable, None

@@ -76,35 +76,6 @@ def test_a_lazy_batch_alone_is_committed_after_its_delay(setup) -> None:  # type
     assert [r.stream_id for r in store.read_all()] == ["req-alone"]
 
 
-def test_soon_batches_of_the_next_iterations_share_one_commit_and_wait_for_no_timer(setup) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
-    store, writer, commits = setup
-
-    async def main() -> None:
-        loop_commits = LoopCommits(writer, lazy_delay_s=60, hops=3)
-        lazy = loop_commits.later(batch("req-lazy"))
-        # Ends arriving over three loop iterations (each sleep(0) yields one), as the ends of
-        # requests served side by side do.
-        ends = []
-        for i in range(3):
-            ends.append(loop_commits.soon(batch(f"req-end-{i}")))
-            await asyncio.sleep(0)
-        results = await asyncio.wait_for(asyncio.gather(*ends), 1.0)  # not the lazy 60 s
-        assert all(r.ok for r in results) and lazy.done() and lazy.result().ok
-        # Alone, it is committed too, a few iterations later
-        assert (await asyncio.wait_for(loop_commits.soon(batch("req-alone")), 1.0)).ok
-        # And an admission's group in the meantime takes it at once
-        end = loop_commits.soon(batch("req-end-3"))
-        admitted = await loop_commits.commit(batch("req-admitted"))
-        assert admitted.ok and end.done() and end.result().ok
-
-    asyncio.run(main())
-    assert [streams for streams, _ in commits] == [
-        ["req-lazy", "req-end-0", "req-end-1", "req-end-2"],
-        ["req-alone"],
-        ["req-end-3", "req-admitted"],
-    ]
-
-
 def test_a_taken_write_lock_hands_the_group_to_the_writer_thread(sqlite_url: str) -> None:
     schema.upgrade(sqlite_url)
     engine = create_engine_from_url(sqlite_url)
