@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from tests import builders as b
 from tollgate_llm.domain.envelope import Recorded
-from tollgate_llm.ledger.outbox import OutboxReader
+from tollgate_llm.ledger.outbox import OutboxReader, OutboxRow
 from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
 from tollgate_llm.streams.codec import EPOCH_HEADER, decode
 from tollgate_llm.streams.topics import confluent
@@ -95,19 +95,29 @@ def _commit(store: SqlEventStore, pending: list[AppendBatch]) -> None:
         pending.clear()
 
 
-def publish_all(relay: Any, engine: sa.Engine, *, wait_s: float = 180.0) -> int:
-    """Publish every event the store holds (a fresh relay's first run); the count. The relay
+def readable_store(engine: sa.Engine, wait_s: float = 180.0) -> list[OutboxRow]:
+    """Every event the store holds, as the relay reads them, once all are readable. The relay
     reads an event only once no transaction older than it is still open anywhere on the server
     (`OutboxReader.read_committed`), and other suites' tests (or their services) may hold one
-    open on the same server for a while: one pass until `publish_once` returns 0 published part
-    of the store, or none, and the test then waited for records never sent."""
-    held = OutboxReader(engine).backlog((0, 0))
-    published = 0
+    open on the same server for a while: read once, the store gave part of its events or none,
+    and a consumer then waited for records that were never published."""
+    reader = OutboxReader(engine)
+    held = reader.backlog((0, 0))
     deadline = time.monotonic() + wait_s
-    while published < held and time.monotonic() < deadline:
-        n = relay.publish_once()
+    rows = reader.read_committed((0, 0), 100_000)
+    while len(rows) < held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rows = reader.read_committed((0, 0), 100_000)
+    assert len(rows) == held, f"{len(rows)} of the store's {held} events readable"
+    return rows
+
+
+def publish_all(relay: Any, engine: sa.Engine, *, wait_s: float = 180.0) -> int:
+    """A fresh relay's first run, once every stored event is readable by its rule
+    (`readable_store`): until a pass publishes nothing; the count, which is all of them."""
+    held = len(readable_store(engine, wait_s))
+    published = 0
+    while n := relay.publish_once():
         published += n
-        if not n:
-            time.sleep(0.1)
     assert published == held, f"{published} of the store's {held} events published"
     return published

@@ -144,16 +144,9 @@ class RoutingStep:
                 param="model", code="model_not_found",
             )  # fmt: skip
         assert policy is not None
-        upstream = req.upstream
-        tools = upstream.get("tools")
         estimator = self.tokens(on_sale[-1])
-        tokens = estimator.prompt_tokens(req.messages, tools)
-        # `request_task_class`, inlined: a call less, which admission makes cold.
-        fmt = upstream.get("response_format")
-        cls = task_class(
-            bucket, tokens, bool(tools),
-            fmt.get("type", "text") if isinstance(fmt, dict) else "text", run is not None,
-        )  # fmt: skip
+        tokens = estimator.prompt_tokens(req.messages, req.upstream.get("tools"))
+        cls = request_task_class(req, bucket, tokens, run)
         routed = choose(policy, on_sale, self.quality, cls, self.rng.random())
         return Routing(routed, policy, model, (estimator, tokens))
 

@@ -15,9 +15,8 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from tests.kafka_helpers import append_requests
+from tests.kafka_helpers import append_requests, readable_store
 from tollgate_llm.ledger.engine import create_engine_from_url
-from tollgate_llm.ledger.outbox import OutboxReader, OutboxRow
 from tollgate_llm.ledger.schema import upgrade
 from tollgate_llm.ledger.store import SqlEventStore
 from tollgate_llm.streams.codec import REASON_HEADER, encode
@@ -48,27 +47,10 @@ def publish_store(engine: sa.Engine, bootstrap: str, topic: str) -> None:
     ck = confluent()
     ensure_topic(bootstrap, topic, PARTITIONS)
     producer = ck.Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-    for row in _stored(engine):
+    for row in readable_store(engine, JOIN_WAIT_S):
         key, value = encode(row)
         producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
-
-
-def _stored(engine: sa.Engine) -> list[OutboxRow]:
-    """Every event the store holds, as the relay reads them, once all are readable. The relay
-    reads an event only when no transaction older than the event's is still open anywhere on
-    the server (`OutboxReader.read_committed`), and other suites' tests hold transactions open
-    on the same server: read once, the store gave part of its events or none, and a consumer's
-    read then waited its 60 s for records that were never published."""
-    reader = OutboxReader(engine)
-    held = reader.backlog((0, 0))
-    deadline = time.monotonic() + JOIN_WAIT_S
-    rows = reader.read_committed((0, 0), 100_000)
-    while len(rows) < held and time.monotonic() < deadline:
-        time.sleep(0.1)
-        rows = reader.read_committed((0, 0), 100_000)
-    assert len(rows) == held, f"{len(rows)} of the store's {held} events readable"
-    return rows
 
 
 def _harness(request: pytest.FixtureRequest, kind: str, postgres_url: str) -> Iterator[Harness]:
@@ -286,7 +268,7 @@ def test_bad_records_are_dead_lettered_with_their_reason_and_the_rest_flows(
     effects = _effects_table(h.engine)
     appended = append_requests(h.store, ["good"], 2)
     h.publish()
-    row = _stored(h.engine)[0]
+    row = readable_store(h.engine, JOIN_WAIT_S)[0]
     good = orjson.loads(encode(row)[1])
     ck = confluent()
     producer = ck.Producer({"bootstrap.servers": h.bootstrap})
