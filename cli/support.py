@@ -70,7 +70,10 @@ def replay(request_id: str, as_json: bool, database_url: str) -> None:
         f"{timeline['replica_occupancy_at_routing']}), ttft {timeline['ttft_ms']} ms, "
         f"tpot {timeline['tpot_us']} us, lease renewals {timeline['lease_renewals']}"
     )
-    click.echo(f"region {timeline.get('region') or '-'}  retention {timeline.get('retention')}")
+    click.echo(
+        f"region {timeline.get('region') or '-'}  retention {timeline.get('retention')}  "
+        f"end user {timeline.get('end_user') or '-'}"
+    )
     for step in timeline["events"]:
         effect = " ".join(f"{k}={v}" for k, v in step["quota_effect"].items())
         click.echo(

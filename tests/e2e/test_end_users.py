@@ -75,6 +75,8 @@ def test_the_sdk_names_the_end_user_and_the_header_wins(server: Server) -> None:
     assert CLEAR not in usage.text
     replay = server.cli("replay", by_header.headers["x-request-id"], "--json")
     assert hashed in replay and CLEAR not in replay
+    text = server.cli("replay", by_header.headers["x-request-id"])  # support's terminal view
+    assert f"end user {hashed}" in text and CLEAR not in text
 
     assert columns_containing(server.db_path, CLEAR) == []
     for path in [p for p in server.data_dir.rglob("*") if p.is_file()] + [server.log]:

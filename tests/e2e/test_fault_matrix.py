@@ -41,7 +41,7 @@ from tests.faults.matrix import (
     Service,
     die_rotation,
 )
-from tests.faults.tier import pick
+from tests.faults.tier import LONG, pick
 from tollgate_llm.ledger import faults
 from tollgate_llm.ledger.engine import create_engine_from_url
 
@@ -277,20 +277,23 @@ def test_safeguard_off_twin_finds_the_loss(tmp_path: Path) -> None:
     assert broken, "the unsafe edge lost nothing: a blind matrix"
 
 
-@pytest.mark.postgres
-@pytest.mark.kafka
-def test_safeguard_off_twin_finds_a_kafka_worker_moving_past(
-    tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    """Finding 1's twin: Kafka workers that do not owe a rewind after a failed poll, under
-    broker.poll:after faults: the checks must find terminal events never billed."""
-    cli = [sys.executable, "-m", "tests.faults.worker_child"]
-    spec = "seed=11;gate={GATE};broker.poll:after@p=0.2;broker.poll:after@3"
-    run = _distributed(tmp_path, 11, "twin", request, cli, spec)
-    result = _execute(run)
-    broken = _verdict(run, result)
-    print(f"safeguard off (kafka rewind): {len(broken)} kinds of violation found: {broken}")
-    assert broken, "the unsafe worker lost nothing: a blind matrix"
+if LONG:  # ~2 min with its own broker and workers: the long tier; the fast tier keeps the
+    # integration twin (tests/integration/test_pg_restart.py, safeguard off) of the same rewind
+
+    @pytest.mark.postgres
+    @pytest.mark.kafka
+    def test_safeguard_off_twin_finds_a_kafka_worker_moving_past(
+        tmp_path: Path, request: pytest.FixtureRequest
+    ) -> None:
+        """Finding 1's twin: Kafka workers that do not owe a rewind after a failed poll, under
+        broker.poll:after faults: the checks must find terminal events never billed."""
+        cli = [sys.executable, "-m", "tests.faults.worker_child"]
+        spec = "seed=11;gate={GATE};broker.poll:after@p=0.2;broker.poll:after@3"
+        run = _distributed(tmp_path, 11, "twin", request, cli, spec)
+        result = _execute(run)
+        broken = _verdict(run, result)
+        print(f"safeguard off (kafka rewind): {len(broken)} kinds of violation found: {broken}")
+        assert broken, "the unsafe worker lost nothing: a blind matrix"
 
 
 # --- the read rows: a support or finance read that meets a failing store ---------------------
