@@ -366,6 +366,12 @@ def main(argv: list[str] | None = None) -> None:
         help="like --baseline, on a checkout of this commit built under the temp dir",
     )
     ap.add_argument(
+        "--baseline2",
+        default="",
+        help="more checkouts, comma-separated, served as targets 'baseline2', 'baseline3', ... "
+        "and paired with 'tollgate' like 'baseline' (an A/B against several commits in one run)",
+    )
+    ap.add_argument(
         "--budgets",
         action="store_true",
         help="also serve target 'budgets': a second `tollgate serve` whose key sits on a "
@@ -463,6 +469,15 @@ def main(argv: list[str] | None = None) -> None:
             procs.append(base)
             targets["baseline"] = (base_url, base_key, base.pid)
             result["baseline"] = {"tree": str(tree), "commit": commit_of(tree)}
+        others = [Path(t).resolve() for t in args.baseline2.split(",") if t]
+        for n, tree in enumerate(others, start=2):
+            name = f"baseline{n}"
+            base, base_url, base_key = start_tollgate(
+                up_url, work / f"data-{name}", work, tree, name
+            )
+            procs.append(base)
+            targets[name] = (base_url, base_key, base.pid)
+            result[name] = {"tree": str(tree), "commit": commit_of(tree)}
         if args.budgets:
             bud, bud_url, _ = start_tollgate(up_url, work / "data-budgets", work, name="budgets")
             procs.append(bud)
@@ -623,14 +638,17 @@ def main(argv: list[str] | None = None) -> None:
                         # None: LiteLLM finished no request in that cell, nothing to compare
                         "met": bool(ll / t >= TARGET_CPU_RATIO) if t and ll == ll else None,
                     }
-        if "baseline" in closed and "tollgate" in closed:
+        for base_name in ("baseline", *(f"baseline{n}" for n in range(2, len(others) + 2))):
+            prefix = "ab" + base_name.removeprefix("baseline")
+            if base_name not in closed or "tollgate" not in closed:
+                continue
             for mode in modes:
                 for c in conns:
                     t = closed["tollgate"][mode][str(c)]["cpu_ms_per_req"]
-                    base_ms = closed["baseline"][mode][str(c)]["cpu_ms_per_req"]
-                    paired = paired_ratios(raw_runs, "tollgate", "baseline", mode, c)
+                    base_ms = closed[base_name][mode][str(c)]["cpu_ms_per_req"]
+                    paired = paired_ratios(raw_runs, "tollgate", base_name, mode, c)
                     ratio = med(paired) if paired else None
-                    verdicts[f"ab_cpu_{mode}_c{c}"] = {
+                    verdicts[f"{prefix}_cpu_{mode}_c{c}"] = {
                         "tollgate_ms": t,
                         "baseline_ms": base_ms,
                         "tollgate_over_baseline_per_run": [round(r, 3) for r in paired],
