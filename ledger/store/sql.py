@@ -8,7 +8,7 @@ import contextlib
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -80,6 +80,10 @@ def _recorded_from_row(
     this was a third of a read's CPU)."""
     event = from_payload(type_, version, orjson.loads(payload))
     return Recorded(event_id, stream_id, stream_version, tenant_id, occurred_at, event, position)
+
+
+def _decode_row(row: Any) -> Recorded:
+    return _recorded_from_row(*row)
 
 
 def _stored_from_row(r: Any) -> Stored:
@@ -272,11 +276,13 @@ class SqlEventStore(EventStore):
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
-        event_types: Sequence[str] = (),
+        event_types: Sequence[str] = (), known: Mapping[int, Recorded] | None = None,
     ) -> list[Recorded]:  # fmt: skip
         """The events after `after_position`, in position order; with `stream_prefixes`, only
         those of streams starting with one of them (what a control-plane follower tails); with
-        `event_types`, only events of those types (what a view folds: the rest is not read)."""
+        `event_types`, only events of those types (what a view folds: the rest is not read).
+        `known`: records the caller holds by position (what its own appends returned), given
+        back as they are instead of decoded again (the fold worker's bills)."""
         c = events_table.c
         # Appends hold the events table's write lock until they commit, so positions become
         # visible in order and a reader tailing by position never steps past a late commit.
@@ -284,10 +290,11 @@ class SqlEventStore(EventStore):
         # cluster-wide: one long transaction in any database of the server would stall every
         # tailing fold. Measured here: a bulk load in another database stopped billing.)
         if not self._pg:
-            return self._sqlite_tail(after_position, limit, stream_prefixes, event_types)
+            return self._sqlite_tail(after_position, limit, stream_prefixes, event_types, known)
         if not (stream_prefixes or event_types):
             return self._read(
-                _SELECT.where(c.position > after_position).order_by(c.position).limit(limit)
+                _SELECT.where(c.position > after_position).order_by(c.position).limit(limit),
+                known,
             )
         if len(event_types) == 1 and not stream_prefixes:
             # One type: its (type, position) index (migration 0022) reads exactly its events,
@@ -382,16 +389,21 @@ class SqlEventStore(EventStore):
 
     @faults.seam("store.read")
     def _sqlite_tail(
-        self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = ()
-    ) -> list[Recorded]:
+        self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = (),
+        known: Mapping[int, Recorded] | None = None,
+    ) -> list[Recorded]:  # fmt: skip
         with self._connect() as conn:
             db = conn.connection.driver_connection
-            return tails.sqlite_read_all(db, after_position, limit, prefixes, types)
+            return tails.sqlite_read_all(db, after_position, limit, prefixes, types, known)
 
     @faults.seam("store.read")
-    def _read(self, query: sa.Select[Any]) -> list[Recorded]:
+    def _read(
+        self, query: sa.Select[Any], known: Mapping[int, Recorded] | None = None
+    ) -> list[Recorded]:
         with self._connect() as conn:
             rows = conn.execute(query).all()  # one fetch, not a driver call per row
+        if known:
+            return [tails.reuse_or_decode(r, known, _decode_row) for r in rows]
         return [_recorded_from_row(*r) for r in rows]
 
     def _connect(self) -> Any:
