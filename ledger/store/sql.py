@@ -16,7 +16,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded, new_recorded
 from tollgate_llm.domain.registry import from_payload
 from tollgate_llm.ledger import faults
 from tollgate_llm.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
@@ -79,7 +79,9 @@ def _recorded_from_row(
     folds read: by position, without the stored form in between (a tail decodes every row;
     this was a third of a read's CPU)."""
     event = from_payload(type_, version, orjson.loads(payload))
-    return Recorded(event_id, stream_id, stream_version, tenant_id, occurred_at, event, position)
+    return new_recorded(
+        event_id, stream_id, stream_version, tenant_id, occurred_at, event, position
+    )
 
 
 def _decode_row(row: Any) -> Recorded:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded, new_recorded
 from tollgate_llm.domain.registry import from_payload
 from tollgate_llm.ledger.store import sqlite
 from tollgate_llm.ledger.store.planning import COLUMNS
@@ -49,7 +49,7 @@ def _pg_recorded(r: tuple[Any, ...]) -> Recorded:
     them (PostgreSQL returns the session's zone)."""
     _, position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
     event = from_payload(type_, version, orjson.loads(payload))
-    return Recorded(
+    return new_recorded(
         event_id, stream_id, stream_version, tenant_id, at.astimezone(UTC), event, position
     )
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import builders as b
-from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.envelope import Event, Recorded, new_recorded
 from tollgate_llm.domain.errors import DomainError
 from tollgate_llm.domain.registry import EVENT_CLASSES, UPCASTERS, from_payload, to_payload, upcast
 from tollgate_llm.domain.requests.events import FirstTokenStreamed, RequestEstimated
@@ -54,6 +54,14 @@ def test_a_decoded_event_is_what_its_constructor_builds(event: Event) -> None:
     without = {k: v for k, v in payload.items() if k != required}
     with pytest.raises(TypeError):
         from_payload(event.EVENT_TYPE, event.EVENT_VERSION, without)
+
+
+def test_new_recorded_is_the_envelope_its_constructor_builds() -> None:
+    event = b.routed()
+    args = ("e1", "req_1", 3, "acme", b.T0, event, 42)
+    assert new_recorded(*args) == Recorded(*args)
+    assert new_recorded(*args[:6]) == Recorded(*args[:6])  # position 0 until stored
+    assert hash(new_recorded(*args)) == hash(Recorded(*args))
 
 
 @dataclass(frozen=True, slots=True)
