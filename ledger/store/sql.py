@@ -84,8 +84,18 @@ def _recorded_from_row(
     )
 
 
+# Records a reader already holds, by position (`EventStore.read_all`'s `known`).
+Known = Mapping[int, Recorded] | None
+
+
 def _decode_row(row: Any) -> Recorded:
     return _recorded_from_row(*row)
+
+
+def _decode_rows(rows: Sequence[Any], known: Known) -> list[Recorded]:
+    if known:
+        return [tails.reuse_or_decode(r, known, _decode_row) for r in rows]
+    return [_recorded_from_row(*r) for r in rows]
 
 
 def _stored_from_row(r: Any) -> Stored:
@@ -278,13 +288,12 @@ class SqlEventStore(EventStore):
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
-        event_types: Sequence[str] = (), known: Mapping[int, Recorded] | None = None,
+        event_types: Sequence[str] = (), known: Known = None,
     ) -> list[Recorded]:  # fmt: skip
         """The events after `after_position`, in position order; with `stream_prefixes`, only
         those of streams starting with one of them (what a control-plane follower tails); with
         `event_types`, only events of those types (what a view folds: the rest is not read).
-        `known`: records the caller holds by position (what its own appends returned), given
-        back as they are instead of decoded again (the fold worker's bills)."""
+        `known`: the caller's own records by position, given back rather than decoded again."""
         c = events_table.c
         # Appends hold the events table's write lock until they commit, so positions become
         # visible in order and a reader tailing by position never steps past a late commit.
@@ -294,10 +303,8 @@ class SqlEventStore(EventStore):
         if not self._pg:
             return self._sqlite_tail(after_position, limit, stream_prefixes, event_types, known)
         if not (stream_prefixes or event_types):
-            return self._read(
-                _SELECT.where(c.position > after_position).order_by(c.position).limit(limit),
-                known,
-            )
+            query = _SELECT.where(c.position > after_position)
+            return self._read(query.order_by(c.position).limit(limit), known)
         if len(event_types) == 1 and not stream_prefixes:
             # One type: its (type, position) index (migration 0022) reads exactly its events,
             # in order, a closed range of it, however rare they are in the log (the router's
@@ -391,22 +398,17 @@ class SqlEventStore(EventStore):
 
     @faults.seam("store.read")
     def _sqlite_tail(
-        self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = (),
-        known: Mapping[int, Recorded] | None = None,
-    ) -> list[Recorded]:  # fmt: skip
-        with self._connect() as conn:
-            db = conn.connection.driver_connection
-            return tails.sqlite_read_all(db, after_position, limit, prefixes, types, known)
-
-    @faults.seam("store.read")
-    def _read(
-        self, query: sa.Select[Any], known: Mapping[int, Recorded] | None = None
+        self, after: int, limit: int, prefixes: Sequence[str], types: Sequence[str], known: Known
     ) -> list[Recorded]:
         with self._connect() as conn:
+            db = conn.connection.driver_connection
+            return tails.sqlite_read_all(db, after, limit, prefixes, types, known)
+
+    @faults.seam("store.read")
+    def _read(self, query: sa.Select[Any], known: Known = None) -> list[Recorded]:
+        with self._connect() as conn:
             rows = conn.execute(query).all()  # one fetch, not a driver call per row
-        if known:
-            return [tails.reuse_or_decode(r, known, _decode_row) for r in rows]
-        return [_recorded_from_row(*r) for r in rows]
+        return _decode_rows(rows, known)
 
     def _connect(self) -> Any:
         return _Reading(self._engine)
