@@ -7,9 +7,10 @@ integer micro-units, KV usage integer byte-seconds, durations integer ms/us: nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import ClassVar
+from typing import ClassVar, Final
 
 
 class Event:
@@ -35,3 +36,30 @@ class Recorded:
     @property
     def type(self) -> str:
         return self.event.EVENT_TYPE
+
+
+def _recorded_maker() -> Callable[..., Recorded]:
+    new = object.__new__
+    names = ("event_id", "stream_id", "stream_version", "tenant_id", "occurred_at", "event")
+    s0, s1, s2, s3, s4, s5, s6 = (getattr(Recorded, n).__set__ for n in (*names, "position"))
+
+    def recorded(
+        event_id: str, stream_id: str, stream_version: int, tenant_id: str,
+        occurred_at: datetime, event: Event, position: int = 0,
+    ) -> Recorded:  # fmt: skip
+        r: Recorded = new(Recorded)
+        s0(r, event_id)
+        s1(r, stream_id)
+        s2(r, stream_version)
+        s3(r, tenant_id)
+        s4(r, occurred_at)
+        s5(r, event)
+        s6(r, position)
+        return r
+
+    return recorded
+
+
+# `Recorded(...)` by position, its slots set directly: the frozen dataclass's __init__ sets each
+# field through object.__setattr__ (twice the cost), and every event a fold reads is one.
+new_recorded: Final = _recorded_maker()

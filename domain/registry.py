@@ -226,12 +226,55 @@ def from_payload(event_type: str, version: int, payload: Mapping[str, Any]) -> E
                 converted[name] = convert(value)
     else:  # most events: nothing to convert, and cls(**payload) copies nothing of it
         converted = payload  # type: ignore[assignment]
+    make = _MAKERS.get(cls)
+    if make is None:
+        make = _MAKERS[cls] = _maker(cls)
+    event = make(converted)
+    if event is not None:
+        return event
     try:
         # A payload of the current version has exactly the class's fields (to_payload wrote it).
         return cls(**converted)
     except TypeError:  # a key the class does not have: keep the fields only
         plan = _decoders(cls)
         return cls(**{name: value for name, value in converted.items() if name in plan})
+
+
+_MAKERS: dict[type, Callable[[Mapping[str, Any]], Event | None]] = {}
+
+
+def _maker(cls: type) -> Callable[[Mapping[str, Any]], Event | None]:
+    """`cls`'s instance from a payload holding exactly its fields, its slots set one by one:
+    a frozen dataclass's own __init__ sets each field through object.__setattr__, about three
+    times the cost (3.4 against 1.3 us for a RequestAdmitted), and every fold decodes every
+    event it reads. None for any other payload (a field missing or unknown: the caller's
+    `cls(**payload)` then says so), and always None for a class this cannot build the same
+    way (not a frozen slotted dataclass, or an __init__ that does more than set its fields)."""
+    fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+    params = getattr(cls, "__dataclass_params__", None)
+    slots = getattr(cls, "__slots__", ())
+    if (
+        not fields
+        or params is None
+        or not params.frozen
+        or hasattr(cls, "__post_init__")
+        or any(not f.init for f in fields)
+        or {f.name for f in fields} != set(slots)
+    ):
+        return lambda _payload: None
+    setters = tuple((f.name, getattr(cls, f.name).__set__) for f in fields)
+    names = frozenset(name for name, _ in setters)
+    new = object.__new__
+
+    def make(payload: Mapping[str, Any]) -> Event | None:
+        if payload.keys() != names:
+            return None
+        event: Event = new(cls)
+        for name, set_slot in setters:
+            set_slot(event, payload[name])
+        return event
+
+    return make
 
 
 def dumps(event: Event) -> str:

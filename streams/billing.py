@@ -80,20 +80,24 @@ class BillingFold:
     def lag(self) -> int:
         return max(0, self.store.last_position() - self.position)
 
-    def process(self, records: list[Recorded], *, save_checkpoint: bool = True) -> None:
+    def process(
+        self, records: list[Recorded], *, save_checkpoint: bool = True
+    ) -> list[Recorded]:
         """Fold `records` (in position order; those at or before the checkpoint are skipped),
         bill every request they end, commit the bills together, then move the checkpoint.
+        Returns the bills as stored (`bill_recorded`).
 
         With `save_checkpoint` False only `position` moves; the caller saves it (the fold
         worker, in its read-model transaction: one write transaction fewer per pass). A saved
         checkpoint behind the bills is harmless: the bills it repeats are already there."""
         fresh = [r for r in records if r.position > self.position]
         if not fresh:
-            return
-        self.bill(fresh)
+            return []
+        stored = self.bill_recorded(fresh)[1]
         self.position = fresh[-1].position
         if save_checkpoint:
             self.checkpoints.set(self.name, self.position)
+        return stored
 
     def bill(self, fresh: list[Recorded]) -> int:
         """Fold `fresh` (each request's events in its order; position order across requests

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import orjson
 
-from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded, new_recorded
 from tollgate_llm.domain.errors import DomainError
 from tollgate_llm.domain.registry import from_payload, parse_instant
 from tollgate_llm.ledger.outbox import OutboxRow
@@ -96,5 +96,7 @@ def decode(value: bytes | None) -> tuple[Recorded, int]:
         raise BadRecord(f"{exc.rule}: {exc.message}") from None
     except (TypeError, ValueError, KeyError) as exc:
         raise BadRecord(f"{type_} v{version}: {exc}") from None
-    recorded = Recorded(event_id, stream_id, stream_version, tenant_id, instant, event, position)
+    recorded = new_recorded(
+        event_id, stream_id, stream_version, tenant_id, instant, event, position
+    )
     return recorded, txid

@@ -5,7 +5,7 @@ positions; the checkpoint is a row of `projection_checkpoints` named after the c
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
@@ -54,16 +54,20 @@ class SqlTail:
             return Batch()
         return Batch([Delivery(r, 0, r.position) for r in records], {0: self.position}, {0: 0})
 
-    def read(self, max_records: int = 500, timeout_s: float = 0.5) -> list[Recorded]:
+    def read(
+        self, max_records: int = 500, timeout_s: float = 0.5,
+        known: Mapping[int, Recorded] | None = None,
+    ) -> list[Recorded]:  # fmt: skip
         """`poll`'s records without their delivery envelopes, for a fold that keeps its own
         positions and commits nothing through the tail (the fold worker: thousands of records
-        a second)."""
+        a second). `known`: records the caller holds by position (its own appends), which are
+        not decoded again (`EventStore.read_all`)."""
         self._polled_from = self.position
         deadline = time.monotonic() + timeout_s
         while True:
             head = self.store.last_position() if self.event_types else 0
             records = self.store.read_all(
-                self.position, max_records, event_types=self.event_types
+                self.position, max_records, event_types=self.event_types, known=known
             )
             if records or time.monotonic() >= deadline:
                 break

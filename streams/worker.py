@@ -68,6 +68,9 @@ BATCH_CREATED = BatchCreated.EVENT_TYPE
 # reports instead: the fold (a table dropped, a bug), not its events, is then what fails, and
 # dead-lettering the whole log would only hide it (each stays replayable either way).
 DEAD_LETTERS_IN_A_ROW = 20
+# The most of its own bills the worker keeps for its next read (a read that stays behind them,
+# while a fold fails, decodes them from the log instead).
+OWN_BILLS_KEPT = 10_000
 
 
 class FoldBroken(Exception):
@@ -109,6 +112,11 @@ class FoldWorker:
         self._in_a_row: dict[str, int] = {}  # dead letters per fold since it last applied one
         self._window_start = 0  # where this step's common read started
         self._billing_saved = self.billing.position
+        # The bills this worker appended, by position, as its appends returned them: the next
+        # read takes them as they are instead of decoding them from the log again (a bill is
+        # the largest event a request has, and a seventh of what a pass reads). Emptied as the
+        # reads move past them.
+        self._own_bills: dict[int, Recorded] = {}
         self.sweeper = LeaseSweeper(
             self.store, ttl_s=lease_ttl_s, on_expired=IdempotencyStore(engine).release_request
         )
@@ -179,7 +187,7 @@ class FoldWorker:
             self._window_start = start
             try:
                 self.tail.seek(start)
-                records = self.tail.read(batch, 0)
+                records = self.tail.read(batch, 0, self._own_bills)
             except Exception as exc:  # the database went away: report, and read again later
                 log.exception("reading the log failed")
                 errors["read"] = f"{type(exc).__name__}: {exc}"
@@ -187,6 +195,7 @@ class FoldWorker:
             read += len(records)
             if records:
                 self.read_position = max(self.read_position, records[-1].position)
+                self._forget_own_bills(records[-1].position)
                 if self.handoff is not None:
                     self.handoff.offer(start, records)
                 faults.point("fold.after_read", position=self.read_position)
@@ -249,7 +258,16 @@ class FoldWorker:
 
     def _bill(self, records: list[Recorded]) -> None:
         # Its checkpoint is saved by _project, in the read models' transaction.
-        self.billing.process(records, save_checkpoint=False)
+        for bill in self.billing.process(records, save_checkpoint=False):
+            self._own_bills[bill.position] = bill
+
+    def _forget_own_bills(self, read_to: int) -> None:
+        """The bills at or before `read_to` are read: the next read starts past them (or, when a
+        fold failed, reads them again from the log, as any other event)."""
+        if self._own_bills:
+            kept = {p: r for p, r in self._own_bills.items() if p > read_to}
+            # More than that: a read stuck behind them (a fold failing) keeps them no longer.
+            self._own_bills = kept if len(kept) <= OWN_BILLS_KEPT else {}
 
     def _bill_isolated(self, records: list[Recorded]) -> None:
         """`_bill`; when the batch fails for a reason that is not the database's, its events

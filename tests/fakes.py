@@ -78,7 +78,7 @@ class InMemoryEventStore(EventStore):
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
-        event_types: Sequence[str] = (),
+        event_types: Sequence[str] = (), known: Mapping[int, Recorded] | None = None,
     ) -> list[Recorded]:  # fmt: skip
         prefixes, types = tuple(stream_prefixes), frozenset(event_types)
         with self._lock:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import orjson
 
-from tollgate_llm.domain.envelope import Event, Recorded
+from tollgate_llm.domain.envelope import Event, Recorded, new_recorded
 from tollgate_llm.domain.registry import from_payload, to_payload
 from tollgate_llm.ledger.errors import EventIdConflict, StoreError, WrongExpectedVersion
 from tollgate_llm.ledger.store.port import AppendBatch, AppendResult, NewEvent
@@ -59,15 +59,11 @@ class Stored:
         event = self.event
         if event is None:
             event = from_payload(self.row.type, self.row.version, orjson.loads(self.row.payload))
-        return Recorded(
-            event_id=self.row.event_id,
-            stream_id=self.row.stream_id,
-            stream_version=self.stream_version,
-            tenant_id=self.row.tenant_id,
-            occurred_at=self.row.occurred_at,
-            event=event,
-            position=self.position,
-        )
+        row = self.row
+        return new_recorded(
+            row.event_id, row.stream_id, self.stream_version, row.tenant_id, row.occurred_at,
+            event, self.position,
+        )  # fmt: skip
 
 
 def encode(new: NewEvent) -> StoredRow:

@@ -3,7 +3,7 @@ passes) and the values that cross it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -101,8 +101,11 @@ class EventStore(Protocol):
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
-        event_types: Sequence[str] = (),
-    ) -> list[Recorded]: ...  # fmt: skip
+        event_types: Sequence[str] = (), known: Mapping[int, Recorded] | None = None,
+    ) -> list[Recorded]:
+        """`known`: records the caller already holds, by position (what its own appends
+        returned); a store may give them back as they are instead of decoding them again."""
+        ...  # fmt: skip
 
     def read_tail(
         self, after_position: int, limit: int, event_types: Sequence[str],

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -16,7 +16,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded, new_recorded
 from tollgate_llm.domain.registry import from_payload
 from tollgate_llm.ledger import faults
 from tollgate_llm.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE, open_sqlite_appender
@@ -79,7 +79,23 @@ def _recorded_from_row(
     folds read: by position, without the stored form in between (a tail decodes every row;
     this was a third of a read's CPU)."""
     event = from_payload(type_, version, orjson.loads(payload))
-    return Recorded(event_id, stream_id, stream_version, tenant_id, occurred_at, event, position)
+    return new_recorded(
+        event_id, stream_id, stream_version, tenant_id, occurred_at, event, position
+    )
+
+
+# Records a reader already holds, by position (`EventStore.read_all`'s `known`).
+Known = Mapping[int, Recorded] | None
+
+
+def _decode_row(row: Any) -> Recorded:
+    return _recorded_from_row(*row)
+
+
+def _decode_rows(rows: Sequence[Any], known: Known) -> list[Recorded]:
+    if known:
+        return [tails.reuse_or_decode(r, known, _decode_row) for r in rows]
+    return [_recorded_from_row(*r) for r in rows]
 
 
 def _stored_from_row(r: Any) -> Stored:
@@ -272,11 +288,12 @@ class SqlEventStore(EventStore):
 
     def read_all(
         self, after_position: int = 0, limit: int = 1000, stream_prefixes: Sequence[str] = (),
-        event_types: Sequence[str] = (),
+        event_types: Sequence[str] = (), known: Known = None,
     ) -> list[Recorded]:  # fmt: skip
         """The events after `after_position`, in position order; with `stream_prefixes`, only
         those of streams starting with one of them (what a control-plane follower tails); with
-        `event_types`, only events of those types (what a view folds: the rest is not read)."""
+        `event_types`, only events of those types (what a view folds: the rest is not read).
+        `known`: the caller's own records by position, given back rather than decoded again."""
         c = events_table.c
         # Appends hold the events table's write lock until they commit, so positions become
         # visible in order and a reader tailing by position never steps past a late commit.
@@ -284,11 +301,10 @@ class SqlEventStore(EventStore):
         # cluster-wide: one long transaction in any database of the server would stall every
         # tailing fold. Measured here: a bulk load in another database stopped billing.)
         if not self._pg:
-            return self._sqlite_tail(after_position, limit, stream_prefixes, event_types)
+            return self._sqlite_tail(after_position, limit, stream_prefixes, event_types, known)
         if not (stream_prefixes or event_types):
-            return self._read(
-                _SELECT.where(c.position > after_position).order_by(c.position).limit(limit)
-            )
+            query = _SELECT.where(c.position > after_position)
+            return self._read(query.order_by(c.position).limit(limit), known)
         if len(event_types) == 1 and not stream_prefixes:
             # One type: its (type, position) index (migration 0022) reads exactly its events,
             # in order, a closed range of it, however rare they are in the log (the router's
@@ -382,17 +398,17 @@ class SqlEventStore(EventStore):
 
     @faults.seam("store.read")
     def _sqlite_tail(
-        self, after_position: int, limit: int, prefixes: Sequence[str], types: Sequence[str] = ()
+        self, after: int, limit: int, prefixes: Sequence[str], types: Sequence[str], known: Known
     ) -> list[Recorded]:
         with self._connect() as conn:
             db = conn.connection.driver_connection
-            return tails.sqlite_read_all(db, after_position, limit, prefixes, types)
+            return tails.sqlite_read_all(db, after, limit, prefixes, types, known)
 
     @faults.seam("store.read")
-    def _read(self, query: sa.Select[Any]) -> list[Recorded]:
+    def _read(self, query: sa.Select[Any], known: Known = None) -> list[Recorded]:
         with self._connect() as conn:
             rows = conn.execute(query).all()  # one fetch, not a driver call per row
-        return [_recorded_from_row(*r) for r in rows]
+        return _decode_rows(rows, known)
 
     def _connect(self) -> Any:
         return _Reading(self._engine)

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded, new_recorded
 from tollgate_llm.domain.registry import from_payload
 from tollgate_llm.ledger.errors import StoreBusy
 from tollgate_llm.ledger.store.planning import (
@@ -89,14 +89,9 @@ def stored_from_row(r: tuple[Any, ...]) -> Stored:
 def recorded_from_row(r: tuple[Any, ...]) -> Recorded:
     """A row of COLUMNS straight to the envelope the folds read (a tail decodes every row)."""
     position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
-    return Recorded(
-        event_id=event_id,
-        stream_id=stream_id,
-        stream_version=stream_version,
-        tenant_id=tenant_id,
-        occurred_at=sqlite_utc(at),
-        event=from_payload(type_, version, orjson.loads(payload)),
-        position=position,
+    event = from_payload(type_, version, orjson.loads(payload))
+    return new_recorded(
+        event_id, stream_id, stream_version, tenant_id, sqlite_utc(at), event, position
     )
 
 

@@ -11,13 +11,13 @@ after a few (its `prepare_threshold`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC
 from typing import Any
 
 import orjson
 
-from tollgate_llm.domain.envelope import Recorded
+from tollgate_llm.domain.envelope import Recorded, new_recorded
 from tollgate_llm.domain.registry import from_payload
 from tollgate_llm.ledger.store import sqlite
 from tollgate_llm.ledger.store.planning import COLUMNS
@@ -49,7 +49,7 @@ def _pg_recorded(r: tuple[Any, ...]) -> Recorded:
     them (PostgreSQL returns the session's zone)."""
     _, position, event_id, stream_id, stream_version, tenant_id, at, type_, version, payload = r
     event = from_payload(type_, version, orjson.loads(payload))
-    return Recorded(
+    return new_recorded(
         event_id, stream_id, stream_version, tenant_id, at.astimezone(UTC), event, position
     )
 
@@ -94,9 +94,11 @@ def sqlite_read_tail(
 
 
 def sqlite_read_all(
-    db: Any, after: int, limit: int, prefixes: Sequence[str], types: Sequence[str]
-) -> list[Recorded]:
-    """`read_all` on a sqlite3 connection (a fold's or a control-plane follower's tail)."""
+    db: Any, after: int, limit: int, prefixes: Sequence[str], types: Sequence[str],
+    known: Mapping[int, Recorded] | None = None,
+) -> list[Recorded]:  # fmt: skip
+    """`read_all` on a sqlite3 connection (a fold's or a control-plane follower's tail); a row
+    whose record the caller already holds (`known`, by position) is not decoded again."""
     params: list[Any] = [after]
     for prefix in prefixes:
         params += [len(prefix), prefix]
@@ -106,4 +108,18 @@ def sqlite_read_all(
         rows = cursor.execute(sqlite.tail_sql(len(prefixes), len(types)), params).fetchall()
     finally:
         cursor.close()
+    if known:
+        return [reuse_or_decode(r, known, sqlite.recorded_from_row) for r in rows]
     return [sqlite.recorded_from_row(r) for r in rows]
+
+
+def reuse_or_decode(
+    row: Sequence[Any], known: Mapping[int, Recorded], decode: Callable[..., Recorded]
+) -> Recorded:
+    """The record of a row of COLUMNS: the caller's own (`known`: what its appends returned,
+    by position) when it holds that very event, else decoded. A position is taken once and an
+    event never changes, so the two are equal; the event id is compared all the same."""
+    mine = known.get(row[0])
+    if mine is not None and mine.event_id == row[1]:
+        return mine
+    return decode(row)

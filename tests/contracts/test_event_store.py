@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from collections.abc import Iterator
@@ -258,6 +259,23 @@ def test_read_all_is_in_position_order_and_pages(store: EventStore) -> None:
     assert pages == everything
     assert store.read_all(after_position=everything[-1].position) == []
     assert store.last_position() == everything[-1].position
+
+
+def test_read_all_gives_back_the_callers_own_records_and_only_those(store: EventStore) -> None:
+    """`known`: records the caller holds by position (its appends' answers). What comes back
+    equals the plain read either way; a known record whose event id is not the one stored at
+    its position is never given back."""
+    s = stream()
+    appended = store.append(s, 0, [new(s, n) for n in range(4)])
+    plain = store.read_all(limit=1000)
+    mine = {r.position: r for r in appended[:2]}
+    impostor = dataclasses.replace(appended[3], event_id=str(uuid.uuid4()))
+    read = store.read_all(limit=1000, known={**mine, impostor.position: impostor})
+    assert read == plain
+    assert impostor not in read
+    if isinstance(store, SqlEventStore):  # the store's own decoding is what it saves
+        assert [r for r in read if r.position in mine] == list(mine.values())
+        assert all(r is mine[r.position] for r in read if r.position in mine)
 
 
 def test_read_streams_with_prefix(store: EventStore) -> None:

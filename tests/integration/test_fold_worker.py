@@ -11,12 +11,14 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from tests import builders as b
 from tollgate_llm.domain.batches.events import BatchCreated
+from tollgate_llm.domain.envelope import Recorded
 from tollgate_llm.ledger.checkpoints import Checkpoints
 from tollgate_llm.ledger.engine import create_engine_from_url
 from tollgate_llm.ledger.idempotency import IdempotencyConflict, IdempotencyStore
@@ -70,6 +72,36 @@ def test_one_pass_bills_projects_and_reports(engine: sa.Engine) -> None:
     # Silent for longer than the staleness limit: the edges say so.
     later = read_fold_status(engine, datetime.now(UTC) + timedelta(seconds=11))
     assert later.problems and "last reported" in later.problems[0]
+
+
+def test_the_next_pass_takes_the_bills_this_worker_appended_as_they_are(
+    engine: sa.Engine,
+) -> None:
+    """A pass reads back the bills the previous one appended: it takes the records its append
+    answered instead of decoding them again, and they equal what the log holds."""
+    store = SqlEventStore(engine)
+    _price(store)
+    worker = FoldWorker(engine)
+    worker.catch_up()
+    for _ in range(3):
+        _request(store)
+    reads: list[list[Recorded]] = []
+    read = worker.tail.read
+
+    def spy(*args: Any, **kwargs: Any) -> list[Recorded]:
+        reads.append(read(*args, **kwargs))
+        return reads[-1]
+
+    worker.tail.read = spy  # type: ignore[method-assign]
+    worker.run_pass()  # bills the three
+    appended = dict(worker._own_bills)
+    assert len(appended) == 3
+    worker.run_pass()  # reads them back
+    bills = [r for r in reads[-1] if r.type == "UsageBilled"]
+    assert [r.position for r in bills] == sorted(appended)
+    assert all(r is appended[r.position] for r in bills)
+    assert bills == [r for r in store.read_all(0, 1000) if r.type == "UsageBilled"]
+    assert worker._own_bills == {}  # read: not kept
 
 
 def test_a_pass_that_reads_a_new_batch_wakes_the_batch_runner(sqlite_url: str) -> None:

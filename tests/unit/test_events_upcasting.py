@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import builders as b
-from tollgate_llm.domain.envelope import Event
+from tollgate_llm.domain.envelope import Event, Recorded, new_recorded
 from tollgate_llm.domain.errors import DomainError
 from tollgate_llm.domain.registry import EVENT_CLASSES, UPCASTERS, from_payload, to_payload, upcast
 from tollgate_llm.domain.requests.events import FirstTokenStreamed, RequestEstimated
@@ -32,6 +32,65 @@ def test_every_event_round_trips_through_its_payload(event: Event) -> None:
     again = from_payload(event.EVENT_TYPE, event.EVENT_VERSION, payload)
     assert again == event
     assert to_payload(again) == payload
+
+
+@pytest.mark.parametrize("event", ALL_EXAMPLES, ids=lambda e: e.EVENT_TYPE)
+def test_a_decoded_event_is_what_its_constructor_builds(event: Event) -> None:
+    """from_payload sets a frozen event's slots itself (not through its __init__): the same
+    event, hashing alike; a key the class lacks is dropped and a missing field refused, as the
+    constructor's way did."""
+    payload = to_payload(event)
+    again = from_payload(event.EVENT_TYPE, event.EVENT_VERSION, payload)
+    fields = {f.name: getattr(again, f.name) for f in dataclasses.fields(again)}  # type: ignore[arg-type]
+    built = type(event)(**fields)
+    assert type(again) is type(event)
+    assert again == built and hash(again) == hash(built) and repr(again) == repr(built)
+    extra = from_payload(event.EVENT_TYPE, event.EVENT_VERSION, {**payload, "later_field": 1})
+    assert extra == event
+    required = next(
+        f.name for f in dataclasses.fields(event)  # type: ignore[arg-type]
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )  # fmt: skip
+    without = {k: v for k, v in payload.items() if k != required}
+    with pytest.raises(TypeError):
+        from_payload(event.EVENT_TYPE, event.EVENT_VERSION, without)
+
+
+def test_new_recorded_is_the_envelope_its_constructor_builds() -> None:
+    event = b.routed()
+    args = ("e1", "req_1", 3, "acme", b.T0, event, 42)
+    assert new_recorded(*args) == Recorded(*args)
+    assert new_recorded(*args[:6]) == Recorded(*args[:6])  # position 0 until stored
+    assert hash(new_recorded(*args)) == hash(Recorded(*args))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRouted(Event):
+    """A RequestRouted whose __init__ checks its fields (a __post_init__)."""
+
+    EVENT_TYPE: ClassVar[str] = "RequestRouted"
+    request_id: str
+    replica_id: str
+    occupancy_ppm: int = 0
+    region: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise DomainError("no_replica", "a routed request names its replica")
+
+
+def test_an_event_whose_init_checks_its_fields_is_decoded_through_it() -> None:
+    old_class = EVENT_CLASSES["RequestRouted"]
+    EVENT_CLASSES["RequestRouted"] = CheckedRouted
+    try:
+        payload = {"request_id": "r", "replica_id": "", "occupancy_ppm": 0, "region": None}
+        with pytest.raises(DomainError):
+            from_payload("RequestRouted", 1, payload)
+        assert from_payload("RequestRouted", 1, {**payload, "replica_id": "a"}) == CheckedRouted(
+            "r", "a"
+        )
+    finally:
+        EVENT_CLASSES["RequestRouted"] = old_class
 
 
 @dataclass(frozen=True, slots=True)
