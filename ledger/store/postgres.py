@@ -1,11 +1,14 @@
-"""The event store's PostgreSQL write path. An append's first attempt (`append`) runs on the
-driver alone, in psycopg's pipeline mode: the lock, the rows (one statement for a group, or COPY
-for a large one) and COMMIT in one or two round trips. The retry that looks ids up, and appends
-with inline hooks, go through SQLAlchemy (`insert_rows`): contiguous positions reserved in one
-round trip, the rows written by one executemany or by COPY."""
+"""The event store's PostgreSQL write path. An append's first attempt (`Appender`) runs on the
+driver alone, on a connection of the store's own (outside the pool), in psycopg's pipeline
+mode: the lock, the rows (one statement for a group, or COPY for a large one) and COMMIT in one
+or two round trips. The retry that looks ids up, and appends with inline hooks, go through
+SQLAlchemy (`insert_rows`): contiguous positions reserved in one round trip, the rows written by
+one executemany or by COPY."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
@@ -100,22 +103,106 @@ def _copy_rows(dbapi: Any, to_write: list[Stored], first: int) -> None:
 # A group's rows in one statement: the positions reserved (setval, as _PG_RESERVE) and the rows
 # written from one array per column, numbered from the reservation by their ordinality; the
 # first position comes back. The CTE with setval is materialized: evaluated once.
+# The arrays are sent in binary (%b): in text, psycopg escapes every element with a regular
+# expression, which for JSON payloads (a backslash before every quote) was most of the
+# statement's CPU.
 _ARRAYS = ("text", "text", "integer", "text", "timestamptz", "text", "integer", "text")
 _INSERT_GROUP = (
     "WITH r AS MATERIALIZED (SELECT setval(s::regclass, nextval(s::regclass) + %(n)s - 1) "
     "- %(n)s AS before FROM pg_get_serial_sequence('events', 'position') AS s), "
     f"w AS (INSERT INTO events ({', '.join(COLUMNS)}) "
     f"SELECT r.before + v.i, {', '.join('v.' + c for c in COLUMNS[1:])} FROM r, unnest("
-    + ", ".join(f"%({c})s::{t}[]" for c, t in zip(COLUMNS[1:], _ARRAYS, strict=True))
+    + ", ".join(f"%({c})b::{t}[]" for c, t in zip(COLUMNS[1:], _ARRAYS, strict=True))
     + f") WITH ORDINALITY AS v({', '.join(COLUMNS[1:])}, i)) "
     "SELECT before + 1 FROM r"
 )
 _LOCK = "LOCK TABLE events IN EXCLUSIVE MODE"
 _VERSIONS = (
     "SELECT s.id, (SELECT max(e.stream_version) FROM events e WHERE e.stream_id = s.id) "
-    "FROM unnest(%s::text[]) AS s(id)"
+    "FROM unnest(%b::text[]) AS s(id)"
 )
-_BY_IDS = f"SELECT {', '.join(COLUMNS)} FROM events WHERE event_id = ANY(%s)"
+_BY_IDS = f"SELECT {', '.join(COLUMNS)} FROM events WHERE event_id = ANY(%b::text[])"
+
+
+class Appender:
+    """The store's own psycopg connection for an append's first attempt: opened on the first
+    append with the engine's settings, kept outside the pool (no checkout, reset and check-in
+    per commit) and in autocommit (each append is its pipeline's own BEGIN ... COMMIT), closed
+    and replaced after any error that may have left it unusable, and closed when the engine is
+    disposed. One append uses it at a time; another thread appending meanwhile takes a pooled
+    connection (`append`), so appends wait only for the table lock, as before."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._db: Any = None
+        sa.event.listen(engine, "engine_disposed", self._on_disposed)
+
+    def append(
+        self, batches: Sequence[AppendBatch], prepared: list[list[StoredRow]], *,
+        copy_min_rows: int,
+    ) -> list[AppendResult]:  # fmt: skip
+        """As the module's `append`, on this connection when it is free."""
+        if not self._lock.acquire(blocking=False):
+            return append(self._engine, batches, prepared, copy_min_rows=copy_min_rows)
+        try:
+            return self._append(batches, prepared, copy_min_rows)
+        finally:
+            self._lock.release()
+
+    def _append(
+        self, batches: Sequence[AppendBatch], prepared: list[list[StoredRow]],
+        copy_min_rows: int,
+    ) -> list[AppendResult]:  # fmt: skip
+        import psycopg
+
+        db = self._db
+        if db is None or db.closed or db.broken:
+            self.close()
+            db = self._db = self._open()
+        try:
+            return _append(db, batches, prepared, copy_min_rows)
+        except BaseException as exc:
+            # Whatever state a failure left the connection in is not reused: the next append
+            # opens a fresh one. (Kept after a UNIQUE violation, psycopg counted the statement
+            # the aborted pipeline skipped as prepared: "prepared statement does not exist".)
+            self.close()
+            if isinstance(exc, psycopg.errors.IntegrityError | sa.exc.IntegrityError):
+                raise IdsNeedChecking() from None
+            if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                raise StoreUnavailable(f"event store unavailable: {exc}") from exc
+            raise
+
+    def _open(self) -> Any:
+        import psycopg
+
+        try:
+            pooled = self._engine.raw_connection()  # the driver's errors come unwrapped
+        except (psycopg.OperationalError, sa.exc.OperationalError) as exc:
+            raise StoreUnavailable(f"event store unavailable: {exc}") from exc
+        db = pooled.driver_connection
+        pooled.detach()  # the connection is this appender's: the pool opens another in its place
+        assert isinstance(db, psycopg.Connection)
+        try:
+            if db.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                db.rollback()
+            db.autocommit = True
+        except BaseException as exc:
+            pooled.close()
+            if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                raise StoreUnavailable(f"event store unavailable: {exc}") from exc
+            raise
+        return db
+
+    def close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            with contextlib.suppress(Exception):
+                db.close()
+
+    def _on_disposed(self, _engine: sa.Engine) -> None:
+        with self._lock:
+            self.close()
 
 
 def append(

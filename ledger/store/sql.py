@@ -137,6 +137,7 @@ class SqlEventStore(EventStore):
         self._appenders = threading.local()  # SQLite: each thread's append connection
         if self._pg:
             _drop_handled_conflict_warnings()
+            self._pg_appender = postgres.Appender(engine)
 
     @property
     def engine(self) -> sa.Engine:
@@ -184,9 +185,7 @@ class SqlEventStore(EventStore):
         if self.can_try_append:
             return self._sqlite_append(batches, prepared, check_ids=check_ids, wait=wait)
         if self._pg and not (check_ids or self.before_commit):
-            return postgres.append(
-                self._engine, batches, prepared, copy_min_rows=self._copy_min_rows
-            )
+            return self._pg_appender.append(batches, prepared, copy_min_rows=self._copy_min_rows)
         try:
             with self._write_transaction() as conn:
                 # expected_version 0 needs no read: version 1 of an existing stream is already
