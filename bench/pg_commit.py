@@ -17,57 +17,33 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import uuid
-from datetime import UTC, datetime, timedelta
 
 from bench.common import fresh_schema
-from tollgate_llm.domain.envelope import Event
-from tollgate_llm.domain.requests.events import (
-    QuotaRefunded,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestEstimated,
-    RequestRouted,
-)
+from bench.store_append import request_events
+from tollgate_llm.domain.requests.events import FirstTokenStreamed
 from tollgate_llm.ledger.engine import create_engine_from_url
-from tollgate_llm.ledger.store import AppendBatch, NewEvent, SqlEventStore
-
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+from tollgate_llm.ledger.store import AppendBatch, SqlEventStore
 
 
-def _new(rid: str, events: list[Event], offset_ms: int = 0) -> list[NewEvent]:
-    at = T0 + timedelta(milliseconds=offset_ms)
-    return [
-        NewEvent(str(uuid.uuid4()), rid, "tenant-0001", at + timedelta(milliseconds=i), e)
-        for i, e in enumerate(events)
-    ]
-
-
-def admission(rid: str) -> AppendBatch:
-    return AppendBatch(rid, 0, _new(rid, [
-        RequestAdmitted(rid, "tenant-0001", "key-1", "llama", "standard", "edge-1",
-                        idempotency_key=str(uuid.uuid4()), stream=False),
-        RequestEstimated(rid, 1834, 1024, 2858, 1_234_567_890, 21_000),
-    ]))  # fmt: skip
-
-
-def end(rid: str) -> AppendBatch:
-    return AppendBatch(rid, 2, _new(rid, [
-        RequestRouted(rid, "replica-1", 412_345),
-        RequestCompleted(rid, 1822, 913, 1024, "stop", 187, 20_480),
-        QuotaRefunded(rid, 123, 1_234_567_890, 2735),
-    ], offset_ms=5))  # fmt: skip
+def request(n: int) -> tuple[AppendBatch, AppendBatch]:
+    """One JSON request's two group commits, from the store benchmark's realistic events: its
+    admission (RequestAdmitted, RequestEstimated) as a new stream, and its end at version 2
+    (routed, completed, refunded)."""
+    events = request_events(n)
+    rid = events[0].stream_id
+    ends = [e for e in events[2:] if not isinstance(e.event, FirstTokenStreamed)]
+    return AppendBatch(rid, 0, events[:2]), AppendBatch(rid, 2, ends)
 
 
 def _groups(store: SqlEventStore, case: str, n: int) -> list[list[AppendBatch]]:
-    rids = [f"req-{uuid.uuid4()}" for _ in range(n * 4)]
+    requests = [request(i) for i in range(n * 4)]
     if case == "end":
-        for rid in rids[:n]:
-            store.append_many([admission(rid)])
-        return [[end(rid)] for rid in rids[:n]]
+        for admitted, _ in requests[:n]:
+            store.append_many([admitted])
+        return [[ended] for _, ended in requests[:n]]
     if case == "admission":
-        return [[admission(rid)] for rid in rids[:n]]
-    return [[admission(rid) for rid in rids[4 * i : 4 * i + 4]] for i in range(n)]
+        return [[admitted] for admitted, _ in requests[:n]]
+    return [[admitted for admitted, _ in requests[4 * i : 4 * i + 4]] for i in range(n)]
 
 
 def main() -> None:
@@ -79,10 +55,9 @@ def main() -> None:
     with fresh_schema() as url:
         engine = create_engine_from_url(url)
         store = SqlEventStore(engine)
-        for _ in range(20):  # warm up: connections, prepared statements
-            rid = f"req-{uuid.uuid4()}"
-            store.append_many([admission(rid)])
-            store.append_many([end(rid)])
+        for i in range(20):  # warm up: connections, prepared statements
+            for batch in request(i):
+                store.append_many([batch])
         for case in ("admission", "end", "four_admissions"):
             best: tuple[float, float] | None = None
             for _ in range(args.repeats):

@@ -92,12 +92,6 @@ def _decode_row(row: Any) -> Recorded:
     return _recorded_from_row(*row)
 
 
-def _decode_rows(rows: Sequence[Any], known: Known) -> list[Recorded]:
-    if known:
-        return [tails.reuse_or_decode(r, known, _decode_row) for r in rows]
-    return [_recorded_from_row(*r) for r in rows]
-
-
 def _stored_from_row(r: Any) -> Stored:
     row = StoredRow(
         r.event_id, r.stream_id, r.tenant_id, r.occurred_at, r.type, r.version, r.payload
@@ -407,7 +401,7 @@ class SqlEventStore(EventStore):
     def _read(self, query: sa.Select[Any], known: Known = None) -> list[Recorded]:
         with self._connect() as conn:
             rows = conn.execute(query).all()  # one fetch, not a driver call per row
-        return _decode_rows(rows, known)
+        return tails.decode_rows(rows, known, _decode_row)
 
     def _connect(self) -> Any:
         return _Reading(self._engine)

@@ -108,18 +108,19 @@ def sqlite_read_all(
         rows = cursor.execute(sqlite.tail_sql(len(prefixes), len(types)), params).fetchall()
     finally:
         cursor.close()
-    if known:
-        return [reuse_or_decode(r, known, sqlite.recorded_from_row) for r in rows]
-    return [sqlite.recorded_from_row(r) for r in rows]
+    return decode_rows(rows, known, sqlite.recorded_from_row)
 
 
-def reuse_or_decode(
-    row: Sequence[Any], known: Mapping[int, Recorded], decode: Callable[..., Recorded]
-) -> Recorded:
-    """The record of a row of COLUMNS: the caller's own (`known`: what its appends returned,
-    by position) when it holds that very event, else decoded. A position is taken once and an
-    event never changes, so the two are equal; the event id is compared all the same."""
-    mine = known.get(row[0])
-    if mine is not None and mine.event_id == row[1]:
-        return mine
-    return decode(row)
+def decode_rows(
+    rows: Sequence[Any], known: Mapping[int, Recorded] | None, decode: Callable[[Any], Recorded]
+) -> list[Recorded]:
+    """The records of rows of COLUMNS, each decoded, or the caller's own where it holds that
+    very event (`known`: what its appends returned, by position). A position is taken once and
+    an event never changes, so the two are equal; the event id is compared all the same."""
+    if not known:
+        return [decode(r) for r in rows]
+    out = []
+    for row in rows:
+        mine = known.get(row[0])
+        out.append(mine if mine is not None and mine.event_id == row[1] else decode(row))
+    return out
